@@ -10,10 +10,10 @@ from jaxrl.errors import UserError
 
 def _train(args) -> None:
     from jaxrl.config import load_run_config
-    from jaxrl.run.warmup import format_summary, train
+    from jaxrl.run.job import print_summary, run
 
     cfg = load_run_config(args.config, args.overrides)
-    print(format_summary(train(cfg)))
+    print_summary(run(cfg, log=lambda m: print(m, flush=True)))
 
 
 def _eval(args) -> None:
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
     p = sub.add_parser("train", formatter_class=fmt,
-                       help="train a model (supervised warm-up on the task)")
+                       help="train a model: supervised warm-up, then RL (async or sync)")
     p.add_argument("--config", default=None, help="YAML run config (see configs/)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="override a config value, e.g. train.steps=100")

@@ -48,8 +48,10 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, key)
+        options = [a for a in args if a is not type(None)]
+        if len(options) > 1:
+            return _convert_tagged(options, value, key)
+        return _convert(options[0], value, key)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value if value is not None else {}, key + ".")
     if origin is Literal:
@@ -84,6 +86,19 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}={value!r}: expected a string")
         return value
     raise TypeError(f"config field {key} has unsupported type {tp}")
+
+
+def _convert_tagged(options: list[type], value: Any, key: str) -> Any:
+    """A union of dataclasses told apart by their `name` field (the first is the default)."""
+    names = {dataclasses.fields(c)[0].default: c for c in options}
+    value = value if value is not None else {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"'{key}' must be a mapping, got {value!r}")
+    name = value.get("name", next(iter(names)))
+    if name not in names:
+        raise ConfigError(f"{key}.name={name!r} is not allowed; choose one of: "
+                          + ", ".join(repr(n) for n in names))
+    return from_dict(names[name], value, key + ".")
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
@@ -138,13 +153,24 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 # The run: every section of a `jaxrl train` config.
 
 from jaxrl.models.config import ModelConfig  # noqa: E402
+from jaxrl.rl.config import RLConfig  # noqa: E402
 from jaxrl.rl.tasks.arithmetic import ArithmeticConfig  # noqa: E402
+from jaxrl.rl.tasks.math import MathConfig  # noqa: E402
 from jaxrl.train.config import CheckpointConfig, OptimConfig, TrainConfig  # noqa: E402
 from sharding.mesh import MeshConfig  # noqa: E402
 
 # Model fields that are runtime choices, allowed next to `hf_path` (the rest come from its
 # config.json).
 RUNTIME_MODEL_KEYS = ("dtype", "param_dtype", "attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """Where metrics go besides metrics.jsonl and TensorBoard (always written to run_dir)."""
+
+    progress: bool = True          # a live progress bar on a terminal
+    wandb: bool = False            # also log to Weights & Biases (pip install wandb; honours
+    wandb_project: str = "jaxrl"   # WANDB_MODE=offline)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +185,9 @@ class RunConfig:
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
-    task: ArithmeticConfig = ArithmeticConfig()
+    task: ArithmeticConfig | MathConfig = ArithmeticConfig()   # told apart by task.name
+    rl: RLConfig = RLConfig()
+    log: LogConfig = LogConfig()
 
     def __post_init__(self):
         if self.train.seq_len > self.model.max_seq_len:

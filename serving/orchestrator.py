@@ -173,6 +173,7 @@ class Orchestrator:
         with self._lock:
             queued = len(self._queue)
         return {"version": self.engine.version, "steps": s["steps"],
+                "busy_slot_steps": s["busy_slot_steps"],
                 "generated_tokens": s["tokens"], "requests_done": s["requests_done"],
                 "prefill_chunks": s["prefill_chunks"], "queued": queued,
                 "slots_busy_fraction": s["busy_slot_steps"] / (steps * self.engine.cfg.

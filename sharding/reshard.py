@@ -64,7 +64,8 @@ def reshard(params, target, *, chunk_bytes: int = 256 * 2**20):
     for _, x, t in checked:
         if np.dtype(t.dtype).itemsize < np.dtype(x.dtype).itemsize and isinstance(x, jax.Array):
             x = x.astype(t.dtype)  # cast where the data is: fewer bytes to move
-        y = jax.device_put(x, t.sharding).astype(t.dtype)
+        # Always a copy: the trainer donates its parameters to the next step.
+        y = jax.device_put(x, t.sharding, may_alias=False).astype(t.dtype)
         placed.append(y)
         in_flight.append(y)
         size += y.nbytes

@@ -20,7 +20,7 @@ def evaluate(model: Transformer, task: Task, tokenizer: Tokenizer, num_problems:
         for problem, ids in zip(chunk, greedy_generate(model, prompts, max_new_tokens,
                                                        tokenizer.eos_id)):
             completion = tokenizer.decode(ids)
-            scores.append(task.score(problem, completion))
+            scores.append(float(task.score(problem, completion) >= 1.0))
             if len(examples) < 5:
                 examples.append(f"{problem.prompt}{completion}")
     accuracy = sum(scores) / max(len(scores), 1)

@@ -18,6 +18,8 @@ from jaxrl.models import ModelConfig, abstract_model, from_hf, load_hf_config, m
 from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from jaxrl.models.transformer import split_params
 from jaxrl.rl.tasks.arithmetic import ArithmeticTask
+from jaxrl.rl.tasks.base import Task
+from jaxrl.rl.tasks.math import MathTask
 from jaxrl.run.evaluate import evaluate
 from jaxrl.train.checkpoint import CheckpointError, Checkpointer
 from jaxrl.train.optim import lr_schedule, make_optimizer
@@ -33,8 +35,14 @@ def model_config(cfg: RunConfig) -> ModelConfig:
                           attention=cfg.model.attention)
 
 
-def build_task(cfg: RunConfig, model_cfg: ModelConfig) -> tuple[ArithmeticTask, Tokenizer]:
-    task = ArithmeticTask(cfg.task)
+def build_task(cfg: RunConfig, model_cfg: ModelConfig) -> tuple[Task, Tokenizer]:
+    if cfg.task.name == "math":
+        if not cfg.hf_path:
+            raise ConfigError("task.name=math needs hf_path: a Hugging Face model folder with "
+                              "its tokenizer.json (the demo model only knows arithmetic)")
+        task = MathTask(cfg.task)
+    else:
+        task = ArithmeticTask(cfg.task)
     tokenizer = HFTokenizer(cfg.hf_path) if cfg.hf_path else CharTokenizer(task.alphabet)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but "
@@ -63,7 +71,8 @@ def _check_same_model(saved: dict, model_cfg: ModelConfig, path: Path) -> None:
                               f"model.{k}={theirs[k]!r} there, {ours[k]!r} in this config")
 
 
-def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
+def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
+          evaluate_at_end: bool = True) -> dict:
     """Runs (or resumes) supervised warm-up; returns a summary of the run."""
     # Everything that can be wrong with the user's input is checked before anything is written.
     ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep,
@@ -129,7 +138,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
                "checkpoint": str(ckpt.path / str(ckpt.latest_step())),
                "samples_per_s": steps_run * cfg.train.batch_size / seconds if steps_run else 0.0,
                "seconds": seconds}
-    if cfg.train.eval_problems:
+    if cfg.train.eval_problems and evaluate_at_end:
         model = merge_params(graphdef, state["params"])
         summary["eval"] = evaluate(model, task, tokenizer, cfg.train.eval_problems)
     ckpt.close()
@@ -150,14 +159,3 @@ def restore_for_eval(checkpoint_dir: str | Path, step: int | None = None):
     params = ckpt.restore({"params": target}, step, params_only=True)["params"]
     ckpt.close()
     return merge_params(graphdef, params), task, tokenizer, step
-
-
-def format_summary(summary: dict) -> str:
-    lines = [f"trained {summary['steps']} steps, final loss {summary['loss']:.4f}, "
-             f"{summary['samples_per_s']:.0f} samples/s"]
-    if "eval" in summary:
-        ev = summary["eval"]
-        lines.append(f"held-out accuracy {ev['accuracy']:.1%} on {ev['problems']} problems "
-                     f"(e.g. {', '.join(ev['examples'][:3])})")
-    lines.append(f"checkpoint: {summary['checkpoint']}")
-    return "\n".join(lines)

@@ -4,6 +4,9 @@
     <dir>/<step>/opt_state    the optax state
     <dir>/<step>/train_state  {step, rng}
     <dir>/<step>/config       the run config as JSON
+    <dir>/<step>/ref_params   RL only, with a KL penalty: the frozen reference model
+    <dir>/<step>/data         RL only: the input pipeline's state (Grain iterator state, the
+                              rollouts generated but not yet trained on, the next problem)
 
 Saves are atomic (Orbax writes to a temporary folder and renames it) and asynchronous by choice.
 A directory that holds anything but checkpoints is refused before anything is written.
@@ -63,13 +66,27 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
-    def save(self, state: dict, config: dict[str, Any], *, force: bool = False) -> bool:
+    def save(self, state: dict, config: dict[str, Any], *, data: dict | None = None,
+             force: bool = False) -> bool:
         step = int(jax.device_get(state["step"]))
-        return self._manager.save(step, force=force, args=ocp.args.Composite(
+        items = dict(
             params=ocp.args.StandardSave(state["params"]),
             opt_state=ocp.args.StandardSave(state["opt_state"]),
             train_state=ocp.args.StandardSave({"step": state["step"], "rng": state["rng"]}),
-            config=ocp.args.JsonSave(config)))
+            config=ocp.args.JsonSave(config))
+        if "ref_params" in state:
+            items["ref_params"] = ocp.args.StandardSave(state["ref_params"])
+        if data is not None:
+            items["data"] = ocp.args.JsonSave(data)
+        return self._manager.save(step, force=force, args=ocp.args.Composite(**items))
+
+    def saved_data(self, step: int | None = None) -> dict[str, Any] | None:
+        """The `data` item of a step (None if it has none, e.g. a warm-up step)."""
+        step = self.resolve_step(step)
+        if not (self.path / str(step) / "data").exists():
+            return None
+        return self._manager.restore(step, args=ocp.args.Composite(
+            data=ocp.args.JsonRestore())).data
 
     def saved_config(self, step: int | None = None) -> dict[str, Any]:
         step = self.resolve_step(step)
@@ -82,6 +99,8 @@ class Checkpointer:
         straight into its shards."""
         step = self.resolve_step(step)
         items = {"params": ocp.args.StandardRestore(abstract["params"])}
+        if "ref_params" in abstract:
+            items["ref_params"] = ocp.args.StandardRestore(abstract["ref_params"])
         if not params_only:
             items.update(
                 opt_state=ocp.args.StandardRestore(abstract["opt_state"]),
@@ -92,9 +111,10 @@ class Checkpointer:
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise CheckpointError(f"cannot restore step {step} from {str(self.path)!r}: "
                                   f"{e}") from e
+        ref = {"ref_params": out.ref_params} if "ref_params" in abstract else {}
         if params_only:
-            return {"params": out.params}
-        return {"params": out.params, "opt_state": out.opt_state, **out.train_state}
+            return {"params": out.params, **ref}
+        return {"params": out.params, "opt_state": out.opt_state, **out.train_state, **ref}
 
     def resolve_step(self, step: int | None) -> int:
         steps = self.all_steps()

@@ -21,43 +21,62 @@ from jax.sharding import Mesh
 
 from jaxrl.models import ModelConfig, Transformer, abstract_model, merge_params, param_axes
 from jaxrl.models.transformer import split_params
+from jaxrl.train.objectives import SupervisedLoss
 from sharding import mesh as shd
 
 
-def token_loss_sums(graphdef, params, batch):
-    """(sum of masked NLL, (counted tokens, correctly predicted tokens)) for one microbatch."""
-    model = merge_params(graphdef, params)
-    logits_BTV = model(batch["input_ids"], batch.get("positions"), batch.get("segment_ids"))
-    logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
-    nll_BT = -jnp.take_along_axis(logp_BTV, batch["targets"][..., None], axis=-1)[..., 0]
-    mask_BT = batch["loss_mask"].astype(jnp.float32)
-    correct_BT = (jnp.argmax(logits_BTV, axis=-1) == batch["targets"]).astype(jnp.float32)
-    return jnp.sum(nll_BT * mask_BT), (jnp.sum(mask_BT), jnp.sum(correct_BT * mask_BT))
+def _combine(name: str, a, b):
+    if name.endswith("_min"):
+        return jnp.minimum(a, b)
+    if name.endswith("_max"):
+        return jnp.maximum(a, b)
+    return a + b
 
 
-def loss_and_grads(graphdef, params, batch):
-    """Mean masked token loss over all microbatches and its gradient (accumulated in float32)."""
-    grad_fn = jax.value_and_grad(lambda p, mb: token_loss_sums(graphdef, p, mb), has_aux=True)
+def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_params=None):
+    """sum(loss_sum) / sum(weight) over the microbatches of `batch` ([M, ...] arrays), its
+    gradient (accumulated in float32) and the objective's metrics. A microbatch with nothing to
+    learn from (loss_mask all zero, e.g. padding of a packed RL step) is skipped, not computed."""
+    ref_model = None if ref_params is None else merge_params(graphdef, ref_params)
+
+    def mb_loss(p, mb):
+        loss_sum, weight, stats = objective(merge_params(graphdef, p), mb, ref_model)
+        return loss_sum, (weight, stats)
+
+    grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
+    (loss0, (weight0, stats0)), grads0 = jax.eval_shape(
+        grad_fn, params, jax.tree.map(lambda x: x[0], batch))
+    identity = {k: jnp.full(v.shape, jnp.inf if k.endswith("_min") else
+                            -jnp.inf if k.endswith("_max") else 0.0, v.dtype)
+                for k, v in stats0.items()}
+    nothing = ((jnp.zeros(loss0.shape, loss0.dtype), (jnp.zeros(weight0.shape, weight0.dtype),
+                                                     identity)),
+               jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads0))
 
     def accumulate(carry, mb):
-        grads, nll, count, correct = carry
-        (mb_nll, (mb_count, mb_correct)), mb_grads = grad_fn(params, mb)
+        grads, loss, weight, stats = carry
+        (mb_loss_sum, (mb_weight, mb_stats)), mb_grads = jax.lax.cond(
+            jnp.any(mb["loss_mask"] > 0), lambda: grad_fn(params, mb), lambda: nothing)
         grads = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grads, mb_grads)
-        return (grads, nll + mb_nll, count + mb_count, correct + mb_correct), None
+        stats = {k: _combine(k, stats[k], v) for k, v in mb_stats.items()}
+        return (grads, loss + mb_loss_sum, weight + mb_weight, stats), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (grads, nll, count, correct), _ = jax.lax.scan(
-        accumulate, (zeros, 0.0, 0.0, 0.0), batch)
-    count = jnp.maximum(count, 1.0)
-    grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
-    return nll / count, grads, {"tokens": count, "token_accuracy": correct / count}
+    (grads, loss, weight, stats), _ = jax.lax.scan(
+        accumulate, (zeros, 0.0, 0.0, identity), batch)
+    weight = jnp.maximum(weight, 1.0)
+    grads = jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), grads, params)
+    return loss / weight, grads, objective.summarize(stats)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None) -> Callable:
-    """`step(state, batch) -> (state, metrics)`, not yet jitted (see `jit_train_step`)."""
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
+                    objective=SupervisedLoss()) -> Callable:
+    """`step(state, batch) -> (state, metrics)`, not yet jitted (see `jit_train_step`). A state
+    with `ref_params` (a frozen reference model) hands them to the objective."""
 
     def step(state, batch):
-        loss, grads, aux = loss_and_grads(graphdef, state["params"], batch)
+        loss, grads, aux = loss_and_grads(graphdef, state["params"], batch, objective,
+                                          state.get("ref_params"))
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}

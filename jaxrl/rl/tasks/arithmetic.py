@@ -23,6 +23,9 @@ class ArithmeticConfig:
     max_operand: int = 99                   # operands are drawn from [0, max_operand]
     ops: tuple[str, ...] = ("+", "-")       # any of + - *
     held_out_percent: int = 5               # share of triples reserved for evaluation
+    # Reward for a wrong answer: half the share of its characters that match the answer's,
+    # aligned from the units digit (a dense signal a small model can climb); false: 0.
+    partial_credit: bool = True
 
     def __post_init__(self):
         if self.max_operand < 1:
@@ -75,4 +78,11 @@ class ArithmeticTask:
         return 2 * len(str(m)) + 2 + max(longest, len(str(-m)))
 
     def score(self, problem: Problem, completion: str) -> float:
-        return float(completion.strip() == problem.answer)
+        """1.0 for the exact answer; otherwise 0, or partial credit (see the config)."""
+        got, want = completion.strip(), problem.answer
+        if got == want:
+            return 1.0
+        if not self.cfg.partial_credit or not got:
+            return 0.0
+        matches = sum(a == b for a, b in zip(reversed(got), reversed(want)))
+        return 0.5 * matches / max(len(got), len(want))

@@ -24,4 +24,5 @@ class Task(Protocol):
         """The first `n` held-out evaluation problems, the same on every call."""
 
     def score(self, problem: Problem, completion: str) -> float:
-        """Reward in [0, 1] for `completion` (the text after the prompt, before EOS)."""
+        """Reward in [0, 1] for `completion` (the text after the prompt, before EOS); 1.0 means
+        correct, which is what accuracy counts."""

@@ -1,0 +1,92 @@
+"""Configuration of reinforcement learning: the algorithm (groups, advantages, loss, filters)
+and how rollouts are produced and consumed (mode, placement, engine, pipeline)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxrl.train.config import OptimConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """RL after the supervised warm-up (the first train.steps optimizer steps)."""
+
+    steps: int = 0                  # RL optimizer steps after the warm-up; 0: warm-up only
+    # async: PipelineRL (the engine never stops; weights change in flight after every step).
+    # sync: conventional RL (generate a batch with fixed weights, train on it, repeat).
+    mode: Literal["async", "sync"] = "async"
+    # colocated: trainer and engine share the devices; split: the last `engine_devices`
+    # devices serve, the others train.
+    placement: Literal["colocated", "split"] = "colocated"
+    engine_devices: int = 1
+    prompts_per_step: int = 8       # groups per optimizer step
+    group_size: int = 8             # samples per prompt (the advantage baseline's group)
+    max_prompt_len: int = 16        # longer prompts are skipped (counted)
+    max_new_tokens: int = 8         # completion budget per sample
+    temperature: float = 1.0        # sampling temperature (the trainer's pi uses the same)
+    slots: int = 32                 # engine slots (concurrent sequences)
+    # Policy loss: tis = truncated importance sampling REINFORCE (PipelineRL's default),
+    # ppo = PPO-clip, gspo = GSPO (sequence-level ratio).
+    loss: Literal["tis", "ppo", "gspo"] = "tis"
+    tis_cap: float = 2.0            # tis: importance weight min(pi/mu, tis_cap)
+    clip_low: float = 0.2           # ppo/gspo: ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2
+    kl_coef: float = 0.0            # k3 KL penalty to the frozen warm-up model; 0: none
+    normalize_std: bool = False     # divide advantages by the group's reward std
+    filter_zero_advantage: bool = True  # drop groups whose rewards are all equal
+    filter_overlong: bool = True    # drop samples cut off by max_new_tokens
+    max_lag: int = 4                # drop samples whose oldest token is older (optimizer steps)
+    pack_len: int = 64              # tokens per packed row
+    microbatch_rows: int = 16       # packed rows per microbatch
+    max_segments: int = 16          # most samples packed into one row
+    prefetch: int = 2               # batches the pipeline prepares ahead
+    eval_every: int = 0             # held-out evaluation every N RL steps; 0: start and end
+    optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0)
+
+    def __post_init__(self):
+        for name in ("prompts_per_step", "max_prompt_len", "max_new_tokens", "slots",
+                     "pack_len", "microbatch_rows", "max_segments", "engine_devices"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rl.{name}={getattr(self, name)} must be >= 1")
+        for name in ("steps", "max_lag", "prefetch", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"rl.{name}={getattr(self, name)} must be >= 0")
+        if self.group_size < 2:
+            raise ValueError(f"rl.group_size={self.group_size} must be >= 2 (the advantage "
+                             f"baseline is the mean of the other samples of the group)")
+        if self.group_size > self.slots:
+            raise ValueError(f"rl.group_size={self.group_size} exceeds rl.slots={self.slots}: "
+                             f"a group's samples decode side by side")
+        if self.temperature <= 0:
+            raise ValueError(f"rl.temperature={self.temperature} must be > 0 (sampling)")
+        if self.tis_cap < 1:
+            raise ValueError(f"rl.tis_cap={self.tis_cap} must be >= 1")
+        if not (0 < self.clip_low < 1 and self.clip_high > 0):
+            raise ValueError(f"rl.clip_low={self.clip_low} must be in (0, 1) and "
+                             f"rl.clip_high={self.clip_high} > 0")
+        if self.kl_coef < 0:
+            raise ValueError(f"rl.kl_coef={self.kl_coef} must be >= 0")
+        if self.sample_len > self.pack_len:
+            raise ValueError(f"rl.pack_len={self.pack_len} cannot hold one sample of "
+                             f"rl.max_prompt_len + rl.max_new_tokens = {self.sample_len} tokens")
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per optimizer step."""
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def sample_len(self) -> int:
+        """Most tokens a sample can have: its prompt (with BOS) and completion."""
+        return self.max_prompt_len + self.max_new_tokens
+
+    @property
+    def max_microbatches(self) -> int:
+        """Microbatches a step's samples can need in the worst case (every sample as long as
+        possible). Packing first-fit, a row that refuses a sample already holds
+        min(pack_len // sample_len, max_segments) samples, so this many rows always suffice."""
+        per_row = min(self.pack_len // self.sample_len, self.max_segments)
+        rows = -(-self.batch_size // per_row)
+        return -(-rows // self.microbatch_rows)

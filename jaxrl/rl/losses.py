@@ -1,0 +1,134 @@
+"""Policy-gradient losses on packed rows of sampled completions.
+
+Letters: B rows, T tokens per row, K packed sequences (segments) per row.
+
+Every token was sampled by the serving engine under weights that may lag the learner's; mu is
+the log-prob the engine reported for it and pi the learner's, so r = exp(logp - mu) = pi / mu
+corrects for that lag. Each loss returns `(loss_sum, weight, stats)` for one microbatch; the
+caller sums all three over microbatches (taking MIN_STATS with min and MAX_STATS with max) and
+optimises sum(loss_sum) / sum(weight), so the accumulated gradient equals the one-shot one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+LOSSES = ("tis", "ppo", "gspo")
+MIN_STATS = ("ratio_min",)   # combined across microbatches with min; +inf when no tokens
+MAX_STATS = ("ratio_max",)   # combined with max; -inf when no tokens
+# Every other stat is a sum: tokens, ratio_sum, ratio_sq_sum, clipped, kl_new_old_sum, kl_ref_sum.
+
+
+def policy_loss(logp_BT, behaviour_logp_BT, advantages_BT, mask_BT, segment_ids_BT, *,
+                kind: str, clip_low: float = 0.2, clip_high: float = 0.2, tis_cap: float = 2.0,
+                ref_logp_BT=None, kl_coef: float = 0.0, max_segments: int = 64):
+    """(loss_sum, weight, stats) of one microbatch; differentiable in `logp_BT` only.
+
+    kind:
+      "tis"  truncated importance-sampled REINFORCE, PipelineRL's default: per token
+             -logp * A * sg(min(r, tis_cap)); weight = counted tokens.
+      "ppo"  PPO-clip (Schulman et al. 2017) with mu as the old policy: per token
+             -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A); weight = counted tokens.
+      "gspo" GSPO (Zheng et al. 2025): the same clip on the sequence ratio
+             s = exp(mean of logp - mu over the sequence's counted tokens); weight = sequences.
+    With `ref_logp_BT` and `kl_coef > 0` (a static float), kl_coef * k3(pi || ref) is added per
+    token (for gspo, its mean per sequence). Segment ids are 1..max_segments within a row, 0 is
+    padding; a sequence whose id exceeds `max_segments` (static) is left out of the gspo loss.
+    """
+    if kind not in LOSSES:
+        raise ValueError(f"unknown policy loss kind {kind!r}; expected one of {LOSSES}")
+    f32 = jnp.float32
+    valid_BT = mask_BT > 0
+    count_BT = valid_BT.astype(f32)
+
+    # Padding may hold anything (-inf, garbage): zero it before any arithmetic, so that neither
+    # the value nor the gradient picks up a NaN from a token that does not count.
+    def counted(x_BT):
+        return jnp.where(valid_BT, x_BT.astype(f32), 0.0)
+
+    def masked_sum(x_BT):
+        return jnp.sum(jnp.where(valid_BT, x_BT, 0.0))
+
+    logp_BT = counted(logp_BT)
+    mu_BT = jax.lax.stop_gradient(counted(behaviour_logp_BT))
+    adv_BT = counted(advantages_BT)
+    log_ratio_BT = logp_BT - mu_BT
+    ratio_BT = jnp.exp(log_ratio_BT)
+    kl_ref_BT = None
+    if ref_logp_BT is not None:
+        # k3 (Schulman, "Approximating KL divergence"): unbiased for KL(pi || ref), always >= 0.
+        ref_minus_logp_BT = counted(ref_logp_BT) - logp_BT
+        kl_ref_BT = jnp.exp(ref_minus_logp_BT) - ref_minus_logp_BT - 1.0
+    kl_loss_BT = kl_coef * kl_ref_BT if kl_ref_BT is not None and kl_coef > 0 else None
+
+    if kind == "gspo":
+        loss_sum, weight, clipped_BT = _sequence_clip_sums(
+            log_ratio_BT, adv_BT, kl_loss_BT, valid_BT, segment_ids_BT,
+            clip_low, clip_high, max_segments)
+    else:
+        if kind == "tis":
+            # A surrogate: its value is not the objective, its gradient -A min(r, cap) is.
+            is_weight_BT = jax.lax.stop_gradient(jnp.minimum(ratio_BT, tis_cap))
+            loss_BT = -logp_BT * adv_BT * is_weight_BT
+            clipped_BT = ratio_BT > tis_cap
+        else:
+            loss_BT = -_clipped_objective(ratio_BT, adv_BT, clip_low, clip_high)
+            clipped_BT = _clip_active(ratio_BT, adv_BT, clip_low, clip_high)
+        if kl_loss_BT is not None:
+            loss_BT = loss_BT + kl_loss_BT
+        loss_sum = masked_sum(loss_BT)
+        weight = jnp.sum(count_BT)
+
+    r_BT = jax.lax.stop_gradient(ratio_BT)
+    stats = {
+        "tokens": jnp.sum(count_BT),
+        "ratio_sum": masked_sum(r_BT),
+        "ratio_sq_sum": masked_sum(r_BT * r_BT),
+        "ratio_min": jnp.min(jnp.where(valid_BT, r_BT, jnp.inf)),
+        "ratio_max": jnp.max(jnp.where(valid_BT, r_BT, -jnp.inf)),
+        "clipped": masked_sum(clipped_BT.astype(f32)),
+        # k3 for KL(mu || pi) from mu's own samples: r - 1 - log r.
+        "kl_new_old_sum": masked_sum(r_BT - 1.0 - jax.lax.stop_gradient(log_ratio_BT)),
+        "kl_ref_sum": (jnp.zeros((), f32) if kl_ref_BT is None
+                       else masked_sum(jax.lax.stop_gradient(kl_ref_BT))),
+    }
+    return loss_sum, weight, stats
+
+
+def effective_sample_size(ratio_sum, ratio_sq_sum, tokens):
+    """Kish's effective sample size of the importance weights as a fraction of the tokens,
+    (sum r)^2 / (N sum r^2): 1 when on-policy, near 1/N when one token dominates."""
+    return ratio_sum ** 2 / jnp.maximum(tokens * ratio_sq_sum, 1e-30)
+
+
+def _sequence_clip_sums(log_ratio_BT, adv_BT, kl_loss_BT, valid_BT, segment_ids_BT,
+                        clip_low, clip_high, max_segments):
+    """GSPO's (loss_sum, sequences, clipped_BT): the PPO clip on each sequence's length-normalised
+    ratio, so every token of a sequence shares one ratio and one clipping decision."""
+    ids_K = jnp.arange(1, max_segments + 1)
+    onehot_BTK = ((segment_ids_BT[..., None] == ids_K) & valid_BT[..., None]).astype(jnp.float32)
+    n_BK = jnp.sum(onehot_BTK, axis=1)
+    has_BK = n_BK > 0
+
+    def per_seq(x_BT):   # mean over each sequence's counted tokens
+        return jnp.einsum("bt,btk->bk", x_BT, onehot_BTK) / jnp.maximum(n_BK, 1.0)
+
+    seq_ratio_BK = jnp.exp(per_seq(log_ratio_BT))
+    seq_adv_BK = per_seq(adv_BT)   # A is constant over a sequence; the mean just reads it
+    loss_BK = -_clipped_objective(seq_ratio_BK, seq_adv_BK, clip_low, clip_high)
+    if kl_loss_BT is not None:
+        loss_BK = loss_BK + per_seq(kl_loss_BT)
+    loss_sum = jnp.sum(jnp.where(has_BK, loss_BK, 0.0))
+    clipped_BK = _clip_active(seq_ratio_BK, seq_adv_BK, clip_low, clip_high) & has_BK
+    clipped_BT = jnp.einsum("btk,bk->bt", onehot_BTK, clipped_BK.astype(jnp.float32)) > 0
+    return loss_sum, jnp.sum(has_BK.astype(jnp.float32)), clipped_BT
+
+
+def _clipped_objective(ratio, adv, clip_low, clip_high):
+    return jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv)
+
+
+def _clip_active(ratio, adv, clip_low, clip_high):
+    """Where the clipped term wins the min, so the sample's gradient is zero."""
+    return ((adv > 0) & (ratio > 1.0 + clip_high)) | ((adv < 0) & (ratio < 1.0 - clip_low))

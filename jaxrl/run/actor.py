@@ -1,0 +1,181 @@
+"""The actor: turns problems into scored groups of rollouts on the rollout log, through the
+serving orchestrator.
+
+A problem is a pure function of (seed, index), so the stream of problems is resumable by index
+alone. Each group is one request with n = group_size samples (one prefill); when it finishes it
+is scored, given leave-one-out advantages, filtered, and appended to the log as one unit.
+In async mode a thread keeps the engine's slots busy, at most two steps' samples ahead of the
+trainer; in sync mode the loop asks for one step's samples and waits.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+
+import numpy as np
+
+from jaxrl.data.rollouts import Rollout, RolloutLog
+from jaxrl.models.tokenizer import Tokenizer
+from jaxrl.rl.advantages import group_advantages, keep_group
+from jaxrl.rl.config import RLConfig
+from jaxrl.rl.tasks.base import Problem, Task
+from serving.orchestrator import Orchestrator
+from serving.sampling import SamplingParams
+
+
+class Actor:
+    def __init__(self, orchestrator: Orchestrator, task: Task, tokenizer: Tokenizer,
+                 log: RolloutLog, cfg: RLConfig, *, seed: int, next_problem: int = 0,
+                 redo: tuple[int, ...] = ()):
+        self.orchestrator = orchestrator
+        self.task = task
+        self.tokenizer = tokenizer
+        self.log = log
+        self.cfg = cfg
+        self.seed = seed
+        self.next_problem = next_problem
+        self._redo = collections.deque(redo)   # groups in flight when the run was saved
+        self._in_flight: dict[int, int] = {}     # problem index -> samples expected
+        self._lock = threading.Condition()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(cfg.prompts_per_step, cfg.slots // cfg.group_size) + 2,
+            thread_name_prefix="actor-collect")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.trained_position = 0    # set by the loop: rollouts before it were trained on
+        self.stats = collections.Counter()
+        self.error: BaseException | None = None
+
+    # -- problems and requests -----------------------------------------------------------------
+    def problem(self, index: int) -> Problem:
+        return self.task.sample(np.random.default_rng((self.seed, index, 1)))
+
+    def _submit_next(self) -> int:
+        """Submits the next group; returns the samples it will add (0 if it was skipped)."""
+        with self._lock:  # choosing and registering a group is atomic for `snapshot`
+            if self._redo:
+                index = self._redo.popleft()
+            else:
+                index, self.next_problem = self.next_problem, self.next_problem + 1
+            problem = self.problem(index)
+            bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
+            prompt = bos + self.tokenizer.encode(problem.prompt)
+            if len(prompt) > self.cfg.max_prompt_len:
+                self.stats["prompts_too_long"] += 1
+                return 0
+            self._in_flight[index] = self.cfg.group_size
+        sampling = SamplingParams(max_tokens=self.cfg.max_new_tokens,
+                                  temperature=self.cfg.temperature, n=self.cfg.group_size,
+                                  seed=(self.seed * 1_000_003 + index) % 2**32)
+        stream = self.orchestrator.submit(prompt, sampling)
+        self._pool.submit(self._collect, index, problem, prompt, stream)
+        return self.cfg.group_size
+
+    def _collect(self, index: int, problem: Problem, prompt: list[int], stream) -> None:
+        rollouts, complete = [], False
+        try:
+            samples = stream.result()
+            # A group cut short by shutdown stays in flight: a resumed run redoes it.
+            complete = all(s.finish_reason in ("eos", "stop", "length") for s in samples)
+            if complete:
+                rollouts = self._score(index, problem, prompt, samples)
+        except BaseException as e:
+            self._fail(e)
+        with self._lock:
+            if complete:
+                self.log.append(rollouts)
+                self.stats["samples"] += len(rollouts)
+                self.stats["groups"] += 1
+                del self._in_flight[index]
+            self._lock.notify_all()
+
+    def _score(self, index, problem, prompt, samples) -> list[Rollout]:
+        eos = self.tokenizer.eos_id
+        rewards = []
+        for s in samples:
+            tokens = s.tokens[:-1] if s.tokens and s.tokens[-1] == eos else s.tokens
+            rewards.append(self.task.score(problem, self.tokenizer.decode(tokens)))
+        rewards = np.asarray(rewards, np.float32)
+        self.stats["reward_sum"] += float(rewards.sum())
+        self.stats["solved"] += int((rewards >= 1).sum())
+        self.stats["scored"] += len(rewards)
+        if self.cfg.filter_zero_advantage and not keep_group(rewards):
+            self.stats["dropped_zero_advantage"] += len(samples)
+            return []
+        advantages = group_advantages(rewards[None], normalize_std=self.cfg.normalize_std)[0]
+        out = []
+        for s, r, a in zip(samples, rewards, advantages):
+            if self.cfg.filter_overlong and s.finish_reason == "length":
+                self.stats["dropped_overlong"] += 1
+                continue
+            out.append(Rollout(prompt=list(prompt), completion=list(s.tokens),
+                               logprobs=list(s.logprobs), versions=list(s.versions),
+                               reward=float(r), advantage=float(a), group=index,
+                               finish=s.finish_reason))
+        return out
+
+    # -- modes ---------------------------------------------------------------------------------
+    def start(self) -> "Actor":
+        """Async mode: keep the engine busy until `stop`."""
+        self._thread = threading.Thread(target=self._run, name="actor", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        limit = 2 * self.cfg.batch_size   # one step training, one generating
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    ahead = self.log.end + sum(self._in_flight.values()) - self.trained_position
+                    if ahead >= limit:
+                        self._lock.wait(0.05)
+                        continue
+                self._submit_next()
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _fail(self, error: BaseException) -> None:
+        """Ends the stream so the trainer, blocked on it, sees the error instead of hanging."""
+        self.error = error
+        self.log.close()
+
+    def generate(self, samples: int) -> None:
+        """Sync mode: generate until `samples` more rollouts are on the log (groups the filters
+        drop are replaced), then return."""
+        target = self.log.end + samples
+        while self.log.end < target and not self._stop.is_set():
+            with self._lock:
+                expected = sum(self._in_flight.values())
+            for _ in range(-(-(target - self.log.end - expected) // self.cfg.group_size)):
+                self._submit_next()
+            with self._lock:
+                self._lock.wait_for(lambda: not self._in_flight or self.error is not None
+                                    or self._stop.is_set())
+            if self.error is not None:
+                raise self.error
+
+    def notify_trained(self, position: int) -> None:
+        with self._lock:
+            self.trained_position = position
+            self._lock.notify_all()
+
+    def snapshot(self, position: int) -> dict:
+        """What a checkpoint needs to continue the same stream: the rollouts from `position`
+        (generated, not yet trained on), the groups still being generated (redone first on
+        resume) and the next problem index, all taken at one instant."""
+        with self._lock:
+            return {"position": position,
+                    "rollouts": [r.to_json() for r in self.log.tail(position)],
+                    "redo": sorted(self._in_flight) + list(self._redo),
+                    "next_problem": self.next_problem}
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,65 @@
+"""`jaxrl train`: the supervised warm-up (train.steps optimizer steps), then RL (rl.steps more),
+each resumed from the newest checkpoint; ends with a summary table."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import rich.console
+import rich.table
+
+from jaxrl.config import RunConfig
+from jaxrl.run import rl, warmup
+from jaxrl.train.checkpoint import CheckpointError, Checkpointer
+
+
+def run(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
+    ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep)
+    latest = ckpt.latest_step()
+    ckpt.close()
+    if latest is not None and not cfg.checkpoint.resume:
+        raise CheckpointError(
+            f"{str(ckpt.path)!r} already holds checkpoints up to step {latest}; set "
+            f"checkpoint.resume=true to continue that run, or choose a new checkpoint.dir")
+    end = cfg.train.steps + cfg.rl.steps
+    if latest is not None and latest >= end:
+        log(f"{ckpt.path} already holds the last step ({latest}); nothing to train")
+    summary = {"warmup": None, "rl": None}
+    if latest is None or latest < cfg.train.steps:
+        summary["warmup"] = warmup.train(cfg, log, evaluate_at_end=cfg.rl.steps == 0)
+    if cfg.rl.steps and (latest is None or latest < end):
+        summary["rl"] = rl.reinforce(cfg, log)
+    return summary
+
+
+def format_summary(summary: dict) -> rich.table.Table | str:
+    """The end-of-run table."""
+    w, r = summary["warmup"], summary["rl"]
+    table = rich.table.Table(title="jaxrl train", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    if w is not None:
+        table.add_row("warm-up", f"{w['steps']} steps, final loss {w['loss']:.4f}, "
+                                 f"{w['samples_per_s']:.0f} samples/s")
+        if "eval" in w:
+            table.add_row("held-out accuracy", f"{w['eval']['accuracy']:.1%}")
+    if r is not None:
+        table.add_row("RL", f"{r['mode']}, {r['rl_steps']} steps in {r['seconds']:.0f} s")
+        if r.get("eval_before") is not None:
+            gain = r["eval_after"] - r["eval_before"]
+            table.add_row("held-out accuracy", f"{r['eval_before']:.1%} before RL -> "
+                                               f"{r['eval_after']:.1%} after ({gain:+.1%})")
+            table.add_row("examples", ", ".join(r["examples"][:4]))
+        table.add_row("RL samples/s", f"{r['samples_per_s']:.0f}")
+        if r["lag_mean"] is not None:
+            table.add_row("lag (steps)", f"mean {r['lag_mean']:.2f}, max {r['lag_max']}")
+        for name, path in r["plots"].items():
+            table.add_row(f"plot: {name}", path)
+    last = r or w
+    if last is not None:
+        table.add_row("checkpoint", last["checkpoint"])
+    return table
+
+
+def print_summary(summary: dict) -> None:
+    rich.console.Console(width=120).print(format_summary(summary))

@@ -1,0 +1,110 @@
+"""Training metrics to three sinks: `metrics.jsonl` (the record tests and plots read back),
+TensorBoard event files, and optionally Weights & Biases."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from tensorboardX import SummaryWriter
+
+from jaxrl.errors import UserError
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLogger:
+    """Appends one row per step; reopening the same run_dir (a resumed run) appends to it."""
+
+    def __init__(self, run_dir, *, tensorboard: bool = True, wandb: bool = False,
+                 wandb_project: str = "jaxrl", config: dict | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / METRICS_FILE
+        if path.exists():
+            _drop_partial_last_line(path)
+        self._jsonl = path.open("a", encoding="utf-8")
+        self._tb = _open_tensorboard(self.run_dir / "tensorboard") if tensorboard else None
+        self._wandb = _start_wandb(wandb_project, self.run_dir, config) if wandb else None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        values = {name: float(value) for name, value in metrics.items()}
+        row = {"step": int(step), **{k: v if math.isfinite(v) else None for k, v in values.items()}}
+        self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for name, value in values.items():
+                self._tb.add_scalar(name, value, int(step))
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step=int(step))
+
+    def histogram(self, step: int, name: str, values: Sequence[float]) -> None:
+        values = np.asarray(values, dtype=np.float64).ravel()
+        if values.size == 0:  # a step may have no samples, and tensorboardX raises on none
+            return
+        if self._tb is not None:
+            self._tb.add_histogram(name, values, int(step))
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({name: self._wandb.Histogram(values)}, step=int(step))
+
+    def close(self) -> None:
+        if not self._jsonl.closed:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """The rows of `<run_dir>/metrics.jsonl` in order; non-finite values come back as None."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        raise UserError(f"no {METRICS_FILE} in {run_dir}: is it a training run directory?")
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = []
+    for k, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k < len(lines) - 1:  # only the last line may be cut short, by a killed run
+                raise UserError(f"{path}: line {k + 1} is not JSON") from None
+    return rows
+
+
+def _drop_partial_last_line(path: Path) -> None:
+    """A run killed mid-write can leave half a row; cut it so the resumed rows start clean."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def _open_tensorboard(logdir: Path) -> SummaryWriter:
+    # Event files are named by the second they were opened in and opened with "wb", so a run
+    # resumed within the same second would erase the last one; number them to keep each.
+    earlier = len(list(logdir.glob("events.out.tfevents.*"))) if logdir.exists() else 0
+    return SummaryWriter(str(logdir), filename_suffix=f".{earlier}")
+
+
+def _start_wandb(project: str, run_dir: Path, config: dict | None):
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("log.wandb=true needs Weights & Biases: `pip install wandb`, "
+                        "or turn it off with log.wandb=false") from None
+    wandb.init(project=project, dir=str(run_dir), config=config)
+    return wandb
