@@ -33,13 +33,25 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
         where = f"section '{prefix.rstrip('.')}'" if prefix else "the top level"
         raise ConfigError(
             f"unknown config key '{prefix}{unknown[0]}'; {where} allows: {', '.join(names)}")
-    kwargs = {k: _convert(hints[k], v, prefix + k) for k, v in data.items()}
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    kwargs = {k: _convert(hints[k], _with_default(defaults[k], v), prefix + k)
+              for k, v in data.items()}
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from e
+
+
+def _with_default(default: Any, value: Any) -> Any:
+    """A section's values over its field's default instance (not the class defaults): e.g.
+    rl.optim keeps RL's own optimizer defaults when only rl.optim.lr is set."""
+    if not (dataclasses.is_dataclass(default) and isinstance(value, Mapping)):
+        return value
+    if value.get("name", getattr(default, "name", None)) != getattr(default, "name", None):
+        return value  # another member of a tagged union
+    return merge(dataclasses.asdict(default), value)
 
 
 def _convert(tp: Any, value: Any, key: str) -> Any:

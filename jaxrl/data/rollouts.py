@@ -69,7 +69,7 @@ class RolloutLog:
             if position < self._start:
                 raise IndexError(f"rollout {position} was released (the log starts at "
                                  f"{self._start})")
-            ok = self._cond.wait_for(
+            self._cond.wait_for(
                 lambda: self._closed or position < self._start + len(self._items), timeout)
             if position < self._start + len(self._items):
                 return self._items[position - self._start]

@@ -37,13 +37,17 @@ class RLConfig:
     normalize_std: bool = False     # divide advantages by the group's reward std
     filter_zero_advantage: bool = True  # drop groups whose rewards are all equal
     filter_overlong: bool = True    # drop samples cut off by max_new_tokens
-    max_lag: int = 4                # drop samples whose oldest token is older (optimizer steps)
+    # Drop samples whose oldest token is more than this many optimizer steps older than the
+    # trainer's weights, judged when the pipeline reads the sample (up to `prefetch` batches
+    # before the step that trains on it, so the reported lag can exceed it by that much).
+    max_lag: int = 4
     pack_len: int = 64              # tokens per packed row
     microbatch_rows: int = 16       # packed rows per microbatch
     max_segments: int = 16          # most samples packed into one row
     prefetch: int = 2               # batches the pipeline prepares ahead
     eval_every: int = 0             # held-out evaluation every N RL steps; 0: start and end
-    optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0)
+    # RL's own optimizer, fresh at the start of RL: warm-up and cosine decay over rl.steps.
+    optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=50)
 
     def __post_init__(self):
         for name in ("prompts_per_step", "max_prompt_len", "max_new_tokens", "slots",

@@ -1,0 +1,307 @@
+"""The trainer's input pipeline (jaxrl/data/pipeline.py) and the rollout stream under it
+(jaxrl/data/rollouts.py). Packed arrays are checked by rebuilding every sample from them; a
+resumed pipeline is checked against the uninterrupted one."""
+
+import collections
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxrl.data.pipeline import DropCounter, LagFilter, pack, rl_batches
+from jaxrl.data.rollouts import Rollout, RolloutLog, RolloutSource, source_position
+from jaxrl.rl.config import RLConfig
+
+CFG = RLConfig(prompts_per_step=2, group_size=4, slots=4, pack_len=32, microbatch_rows=2,
+               max_prompt_len=10, max_new_tokens=6, prefetch=0)
+BOS = 1
+
+
+def make_rollout(rng, i: int, n_prompt: int, n_completion: int,
+                 versions: list[int] | None = None) -> Rollout:
+    """Sample `i`, recognisable by its first completion token (1000 + i)."""
+    completion = [1000 + i] + rng.integers(2, 500, n_completion - 1).tolist()
+    return Rollout(prompt=[BOS] + rng.integers(2, 500, n_prompt - 1).tolist(),
+                   completion=completion,
+                   logprobs=(-rng.uniform(0.01, 5.0, n_completion)).tolist(),
+                   versions=versions if versions is not None else [0] * n_completion,
+                   reward=float(rng.integers(0, 2)), advantage=float(rng.normal()),
+                   group=i // 4, finish="eos")
+
+
+def random_rollouts(n: int, cfg: RLConfig = CFG, seed: int = 0, first: int = 0) -> list[Rollout]:
+    rng = np.random.default_rng(seed)
+    return [make_rollout(rng, first + i, int(rng.integers(1, cfg.max_prompt_len + 1)),
+                         int(rng.integers(1, cfg.max_new_tokens + 1))) for i in range(n)]
+
+
+@contextlib.contextmanager
+def batches_of(log: RolloutLog, cfg: RLConfig, start: int = 0, current_step=lambda: 0):
+    """An iterator over `rl_batches`, shut down as the trainer does: log first (a prefetch
+    thread may wait on it), then the iterator."""
+    dataset, dropped = rl_batches(log, cfg, current_step=current_step, start=start)
+    it = iter(dataset)
+    try:
+        yield it, dropped
+    finally:
+        log.close()
+        it.close()
+
+
+# --- 1. packing --------------------------------------------------------------------------------
+
+def unpack(batch: dict, cfg: RLConfig) -> list[dict]:
+    """Every sample in a packed batch, rebuilt from its arrays alone; checks along the way that
+    segments are contiguous, positions restart at 0 and padding carries nothing."""
+    a = {k: np.asarray(v).reshape(-1, cfg.pack_len) for k, v in batch["arrays"].items()}
+    pad = a["segment_ids"] == 0
+    for k in ("loss_mask", "behaviour_logp", "advantages"):
+        assert not a[k][pad].any(), f"padding tokens carry {k}"
+    samples = []
+    for row in range(a["segment_ids"].shape[0]):
+        seg = a["segment_ids"][row]
+        assert len(set(seg[seg > 0].tolist())) <= cfg.max_segments
+        for s in sorted(set(seg[seg > 0].tolist())):
+            idx = np.flatnonzero(seg == s)
+            assert np.array_equal(idx, np.arange(idx[0], idx[-1] + 1)), "segment not contiguous"
+            np.testing.assert_array_equal(a["positions"][row, idx], np.arange(len(idx)))
+            inputs, targets = a["input_ids"][row, idx], a["targets"][row, idx]
+            np.testing.assert_array_equal(targets[:-1], inputs[1:])  # targets = next tokens
+            samples.append({"tokens": tuple(inputs.tolist()) + (int(targets[-1]),),
+                            **{k: a[k][row, idx] for k in
+                               ("loss_mask", "behaviour_logp", "advantages")}})
+    return samples
+
+
+def check_packed(batch: dict, rollouts: list[Rollout], cfg: RLConfig) -> None:
+    samples = unpack(batch, cfg)
+    assert collections.Counter(s["tokens"] for s in samples) == \
+        collections.Counter(tuple(r.prompt + r.completion) for r in rollouts)
+    by_tokens = {tuple(r.prompt + r.completion): r for r in rollouts}
+    for s in samples:
+        r = by_tokens[s["tokens"]]
+        # Input position j predicts token j + 1: a completion token when j + 1 >= len(prompt).
+        on = np.array([j + 1 >= len(r.prompt) for j in range(len(s["tokens"]) - 1)])
+        assert on.sum() == len(r.completion)
+        np.testing.assert_array_equal(s["loss_mask"], on.astype(np.float32))
+        np.testing.assert_array_equal(s["behaviour_logp"][on], np.float32(r.logprobs))
+        np.testing.assert_array_equal(s["behaviour_logp"][~on], 0)
+        np.testing.assert_array_equal(s["advantages"][on], np.float32(r.advantage))
+        np.testing.assert_array_equal(s["advantages"][~on], 0)
+    seg = np.asarray(batch["arrays"]["segment_ids"])
+    assert seg.shape == (cfg.max_microbatches, cfg.microbatch_rows, cfg.pack_len)
+    used = [bool(seg[m].any()) for m in range(cfg.max_microbatches)]
+    assert batch["microbatches"] == sum(used)
+    assert all(used[:batch["microbatches"]]), "the step runs the first `microbatches` only"
+
+
+@pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(CFG, max_segments=1)],
+                         ids=["segments16", "segments1"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pack_rebuilds_variable_length_samples(cfg, seed):
+    rollouts = random_rollouts(cfg.batch_size, cfg, seed)
+    check_packed(pack(rollouts, cfg), rollouts, cfg)
+
+
+@pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(CFG, max_segments=1),
+                                 dataclasses.replace(CFG, pack_len=16)],
+                         ids=["segments16", "segments1", "one_per_row"])
+def test_pack_worst_case_fits(cfg):
+    """Every sample max_prompt_len + max_new_tokens long: the reserved microbatches suffice."""
+    rng = np.random.default_rng(0)
+    rollouts = [make_rollout(rng, i, cfg.max_prompt_len, cfg.max_new_tokens)
+                for i in range(cfg.batch_size)]
+    batch = pack(rollouts, cfg)
+    check_packed(batch, rollouts, cfg)
+    assert batch["microbatches"] == cfg.max_microbatches
+
+
+def test_pack_shortest_samples():
+    rng = np.random.default_rng(0)
+    rollouts = [make_rollout(rng, i, 1, 1) for i in range(CFG.batch_size)]  # BOS + 1 token
+    batch = pack(rollouts, CFG)
+    check_packed(batch, rollouts, CFG)
+    assert batch["microbatches"] == 1
+
+
+# --- 2. lag filter -----------------------------------------------------------------------------
+
+def test_lag_filter_judges_the_oldest_token():
+    dropped = DropCounter()
+    keep = LagFilter(lambda: 5, max_lag=2, dropped=dropped).filter
+    rng = np.random.default_rng(0)
+    assert keep(make_rollout(rng, 0, 2, 1, versions=[3]))          # lag 2: kept
+    assert keep(make_rollout(rng, 1, 2, 2, versions=[5, 4]))
+    assert not keep(make_rollout(rng, 2, 2, 1, versions=[2]))      # lag 3: dropped
+    assert not keep(make_rollout(rng, 3, 2, 3, versions=[5, 2, 5]))  # one old token is enough
+    assert dropped.total == 2
+
+
+def test_pipeline_drops_stale_samples_and_keeps_order():
+    rng = np.random.default_rng(0)
+    cfg = dataclasses.replace(CFG, max_lag=2)
+    rollouts, kept = [], []
+    for i in range(8 * cfg.batch_size):
+        n = int(rng.integers(1, cfg.max_new_tokens + 1))
+        oldest = int(rng.integers(0, 6))  # the weights changed mid-sample: versions ascend
+        versions = sorted(rng.integers(oldest, min(oldest + 2, 5) + 1, n - 1).tolist())
+        versions = [oldest] + versions
+        r = make_rollout(rng, i, int(rng.integers(1, cfg.max_prompt_len + 1)), n, versions)
+        rollouts.append(r)
+        if min(versions) >= 3:
+            kept.append(r)
+    n_batches = len(kept) // cfg.batch_size
+    assert n_batches >= 2 and len(kept) < len(rollouts)
+    log = RolloutLog()
+    log.append(rollouts)
+    log.close()
+    with batches_of(log, cfg, current_step=lambda: 5) as (it, dropped):
+        batches = list(it)
+    assert [r for b in batches for r in b["rollouts"]] == kept[:n_batches * cfg.batch_size]
+    assert dropped.total == len(rollouts) - len(kept)
+
+
+# --- 3. batching -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_batches_hold_batch_size_samples_in_log_order(prefetch):
+    cfg = dataclasses.replace(CFG, prefetch=prefetch)
+    rollouts = random_rollouts(4 * cfg.batch_size + 3, cfg)
+    log = RolloutLog()
+    log.append(rollouts)
+    log.close()
+    with batches_of(log, cfg) as (it, _):
+        batches = list(it)
+    assert len(batches) == 4  # the 3 left over do not make a step
+    for k, b in enumerate(batches):
+        assert b["rollouts"] == rollouts[k * cfg.batch_size:(k + 1) * cfg.batch_size]
+        check_packed(b, b["rollouts"], cfg)
+
+
+# --- 4. resume ---------------------------------------------------------------------------------
+
+class WatchedLog(RolloutLog):
+    """A log that records the furthest position read, to see a prefetch thread run ahead."""
+
+    furthest = -1
+
+    def get(self, position, timeout=None):
+        self.furthest = max(self.furthest, position)
+        return super().get(position, timeout)
+
+
+def assert_same_batches(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g["rollouts"] == w["rollouts"]
+        assert g["microbatches"] == w["microbatches"]
+        for k in w["arrays"]:
+            np.testing.assert_array_equal(g["arrays"][k], w["arrays"][k], err_msg=k)
+
+
+def checkpoint(it, log: RolloutLog) -> dict:
+    """What rl.py saves (through JSON, as the checkpoint's data does)."""
+    state = it.get_state()
+    position = source_position(state)
+    return json.loads(json.dumps({"position": position, "iterator": state,
+                                  "rollouts": [r.to_json() for r in log.tail(position)]}))
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_resume_continues_the_same_stream(prefetch, release):
+    cfg = dataclasses.replace(CFG, prefetch=prefetch)
+    b = cfg.batch_size
+    rollouts = random_rollouts(8 * b, cfg)
+    before, after = rollouts[:5 * b + 3], rollouts[5 * b + 3:]  # what existed at the interrupt
+
+    log = RolloutLog()
+    log.append(rollouts)
+    with batches_of(log, cfg) as (it, _):
+        want = [next(it) for _ in range(8)]
+
+    log = WatchedLog()
+    log.append(before)
+    with batches_of(log, cfg) as (it, _):
+        consumed = [next(it) for _ in range(2)]
+        if release:  # rl.py: checkpoint, release the trained part, keep training
+            log.release(source_position(it.get_state()))
+            with pytest.raises(IndexError, match="released"):
+                log.get(0)
+            consumed.append(next(it))
+        if prefetch:  # let the prefetch thread fill its buffer, ahead of the trainer
+            ahead = (len(consumed) + prefetch) * b - 1
+            deadline = time.monotonic() + 10
+            while log.furthest < ahead and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert log.furthest >= ahead
+        data = checkpoint(it, log)
+    assert_same_batches(consumed, want[:len(consumed)])
+    assert data["position"] == len(consumed) * b  # consumed, not prefetched
+    assert len(data["rollouts"]) == len(before) - data["position"]
+
+    resumed = RolloutLog(data["position"], [Rollout.from_json(r) for r in data["rollouts"]])
+    resumed.append(after)  # the resumed actor goes on generating
+    with batches_of(resumed, cfg, start=data["position"]) as (it, _):
+        it.set_state(data["iterator"])
+        got = [next(it) for _ in range(8 - len(consumed))]
+    assert_same_batches(got, want[len(consumed):])
+
+
+# --- 5. the rollout log ------------------------------------------------------------------------
+
+def test_get_blocks_until_appended():
+    log = RolloutLog()
+    r = random_rollouts(1)[0]
+    out = []
+    reader = threading.Thread(target=lambda: out.append(log.get(0)))
+    reader.start()
+    reader.join(timeout=0.1)
+    assert reader.is_alive() and not out
+    log.append([r])
+    reader.join(timeout=5)
+    assert out == [r]
+    with pytest.raises(TimeoutError):
+        log.get(1, timeout=0.01)
+
+
+def test_close_ends_iteration():
+    rollouts = random_rollouts(3)
+    log = RolloutLog()
+    log.append(rollouts[:2])
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(RolloutSource(log)))
+    reader.start()
+    log.append(rollouts[2:])
+    reader.join(timeout=0.1)
+    assert reader.is_alive()  # waits for a fourth rollout
+    log.close()
+    reader.join(timeout=5)
+    assert not reader.is_alive() and got == rollouts
+
+
+def test_released_positions_raise():
+    rollouts = random_rollouts(5)
+    log = RolloutLog()
+    log.append(rollouts)
+    log.release(3)
+    assert log.end == 5 and log.tail(0) == rollouts[3:] and log.get(3) == rollouts[3]
+    with pytest.raises(IndexError, match=r"rollout 2 was released \(the log starts at 3\)"):
+        log.get(2)
+    log.release(99)  # beyond the end: forgets what exists, keeps positions
+    assert log.end == 5 and log.tail(5) == []
+    resumed = RolloutLog(10, rollouts[:2])
+    assert resumed.end == 12 and resumed.get(11) == rollouts[1]
+    with pytest.raises(IndexError, match="released"):
+        next(iter(RolloutSource(resumed, start=9)))
+
+
+def test_rollout_json_round_trip():
+    r = random_rollouts(1)[0]
+    r.versions = [3] * len(r.completion)
+    back = Rollout.from_json(json.loads(json.dumps(r.to_json())))
+    assert back == r and back is not r
