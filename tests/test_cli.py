@@ -1,5 +1,6 @@
 """The real commands, as a user runs them, on a tiny budget."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.embed_dim=32", "model.num_layers=2", "model.mlp_dim=64", "train.steps=6",
         "train.batch_size=16", "train.log_every=3", "train.eval_problems=16",
-        "checkpoint.every=3"]
+        "checkpoint.every=3", "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=4",
+        "rl.slots=8", "rl.microbatch_rows=8", "log.progress=false"]
 
 
 def _jaxrl(*args, cwd):
@@ -25,14 +27,18 @@ def test_train_then_eval(tmp_path):
                  f"run_dir={tmp_path / 'run'}", "mesh.fsdp=4", "mesh.tensor=2", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "mesh {'data': 1, 'stage': 1, 'fsdp': 4, 'tensor': 2}" in out.stdout
-    assert f"checkpoint: {tmp_path / 'run' / 'checkpoints' / '6'}" in out.stdout
-    assert "held-out accuracy" in out.stdout
-    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 6
+    assert "RL (async, colocated, loss tis): steps 6..8" in out.stdout
+    assert "held-out accuracy" in out.stdout and "before RL" in out.stdout
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["3", "6", "8"]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert {"reward", "lag_mean", "ess", "entropy", "update_pause_ms"} <= set(rows[-2])
+    assert (tmp_path / "run" / "plots" / "reward.png").stat().st_size > 0
 
     out = _jaxrl("eval", "--checkpoint", str(tmp_path / "run" / "checkpoints"),
                  "--problems", "8", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.startswith("step 6: held-out accuracy")
+    assert out.stdout.startswith("step 8: held-out accuracy")
 
 
 @pytest.mark.parametrize("args, message", [

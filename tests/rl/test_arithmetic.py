@@ -20,7 +20,13 @@ def test_answers_and_scoring():
     p = task._problem(37, "+", 45)
     assert (p.prompt, p.answer) == ("37+45=", "82")
     assert task._problem(3, "-", 45).answer == "-42"
-    assert task.score(p, "82") == 1.0 and task.score(p, "83") == 0.0 and task.score(p, "") == 0.0
+    assert task.score(p, "82") == 1.0 and task.score(p, "") == 0.0
+    # Partial credit: half the share of characters matching, aligned from the units digit.
+    assert task.score(p, "83") == 0.25          # "8" matches, "3" does not: 0.5 * 1/2
+    assert task.score(p, "182") == 0.5 * 2 / 3  # "82" matches, one extra character
+    assert task.score(p, "28") == 0.0
+    exact = ArithmeticTask(ArithmeticConfig(partial_credit=False))
+    assert exact.score(p, "83") == 0.0 and exact.score(p, "82") == 1.0
 
 
 def test_sft_batches_mask_only_the_answer_and_are_deterministic():
