@@ -24,11 +24,16 @@ from jaxrl.run import rl as rl_run
 from jaxrl.run import warmup
 
 
+def _success(rows: list[dict]) -> np.ndarray:
+    """Success rate per step; NaN where no sample finished during the step."""
+    return np.asarray([np.nan if r["success_rate"] is None else r["success_rate"] for r in rows])
+
+
 def time_to_target(rows: list[dict], target: float, window: int) -> float | None:
-    success = np.asarray([r["success_rate"] for r in rows])
+    success = _success(rows)
     times = np.asarray([r["time_s"] for r in rows])
     for i in range(window, len(rows) + 1):
-        if success[i - window: i].mean() >= target:
+        if np.nanmean(success[i - window: i]) >= target:
             return float(times[i - 1] - times[0])
     return None
 
@@ -47,7 +52,7 @@ def run_mode(base: Path, work: Path, mode: str, args) -> dict:
     return {"mode": mode, "samples_per_s": summary["samples_per_s"],
             "seconds": rows[-1]["time_s"] - rows[0]["time_s"],
             "time_to_target_s": time_to_target(rows, args.target, args.window),
-            "final_success": float(np.mean([r["success_rate"] for r in rows[-args.window:]])),
+            "final_success": float(np.nanmean(_success(rows)[-args.window:])),
             "lag_mean": summary["lag_mean"],
             "slots_busy": float(np.mean([r["slots_busy_fraction"] for r in rows]))}
 

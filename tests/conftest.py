@@ -1,8 +1,13 @@
 import os
+import tempfile
 
 # Eight CPU devices for meshes and collectives; must be set before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One XLA compilation cache for the session (subprocesses of the CLI tests included): the RL
+# runs build the same train step and engine programs again and again.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxrl-xla-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 

@@ -26,9 +26,9 @@ FEATURES = ("input_ids", "targets", "loss_mask", "behaviour_logp", "advantages")
 class DropCounter:
     """Samples dropped by a filter, read by the loop for its metrics (thread-safe)."""
 
-    def __init__(self):
+    def __init__(self, total: int = 0):
         self._lock = threading.Lock()
-        self._total = 0
+        self._total = total
 
     def add(self, n: int = 1) -> None:
         with self._lock:
@@ -99,12 +99,12 @@ def pack(rollouts: list[Rollout], cfg: RLConfig) -> dict[str, Any]:
 
 
 def rl_batches(log: RolloutLog, cfg: RLConfig, *, current_step: Callable[[], int],
-               put: Callable[[dict], dict] = lambda a: a, start: int = 0
-               ) -> tuple[grain.IterDataset, DropCounter]:
+               put: Callable[[dict], dict] = lambda a: a, start: int = 0,
+               dropped_before: int = 0) -> tuple[grain.IterDataset, DropCounter]:
     """The pipeline as a Grain IterDataset of training batches (see `pack`) whose arrays went
     through `put` (a sharded device_put onto the trainer mesh), prefetched in a thread, and
     the counter of samples the lag filter dropped."""
-    dropped = DropCounter()
+    dropped = DropCounter(dropped_before)  # a resumed run keeps counting
     ds = RolloutSource(log, start).filter(LagFilter(current_step, cfg.max_lag, dropped))
     ds = ds.batch(cfg.batch_size, drop_remainder=True, batch_fn=list)
     ds = ds.map(lambda rollouts: pack(rollouts, cfg))

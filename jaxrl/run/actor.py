@@ -13,9 +13,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
+import time
+from typing import Callable
 
 import numpy as np
 
+from jaxrl.config import ConfigError
 from jaxrl.data.rollouts import Rollout, RolloutLog
 from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.rl.advantages import group_advantages, keep_group
@@ -28,7 +31,8 @@ from serving.sampling import SamplingParams
 class Actor:
     def __init__(self, orchestrator: Orchestrator, task: Task, tokenizer: Tokenizer,
                  log: RolloutLog, cfg: RLConfig, *, seed: int, next_problem: int = 0,
-                 redo: tuple[int, ...] = ()):
+                 redo: tuple[int, ...] = (), stats: dict | None = None,
+                 warn: Callable[[str], None] = print):
         self.orchestrator = orchestrator
         self.task = task
         self.tokenizer = tokenizer
@@ -45,8 +49,11 @@ class Actor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.trained_position = 0    # set by the loop: rollouts before it were trained on
-        self.stats = collections.Counter()
+        self.stats = collections.Counter(stats or {})  # cumulative over the whole run
         self.error: BaseException | None = None
+        self._warn = warn
+        self._skipped_in_a_row = 0
+        self._last_progress = time.monotonic()    # when a rollout last reached the log
 
     # -- problems and requests -----------------------------------------------------------------
     def problem(self, index: int) -> Problem:
@@ -64,7 +71,14 @@ class Actor:
             prompt = bos + self.tokenizer.encode(problem.prompt)
             if len(prompt) > self.cfg.max_prompt_len:
                 self.stats["prompts_too_long"] += 1
+                self._skipped_in_a_row += 1
+                if self._skipped_in_a_row >= 1000:
+                    raise ConfigError(
+                        f"the last {self._skipped_in_a_row} prompts were all longer than "
+                        f"rl.max_prompt_len={self.cfg.max_prompt_len} tokens (e.g. "
+                        f"{len(prompt)}); raise rl.max_prompt_len")
                 return 0
+            self._skipped_in_a_row = 0
             self._in_flight[index] = self.cfg.group_size
         sampling = SamplingParams(max_tokens=self.cfg.max_new_tokens,
                                   temperature=self.cfg.temperature, n=self.cfg.group_size,
@@ -86,6 +100,8 @@ class Actor:
         with self._lock:
             if complete:
                 self.log.append(rollouts)
+                if rollouts:
+                    self._last_progress = time.monotonic()
                 self.stats["samples"] += len(rollouts)
                 self.stats["groups"] += 1
                 del self._in_flight[index]
@@ -132,6 +148,7 @@ class Actor:
                     if ahead >= limit:
                         self._lock.wait(0.05)
                         continue
+                self._check_progress()
                 self._submit_next()
         except BaseException as e:
             self._fail(e)
@@ -151,11 +168,24 @@ class Actor:
                 expected = sum(self._in_flight.values())
             for _ in range(-(-(target - self.log.end - expected) // self.cfg.group_size)):
                 self._submit_next()
+            self._check_progress()
             with self._lock:
                 self._lock.wait_for(lambda: not self._in_flight or self.error is not None
                                     or self._stop.is_set())
             if self.error is not None:
                 raise self.error
+
+    def _check_progress(self, patience_s: float = 60.0) -> None:
+        """Says so, with the counters, when nothing has reached the trainer for a minute: the
+        filters may be dropping everything (e.g. a model that never emits EOS)."""
+        idle = time.monotonic() - self._last_progress
+        if idle > patience_s:
+            s = self.stats
+            self._warn(f"actor: no rollout kept for {idle:.0f} s; {s['groups']} groups kept, "
+                       f"dropped: {s['dropped_zero_advantage']} zero-advantage, "
+                       f"{s['dropped_overlong']} overlong (rl.filter_overlong), "
+                       f"{s['prompts_too_long']} prompts too long")
+            self._last_progress = time.monotonic()
 
     def notify_trained(self, position: int) -> None:
         with self._lock:
@@ -170,7 +200,7 @@ class Actor:
             return {"position": position,
                     "rollouts": [r.to_json() for r in self.log.tail(position)],
                     "redo": sorted(self._in_flight) + list(self._redo),
-                    "next_problem": self.next_problem}
+                    "next_problem": self.next_problem, "stats": dict(self.stats)}
 
     def stop(self) -> None:
         self._stop.set()

@@ -22,10 +22,12 @@ def run(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
             f"{str(ckpt.path)!r} already holds checkpoints up to step {latest}; set "
             f"checkpoint.resume=true to continue that run, or choose a new checkpoint.dir")
     end = cfg.train.steps + cfg.rl.steps
+    if cfg.rl.steps:
+        rl.check_config(cfg)
     if latest is not None and latest >= end:
         log(f"{ckpt.path} already holds the last step ({latest}); nothing to train")
     summary = {"warmup": None, "rl": None}
-    if latest is None or latest < cfg.train.steps:
+    if cfg.train.steps and (latest is None or latest < cfg.train.steps):
         summary["warmup"] = warmup.train(cfg, log, evaluate_at_end=cfg.rl.steps == 0)
     if cfg.rl.steps and (latest is None or latest < end):
         summary["rl"] = rl.reinforce(cfg, log)

@@ -20,14 +20,20 @@ class MetricsLogger:
     """Appends one row per step; reopening the same run_dir (a resumed run) appends to it."""
 
     def __init__(self, run_dir, *, tensorboard: bool = True, wandb: bool = False,
-                 wandb_project: str = "jaxrl", config: dict | None = None):
+                 wandb_project: str = "jaxrl", config: dict | None = None,
+                 resume_step: int | None = None):
+        """`resume_step`: the step a resumed run restarts from; rows a crashed run logged after
+        it (and will log again) are dropped, from metrics.jsonl and from TensorBoard's view."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / METRICS_FILE
         if path.exists():
             _drop_partial_last_line(path)
+            if resume_step is not None:
+                _drop_rows_after(path, resume_step)
         self._jsonl = path.open("a", encoding="utf-8")
-        self._tb = _open_tensorboard(self.run_dir / "tensorboard") if tensorboard else None
+        self._tb = _open_tensorboard(self.run_dir / "tensorboard", resume_step) \
+            if tensorboard else None
         self._wandb = _start_wandb(wandb_project, self.run_dir, config) if wandb else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -93,11 +99,19 @@ def _drop_partial_last_line(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
-def _open_tensorboard(logdir: Path) -> SummaryWriter:
+def _drop_rows_after(path: Path, step: int) -> None:
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if not line.strip() or json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        path.write_text("".join(kept), encoding="utf-8")
+
+
+def _open_tensorboard(logdir: Path, resume_step: int | None = None) -> SummaryWriter:
     # Event files are named by the second they were opened in and opened with "wb", so a run
     # resumed within the same second would erase the last one; number them to keep each.
     earlier = len(list(logdir.glob("events.out.tfevents.*"))) if logdir.exists() else 0
-    return SummaryWriter(str(logdir), filename_suffix=f".{earlier}")
+    purge = None if resume_step is None else resume_step + 1  # TensorBoard hides later events
+    return SummaryWriter(str(logdir), filename_suffix=f".{earlier}", purge_step=purge)
 
 
 def _start_wandb(project: str, run_dir: Path, config: dict | None):

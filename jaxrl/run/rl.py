@@ -25,7 +25,7 @@ import numpy as np
 from jaxrl.config import ConfigError, RunConfig, to_dict
 from jaxrl.data.pipeline import rl_batches
 from jaxrl.data.rollouts import Rollout, RolloutLog, source_position
-from jaxrl.models import abstract_model, merge_params
+from jaxrl.models import abstract_model, from_hf, merge_params
 from jaxrl.models.transformer import split_params
 from jaxrl.run.actor import Actor
 from jaxrl.run.evaluate import evaluate
@@ -70,6 +70,14 @@ def make_objective(cfg: RunConfig) -> PolicyGradientLoss:
     return PolicyGradientLoss(kind=rl.loss, temperature=rl.temperature, tis_cap=rl.tis_cap,
                               clip_low=rl.clip_low, clip_high=rl.clip_high,
                               kl_coef=rl.kl_coef, max_segments=rl.max_segments)
+
+
+def check_config(cfg: RunConfig) -> None:
+    """Everything about the RL config that can be wrong, checked before any training (the
+    warm-up included) starts."""
+    trainer_devices, _ = placement(cfg)
+    check_rl_config(cfg, shd.make_mesh(cfg.mesh, trainer_devices))
+    engine_config(cfg, model_config(cfg))
 
 
 def check_rl_config(cfg: RunConfig, mesh) -> None:
@@ -118,7 +126,7 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save)
     latest = ckpt.latest_step()
-    if latest is None or latest < first_rl:
+    if first_rl and (latest is None or latest < first_rl):
         raise ConfigError(f"RL starts from the warm-up's checkpoint at step {first_rl}; "
                           f"{ckpt.path} holds {latest}")
     tx = make_optimizer(rl.optim, rl.steps)
@@ -129,15 +137,23 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     target = abstract_state(model_cfg, tx, shardings)
     if rl.kl_coef > 0:
         target["ref_params"] = target["params"]
-    data = ckpt.saved_data(latest)
+    data = ckpt.saved_data(latest) if latest is not None else None
     if data is not None:  # an RL checkpoint: resume everything
         state = ckpt.restore(target, latest)
         log(f"resumed RL from {ckpt.path}/{latest}")
-    else:  # the warm-up's last step: fresh RL optimizer on its weights
-        params = ckpt.restore({"params": target["params"]}, latest, params_only=True)["params"]
+    else:  # fresh RL optimizer on the warm-up's weights (or, without warm-up, the model's)
+        if latest is not None:
+            params = ckpt.restore({"params": target["params"]}, latest,
+                                  params_only=True)["params"]
+        elif cfg.hf_path:
+            params = split_params(from_hf(cfg.hf_path, model_cfg.dtype,
+                                          param_dtype=model_cfg.param_dtype))[1]
+            log(f"RL starts from {cfg.hf_path} (no warm-up)")
+        else:
+            params = None  # random initialisation
         state = init_state(model_cfg, tx, {k: v for k, v in shardings.items()
                                            if k != "ref_params"}, cfg.train.seed, params)
-        state["step"] = jax.device_put(jnp.asarray(latest, jnp.int32), shardings["step"])
+        state["step"] = jax.device_put(jnp.asarray(first_rl, jnp.int32), shardings["step"])
         if rl.kl_coef > 0:
             state["ref_params"] = jax.tree.map(jnp.copy, state["params"])
     graphdef, _ = split_params(abstract_model(model_cfg))
@@ -157,13 +173,15 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     rollout_log = RolloutLog(data["position"],
                              [Rollout.from_json(r) for r in data["rollouts"]])
     actor = Actor(orchestrator, task, tokenizer, rollout_log, rl, seed=cfg.train.seed,
-                  next_problem=data["next_problem"], redo=tuple(data["redo"]))
+                  next_problem=data["next_problem"], redo=tuple(data["redo"]),
+                  stats=data.get("stats"), warn=log)
     actor.notify_trained(data["position"])
     batch_sharding = shd.batch_sharding(mesh, 3, leading=1)
     trainer_step = [step]
     dataset, dropped_lag = rl_batches(
         rollout_log, rl, current_step=lambda: trainer_step[0],
-        put=lambda a: jax.device_put(a, batch_sharding), start=data["position"])
+        put=lambda a: jax.device_put(a, batch_sharding), start=data["position"],
+        dropped_before=data.get("dropped_lag", 0))
     batches = iter(dataset)
     if data["iterator"] is not None:
         batches.set_state(data["iterator"])
@@ -172,7 +190,8 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     config_dict = to_dict(cfg)
     clock = _Clock(data["time_s"])
     metrics_log = MetricsLogger(run_dir, wandb=cfg.log.wandb,
-                                wandb_project=cfg.log.wandb_project, config=config_dict)
+                                wandb_project=cfg.log.wandb_project, config=config_dict,
+                                resume_step=step)
 
     def held_out(params) -> dict:
         t0 = time.perf_counter()
@@ -217,11 +236,12 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
             engine_now = orchestrator.metrics()
             stats, lags = batch_stats(batch["rollouts"], step - 1)
             # Reward and success of everything generated since the last step, before filters.
+            # NaN (logged as null) when nothing finished since the last step.
             scored = actor.stats["scored"] - actor_before["scored"]
-            stats["reward"] = (actor.stats["reward_sum"] - actor_before["reward_sum"]) / \
-                max(scored, 1)
-            stats["success_rate"] = (actor.stats["solved"] - actor_before["solved"]) / \
-                max(scored, 1)
+            stats["reward"] = (actor.stats["reward_sum"] - actor_before["reward_sum"]) / scored \
+                if scored else math.nan
+            stats["success_rate"] = (actor.stats["solved"] - actor_before["solved"]) / scored \
+                if scored else math.nan
             actor_before = actor.stats.copy()
             all_lags.extend(lags.tolist())
             slot_steps = engine_now["steps"] - engine_before["steps"]
@@ -249,7 +269,8 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
             progress.update(step, row)
             if step % cfg.checkpoint.every == 0 or step == end:
                 data = {**actor.snapshot(position), "iterator": batches.get_state(),
-                        "time_s": now, "eval_before": eval_before}
+                        "dropped_lag": dropped_lag.total, "time_s": now,
+                        "eval_before": eval_before}
                 ckpt.save(state, config_dict, data=data)
                 rollout_log.release(position)
     finally:

@@ -35,7 +35,7 @@ class OptimConfig:
 class TrainConfig:
     """The training loop."""
 
-    steps: int = 600              # optimizer steps
+    steps: int = 600              # optimizer steps of supervised warm-up; 0: none (RL only)
     batch_size: int = 64          # global sequences per optimizer step
     microbatches: int = 1         # gradient accumulation: the batch is split into this many
     seq_len: int = 16             # tokens per sequence
@@ -44,7 +44,9 @@ class TrainConfig:
     eval_problems: int = 200      # held-out problems scored at the end
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "microbatches", "seq_len", "log_every"):
+        if self.steps < 0:
+            raise ValueError(f"train.steps={self.steps} must be >= 0")
+        for name in ("batch_size", "microbatches", "seq_len", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
         if self.batch_size % self.microbatches:

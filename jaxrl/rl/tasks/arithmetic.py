@@ -12,6 +12,7 @@ from typing import Literal
 
 import numpy as np
 
+from jaxrl.errors import UserError
 from jaxrl.rl.tasks.base import Problem
 
 
@@ -61,6 +62,12 @@ class ArithmeticTask:
                 return self._problem(a, op, b)
 
     def held_out(self, n: int) -> list[Problem]:
+        m = self.cfg.max_operand
+        total = sum(self._is_held_out(a, op, b)
+                    for a in range(m + 1) for op in self.cfg.ops for b in range(m + 1))
+        if n > total:
+            raise UserError(f"train.eval_problems={n} exceeds the {total} held-out problems of "
+                            f"task.max_operand={m}, task.ops={list(self.cfg.ops)}")
         rng = np.random.default_rng(12345)
         out, seen = [], set()
         while len(out) < n:
