@@ -65,7 +65,8 @@ def main(argv=None) -> None:
     p.add_argument("--target", type=float, default=0.35, help="success rate to reach")
     p.add_argument("--window", type=int, default=20, help="steps averaged for the target")
     p.add_argument("--warmup-dir", default=None,
-                   help="checkpoint dir holding the warm-up's last step (default: train one)")
+                   help="checkpoint dir holding the warm-up's last step, train.steps "
+                        "(default: train the warm-up first)")
     p.add_argument("overrides", nargs="*", help="config overrides for both modes")
     args = p.parse_args(argv)
 
@@ -75,8 +76,10 @@ def main(argv=None) -> None:
     if args.warmup_dir is None:
         warmup.train(cfg, log=lambda m: None, evaluate_at_end=False)
         args.warmup_dir = cfg.checkpoint_dir
-    base = work / "base"
-    step = max(int(p.name) for p in Path(args.warmup_dir).iterdir() if p.name.isdigit())
+    base, step = work / "base", cfg.train.steps
+    if not (Path(args.warmup_dir) / str(step)).is_dir():
+        raise SystemExit(f"--warmup-dir {args.warmup_dir} has no checkpoint of step {step} "
+                         f"(train.steps), the warm-up's last")
     shutil.copytree(Path(args.warmup_dir) / str(step), base / str(step))
 
     results = {mode: run_mode(base, work, mode, args) for mode in ("sync", "async")}
