@@ -47,6 +47,25 @@ def _serve(args) -> None:
           log=lambda m: print(m, flush=True))
 
 
+def _compile(args) -> None:
+    import json
+
+    from jaxrl.config import load_run_config
+    from jaxrl.run.compile import compile_train_step
+
+    cfg = load_run_config(args.config, args.overrides)
+    try:
+        memory = compile_train_step(cfg, args.topology)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    print(f"train step compiled for {args.topology} (remat={cfg.train.remat}), per device:")
+    for key in ("argument_bytes", "device_temp_bytes", "host_temp_bytes", "output_bytes"):
+        print(f"  {key:<18} {memory[key] / 2**20:10.1f} MiB")
+    print(f"  fits in HBM: {memory['fits']}")
+    print(json.dumps({k: memory[k] for k in ("device_temp_bytes", "host_temp_bytes",
+                                            "argument_bytes", "fits")}))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file holding the shared secret for weight updates (or set "
                         "JAXRL_UPDATE_TOKEN); without one, updates are refused")
     p.set_defaults(run=_serve)
+
+    p = sub.add_parser("compile", formatter_class=fmt,
+                       help="compile the train step ahead of time for a TPU slice (needs "
+                            "libtpu, not a TPU) and print its per-device memory")
+    p.add_argument("--topology", default="v5e:2x4", help="TPU slice, e.g. v5e:2x4")
+    p.add_argument("--config", default=None, help="YAML run config (see configs/)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="override a config value, e.g. train.remat=offload")
+    p.set_defaults(run=_compile)
     return parser
 
 

@@ -9,6 +9,7 @@ only `sharding/` maps them to a mesh.
 from __future__ import annotations
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
@@ -72,7 +73,7 @@ def _attention_inputs(cfg: ModelConfig, w: dict, x_BTD, cos_BTH, sin_BTH):
 
 def _attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH):
     x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", a_BTNH, w["o_proj"])
-    h_BTD = ops.rms_norm(x_BTD, w["mlp_norm"], cfg.norm_eps)
+    h_BTD = checkpoint_name(ops.rms_norm(x_BTD, w["mlp_norm"], cfg.norm_eps), "mlp_in")
     return x_BTD + ops.swiglu(h_BTD, w["gate_proj"], w["up_proj"], w["down_proj"])
 
 
@@ -81,7 +82,12 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
     """One pre-norm decoder layer; `p` holds that layer's parameters (no `layers` axis)."""
     w = {k: v.astype(cfg.compute_dtype) for k, v in p.items()}
     q_BTNH, k_BTGH, v_BTGH = _attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
+    # Names a remat policy can save, offload or recompute (sharding/offload.py).
+    q_BTNH = checkpoint_name(q_BTNH, "query_proj")
+    k_BTGH = checkpoint_name(k_BTGH, "key_proj")
+    v_BTGH = checkpoint_name(v_BTGH, "value_proj")
     a_BTNH = ops.attention(q_BTNH, k_BTGH, v_BTGH, mask_BTS, cfg.attention, segment_ids_BT)
+    a_BTNH = checkpoint_name(a_BTNH, "attention_out")
     return _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH)
 
 

@@ -104,7 +104,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
                                           param_dtype=model_cfg.param_dtype))[1]
         state = init_state(model_cfg, tx, shardings, cfg.train.seed, params)
     graphdef, _ = split_params(abstract_model(model_cfg))
-    step_fn = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(cfg.optim, cfg.train.steps))
+    step_fn = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(cfg.optim, cfg.train.steps),
+                             remat=cfg.train.remat)
     batch_shard = batch_sharding(mesh, 3, leading=1)
 
     run_dir = Path(cfg.run_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,9 @@ class TrainConfig:
     seed: int = 0                 # parameter init, data order and sampling
     log_every: int = 50           # steps between log lines (metrics.jsonl gets every step)
     eval_problems: int = 200      # held-out problems scored at the end
+    # Activation memory of the train step (sharding/offload.py): none | full | minimal |
+    # offload (q/k/v, attention output and MLP input to pinned host memory).
+    remat: Literal["none", "full", "minimal", "offload"] = "none"
 
     def __post_init__(self):
         if self.steps < 0:

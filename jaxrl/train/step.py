@@ -20,9 +20,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.models import ModelConfig, Transformer, abstract_model, merge_params, param_axes
-from jaxrl.models.transformer import split_params
+from jaxrl.models.transformer import decoder_layer, split_params
 from jaxrl.train.objectives import SupervisedLoss
 from sharding import mesh as shd
+from sharding.offload import remat_layer
 
 
 def _combine(name: str, a, b):
@@ -33,14 +34,16 @@ def _combine(name: str, a, b):
     return a + b
 
 
-def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_params=None):
+def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_params=None,
+                   remat: str = "none"):
     """sum(loss_sum) / sum(weight) over the microbatches of `batch` ([M, ...] arrays), its
     gradient (accumulated in float32) and the objective's metrics. A microbatch with nothing to
     learn from (loss_mask all zero, e.g. padding of a packed RL step) is skipped, not computed."""
     ref_model = None if ref_params is None else merge_params(graphdef, ref_params)
+    layer_fn = remat_layer(decoder_layer, remat)
 
     def mb_loss(p, mb):
-        loss_sum, weight, stats = objective(merge_params(graphdef, p), mb, ref_model)
+        loss_sum, weight, stats = objective(merge_params(graphdef, p), mb, ref_model, layer_fn)
         return loss_sum, (weight, stats)
 
     grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
@@ -70,13 +73,13 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
-                    objective=SupervisedLoss()) -> Callable:
+                    objective=SupervisedLoss(), remat: str = "none") -> Callable:
     """`step(state, batch) -> (state, metrics)`, not yet jitted (see `jit_train_step`). A state
     with `ref_params` (a frozen reference model) hands them to the objective."""
 
     def step(state, batch):
         loss, grads, aux = loss_and_grads(graphdef, state["params"], batch, objective,
-                                          state.get("ref_params"))
+                                          state.get("ref_params"), remat)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
@@ -127,10 +130,11 @@ def init_state(model_cfg: ModelConfig, tx, shardings, seed: int, params=None):
     return jax.jit(init, out_shardings=shardings)(params)
 
 
-def jit_train_step(graphdef, tx, shardings, mesh: Mesh, schedule=None, rules=shd.RULES):
+def jit_train_step(graphdef, tx, shardings, mesh: Mesh, schedule=None, rules=shd.RULES,
+                   remat: str = "none"):
     """The train step compiled for the mesh; the state is donated and updated in place."""
     batch = shd.batch_sharding(mesh, 3, rules, leading=1)
-    return jax.jit(make_train_step(graphdef, tx, schedule),
+    return jax.jit(make_train_step(graphdef, tx, schedule, remat=remat),
                    in_shardings=(shardings, batch),
                    out_shardings=(shardings, shd.replicated(mesh)),
                    donate_argnums=0)
