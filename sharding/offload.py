@@ -39,6 +39,7 @@ def remat_policy(name: str):
 def remat_layer(layer_fn: Callable, name: str) -> Callable | None:
     """`layer_fn(cfg, params, x, ...)` wrapped in the policy; None (the model's default layer)
     for `none`."""
-    if remat_policy(name) is None:
+    policy = remat_policy(name)
+    if policy is None:
         return None
-    return jax.checkpoint(layer_fn, policy=remat_policy(name), static_argnums=(0,))
+    return jax.checkpoint(layer_fn, policy=policy, static_argnums=(0,))

@@ -83,8 +83,9 @@ def pack(rollouts: list[Rollout], cfg: RLConfig) -> dict[str, Any]:
     if len(rows) > rows_total:  # cannot happen: see RLConfig.max_microbatches
         raise AssertionError(f"{len(rollouts)} samples packed into {len(rows)} rows, more "
                              f"than the {rows_total} reserved")
-    arrays = {k: np.zeros((rows_total, cfg.pack_len), np.float32 if k not in (
-        "input_ids", "targets") else np.int32) for k in FEATURES}
+    int_features = ("input_ids", "targets")
+    arrays = {k: np.zeros((rows_total, cfg.pack_len),
+                          np.int32 if k in int_features else np.float32) for k in FEATURES}
     arrays["segment_ids"] = np.zeros((rows_total, cfg.pack_len), np.int32)
     arrays["positions"] = np.zeros((rows_total, cfg.pack_len), np.int32)
     for i, row in enumerate(rows):

@@ -15,7 +15,6 @@ import threading
 from typing import Any, Iterable
 
 import grain
-import numpy as np
 
 
 @dataclasses.dataclass
@@ -137,7 +136,3 @@ def source_position(state: dict[str, Any]) -> int:
         state = state["parent"] if "parent" in state else next(
             v for v in state.values() if isinstance(v, dict))
     return int(state["position"])
-
-
-def tokens_of(rollout: Rollout) -> np.ndarray:
-    return np.asarray(rollout.prompt + rollout.completion, np.int32)
