@@ -13,9 +13,12 @@ which tagged values are saved, offloaded or recomputed. Only sharding/ decides t
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
+
+from jaxrl.models.transformer import decoder_layer, run_layers
 
 REMAT_POLICIES = ("none", "full", "minimal", "offload")
 # Names the model gives its activations (jaxrl/models/transformer.py decoder_layer).
@@ -36,10 +39,14 @@ def remat_policy(name: str):
                 offload_src="device", offload_dst="pinned_host")}[name]
 
 
-def remat_layer(layer_fn: Callable, name: str) -> Callable | None:
-    """`layer_fn(cfg, params, x, ...)` wrapped in the policy; None (the model's default layer)
-    for `none`."""
+def remat_layer(layer_fn: Callable, name: str) -> Callable:
+    """`layer_fn(cfg, params, x, ...)` wrapped in the policy (unchanged for `none`)."""
     policy = remat_policy(name)
     if policy is None:
-        return None
+        return layer_fn
     return jax.checkpoint(layer_fn, policy=policy, static_argnums=(0,))
+
+
+def layer_stack(name: str) -> Callable:
+    """A model `stack_fn` (`run_layers` signature) whose every layer runs under policy `name`."""
+    return functools.partial(run_layers, layer_fn=remat_layer(decoder_layer, name))

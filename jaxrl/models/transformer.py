@@ -91,6 +91,21 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
     return _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH)
 
 
+def run_layers(cfg: ModelConfig, stacked: dict, x_BTD, positions_BT, segment_ids_BT=None,
+               layer_fn=None):
+    """Runs the layers stacked in `stacked` (each parameter with a leading `layers` axis, any
+    number of layers) over x [B, T, D] as one `lax.scan`. `layer_fn` (default `decoder_layer`)
+    lets sharding/ wrap each layer in a remat or offload policy."""
+    cos_BTH, sin_BTH = ops.rope_tables(cfg, positions_BT)
+    mask_BTS = ops.causal_mask(segment_ids_BT, x_BTD.shape[1])
+    layer_fn = layer_fn or decoder_layer
+
+    def body(x, p):
+        return layer_fn(cfg, p, x, cos_BTH, sin_BTH, mask_BTS, segment_ids_BT), None
+
+    return jax.lax.scan(body, x_BTD, stacked)[0]
+
+
 class Transformer(nnx.Module):
     """`model(input_ids_BT)` -> float32 logits [B, T, V]."""
 
@@ -103,23 +118,24 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), dt)
 
-    def hidden(self, input_ids_BT, positions_BT=None, segment_ids_BT=None, layer_fn=None):
+    def hidden(self, input_ids_BT, positions_BT=None, segment_ids_BT=None, stack_fn=None):
         """Final normalised hidden states [B, T, D]. `segment_ids_BT` confines attention to
-        packed segments; `layer_fn` (default `decoder_layer`) lets sharding/ wrap each layer
-        in a remat or offload policy."""
+        packed segments; `stack_fn` (default `run_layers`) runs the layer stack and lets
+        sharding/ wrap it in a remat policy or a pipeline schedule."""
         cfg = self.cfg
         b, t = input_ids_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        cos_BTH, sin_BTH = ops.rope_tables(cfg, positions_BT)
-        mask_BTS = ops.causal_mask(segment_ids_BT, t)
-        x_BTD = jnp.take(self.embed[...], input_ids_BT, axis=0).astype(cfg.compute_dtype)
-        layer_fn = layer_fn or decoder_layer
+        x_BTD = self.embed_tokens(input_ids_BT)
+        x_BTD = (stack_fn or run_layers)(cfg, self.layers.stacked(), x_BTD, positions_BT,
+                                         segment_ids_BT)
+        return self.final_hidden(x_BTD)
 
-        def body(x, p):
-            return layer_fn(cfg, p, x, cos_BTH, sin_BTH, mask_BTS, segment_ids_BT), None
+    def embed_tokens(self, input_ids_BT):
+        return jnp.take(self.embed[...], input_ids_BT, axis=0).astype(self.cfg.compute_dtype)
 
-        x_BTD, _ = jax.lax.scan(body, x_BTD, self.layers.stacked())
+    def final_hidden(self, x_BTD):
+        cfg = self.cfg
         return ops.rms_norm(x_BTD, self.final_norm[...].astype(cfg.compute_dtype), cfg.norm_eps)
 
     def extend(self, input_ids_BT, start_B, cache_k_LBMGH, cache_v_LBMGH):
@@ -135,7 +151,7 @@ class Transformer(nnx.Module):
         rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
         cos_BTH, sin_BTH = ops.rope_tables(cfg, positions_BT)
         mask_BTM = jnp.arange(m)[None, None, :] <= positions_BT[:, :, None]
-        x_BTD = jnp.take(self.embed[...], input_ids_BT, axis=0).astype(cfg.compute_dtype)
+        x_BTD = self.embed_tokens(input_ids_BT)
 
         def body(carry, xs):
             x_BTD, k_LBMGH, v_LBMGH = carry
@@ -157,8 +173,7 @@ class Transformer(nnx.Module):
         layers = jnp.arange(cfg.num_layers)
         (x_BTD, cache_k_LBMGH, cache_v_LBMGH), _ = jax.lax.scan(
             body, (x_BTD, cache_k_LBMGH, cache_v_LBMGH), (self.layers.stacked(), layers))
-        x_BTD = ops.rms_norm(x_BTD, self.final_norm[...].astype(cfg.compute_dtype), cfg.norm_eps)
-        return x_BTD, cache_k_LBMGH, cache_v_LBMGH
+        return self.final_hidden(x_BTD), cache_k_LBMGH, cache_v_LBMGH
 
     def logits(self, x_BTD):
         head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 from jaxrl.rl.losses import effective_sample_size, policy_loss
 
 
-def token_logp(model, mb, temperature: float = 1.0, layer_fn=None):
+def token_logp(model, mb, temperature: float = 1.0, stack_fn=None):
     """(log-prob of each target token [B, T], entropy of each next-token distribution [B, T],
     logits) under softmax(logits / temperature), the distribution the engine samples from.
-    `layer_fn`: the model's layer wrapped in a remat policy (sharding/offload.py)."""
+    `stack_fn`: how the layer stack runs (a remat policy or a pipeline schedule, sharding/)."""
     logits_BTV = model.logits(model.hidden(mb["input_ids"], mb.get("positions"),
-                                           mb.get("segment_ids"), layer_fn))
+                                           mb.get("segment_ids"), stack_fn))
     logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32) / temperature, axis=-1)
     logp_BT = jnp.take_along_axis(logp_BTV, mb["targets"][..., None], axis=-1)[..., 0]
     entropy_BT = -jnp.sum(jnp.exp(logp_BTV) * logp_BTV, axis=-1)
@@ -31,8 +31,8 @@ def token_logp(model, mb, temperature: float = 1.0, layer_fn=None):
 class SupervisedLoss:
     """Mean negative log-likelihood of the masked target tokens."""
 
-    def __call__(self, model, mb, ref_model=None, layer_fn=None):
-        logp_BT, _, logits_BTV = token_logp(model, mb, layer_fn=layer_fn)
+    def __call__(self, model, mb, ref_model=None, stack_fn=None):
+        logp_BT, _, logits_BTV = token_logp(model, mb, stack_fn=stack_fn)
         mask_BT = mb["loss_mask"].astype(jnp.float32)
         correct_BT = (jnp.argmax(logits_BTV, axis=-1) == mb["targets"]).astype(jnp.float32)
         tokens = jnp.sum(mask_BT)
@@ -56,8 +56,8 @@ class PolicyGradientLoss:
     kl_coef: float = 0.0
     max_segments: int = 16
 
-    def __call__(self, model, mb, ref_model=None, layer_fn=None):
-        logp_BT, entropy_BT, _ = token_logp(model, mb, self.temperature, layer_fn)
+    def __call__(self, model, mb, ref_model=None, stack_fn=None):
+        logp_BT, entropy_BT, _ = token_logp(model, mb, self.temperature, stack_fn)
         ref_logp_BT = None
         if ref_model is not None:
             ref_logp_BT = jax.lax.stop_gradient(token_logp(ref_model, mb, self.temperature)[0])

@@ -20,10 +20,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.models import ModelConfig, Transformer, abstract_model, merge_params, param_axes
-from jaxrl.models.transformer import decoder_layer, split_params
+from jaxrl.models.transformer import split_params
 from jaxrl.train.objectives import SupervisedLoss
 from sharding import mesh as shd
-from sharding.offload import remat_layer
+from sharding import pipeline as pp
+from sharding.offload import layer_stack
 
 
 def _combine(name: str, a, b):
@@ -35,15 +36,45 @@ def _combine(name: str, a, b):
 
 
 def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_params=None,
-                   remat: str = "none"):
+                   remat: str = "none", pipeline: pp.PipelineConfig | None = None,
+                   mesh: Mesh | None = None):
     """sum(loss_sum) / sum(weight) over the microbatches of `batch` ([M, ...] arrays), its
-    gradient (accumulated in float32) and the objective's metrics. A microbatch with nothing to
-    learn from (loss_mask all zero, e.g. padding of a packed RL step) is skipped, not computed."""
+    gradient (accumulated in float32) and the objective's metrics.
+
+    Without a pipeline the microbatches are a gradient-accumulation scan, and a microbatch with
+    nothing to learn from (loss_mask all zero, e.g. padding of a packed RL step) is skipped.
+    With one (`pipeline.stages > 1`) the whole batch goes through the pipeline schedule, split
+    into `pipeline.microbatches`."""
     ref_model = None if ref_params is None else merge_params(graphdef, ref_params)
-    layer_fn = remat_layer(decoder_layer, remat)
+    stack = layer_stack(remat)
+    if pipeline is not None and pipeline.enabled:
+        flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
+        if pipeline.schedule == "1f1b":
+            loss, weight, stats, grads = _one_f_one_b_grads(
+                graphdef, params, flat, objective, ref_model, stack, pipeline, mesh)
+        else:
+            stack = pp.pipelined_stack(pipeline, stack, mesh)
+
+            def batch_loss(p):
+                loss_sum, weight, stats = objective(merge_params(graphdef, p), flat, ref_model,
+                                                    stack)
+                return loss_sum, (weight, stats)
+
+            (loss, (weight, stats)), grads = jax.value_and_grad(batch_loss, has_aux=True)(params)
+    else:
+        loss, weight, stats, grads = _accumulated_grads(graphdef, params, batch, objective,
+                                                        ref_model, stack)
+    weight = jnp.maximum(weight, 1.0)
+    grads = jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), grads, params)
+    return loss / weight, grads, objective.summarize(stats)
+
+
+def _accumulated_grads(graphdef, params, batch, objective, ref_model, stack):
+    """(sum of loss_sum, sum of weight, combined stats, float32 gradient of the loss sum),
+    accumulated over the microbatches of `batch` by a scan."""
 
     def mb_loss(p, mb):
-        loss_sum, weight, stats = objective(merge_params(graphdef, p), mb, ref_model, layer_fn)
+        loss_sum, weight, stats = objective(merge_params(graphdef, p), mb, ref_model, stack)
         return loss_sum, (weight, stats)
 
     grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
@@ -67,19 +98,58 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     (grads, loss, weight, stats), _ = jax.lax.scan(
         accumulate, (zeros, 0.0, 0.0, identity), batch)
-    weight = jnp.maximum(weight, 1.0)
-    grads = jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), grads, params)
-    return loss / weight, grads, objective.summarize(stats)
+    return loss, weight, stats, grads
+
+
+def _one_f_one_b_grads(graphdef, params, batch, objective, ref_model, stack, pipeline, mesh):
+    """The same four values as `_accumulated_grads`, by the 1F1B pipeline schedule: the
+    embedding runs before the pipeline, the head (final norm, logits, objective) on the last
+    stage, and the embedding's gradient is pulled back from stage 0's input gradient."""
+    model_cfg = merge_params(graphdef, params).cfg
+    m = pipeline.microbatches
+    ids = batch["input_ids"]
+    positions = batch.get("positions")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+    segment_ids = batch.get("segment_ids")
+    outer = {k: v for k, v in params.items() if k != "layers"}
+    layers = jax.lax.stop_gradient(params["layers"])
+
+    def embed(o):
+        return merge_params(graphdef, {**o, "layers": layers}).embed_tokens(ids)
+
+    def block(w, x_bTD, aux):
+        return stack(model_cfg, w, x_bTD, *aux)
+
+    def head(o, h_bTD, mb):
+        # The objective as usual, with the layer stack replaced by the pipeline's output.
+        loss_sum, weight, stats = objective(merge_params(graphdef, {**o, "layers": layers}), mb,
+                                            ref_model, lambda *_: h_bTD)
+        return loss_sum, (weight, stats)
+
+    x_BTD, embed_pullback = jax.vjp(embed, outer)
+    micro = lambda a: None if a is None else pp.to_microbatches(a, m)  # noqa: E731
+    loss_M, (weight_M, stats_M), g_w, g_outer, dx = pp.one_f_one_b(
+        pipeline, block, head, pp.to_stages(params["layers"], pipeline.stages, 1), outer,
+        micro(x_BTD), (micro(positions), micro(segment_ids)), jax.tree.map(micro, batch), mesh)
+    (g_embed,) = embed_pullback(pp.from_microbatches(dx).astype(x_BTD.dtype))
+    grads = {**jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_outer, g_embed),
+             "layers": pp.from_stages(g_w)}
+    stats = {k: (jnp.min if k.endswith("_min") else jnp.max if k.endswith("_max") else jnp.sum)(
+        v, axis=0) for k, v in stats_M.items()}
+    return jnp.sum(loss_M), jnp.sum(weight_M), stats, grads
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
-                    objective=SupervisedLoss(), remat: str = "none") -> Callable:
+                    objective=SupervisedLoss(), remat: str = "none",
+                    pipeline: pp.PipelineConfig | None = None, mesh: Mesh | None = None
+                    ) -> Callable:
     """`step(state, batch) -> (state, metrics)`, not yet jitted (see `jit_train_step`). A state
     with `ref_params` (a frozen reference model) hands them to the objective."""
 
     def step(state, batch):
         loss, grads, aux = loss_and_grads(graphdef, state["params"], batch, objective,
-                                          state.get("ref_params"), remat)
+                                          state.get("ref_params"), remat, pipeline, mesh)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
@@ -131,10 +201,11 @@ def init_state(model_cfg: ModelConfig, tx, shardings, seed: int, params=None):
 
 
 def jit_train_step(graphdef, tx, shardings, mesh: Mesh, schedule=None, rules=shd.RULES,
-                   remat: str = "none"):
+                   remat: str = "none", pipeline: pp.PipelineConfig | None = None):
     """The train step compiled for the mesh; the state is donated and updated in place."""
     batch = shd.batch_sharding(mesh, 3, rules, leading=1)
-    return jax.jit(make_train_step(graphdef, tx, schedule, remat=remat),
+    return jax.jit(make_train_step(graphdef, tx, schedule, remat=remat, pipeline=pipeline,
+                                   mesh=mesh),
                    in_shardings=(shardings, batch),
                    out_shardings=(shardings, shd.replicated(mesh)),
                    donate_argnums=0)
