@@ -170,6 +170,7 @@ from jaxrl.rl.tasks.arithmetic import ArithmeticConfig  # noqa: E402
 from jaxrl.rl.tasks.math import MathConfig  # noqa: E402
 from jaxrl.train.config import CheckpointConfig, OptimConfig, TrainConfig  # noqa: E402
 from sharding.mesh import MeshConfig  # noqa: E402
+from sharding.pipeline import PipelineConfig  # noqa: E402
 
 # Model fields that are runtime choices, allowed next to `hf_path` (the rest come from its
 # config.json).
@@ -186,6 +187,13 @@ class LogConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+    """How the train step is laid out beyond the mesh: pipeline parallelism (sharding/)."""
+
+    pipeline: PipelineConfig = PipelineConfig()
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A training run. YAML files in configs/ override these defaults."""
 
@@ -193,7 +201,8 @@ class RunConfig:
     hf_path: str | None = None     # start from this local Hugging Face folder; its config.json
     #                                gives the architecture and tokenizer.json the tokenizer
     model: ModelConfig = ModelConfig()
-    mesh: MeshConfig = MeshConfig()
+    mesh: MeshConfig = MeshConfig()      # mesh.stage follows sharding.pipeline.stages
+    sharding: ShardingConfig = ShardingConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -205,6 +214,33 @@ class RunConfig:
         if self.train.seq_len > self.model.max_seq_len:
             raise ConfigError(f"train.seq_len={self.train.seq_len} exceeds "
                               f"model.max_seq_len={self.model.max_seq_len}")
+        pipe = self.sharding.pipeline
+        if self.mesh.stage not in (1, pipe.stages):
+            raise ConfigError(f"mesh.stage={self.mesh.stage} differs from sharding.pipeline."
+                              f"stages={pipe.stages}; set the pipeline's stages (the mesh's "
+                              f"stage axis follows it)")
+        if pipe.enabled:
+            object.__setattr__(self, "mesh", dataclasses.replace(self.mesh, stage=pipe.stages))
+            if self.train.microbatches > 1:
+                raise ConfigError(
+                    f"train.microbatches={self.train.microbatches} (gradient accumulation) and "
+                    f"sharding.pipeline.stages={pipe.stages} both split the batch; with a "
+                    f"pipeline set sharding.pipeline.microbatches instead")
+            if self.hf_path is None:  # otherwise the layers come from config.json: checked then
+                self.check_pipeline(self.model.num_layers)
+
+    def check_pipeline(self, num_layers: int) -> None:
+        """ConfigError unless the pipeline divides the layers and the warm-up and RL batches."""
+        pipe = self.sharding.pipeline
+        if not pipe.enabled:
+            return
+        try:
+            pipe.check(num_layers, self.train.batch_size, "train.batch_size")
+            pipe.check(num_layers, self.rl.max_microbatches * self.rl.microbatch_rows,
+                       f"the RL batch (rl.max_microbatches={self.rl.max_microbatches} x "
+                       f"rl.microbatch_rows={self.rl.microbatch_rows})")
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
 
     @property
     def checkpoint_dir(self) -> Path:

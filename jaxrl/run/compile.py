@@ -29,7 +29,7 @@ def compile_train_step(cfg: RunConfig, topology: str) -> dict:
     state = abstract_state(model_cfg, tx, shardings)
     graphdef, _ = split_params(abstract_model(model_cfg))
     step = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(cfg.optim, 1),
-                          remat=cfg.train.remat)
+                          remat=cfg.train.remat, pipeline=cfg.sharding.pipeline)
     t = cfg.train
     shape = (t.microbatches, t.batch_size // t.microbatches, t.seq_len)
     sharding = shd.batch_sharding(mesh, 3, leading=1)

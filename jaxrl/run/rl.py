@@ -158,7 +158,8 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
             state["ref_params"] = jax.tree.map(jnp.copy, state["params"])
     graphdef, _ = split_params(abstract_model(model_cfg))
     step_fn = jax.jit(make_train_step(graphdef, tx, lambda s: schedule(s - first_rl),
-                                      make_objective(cfg), remat=cfg.train.remat),
+                                      make_objective(cfg), remat=cfg.train.remat,
+                                      pipeline=cfg.sharding.pipeline, mesh=mesh),
                       in_shardings=(shardings, shd.batch_sharding(mesh, 3, leading=1)),
                       out_shardings=(shardings, shd.replicated(mesh)), donate_argnums=0)
     step = int(state["step"])

@@ -31,8 +31,10 @@ from sharding.mesh import batch_sharding, data_parallel_size, make_mesh
 def model_config(cfg: RunConfig) -> ModelConfig:
     if cfg.hf_path is None:
         return cfg.model
-    return load_hf_config(cfg.hf_path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-                          attention=cfg.model.attention)
+    model_cfg = load_hf_config(cfg.hf_path, dtype=cfg.model.dtype,
+                               param_dtype=cfg.model.param_dtype, attention=cfg.model.attention)
+    cfg.check_pipeline(model_cfg.num_layers)
+    return model_cfg
 
 
 def build_task(cfg: RunConfig, model_cfg: ModelConfig) -> tuple[Task, Tokenizer]:
@@ -52,12 +54,15 @@ def build_task(cfg: RunConfig, model_cfg: ModelConfig) -> tuple[Task, Tokenizer]
 
 def _check_batch(cfg: RunConfig, mesh) -> None:
     dp, t = data_parallel_size(mesh), cfg.train
-    per_micro = t.batch_size // t.microbatches
+    pipe = cfg.sharding.pipeline
+    micro, name = ((pipe.microbatches, "sharding.pipeline.microbatches") if pipe.enabled else
+                   (t.microbatches, "train.microbatches"))
+    per_micro = t.batch_size // micro
     if per_micro % dp:
         raise ConfigError(
-            f"train.batch_size={t.batch_size} / train.microbatches={t.microbatches} = "
-            f"{per_micro} sequences per microbatch, not divisible by the {dp}-way data-parallel "
-            f"mesh (mesh.data x mesh.fsdp)")
+            f"train.batch_size={t.batch_size} / {name}={micro} = {per_micro} sequences per "
+            f"microbatch, not divisible by the {dp}-way data-parallel mesh (mesh.data x "
+            f"mesh.fsdp)")
 
 
 def _check_same_model(saved: dict, model_cfg: ModelConfig, path: Path) -> None:
@@ -105,7 +110,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
         state = init_state(model_cfg, tx, shardings, cfg.train.seed, params)
     graphdef, _ = split_params(abstract_model(model_cfg))
     step_fn = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(cfg.optim, cfg.train.steps),
-                             remat=cfg.train.remat)
+                             remat=cfg.train.remat, pipeline=cfg.sharding.pipeline)
     batch_shard = batch_sharding(mesh, 3, leading=1)
 
     run_dir = Path(cfg.run_dir)

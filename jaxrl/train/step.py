@@ -53,6 +53,7 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
             loss, weight, stats, grads = _one_f_one_b_grads(
                 graphdef, params, flat, objective, ref_model, stack, pipeline, mesh)
         else:
+            _check_nested_offload(remat, pipeline, mesh)
             stack = pp.pipelined_stack(pipeline, stack, mesh)
 
             def batch_loss(p):
@@ -67,6 +68,20 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
     weight = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), grads, params)
     return loss / weight, grads, objective.summarize(stats)
+
+
+def _check_nested_offload(remat: str, pipeline: pp.PipelineConfig, mesh: Mesh | None) -> None:
+    """Per-layer host offload nested in a gpipe/circular pipeline's scan trips an XLA error on
+    TPU (the host residuals stacked by the outer scan get a layout without the host memory
+    space); it compiles on CPU. Say so, and what works, before XLA does."""
+    if remat == "offload" and mesh is not None and mesh.devices.flat[0].platform == "tpu":
+        raise ValueError(
+            f"train.remat=offload inside a {pipeline.schedule} pipeline (sharding.pipeline."
+            f"stages={pipeline.stages}) does not compile for TPU: XLA rejects host-offloaded "
+            f"layer activations stacked by the pipeline's scan. Use sharding.pipeline."
+            f"offload_stage_inputs=true (PipeOffload: each stage's input on host) or "
+            f"sharding.pipeline.schedule=1f1b (which runs train.remat=offload inside each "
+            f"stage's backward)")
 
 
 def _accumulated_grads(graphdef, params, batch, objective, ref_model, stack):

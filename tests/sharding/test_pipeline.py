@@ -1,0 +1,156 @@
+"""Pipeline schedules on 8 CPU devices: the loss and gradients of every schedule equal the
+unpipelined model's (one device, the plain layer scan), alone and with fsdp / tensor axes."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.config import ConfigError, load_run_config
+from jaxrl.models import ModelConfig, Transformer, abstract_model, param_axes
+from jaxrl.models.transformer import split_params
+from jaxrl.train.objectives import PolicyGradientLoss
+from jaxrl.train.step import loss_and_grads
+from sharding import mesh as shd
+from sharding.pipeline import PipelineConfig
+
+CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=8, num_heads=4, num_kv_heads=2,
+                  head_dim=8, mlp_dim=64, max_seq_len=16)
+B, T = 16, 8
+
+
+@pytest.fixture(scope="module")
+def setup():
+    graphdef, params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, CFG.vocab_size, (1, B, T)).astype(np.int32)
+    batch = {"input_ids": ids, "targets": np.roll(ids, -1, -1),
+             "loss_mask": (rng.random(ids.shape) > 0.25).astype(np.float32)}
+    ref = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b)[:2])(params, batch)
+    return graphdef, params, batch, ref
+
+
+def pipelined(setup, pipe: PipelineConfig, mesh_cfg: shd.MeshConfig, objective=None, batch=None):
+    """Loss and gradients of the pipelined step, jitted over a mesh of len(devices) CPUs."""
+    graphdef, params, default_batch, _ = setup
+    batch = default_batch if batch is None else batch
+    used = mesh_cfg.data * mesh_cfg.stage * mesh_cfg.fsdp * mesh_cfg.tensor
+    mesh = shd.make_mesh(mesh_cfg, jax.devices()[:used])
+    _, abstract = split_params(abstract_model(CFG))
+    param_sh = shd.tree_shardings(param_axes(CFG), abstract, mesh)
+    batch_sh = shd.batch_sharding(mesh, 3, leading=1)
+    kwargs = {} if objective is None else {"objective": objective}
+    fn = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, pipeline=pipe, mesh=mesh,
+                                             **kwargs)[:2],
+                 in_shardings=(param_sh, batch_sh))
+    return fn(jax.device_put(params, param_sh), batch)
+
+
+def assert_close(got, want, rel=1e-5):
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    assert float(loss) == pytest.approx(float(ref_loss), rel=rel)
+    flat, _ = jax.tree_util.tree_flatten_with_path(grads)
+    for (path, g), r in zip(flat, jax.tree.leaves(ref_grads)):
+        err = float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))
+        assert err <= rel, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
+
+
+# (stages, microbatches, other mesh axes): stages 2 and 4, microbatches 4 and 8, alone (only
+# the stage axis) and with fsdp, tensor or both beside it.
+LAYOUTS = [(2, 4, {}), (4, 8, {}), (2, 8, {"fsdp": 2, "tensor": 2}), (4, 4, {"fsdp": 2}),
+           (4, 8, {"tensor": 2})]
+SCHEDULES = [("gpipe", 1), ("circular", 2), ("1f1b", 1)]
+
+
+@pytest.mark.parametrize("schedule,repeats", SCHEDULES, ids=[s for s, _ in SCHEDULES])
+@pytest.mark.parametrize("stages,microbatches,axes", LAYOUTS,
+                         ids=[f"p{p}-m{m}-{'-'.join(a) or 'alone'}" for p, m, a in LAYOUTS])
+def test_schedule_matches_the_unpipelined_model(setup, schedule, repeats, stages, microbatches,
+                                                axes):
+    pipe = PipelineConfig(stages=stages, microbatches=microbatches, repeats=repeats,
+                          schedule=schedule)
+    mesh_cfg = shd.MeshConfig(stage=stages, fsdp=axes.get("fsdp", 1),
+                              tensor=axes.get("tensor", 1))
+    assert_close(pipelined(setup, pipe, mesh_cfg), setup[3])
+
+
+def test_circular_with_one_repeat_and_gpipe_agree(setup):
+    mesh_cfg = shd.MeshConfig(stage=2, fsdp=1)
+    got = pipelined(setup, PipelineConfig(stages=2, microbatches=4, schedule="circular"),
+                    mesh_cfg)
+    assert_close(got, setup[3])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_policy_loss_on_packed_segments(setup, schedule):
+    """The RL objective (packed segments, positions, min/max statistics) through a pipeline."""
+    graphdef, params, _, _ = setup
+    rng = np.random.default_rng(1)
+    shape = (1, B, T)
+    segment_ids = np.repeat(np.array([[1, 1, 1, 2, 2, 2, 2, 0]]), B, 0)[None].astype(np.int32)
+    positions = np.where(segment_ids == 1, np.arange(T), np.arange(T) - 3).clip(0)
+    batch = {"input_ids": rng.integers(0, CFG.vocab_size, shape).astype(np.int32),
+             "targets": rng.integers(0, CFG.vocab_size, shape).astype(np.int32),
+             "positions": positions.astype(np.int32), "segment_ids": segment_ids,
+             "loss_mask": (segment_ids > 0).astype(np.float32),
+             "behaviour_logp": -rng.random(shape).astype(np.float32) * 3,
+             "advantages": rng.normal(size=shape).astype(np.float32)}
+    objective = PolicyGradientLoss(kind="ppo", max_segments=4)
+    want = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, objective)[:2])(params, batch)
+    pipe = PipelineConfig(stages=2, microbatches=4, schedule=schedule)
+    got = pipelined(setup, pipe, shd.MeshConfig(stage=2, fsdp=2), objective, batch)
+    assert_close(got, want)
+    stats = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, objective, pipeline=pipe)[2])(
+        params, batch)
+    ref_stats = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, objective)[2])(params, batch)
+    for k in ref_stats:
+        assert float(stats[k]) == pytest.approx(float(ref_stats[k]), rel=1e-5, abs=1e-6), k
+
+
+def test_offloaded_stage_inputs_give_the_same_gradients_from_host_memory(setup):
+    graphdef, params, batch, ref = setup
+    pipe = PipelineConfig(stages=2, microbatches=4, offload_stage_inputs=True)
+    assert_close(pipelined(setup, pipe, shd.MeshConfig(stage=2, fsdp=1)), ref)
+    jaxpr = str(jax.make_jaxpr(lambda p, b: loss_and_grads(graphdef, p, b, pipeline=pipe)[:2])(
+        params, batch))
+    # Inside the pipeline's vmap over stages, the offloaded residual is one stage input
+    # ([rows per microbatch, T, D]) per stage.
+    assert re.findall(r"f32<host>\[([\d,]+)\] = device_put", jaxpr) == [f"2,{B // 4},{T},32"]
+
+
+def test_bubble_fractions():
+    assert PipelineConfig(stages=4, microbatches=8).bubble_fraction() == pytest.approx(3 / 11)
+    assert PipelineConfig(stages=4, microbatches=8, repeats=2,
+                          schedule="circular").bubble_fraction() == pytest.approx(3 / 19)
+    assert PipelineConfig(stages=4, microbatches=8,
+                          schedule="1f1b").bubble_fraction() == pytest.approx(6 / 14)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["sharding.pipeline.stages=3"],
+     r"stages=3 x repeats=1 = 3 blocks do not divide model.num_layers=4"),
+    (["sharding.pipeline.stages=2", "sharding.pipeline.microbatches=5"],
+     r"microbatches=5 does not divide train.batch_size=64"),
+    (["sharding.pipeline.stages=2", "sharding.pipeline.repeats=2"],
+     r"repeats=2 needs schedule=circular"),
+    (["sharding.pipeline.stages=4", "sharding.pipeline.repeats=2",
+      "sharding.pipeline.schedule=circular", "sharding.pipeline.microbatches=2"],
+     r"microbatches >= stages: microbatches=2 < stages=4"),
+    (["sharding.pipeline.schedule=zb"], r"schedule='zb' is not allowed; choose one of"),
+    (["mesh.stage=2"], r"mesh.stage=2 differs from sharding.pipeline.stages=1"),
+    (["sharding.pipeline.stages=2", "train.microbatches=2"], r"both split the batch"),
+    (["sharding.pipeline.stages=2", "sharding.pipeline.schedule=1f1b",
+      "sharding.pipeline.offload_stage_inputs=true"], r"offload_stage_inputs=true works with"),
+])
+def test_bad_pipeline_configs_fail_at_config_time(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config("configs/demo_cpu.yaml", overrides)
+
+
+def test_the_mesh_stage_axis_follows_the_pipeline():
+    cfg = load_run_config("configs/demo_cpu.yaml", ["sharding.pipeline.stages=2"])
+    assert cfg.mesh.stage == 2
+    assert shd.make_mesh(cfg.mesh).shape["stage"] == 2
