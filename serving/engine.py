@@ -135,11 +135,21 @@ class Engine:
         self.version = version
 
     def init_decode_state(self) -> DecodeState:
-        s = self.cfg.max_concurrent_decodes
-        out = jax.tree.map(lambda _: shd.replicated(self.mesh), _state_like(s))
-        out = dataclasses.replace(out, k=self.cache_sharding, v=self.cache_sharding)
-        dtype = self.model_cfg.compute_dtype
-        return jax.jit(lambda: _state_like(s, self.cache_shape, dtype), out_shardings=out)()
+        return jax.jit(self._empty_state, out_shardings=self._state_shardings())()
+
+    def abstract_decode_state(self) -> DecodeState:
+        """Shapes, dtypes and shardings of a decode state, no memory (ahead-of-time compiles)."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            jax.eval_shape(self._empty_state), self._state_shardings())
+
+    def _empty_state(self) -> DecodeState:
+        return _state_like(self.cfg.max_concurrent_decodes, self.cache_shape,
+                           self.model_cfg.compute_dtype)
+
+    def _state_shardings(self) -> DecodeState:
+        out = jax.tree.map(lambda _: shd.replicated(self.mesh),
+                           _state_like(self.cfg.max_concurrent_decodes))
+        return dataclasses.replace(out, k=self.cache_sharding, v=self.cache_sharding)
 
     def bucket(self, length: int) -> int:
         for b in self.buckets:

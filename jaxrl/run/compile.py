@@ -3,6 +3,9 @@ a machine without one (JAX + libtpu), and the per-device memory it would need.""
 
 from __future__ import annotations
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 
@@ -19,13 +22,33 @@ from sharding.aot import tpu_devices
 HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
 
 
+def compile_generate_step(cfg: RunConfig, topology: str) -> dict:
+    """Per-device bytes of the engine's decode step (every slot, one token) for `topology`, with
+    the engine sized as `jaxrl train` sizes it for RL (rl.slots, rl.max_prompt_len +
+    rl.max_new_tokens) and its weights over all the slice's chips (tensor axis)."""
+    from jaxrl.run.rl import engine_config
+    from serving.engine import Engine
+
+    devices = tpu_devices(topology)
+    model_cfg = model_config(cfg)
+    engine = Engine(model_cfg, engine_config(cfg, model_cfg),
+                    mesh=shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), devices))
+    lowered = Engine._generate.lower(engine, engine.param_target, engine.abstract_decode_state())
+    try:
+        memory = lowered.compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        return _out_of_memory(e, (engine.param_target, engine.abstract_decode_state()))
+    return _report(memory, topology)
+
+
 def compile_train_step(cfg: RunConfig, topology: str) -> dict:
     """Per-device bytes of the supervised train step of `cfg` compiled for `topology`."""
     devices = tpu_devices(topology)
     mesh = shd.make_mesh(cfg.mesh, devices)
     model_cfg = model_config(cfg)
     tx = make_optimizer(cfg.optim, cfg.train.steps or 1)
-    shardings = state_shardings(model_cfg, tx, mesh)
+    shardings = state_shardings(model_cfg, tx, mesh,
+                                offload_optimizer=cfg.train.offload_optimizer)
     state = abstract_state(model_cfg, tx, shardings)
     graphdef, _ = split_params(abstract_model(model_cfg))
     step = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(cfg.optim, 1),
@@ -35,11 +58,37 @@ def compile_train_step(cfg: RunConfig, topology: str) -> dict:
     sharding = shd.batch_sharding(mesh, 3, leading=1)
     batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=sharding) for k, dt in
              (("input_ids", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32))}
-    memory = step.lower(state, batch).compile().memory_analysis()
+    lowered = step.lower(state, batch)
+    try:
+        memory = lowered.compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        return _out_of_memory(e, (state, batch))
+    return _report(memory, topology)
+
+
+def _report(memory, topology: str) -> dict:
     out = {"device_temp_bytes": int(memory.temp_size_in_bytes),
            "host_temp_bytes": int(memory.host_temp_size_in_bytes),
            "argument_bytes": int(memory.argument_size_in_bytes),
+           "host_argument_bytes": int(memory.host_argument_size_in_bytes),
            "output_bytes": int(memory.output_size_in_bytes)}
     hbm = HBM_BYTES[topology.split(":")[0]]
     out["fits"] = out["device_temp_bytes"] + out["argument_bytes"] <= hbm
     return out
+
+
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _out_of_memory(error: Exception, args) -> dict:
+    """The compiler refuses a program whose temporaries exceed HBM (CompileTimeHbmOom); report
+    the size it needed instead of failing. Other compile errors propagate."""
+    m = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM", str(error))
+    if m is None:
+        raise error
+    per_device = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                     for a in jax.tree.leaves(args))
+    return {"device_temp_bytes": int(float(m.group(1)) * _UNITS[m.group(2)]),
+            "host_temp_bytes": 0, "argument_bytes": per_device, "host_argument_bytes": 0,
+            "output_bytes": 0, "fits": False,
+            "note": "the compiler ran out of HBM; device_temp_bytes is its estimate"}

@@ -36,7 +36,8 @@ from jaxrl.run.warmup import build_task, model_config
 from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.train.objectives import PolicyGradientLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
-from jaxrl.train.step import abstract_state, init_state, make_train_step, state_shardings
+from jaxrl.train.step import (abstract_state, init_state, make_train_step,
+                              optimizer_on_device, state_shardings)
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from sharding import mesh as shd
@@ -131,7 +132,8 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
                           f"{ckpt.path} holds {latest}")
     tx = make_optimizer(rl.optim, rl.steps)
     schedule = lr_schedule(rl.optim, rl.steps)
-    shardings = state_shardings(model_cfg, tx, mesh)
+    shardings = state_shardings(model_cfg, tx, mesh,
+                                offload_optimizer=cfg.train.offload_optimizer)
     if rl.kl_coef > 0:
         shardings["ref_params"] = shardings["params"]
     target = abstract_state(model_cfg, tx, shardings)
@@ -159,7 +161,8 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     graphdef, _ = split_params(abstract_model(model_cfg))
     step_fn = jax.jit(make_train_step(graphdef, tx, lambda s: schedule(s - first_rl),
                                       make_objective(cfg), remat=cfg.train.remat,
-                                      pipeline=cfg.sharding.pipeline, mesh=mesh),
+                                      pipeline=cfg.sharding.pipeline, mesh=mesh,
+                                      opt_device=optimizer_on_device(shardings)),
                       in_shardings=(shardings, shd.batch_sharding(mesh, 3, leading=1)),
                       out_shardings=(shardings, shd.replicated(mesh)), donate_argnums=0)
     step = int(state["step"])

@@ -98,7 +98,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     dataset[0]  # fails here, naming the example, if train.seq_len is too short
 
     tx = make_optimizer(cfg.optim, cfg.train.steps)
-    shardings = state_shardings(model_cfg, tx, mesh)
+    shardings = state_shardings(model_cfg, tx, mesh,
+                                offload_optimizer=cfg.train.offload_optimizer)
     if latest is not None:
         state = ckpt.restore(abstract_state(model_cfg, tx, shardings), latest)
         log(f"resumed from {ckpt.path}/{latest}")

@@ -46,6 +46,9 @@ class TrainConfig:
     # Activation memory of the train step (sharding/offload.py): none | full | minimal |
     # offload (q/k/v, attention output and MLP input to pinned host memory).
     remat: Literal["none", "full", "minimal", "offload"] = "none"
+    # Keep the optimizer state (AdamW's two moments) in pinned host memory between steps and
+    # bring it to the device only for the update (MaxText's optimizer offload).
+    offload_optimizer: bool = False
 
     def __post_init__(self):
         if self.steps < 0:

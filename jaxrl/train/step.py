@@ -157,15 +157,20 @@ def _one_f_one_b_grads(graphdef, params, batch, objective, ref_model, stack, pip
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
                     objective=SupervisedLoss(), remat: str = "none",
-                    pipeline: pp.PipelineConfig | None = None, mesh: Mesh | None = None
-                    ) -> Callable:
+                    pipeline: pp.PipelineConfig | None = None, mesh: Mesh | None = None,
+                    opt_device=None) -> Callable:
     """`step(state, batch) -> (state, metrics)`, not yet jitted (see `jit_train_step`). A state
-    with `ref_params` (a frozen reference model) hands them to the objective."""
+    with `ref_params` (a frozen reference model) hands them to the objective. `opt_device`:
+    device shardings to bring a host-resident optimizer state in for the update (see
+    `state_shardings(offload_optimizer=True)`); the step's out_shardings send it back."""
 
     def step(state, batch):
         loss, grads, aux = loss_and_grads(graphdef, state["params"], batch, objective,
                                           state.get("ref_params"), remat, pipeline, mesh)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        opt_state = state["opt_state"]
+        if opt_device is not None:
+            opt_state = jax.device_put(opt_state, opt_device)
+        updates, opt_state = tx.update(grads, opt_state, state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         if schedule is not None:
@@ -176,9 +181,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
     return step
 
 
-def state_shardings(model_cfg: ModelConfig, tx, mesh: Mesh, rules=shd.RULES):
+def state_shardings(model_cfg: ModelConfig, tx, mesh: Mesh, rules=shd.RULES,
+                    offload_optimizer: bool = False):
     """NamedShardings of the whole train state: parameters by their logical axes, optimizer
-    moments like their parameters, scalars replicated."""
+    moments like their parameters, scalars replicated. `offload_optimizer`: the optimizer state
+    lives in pinned host memory between steps (MaxText's optimizer offload); the step brings it
+    to the device for the update (`optimizer_on_device`)."""
     _, abstract = split_params(abstract_model(model_cfg))
     params = shd.tree_shardings(param_axes(model_cfg), abstract, mesh, rules)
     opt_abstract = jax.eval_shape(tx.init, abstract)
@@ -186,8 +194,18 @@ def state_shardings(model_cfg: ModelConfig, tx, mesh: Mesh, rules=shd.RULES):
         tx, lambda _, s: s, opt_abstract, params,
         transform_non_params=lambda _: shd.replicated(mesh),
         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    if offload_optimizer:
+        opt = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt)
     rep = shd.replicated(mesh)
     return {"params": params, "opt_state": opt, "step": rep, "rng": rep}
+
+
+def optimizer_on_device(shardings):
+    """Device shardings of a host-resident optimizer state, else None (nothing to move)."""
+    opt = shardings["opt_state"]
+    if all(s.memory_kind != "pinned_host" for s in jax.tree.leaves(opt)):
+        return None
+    return jax.tree.map(lambda s: s.with_memory_kind("device"), opt)
 
 
 def abstract_state(model_cfg: ModelConfig, tx, shardings):
@@ -220,7 +238,7 @@ def jit_train_step(graphdef, tx, shardings, mesh: Mesh, schedule=None, rules=shd
     """The train step compiled for the mesh; the state is donated and updated in place."""
     batch = shd.batch_sharding(mesh, 3, rules, leading=1)
     return jax.jit(make_train_step(graphdef, tx, schedule, remat=remat, pipeline=pipeline,
-                                   mesh=mesh),
+                                   mesh=mesh, opt_device=optimizer_on_device(shardings)),
                    in_shardings=(shardings, batch),
                    out_shardings=(shardings, shd.replicated(mesh)),
                    donate_argnums=0)
