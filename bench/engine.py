@@ -1,8 +1,11 @@
-"""Engine benchmark: decode throughput against Hugging Face `generate`, and the in-flight weight
-update pause against stopping and reloading from a checkpoint. Both sides run in this process on
-the same model, batch and lengths; the script prints measured ratios.
+"""Serving engine: decode tokens/s against HF `generate`, update pause against a reload.
 
-    .venv/bin/python bench/engine.py [--batch 8] [--prompt 16] [--new 64]
+Decode throughput against Hugging Face `generate`, and the in-flight weight update pause against
+stopping and reloading from a checkpoint. Both sides run in this process on the same model,
+batch and lengths; the script prints measured ratios.
+
+    jaxrl bench engine [--batch 8] [--prompt 16] [--new 64]
+    (or: .venv/bin/python bench/engine.py ...)
 """
 
 from __future__ import annotations
@@ -48,17 +51,18 @@ def best_of(fn, repeats):
     return min(times), times
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=16)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8, help="requests decoded together (slots)")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per request")
+    ap.add_argument("--new", type=int, default=64, help="generated tokens per request")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs of each side; best kept")
     # The default model is the demo's shape (configs/demo_cpu.yaml) with a 1024-token vocabulary.
-    ap.add_argument("--embed", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=1024)
-    args = ap.parse_args()
+    ap.add_argument("--embed", type=int, default=128, help="model width, a multiple of 64 (32-wide heads)")
+    ap.add_argument("--layers", type=int, default=4, help="transformer layers")
+    ap.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+    args = ap.parse_args(argv)
     torch.set_num_threads(os.cpu_count())
     tmp = tempfile.mkdtemp()
     ref = hf_model(tmp, args)

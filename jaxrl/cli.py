@@ -1,18 +1,22 @@
-"""`jaxrl train | eval | serve`: parse, dispatch, print. The work lives in jaxrl.run."""
+"""`jaxrl train | eval | serve | compile | bench`: parse, dispatch, print. The work lives in
+jaxrl.run."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import textwrap
 
 from jaxrl.errors import UserError
 
 
 def _train(args) -> None:
     from jaxrl.config import load_run_config
+
+    cfg = load_run_config(args.config, args.overrides)  # before the heavy imports: errors fast
     from jaxrl.run.job import print_summary, run
 
-    cfg = load_run_config(args.config, args.overrides)
     print_summary(run(cfg, log=lambda m: print(m, flush=True)))
 
 
@@ -26,103 +30,199 @@ def _eval(args) -> None:
           f"problems (e.g. {', '.join(result['examples'][:3])})")
 
 
+# EngineConfig's fields as `jaxrl serve` users know them: the flag that sets one, or what it is.
+_SERVE_NAMES = {"max_concurrent_decodes": "--slots", "max_len": "--max-len",
+                "max_prefill_length": "--max-prefill-length", "prefill_chunk": "--prefill-chunk",
+                "min_bucket": "the engine's smallest prefill bucket,"}
+
+
 def _serve(args) -> None:
     import logging
 
     from jaxrl.run.serve import read_update_token, serve
     from serving.engine import EngineConfig
 
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-    logging.getLogger("jaxrl").addHandler(handler)
-    logging.getLogger("jaxrl").setLevel(logging.INFO)
     try:
         engine_cfg = EngineConfig(max_concurrent_decodes=args.slots, max_len=args.max_len,
                                   max_prefill_length=args.max_prefill_length,
                                   prefill_chunk=args.prefill_chunk, dtype=args.dtype)
-    except ValueError as e:
-        raise UserError(str(e)) from e
+    except ValueError as e:  # name the flags the user gave, not EngineConfig's fields
+        raise UserError(re.sub(r"\b(\w+)=", lambda m: f"{_SERVE_NAMES[m[1]]} "
+                               if m[1] in _SERVE_NAMES else m[0], str(e))) from None
+    try:
+        token = read_update_token(args.update_token_file)
+    except OSError as e:
+        raise UserError(f"--update-token-file {args.update_token_file!r}: "
+                        f"{e.strerror.lower()}") from None
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    logging.getLogger("jaxrl").addHandler(handler)
+    logging.getLogger("jaxrl").setLevel(logging.INFO)
     serve(model_dir=args.model, checkpoint_dir=args.checkpoint, host=args.host, port=args.port,
-          engine_cfg=engine_cfg, update_token=read_update_token(args.update_token_file),
-          log=lambda m: print(m, flush=True))
+          engine_cfg=engine_cfg, update_token=token, log=lambda m: print(m, flush=True))
 
 
 def _compile(args) -> None:
     import json
 
     from jaxrl.config import load_run_config
-    from jaxrl.run.compile import compile_train_step
 
     cfg = load_run_config(args.config, args.overrides)
+    from jaxrl.run.compile import compile_generate_step, compile_train_step
+
     try:
-        memory = compile_train_step(cfg, args.topology)
+        train = compile_train_step(cfg, args.topology)
+        generate = compile_generate_step(cfg, args.topology)
     except ValueError as e:
         raise UserError(str(e)) from e
-    print(f"train step compiled for {args.topology} (remat={cfg.train.remat}), per device:")
-    for key in ("argument_bytes", "device_temp_bytes", "host_temp_bytes", "output_bytes"):
-        print(f"  {key:<18} {memory[key] / 2**20:10.1f} MiB")
-    print(f"  fits in HBM: {memory['fits']}")
-    print(json.dumps({k: memory[k] for k in ("device_temp_bytes", "host_temp_bytes",
-                                            "argument_bytes", "fits")}))
+    pipe = cfg.sharding.pipeline
+    layout = f"remat={cfg.train.remat}"
+    if cfg.train.offload_optimizer:
+        layout += ", optimizer state on host"
+    if pipe.enabled:
+        layout += (f", {pipe.schedule} pipeline: {pipe.stages} stages x {pipe.microbatches} "
+                   f"microbatches x {pipe.repeats} repeats, bubble {pipe.bubble_fraction():.1%}")
+    for name, memory, what in (("train step", train, layout),
+                               ("generate step", generate, f"{cfg.rl.slots} slots")):
+        print(f"{name} compiled for {args.topology} ({what}), per device:")
+        for key in ("argument_bytes", "host_argument_bytes", "device_temp_bytes",
+                    "host_temp_bytes", "output_bytes"):
+            print(f"  {key:<19} {memory[key] / 2**20:10.1f} MiB")
+        print(f"  fits in HBM: {memory['fits']}" + (f" ({memory['note']})" if "note" in memory
+                                                     else ""))
+    keys = ("device_temp_bytes", "host_temp_bytes", "argument_bytes", "fits")
+    summary = {k: train[k] for k in keys}
+    if pipe.enabled:
+        summary["bubble_fraction"] = pipe.bubble_fraction()
+    summary["generate"] = {k: generate[k] for k in keys}
+    print(json.dumps(summary))
+
+
+def _bench(args) -> int:
+    from jaxrl.run.bench import benchmarks, listing, run_benchmark
+
+    if args.name is None:
+        print(f"benchmarks (jaxrl bench NAME [args...]; NAME --help for a benchmark's own):\n"
+              f"{listing(benchmarks())}")
+        return 0
+    return run_benchmark(args.name, args.args)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+    """Shows every default, except None: an option without one says what happens in words."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="jaxrl", formatter_class=_HelpFormatter,
+        description=textwrap.fill("On-policy RL for language models in JAX: train, evaluate, "
+                                  "serve, compile for a TPU slice, benchmark.", 79),
+        epilog="`jaxrl COMMAND --help` lists a command's options and their defaults.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("train", formatter_class=fmt,
-                       help="train a model: supervised warm-up, then RL (async or sync)")
-    p.add_argument("--config", default=None, help="YAML run config (see configs/)")
+    def command(name: str, summary: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, formatter_class=_HelpFormatter,
+                              description=textwrap.fill(summary[0].upper() + summary[1:] + ".", 79),
+                              **kwargs)
+
+    overrides = "override a config value (the dataclasses give the defaults, --config " \
+                "overrides them, these override both), e.g. "
+
+    p = command("train", "train a model: supervised warm-up, then RL (async or sync)")
+    p.add_argument("--config", default=None,
+                   help="YAML run config, e.g. configs/demo_cpu.yaml (default: none, the "
+                        "dataclass defaults)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="override a config value, e.g. train.steps=100")
+                   help=overrides + "train.steps=100")
     p.set_defaults(run=_train)
 
-    p = sub.add_parser("eval", formatter_class=fmt,
-                       help="held-out accuracy of a checkpoint written by `jaxrl train`")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (CheckpointManager)")
-    p.add_argument("--step", type=int, default=None, help="step to restore (default: latest)")
-    p.add_argument("--problems", type=int, default=200, help="held-out problems to score")
+    p = command("eval", "held-out accuracy of a checkpoint written by `jaxrl train`")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory written by `jaxrl train` (CheckpointManager "
+                        "layout), e.g. runs/demo/checkpoints")
+    p.add_argument("--step", type=_int_at_least(0), default=None,
+                   help="step to restore (default: the newest)")
+    p.add_argument("--problems", type=_int_at_least(1), default=200,
+                   help="held-out problems to score")
     p.set_defaults(run=_eval)
 
-    p = sub.add_parser("serve", formatter_class=fmt,
-                       help="serve a model over gRPC (JetStream's protocol + weight updates)")
+    p = command("serve", "serve a model over gRPC (JetStream's protocol + weight updates)")
     p.add_argument("--model", default=None,
-                   help="Hugging Face folder to serve; default: the demo model")
+                   help="Hugging Face folder to serve (default: the demo model)")
     p.add_argument("--checkpoint", default="runs/demo/checkpoints",
                    help="without --model: serve the newest checkpoint here if there is one")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--port", type=int, default=9000, help="port (0: any free port)")
-    p.add_argument("--slots", type=int, default=32, help="concurrent decodes")
-    p.add_argument("--max-len", type=int, default=64, help="prompt + generated tokens per slot")
-    p.add_argument("--max-prefill-length", type=int, default=32, help="longest prompt")
-    p.add_argument("--prefill-chunk", type=int, default=16, help="prefill chunk size")
+    p.add_argument("--port", type=_port, default=9000, help="port (0: any free port)")
+    p.add_argument("--slots", type=_int_at_least(1), default=32, help="concurrent decodes")
+    p.add_argument("--max-len", type=_int_at_least(1), default=64,
+                   help="prompt + generated tokens per slot")
+    p.add_argument("--max-prefill-length", type=_int_at_least(1), default=32,
+                   help="longest prompt")
+    p.add_argument("--prefill-chunk", type=_int_at_least(1), default=16,
+                   help="prefill chunk size")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="serving dtype of weights and KV cache")
     p.add_argument("--update-token-file", default=None,
-                   help="file holding the shared secret for weight updates (or set "
-                        "JAXRL_UPDATE_TOKEN); without one, updates are refused")
+                   help="file holding the shared secret for weight updates (default: the "
+                        "JAXRL_UPDATE_TOKEN environment variable; with neither, updates are "
+                        "refused)")
     p.set_defaults(run=_serve)
 
-    p = sub.add_parser("compile", formatter_class=fmt,
-                       help="compile the train step ahead of time for a TPU slice (needs "
-                            "libtpu, not a TPU) and print its per-device memory")
-    p.add_argument("--topology", default="v5e:2x4", help="TPU slice, e.g. v5e:2x4")
-    p.add_argument("--config", default=None, help="YAML run config (see configs/)")
+    p = command("compile", "compile the train step and the engine's generate step ahead of "
+                            "time for a TPU slice (needs libtpu, not a TPU) and print their "
+                            "per-device memory")
+    p.add_argument("--topology", default="v5e:2x4", help="TPU slice, GEN:AxB[xC]")
+    p.add_argument("--config", default=None,
+                   help="YAML run config, e.g. configs/demo_cpu.yaml (default: none, the "
+                        "dataclass defaults)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="override a config value, e.g. train.remat=offload")
+                   help=overrides + "train.remat=offload")
     p.set_defaults(run=_compile)
+
+    from jaxrl.run.bench import listing
+
+    p = command("bench", "run a benchmark from the repository's bench/ folder; each prints "
+                         "ratios measured side by side", epilog=f"benchmarks:\n{listing()}")
+    p.add_argument("name", nargs="?", default=None, metavar="NAME",
+                   help="benchmark to run (default: list them)")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="...",
+                   help="passed to the benchmark; `jaxrl bench NAME --help` shows its options")
+    p.set_defaults(run=_bench)
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.run(args)
+        return args.run(args) or 0
     except UserError as e:
         print(f"jaxrl {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The real commands, as a user runs them, on a tiny budget."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -7,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from jaxrl.cli import build_parser, main
+from jaxrl.run import bench
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.embed_dim=32", "model.num_layers=2", "model.mlp_dim=64", "train.steps=6",
@@ -64,10 +68,134 @@ def test_bad_checkpoint_dir_overwrites_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_help_lists_options_with_defaults(tmp_path):
-    out = _jaxrl("eval", "--help", cwd=tmp_path)
-    assert out.returncode == 0
-    assert "--problems PROBLEMS" in out.stdout and "(default: 200)" in out.stdout
+COMMANDS = ["train", "eval", "serve", "compile", "bench"]  # DESIGN.md's list
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices
+
+
+def _help(capsys, *args) -> str:
+    with pytest.raises(SystemExit) as exit:
+        main([*args, "--help"])
+    assert exit.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # undo the line wrapping
+
+
+def test_top_level_help_lists_every_command(capsys):
+    out = _help(capsys)
+    assert list(_subparsers(build_parser())) == COMMANDS
+    for name in COMMANDS:
+        assert f" {name} " in out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_lists_every_option_with_its_default(capsys, command):
+    out = _help(capsys, command)
+    actions = [a for a in _subparsers(build_parser())[command]._actions
+               if not isinstance(a, argparse._HelpAction)]
+    assert actions
+    for action in actions:
+        name = action.option_strings[0] if action.option_strings else action.metavar
+        assert name in out and action.help, f"{command} {name}: no help"
+        if action.required:
+            continue
+        if action.default is None:  # the help says in words what happens without it
+            assert "(default: " in action.help, f"{command} {name}: default not stated"
+        else:
+            assert f"{action.help} (default: {action.default})" in out, f"{command} {name}"
+
+
+def test_help_shows_the_defaults_a_user_relies_on(capsys):
+    assert "--problems PROBLEMS held-out problems to score (default: 200)" in _help(capsys, "eval")
+    serve = _help(capsys, "serve")
+    assert "--port PORT port (0: any free port) (default: 9000)" in serve
+    assert "(default: runs/demo/checkpoints)" in serve and "(default: None)" not in serve
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "foo=1"], "unknown config key 'foo'; the top level allows: run_dir, hf_path, "),
+    (["train", "rl.mode=fast"], "rl.mode='fast' is not allowed; choose one of: 'async', 'sync'"),
+    (["train", "--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
+    (["compile", "--topology", "v9:2x2"], "topology 'v9:2x2' is not of the form GEN:AxB[xC] "
+                                          "with GEN one of v4, v5e, v5p, v6e"),
+    (["eval", "--checkpoint", "/nonexistent"], "no checkpoint directory at '/nonexistent'"),
+    (["serve", "--max-len", "8", "--max-prefill-length", "32"],
+     "--max-prefill-length 32 must be below --max-len 8"),
+    (["serve", "--prefill-chunk", "4"],
+     "--prefill-chunk 4 is below the engine's smallest prefill bucket, 8"),
+    (["serve", "--update-token-file", "no-token"],
+     "--update-token-file 'no-token': no such file or directory"),
+    (["bench", "nope"], "unknown benchmark 'nope'; choose one of: async_vs_sync, engine"),
+])
+def test_user_errors_name_the_value_and_what_is_allowed(tmp_path, monkeypatch, capsys, args,
+                                                        message):
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxrl {args[0]}: error: ") and message in err, err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "--port", "70000"], "argument --port: must be a TCP port, 0 to 65535, got 70000"),
+    (["serve", "--port", "-5"], "argument --port: must be >= 0, got -5"),
+    (["serve", "--slots", "0"], "argument --slots: must be >= 1, got 0"),
+    (["eval", "--checkpoint", "c", "--problems", "many"],
+     "argument --problems: expected an integer, got 'many'"),
+    (["eval", "--checkpoint", "c", "--step", "-1"], "argument --step: must be >= 0, got -1"),
+    (["eval"], "the following arguments are required: --checkpoint"),
+    (["frob"], "invalid choice: 'frob' (choose from 'train', 'eval', 'serve', 'compile', "
+               "'bench')"),
+])
+def test_bad_flags_are_refused_before_any_work(capsys, args, message):
+    with pytest.raises(SystemExit) as exit:
+        main(args)
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_lists_the_benchmarks_with_their_summaries(capsys):
+    summaries = {name: (ROOT / "bench" / f"{name}.py").read_text().splitlines()[0].strip('"')
+                 for name in ("async_vs_sync", "engine")}
+    assert main(["bench"]) == 0
+    listed = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[0] for line in listed] == list(summaries)
+    for line, (name, summary) in zip(listed, summaries.items()):
+        assert " ".join(line.split()) == f"{name} {' '.join(summary.split())}"
+    help_text = _help(capsys, "bench")
+    assert all(f"{name} {' '.join(s.split())}" in help_text for name, s in summaries.items())
+
+
+def test_bench_runs_the_script_with_the_remaining_args(tmp_path, monkeypatch, capfd):
+    (tmp_path / "echo.py").write_text(
+        '"""Echo: prints its arguments."""\nimport sys\nprint(sys.argv[1:])\nsys.exit(3)\n')
+    (tmp_path / "_shared.py").write_text("")  # a helper module, not a benchmark
+    monkeypatch.setattr(bench, "BENCH_DIR", tmp_path)
+    assert main(["bench", "echo", "--help", "x=1", "-n", "2"]) == 3  # its exit status
+    assert capfd.readouterr().out == "['--help', 'x=1', '-n', '2']\n"
+    assert main(["bench"]) == 0
+    assert capfd.readouterr().out.splitlines()[1:] == ["  echo  Echo: prints its arguments."]
+
+
+def test_bench_without_the_repository_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "BENCH_DIR", tmp_path / "site-packages" / "bench")
+    for args in (["bench"], ["bench", "engine"]):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"no bench/ folder at {tmp_path / 'site-packages' / 'bench'}" in err
+        assert "pip install -e ." in err
+    assert "no bench/ folder at" in _help(capsys, "bench")  # the help still works
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, option", [("engine", "--batch BATCH"),
+                                          ("async_vs_sync", "--rl-steps RL_STEPS")])
+def test_real_benchmark_help_through_jaxrl_bench(tmp_path, name, option):
+    out = _jaxrl("bench", name, "--help", cwd=tmp_path)  # imports it: torch, jax, the RL loop
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert option in out.stdout and "(default: " in out.stdout
 
 
 @pytest.mark.slow

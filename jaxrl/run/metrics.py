@@ -26,6 +26,9 @@ class MetricsLogger:
         it (and will log again) are dropped, from metrics.jsonl and from TensorBoard's view."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # W&B first: when it cannot start, the run's files are left as they were.
+        self._wandb, self._wandb_histogram = \
+            _start_wandb(wandb_project, self.run_dir, config) if wandb else (None, None)
         path = self.run_dir / METRICS_FILE
         if path.exists():
             _drop_partial_last_line(path)
@@ -34,7 +37,6 @@ class MetricsLogger:
         self._jsonl = path.open("a", encoding="utf-8")
         self._tb = _open_tensorboard(self.run_dir / "tensorboard", resume_step) \
             if tensorboard else None
-        self._wandb = _start_wandb(wandb_project, self.run_dir, config) if wandb else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         values = {name: float(value) for name, value in metrics.items()}
@@ -56,7 +58,7 @@ class MetricsLogger:
             self._tb.add_histogram(name, values, int(step))
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log({name: self._wandb.Histogram(values)}, step=int(step))
+            self._wandb.log({name: self._wandb_histogram(values)}, step=int(step))
 
     def close(self) -> None:
         if not self._jsonl.closed:
@@ -115,10 +117,17 @@ def _open_tensorboard(logdir: Path, resume_step: int | None = None) -> SummaryWr
 
 
 def _start_wandb(project: str, run_dir: Path, config: dict | None):
+    """A W&B run writing under `<run_dir>/wandb`; WANDB_MODE=offline keeps it on disk (upload
+    later with `wandb sync`). Returns the run and wandb's Histogram, not the module's global run."""
     try:
         import wandb
     except ImportError:
         raise UserError("log.wandb=true needs Weights & Biases: `pip install wandb`, "
                         "or turn it off with log.wandb=false") from None
-    wandb.init(project=project, dir=str(run_dir), config=config)
-    return wandb
+    try:
+        # create_new: never finish or reuse a run someone else opened in this process.
+        run = wandb.init(project=project, dir=str(run_dir), config=config, reinit="create_new")
+    except wandb.errors.Error as e:
+        raise UserError(f"log.wandb=true: Weights & Biases did not start ({e}); log in with "
+                        f"`wandb login`, set WANDB_MODE=offline, or set log.wandb=false") from None
+    return run, wandb.Histogram

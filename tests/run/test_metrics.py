@@ -4,6 +4,8 @@ import json
 import math
 import struct
 import sys
+import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from jaxrl.errors import UserError
-from jaxrl.run.metrics import MetricsLogger, read_metrics
+from jaxrl.run.metrics import METRICS_FILE, MetricsLogger, read_metrics
 from jaxrl.run.plots import (figure_lag_histogram, figure_reward_curves, lag_histogram,
                              reward_curves, save_run_plots)
 
@@ -151,15 +153,112 @@ def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
         MetricsLogger(tmp_path / "run", wandb=True)
 
 
-def test_wandb_offline_run(tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb", reason="wandb is not installed; the offline run needs it")
+def _wandb_records(path: Path) -> list:
+    """The Records of a `.wandb` file, parsed from its LevelDB-log framing: a 7-byte header
+    (":W&B", magic 0xBEE1, version 0), then 32 KiB blocks of chunks, each a 7-byte header
+    (CRC-32 seeded with the chunk type, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    block, head = 32768, 7
+    data = path.read_bytes()
+    assert data[:head] == b":W&B" + struct.pack("<HB", 0xBEE1, 0), "not a .wandb file"
+    records, pos, pending = [], head, b""
+    while pos < len(data):
+        if block - pos % block < head:  # too little room for a chunk header: zero padding
+            pos += block - pos % block
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos: pos + head])
+        body = data[pos + head: pos + head + length]
+        assert len(body) == length and crc == zlib.crc32(body, zlib.crc32(bytes([kind])))
+        pending, pos = pending + body, pos + head + length
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(pending))
+            pending = b""
+    assert not pending, "the file ends inside a record"
+    return records
+
+
+def _finished_wandb_records(path: Path, timeout_s: float = 20.0) -> list:
+    """The Records once the exit record is on disk. run.finish() returns when wandb-core has
+    handled the exit; the core closes (flushes) the file just after, in its own time, since its
+    finish notice is fire-and-forget. Without the exit record, the parse after `timeout_s` fails."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            records = _wandb_records(path)
+        except AssertionError:  # read in the middle of a write
+            records = []
+        if any(r.HasField("exit") for r in records):
+            return records
+        time.sleep(0.02)
+    return _wandb_records(path)
+
+
+def _item(item) -> tuple[str, object]:
+    return item.key or "/".join(item.nested_key), json.loads(item.value_json)
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """W&B in offline mode with every directory it writes in tmp_path: no network, no ~/."""
+    import wandb  # noqa: F401  (in the test extra: a missing wandb fails here, never skips)
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    with MetricsLogger(tmp_path, wandb=True, config={"lr": 1e-3}) as logger:
-        logger.log(1, {"loss": 0.5})
-        logger.histogram(1, "lag", [0, 1, 1])
-        assert wandb.run.config["lr"] == 1e-3
-    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR",
+                "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
+
+
+def test_wandb_offline_run_holds_the_history(tmp_path, wandb_offline):
+    run_dir = tmp_path / "run"
+    with MetricsLogger(run_dir, wandb=True, wandb_project="jaxrl-test",
+                       config={"train": {"lr": 1e-3}}) as logger:
+        logger.log(1, {"loss": 0.5, "kl": float("nan")})
+        logger.log(2, {"loss": 0.25})
+        logger.histogram(2, "lag", [0, 1, 1])
+    [offline] = (run_dir / "wandb").glob("offline-run-*")
+    [path] = offline.glob("run-*.wandb")
+    records = _finished_wandb_records(path)
+    kinds = [r.WhichOneof("record_type") for r in records]
+
+    [run] = [r.run for r in records if r.HasField("run")]
+    assert run.project == "jaxrl-test"
+    config = dict(_item(u) for u in run.config.update)
+    assert config["train"] == {"lr": 1e-3}
+
+    history = {}
+    for r in records:
+        if r.HasField("history"):
+            items = dict(_item(i) for i in r.history.item)
+            assert r.history.step.num == items["_step"]
+            history[r.history.step.num] = {k: v for k, v in items.items()
+                                           if not k.startswith("_")}
+    assert sorted(history) == [1, 2]
+    assert history[1]["loss"] == 0.5 and math.isnan(history[1]["kl"])
+    assert history[2]["loss"] == 0.25
+    assert history[2]["lag/_type"] == "histogram" and sum(history[2]["lag/values"]) == 3
+    assert (history[2]["lag/bins"][0], history[2]["lag/bins"][-1]) == (0, 1)
+    assert kinds.count("exit") == 1 and kinds.index("exit") > max(
+        k for k, kind in enumerate(kinds) if kind == "history")  # close() finished the run
+    assert read_metrics(run_dir)[-1] == {"step": 2, "loss": 0.25}  # the other sinks still write
+
+
+def test_wandb_that_cannot_start_is_a_clear_error_and_writes_nothing(tmp_path, wandb_offline,
+                                                                      monkeypatch):
+    import wandb
+
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("No API key configured.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / METRICS_FILE).write_text('{"step": 1, "loss": 1.0}\n{"step": 2')
+    with pytest.raises(UserError, match=r"No API key configured.*wandb login.*WANDB_MODE"):
+        MetricsLogger(tmp_path / "run", wandb=True, resume_step=0)
+    assert (tmp_path / "run" / METRICS_FILE).read_text() == '{"step": 1, "loss": 1.0}\n{"step": 2'
+    assert not (tmp_path / "run" / "tensorboard").exists()
 
 
 def test_reward_curves_png(tmp_path):
