@@ -1,0 +1,82 @@
+"""TPU memory per pipeline schedule and remat policy, from ahead-of-time compiles (libtpu).
+
+Compiles the train step for a TPU slice on this machine (no TPU needed) once per pipeline
+schedule and once per remat policy, all on the same model, batch and sequence length, and
+prints per-device device temp, host temp and argument bytes with each one's ratio to the
+baseline (gpipe; none). Where the compiler runs out of HBM, its own estimate is shown.
+
+    jaxrl bench tpu_memory [--topology v5e:2x4] [--config configs/demo_cpu.yaml]
+                           [--stages 2] [--microbatches 8] [section.key=value ...]
+    (or: .venv/bin/python bench/tpu_memory.py ...)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from jaxrl.config import load_run_config  # noqa: E402
+from jaxrl.run.compile import compile_train_step  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def table(title: str, rows: list[tuple[str, str, dict]], extra: str = "") -> None:
+    base = rows[0][2]["device_temp_bytes"]
+    print(f"\n{title}")
+    print(f"| {extra or 'variant'} | device temp MiB | x baseline | host temp MiB | "
+          f"arguments MiB | fits |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, note, m in rows:
+        mib = lambda k: f"{m[k] / 2**20:.1f}"  # noqa: E731
+        print(f"| {name}{note} | {mib('device_temp_bytes')} | "
+              f"{m['device_temp_bytes'] / base:.2f} | {mib('host_temp_bytes')} | "
+              f"{mib('argument_bytes')} | {'yes' if m['fits'] else 'no'} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--topology", default="v5e:2x4", help="TPU slice, GEN:AxB")
+    parser.add_argument("--config", default=str(ROOT / "configs/demo_cpu.yaml"),
+                        help="YAML run config")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages")
+    parser.add_argument("--microbatches", type=int, default=8, help="pipeline microbatches")
+    parser.add_argument("overrides", nargs="*", default=["train.seq_len=64",
+                                                         "model.max_seq_len=64"],
+                        help="config overrides applied to every compile")
+    args = parser.parse_args()
+
+    def compiled(*more: str) -> dict:
+        cfg = load_run_config(args.config, [*args.overrides, *more])
+        return compile_train_step(cfg, args.topology)
+
+    pipe = [f"sharding.pipeline.stages={args.stages}",
+            f"sharding.pipeline.microbatches={args.microbatches}"]
+    schedules = [
+        ("gpipe", []),
+        ("circular, 2 repeats", ["sharding.pipeline.schedule=circular",
+                                 "sharding.pipeline.repeats=2"]),
+        ("1f1b", ["sharding.pipeline.schedule=1f1b"]),
+        ("gpipe + stage inputs on host", ["sharding.pipeline.offload_stage_inputs=true"]),
+        ("1f1b + remat=offload", ["sharding.pipeline.schedule=1f1b", "train.remat=offload"]),
+    ]
+    rows = []
+    for name, more in schedules:
+        cfg = load_run_config(args.config, [*args.overrides, *pipe, *more])
+        bubble = cfg.sharding.pipeline.bubble_fraction()
+        rows.append((name, f" (bubble {bubble:.1%})", compiled(*pipe, *more)))
+    table(f"Pipeline schedules: {args.stages} stages x {args.microbatches} microbatches on "
+          f"{args.topology} ({' '.join(args.overrides)})", rows, "schedule")
+
+    rows = [(r, "", compiled(f"train.remat={r}")) for r in ("none", "full", "minimal",
+                                                              "offload")]
+    table(f"Remat policies, no pipeline, on {args.topology} ({' '.join(args.overrides)})",
+          rows, "train.remat")
+
+
+if __name__ == "__main__":
+    main()
