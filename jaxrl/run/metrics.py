@@ -4,6 +4,7 @@ TensorBoard event files, and optionally Weights & Biases."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Sequence
@@ -113,6 +114,9 @@ def _open_tensorboard(logdir: Path, resume_step: int | None = None) -> SummaryWr
     # resumed within the same second would erase the last one; number them to keep each.
     earlier = len(list(logdir.glob("events.out.tfevents.*"))) if logdir.exists() else 0
     purge = None if resume_step is None else resume_step + 1  # TensorBoard hides later events
+    # A NaN (e.g. the reward of a step where nothing finished) is logged on purpose; tensorboardX
+    # would warn about every one.
+    logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
     return SummaryWriter(str(logdir), filename_suffix=f".{earlier}", purge_step=purge)
 
 
