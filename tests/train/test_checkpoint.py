@@ -121,3 +121,20 @@ def test_missing_checkpoint_for_eval(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         restore_for_eval(tmp_path / "empty")
+
+
+def test_pipelined_run_with_host_optimizer_state_resumes_and_matches_the_plain_run(tmp_path):
+    """The trainer picks the pipeline and optimizer offload from the config: a 1f1b run over
+    (stage 2 x fsdp 4) with the optimizer state in host memory, stopped and resumed, logs the
+    losses of a plain run on the same data."""
+    _train(tmp_path, "plain", "train.steps=4", "train.batch_size=16")
+    layout = ["train.batch_size=16", "sharding.pipeline.stages=2",
+              "sharding.pipeline.microbatches=2", "sharding.pipeline.schedule=1f1b",
+              "train.offload_optimizer=true"]
+    _train(tmp_path, "piped", "train.steps=2", *layout)
+    _train(tmp_path, "piped", "train.steps=4", *layout)
+    plain, piped = _metrics(tmp_path, "plain"), _metrics(tmp_path, "piped")
+    assert sorted(piped) == [1, 2, 3, 4]
+    for step in plain:
+        assert piped[step]["loss"] == pytest.approx(plain[step]["loss"], rel=1e-5)
+        assert piped[step]["grad_norm"] == pytest.approx(plain[step]["grad_norm"], rel=1e-4)
