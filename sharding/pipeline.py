@@ -102,6 +102,14 @@ def to_stages(stacked: dict, stages: int, repeats: int) -> dict:
     return jax.tree.map(split, stacked)
 
 
+def from_stages(g_PV: dict) -> dict:
+    """Inverse of `to_stages`: [P, V, L/(P*V), ...] -> [L, ...]."""
+    def merge(a):
+        a = jnp.swapaxes(a, 0, 1)
+        return a.reshape(a.shape[0] * a.shape[1] * a.shape[2], *a.shape[3:])
+    return jax.tree.map(merge, g_PV)
+
+
 def to_microbatches(a, m: int):
     """[B, ...] -> [M, B/M, ...]: microbatch j holds rows j, j+M, j+2M, ... so that a batch
     sharded in contiguous blocks over the data axes stays sharded the same way inside each
@@ -268,11 +276,3 @@ def one_f_one_b(cfg: PipelineConfig, block_fn: Callable, head_fn: Callable, w_PV
     carry, _ = jax.lax.scan(tick, init, jnp.arange(m + 2 * p - 2))
     _, _, _, g_w, g_head, dx, loss_M, aux_out = carry
     return loss_M, aux_out, jax.tree.map(lambda g: g[:, None], g_w), g_head, dx
-
-
-def from_stages(g_PV: dict) -> dict:
-    """Inverse of `to_stages`: [P, V, L/(P*V), ...] -> [L, ...]."""
-    def merge(a):
-        a = jnp.swapaxes(a, 0, 1)
-        return a.reshape(a.shape[0] * a.shape[1] * a.shape[2], *a.shape[3:])
-    return jax.tree.map(merge, g_PV)
