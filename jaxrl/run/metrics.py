@@ -22,14 +22,15 @@ class MetricsLogger:
 
     def __init__(self, run_dir, *, tensorboard: bool = True, wandb: bool = False,
                  wandb_project: str = "jaxrl", config: dict | None = None,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, name: str | None = None):
         """`resume_step`: the step a resumed run restarts from; rows a crashed run logged after
-        it (and will log again) are dropped, from metrics.jsonl and from TensorBoard's view."""
+        it (and will log again) are dropped, from metrics.jsonl and from TensorBoard's view.
+        `name`: the phase (warm-up, RL), which names the W&B run `<run_dir>/<name>`."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # W&B first: when it cannot start, the run's files are left as they were.
         self._wandb, self._wandb_histogram = \
-            _start_wandb(wandb_project, self.run_dir, config) if wandb else (None, None)
+            _start_wandb(wandb_project, self.run_dir, config, name) if wandb else (None, None)
         path = self.run_dir / METRICS_FILE
         if path.exists():
             _drop_partial_last_line(path)
@@ -120,7 +121,7 @@ def _open_tensorboard(logdir: Path, resume_step: int | None = None) -> SummaryWr
     return SummaryWriter(str(logdir), filename_suffix=f".{earlier}", purge_step=purge)
 
 
-def _start_wandb(project: str, run_dir: Path, config: dict | None):
+def _start_wandb(project: str, run_dir: Path, config: dict | None, name: str | None = None):
     """A W&B run writing under `<run_dir>/wandb`; WANDB_MODE=offline keeps it on disk (upload
     later with `wandb sync`). Returns the run and wandb's Histogram, not the module's global run."""
     try:
@@ -130,7 +131,8 @@ def _start_wandb(project: str, run_dir: Path, config: dict | None):
                         "or turn it off with log.wandb=false") from None
     try:
         # create_new: never finish or reuse a run someone else opened in this process.
-        run = wandb.init(project=project, dir=str(run_dir), config=config, reinit="create_new")
+        run = wandb.init(project=project, dir=str(run_dir), config=config, reinit="create_new",
+                         name=f"{run_dir.name}/{name}" if name else None)
     except wandb.errors.Error as e:
         raise UserError(f"log.wandb=true: Weights & Biases did not start ({e}); log in with "
                         f"`wandb login`, set WANDB_MODE=offline, or set log.wandb=false") from None

@@ -195,7 +195,7 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     clock = _Clock(data["time_s"])
     metrics_log = MetricsLogger(run_dir, wandb=cfg.log.wandb,
                                 wandb_project=cfg.log.wandb_project, config=config_dict,
-                                resume_step=step)
+                                resume_step=step, name="RL")
 
     def held_out(params) -> dict:
         t0 = time.perf_counter()

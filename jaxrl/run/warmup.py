@@ -21,6 +21,7 @@ from jaxrl.rl.tasks.arithmetic import ArithmeticTask
 from jaxrl.rl.tasks.base import Task
 from jaxrl.rl.tasks.math import MathTask
 from jaxrl.run.evaluate import evaluate
+from jaxrl.run.metrics import MetricsLogger
 from jaxrl.train.checkpoint import CheckpointError, Checkpointer
 from jaxrl.train.optim import lr_schedule, make_optimizer
 from jaxrl.train.step import (abstract_state, init_state, jit_train_step, split_microbatches,
@@ -122,7 +123,11 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     log(f"model: {model_cfg.family}, {model_cfg.num_params() / 1e6:.2f}M parameters; mesh "
         f"{dict(mesh.shape)}; steps {first}..{cfg.train.steps}")
     pending, last_metrics, start = [], {}, time.perf_counter()
-    with open(run_dir / "metrics.jsonl", "a") as metrics_file:
+    metrics_log = MetricsLogger(run_dir, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
+                                config=config_dict, name="warm-up",
+                                # rows a crashed run logged past its checkpoint; never RL's
+                                resume_step=first if first < cfg.train.steps else None)
+    try:
         for step in range(first, cfg.train.steps):
             batch = split_microbatches(dataset[step], cfg.train.microbatches)
             state, metrics = step_fn(state, jax.device_put(batch, batch_shard))
@@ -130,14 +135,15 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
             done = step + 1 == cfg.train.steps
             if (step + 1) % cfg.train.log_every == 0 or done:
                 for s, m in pending:
-                    row = {"step": s, **{k: float(v) for k, v in jax.device_get(m).items()}}
-                    metrics_file.write(json.dumps(row) + "\n")
-                metrics_file.flush()
+                    row = {k: float(v) for k, v in jax.device_get(m).items()}
+                    metrics_log.log(s, row)
                 pending, last_metrics = [], row
                 log(f"step {s:>5}  loss {row['loss']:.4f}  token_acc "
                     f"{row['token_accuracy']:.3f}  lr {row['lr']:.2e}")
             if (step + 1) % cfg.checkpoint.every == 0 or done:
                 ckpt.save(state, config_dict)
+    finally:
+        metrics_log.close()
     ckpt.wait()
     seconds = time.perf_counter() - start
     steps_run = cfg.train.steps - first

@@ -138,3 +138,16 @@ def test_pipelined_run_with_host_optimizer_state_resumes_and_matches_the_plain_r
     for step in plain:
         assert piped[step]["loss"] == pytest.approx(plain[step]["loss"], rel=1e-5)
         assert piped[step]["grad_norm"] == pytest.approx(plain[step]["grad_norm"], rel=1e-4)
+
+
+def test_warmup_logs_to_tensorboard_once_per_step_across_a_resume(runs):
+    from tests.run.test_metrics import _read_events, _scalars
+
+    for name in ("straight", "resumed"):
+        loss = _scalars(_read_events(runs / name))["loss"]
+        # Every step once, resumed run included, with the loss metrics.jsonl holds.
+        by_step = dict(loss)
+        assert sorted(by_step) == [1, 2, 3, 4]
+        jsonl = _metrics(runs, name)
+        for step, value in by_step.items():
+            assert value == pytest.approx(jsonl[step]["loss"], rel=1e-6)
