@@ -16,8 +16,8 @@ Schedules, for p stages, m microbatches and v repeats:
             iteration each stage runs one forward and one backward, so a stage holds the inputs
             of at most 2p-1 microbatches instead of m (PipeDream-Flush's one-forward-one-backward,
             in lock-step SPMD form); the backward recomputes the stage's forward from its input.
-            In lock-step each of the m+2p-2 iterations costs a forward and a backward on every
-            stage, so the bubble is (2p-2)/(m+2p-2).
+            Of the m+2p-2 iterations, the first p-1 run only forwards and the last p-1 only
+            backwards, so the bubble is GPipe's, (p-1)/(m+p-1).
 
 Layer l of L belongs to block l // (L/(p*v)); block r*p + s is repeat r of stage s.
 Shape letters: P stages, V repeats, M microbatches, b rows per microbatch, T length, D embed.
@@ -87,8 +87,6 @@ class PipelineConfig:
     def bubble_fraction(self) -> float:
         """Share of stage-iterations that are idle (compute on nothing) in this schedule."""
         p, m, v = self.stages, self.microbatches, self.repeats
-        if self.schedule == "1f1b":
-            return (2 * p - 2) / (m + 2 * p - 2)
         return (p - 1) / (v * m + p - 1)
 
 
@@ -246,7 +244,11 @@ def one_f_one_b(cfg: PipelineConfig, block_fn: Callable, head_fn: Callable, w_PV
         x_PbTD = _on_stages(fwd_PbTD.at[0].set(x_MbTD[jf[0]]), mesh)
         saved_PKbTD = jax.vmap(lambda buf, k, ok, x: buf.at[k].set(jnp.where(ok, x, buf[k])))(
             saved_PKbTD, jf % keep, f_ok, x_PbTD)
-        y_PbTD = forward(w_P, x_PbTD, _take(aux_M, jf))
+        # The first p-1 iterations have no backward anywhere and the last p-1 no forward:
+        # skip that work outright, so the ramps cost one pass, not two (the bubble is GPipe's).
+        y_PbTD = jax.lax.cond(t < m + p - 1,
+                              lambda: forward(w_P, x_PbTD, _take(aux_M, jf)),
+                              lambda: jnp.zeros_like(x_PbTD))
         # The head on the last stage's output, then its backward, in the same iteration.
         loss, head_aux, gh_params, g_h = jax.lax.cond(f_ok[-1], head, no_head, y_PbTD[-1], jf[-1])
         loss_M = loss_M.at[jf[-1]].set(jnp.where(f_ok[-1], loss, loss_M[jf[-1]]))
@@ -260,7 +262,9 @@ def one_f_one_b(cfg: PipelineConfig, block_fn: Callable, head_fn: Callable, w_PV
         b_ok, jb = (jb >= 0) & (jb < m), jnp.clip(jb, 0, m - 1)
         x_saved = jax.vmap(lambda buf, k: buf[k])(saved_PKbTD, jb % keep)
         g_in = _on_stages(bwd_PbTD.at[-1].set(g_h), mesh)
-        gw_P, gx_PbTD = backward(w_P, x_saved, _take(aux_M, jb), g_in)
+        gw_P, gx_PbTD = jax.lax.cond(
+            t >= p - 1, lambda: backward(w_P, x_saved, _take(aux_M, jb), g_in),
+            lambda: (jax.tree.map(jnp.zeros_like, w_P), jnp.zeros_like(g_in)))
         g_w = jax.tree.map(lambda acc, g: acc + jnp.where(
             b_ok.reshape(p, *(1,) * (g.ndim - 1)), g, 0).astype(acc.dtype), g_w, gw_P)
         dx_MbTD = dx_MbTD.at[jb[0]].set(jnp.where(b_ok[0], gx_PbTD[0], dx_MbTD[jb[0]]))

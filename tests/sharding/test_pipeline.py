@@ -126,7 +126,7 @@ def test_bubble_fractions():
     assert PipelineConfig(stages=4, microbatches=8, repeats=2,
                           schedule="circular").bubble_fraction() == pytest.approx(3 / 19)
     assert PipelineConfig(stages=4, microbatches=8,
-                          schedule="1f1b").bubble_fraction() == pytest.approx(6 / 14)
+                          schedule="1f1b").bubble_fraction() == pytest.approx(3 / 11)
 
 
 @pytest.mark.parametrize("overrides,message", [
