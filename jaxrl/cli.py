@@ -150,15 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
                               description=textwrap.fill(summary[0].upper() + summary[1:] + ".", 79),
                               **kwargs)
 
-    overrides = "override a config value (the dataclasses give the defaults, --config " \
-                "overrides them, these override both), e.g. "
+    def config_arguments(p: argparse.ArgumentParser, example: str) -> None:
+        p.add_argument("--config", default=None,
+                       help="YAML run config, e.g. configs/demo_cpu.yaml (default: none, the "
+                            "dataclass defaults)")
+        p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                       help="override a config value (the dataclasses give the defaults, "
+                            "--config overrides them, these override both), e.g. " + example)
 
     p = command("train", "train a model: supervised warm-up, then RL (async or sync)")
-    p.add_argument("--config", default=None,
-                   help="YAML run config, e.g. configs/demo_cpu.yaml (default: none, the "
-                        "dataclass defaults)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help=overrides + "train.steps=100")
+    config_arguments(p, "train.steps=100")
     p.set_defaults(run=_train)
 
     p = command("eval", "held-out accuracy of a checkpoint written by `jaxrl train`")
@@ -197,11 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "time for a TPU slice (needs libtpu, not a TPU) and print their "
                             "per-device memory")
     p.add_argument("--topology", default="v5e:2x4", help="TPU slice, GEN:AxB[xC]")
-    p.add_argument("--config", default=None,
-                   help="YAML run config, e.g. configs/demo_cpu.yaml (default: none, the "
-                        "dataclass defaults)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help=overrides + "train.remat=offload")
+    config_arguments(p, "train.remat=offload")
     p.set_defaults(run=_compile)
 
     from jaxrl.run.bench import listing

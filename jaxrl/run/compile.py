@@ -33,12 +33,8 @@ def compile_generate_step(cfg: RunConfig, topology: str) -> dict:
     model_cfg = model_config(cfg)
     engine = Engine(model_cfg, engine_config(cfg, model_cfg),
                     mesh=shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), devices))
-    lowered = Engine._generate.lower(engine, engine.param_target, engine.abstract_decode_state())
-    try:
-        memory = lowered.compile().memory_analysis()
-    except jax.errors.JaxRuntimeError as e:
-        return _out_of_memory(e, (engine.param_target, engine.abstract_decode_state()))
-    return _report(memory, topology)
+    args = (engine.param_target, engine.abstract_decode_state())
+    return _memory(Engine._generate.lower(engine, *args), args, topology)
 
 
 def compile_train_step(cfg: RunConfig, topology: str) -> dict:
@@ -58,15 +54,15 @@ def compile_train_step(cfg: RunConfig, topology: str) -> dict:
     sharding = shd.batch_sharding(mesh, 3, leading=1)
     batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=sharding) for k, dt in
              (("input_ids", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32))}
-    lowered = step.lower(state, batch)
+    return _memory(step.lower(state, batch), (state, batch), topology)
+
+
+def _memory(lowered, args, topology: str) -> dict:
+    """Per-device bytes of `lowered` (a program lowered with abstract `args`) once compiled."""
     try:
         memory = lowered.compile().memory_analysis()
     except jax.errors.JaxRuntimeError as e:
-        return _out_of_memory(e, (state, batch))
-    return _report(memory, topology)
-
-
-def _report(memory, topology: str) -> dict:
+        return _out_of_memory(e, args)
     out = {"device_temp_bytes": int(memory.temp_size_in_bytes),
            "host_temp_bytes": int(memory.host_temp_size_in_bytes),
            "argument_bytes": int(memory.argument_size_in_bytes),
