@@ -1,19 +1,24 @@
-"""A generation engine in the shape of JetStream's Engine API, over a slot KV cache.
+"""The model runner: JetStream's Engine API shape (prefill, insert, generate) over a paged KV
+cache, as compiled programs. It holds no bookkeeping of its own: which pages and slots a
+sequence has is the scheduler's (serving/scheduler.py), passed in as page tables.
 
-    prefix, first = engine.prefill(params, padded_tokens, true_length, sampling=...)
-    state = engine.insert(prefix, state, slot, sampling, sample_index)
-    state, tokens, logprobs = engine.generate(params, state)      # one token for every slot
+    state = engine.init_decode_state()                        # the page pool + per-slot state
+    state, logits = engine.prefill(params, state, tokens, starts, lengths, table)
+    tokens, logprobs = engine.sample_first(logits, rows, samplings, sample_indices)
+    state = engine.insert(state, slots, lengths, next_tokens, counts, samplings, indices)
+    state, tokens, logprobs = engine.generate_steps(params, state, table, steps)
 
-The KV cache is `[layers, slots, max_len, kv_heads, head_dim]` in the serving dtype. A prompt
-is prefilled in chunks of `prefill_chunk` tokens, each padded to a power-of-two bucket (one
-compiled program per bucket); a chunk extends the prefix the previous chunk left, so the
-orchestrator can interleave chunks with decode steps (Sarathi-Serve). `update_params` swaps the
-weights between two `generate` calls and keeps every slot's cache (PipelineRL).
+Prefill writes a chunk of each row's prompt straight into that row's pages and attends over
+the pages before it (Sarathi-Serve's chunked prefill); decode does the same with one token per
+slot. Both run `Transformer.extend` on a `PagedKV`, sized to the longest row they hold (a page
+table of power-of-two width), so a step's cost follows the tokens held, not `max_len`.
+`update_params` swaps the weights between two steps and keeps every page (PipelineRL).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 
 import jax
@@ -22,32 +27,22 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl.models import ModelConfig, abstract_model, merge_params, param_axes, split_params
-from serving.sampling import SamplingParams, sample, slot_keys
+from serving.paged_kv import IMPLEMENTATIONS, PagedKV
+from serving.sampling import sample, slot_keys
 from sharding import mesh as shd
 from sharding.reshard import reshard
 
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Prefix:
-    """The KV caches of P prompts (full length) and what to sample their first tokens from."""
-
-    k: jax.Array          # [L, P, M, G, H]
-    v: jax.Array
-    length: jax.Array     # int32 [P]: prompt tokens in each row's cache
-    logits: jax.Array     # float32 [P, V]: next-token logits after each row's last prompt token
+POOL_AXES = ("layers", "pages", "page", "kv_heads", "head_dim")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
-    """Everything `generate` needs about every slot."""
+    """The page pool and everything `generate` needs about every slot."""
 
-    k: jax.Array              # [L, S, M, G, H]
+    k: jax.Array              # [L, P, K, G, H]: the pool
     v: jax.Array
-    lengths: jax.Array        # int32 [S]: tokens in each slot's cache
+    lengths: jax.Array        # int32 [S]: tokens of each slot's sequence in the pool
     tokens: jax.Array         # int32 [S]: the token each slot feeds next
     counts: jax.Array         # int32 [S]: tokens sampled so far (drives the RNG)
     temperature: jax.Array    # float32 [S]
@@ -62,7 +57,9 @@ class EngineConfig:
     """Sizes of the engine (all fixed at compile time)."""
 
     max_concurrent_decodes: int = 8   # slots in the decode batch
-    max_len: int = 128                # KV cache length: prompt + generated tokens per slot
+    # Longest sequence (prompt + generated tokens): the width of a page table, a few integers
+    # per slot; no memory is reserved per slot. Set it to the model's context.
+    max_len: int = 128
     max_prefill_length: int = 64      # longest prompt accepted
     prefill_chunk: int = 32           # longer prompts are prefilled in chunks of this size
     # Prompt tokens the orchestrator prefills between two decode dispatches (Sarathi-Serve's
@@ -72,7 +69,17 @@ class EngineConfig:
     # Decode steps per dispatch in the orchestrator: fewer host round trips per token, at the
     # cost of up to this many steps before a finished slot is reused (vLLM's multi-step).
     steps_per_dispatch: int = 1
-    dtype: str = "float32"            # weights and KV cache; bfloat16 on GPU/TPU
+    dtype: str = "float32"            # weights and KV pool; bfloat16 on GPU/TPU
+    page_size: int = 16               # tokens per KV page
+    # Pages in the pool, the null page included. 0: from memory_fraction if set, else enough
+    # for every slot at max_len (no oversubscription).
+    num_pages: int = 0
+    # GPU/TPU: size the pool to this fraction of the device memory free once the weights are
+    # loaded (vLLM's gpu_memory_utilization, applied to what is left). 0: unused.
+    memory_fraction: float = 0.0
+    # Decode and prefill attention over the pages. reference: gather + XLA attention, runs
+    # everywhere (serving/paged_kv.py).
+    attention: str = "reference"
 
     def __post_init__(self):
         if self.max_prefill_length >= self.max_len:
@@ -81,12 +88,24 @@ class EngineConfig:
         if self.prefill_chunk < self.min_bucket:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} is below "
                              f"min_bucket={self.min_bucket}")
-        if self.prefill_budget < 1:
-            raise ValueError(f"prefill_budget={self.prefill_budget} must be >= 1")
-        if self.steps_per_dispatch < 1:
-            raise ValueError(f"steps_per_dispatch={self.steps_per_dispatch} must be >= 1")
-        if self.max_concurrent_decodes < 1:
-            raise ValueError(f"max_concurrent_decodes={self.max_concurrent_decodes} must be >= 1")
+        for name in ("prefill_budget", "steps_per_dispatch", "max_concurrent_decodes",
+                     "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_pages < 0:
+            raise ValueError(f"num_pages={self.num_pages} must be >= 0 (0: sized for you)")
+        if self.num_pages and self.num_pages < self.pages_per_sequence + 1:
+            raise ValueError(f"num_pages={self.num_pages} cannot hold one sequence of max_len="
+                             f"{self.max_len} tokens: that needs {self.pages_per_sequence} pages "
+                             f"of {self.page_size} plus the null page")
+        if not 0 <= self.memory_fraction < 1:
+            raise ValueError(f"memory_fraction={self.memory_fraction} must be in [0, 1)")
+        if self.attention not in IMPLEMENTATIONS:
+            raise ValueError(f"attention={self.attention!r} is not one of {IMPLEMENTATIONS}")
+
+    @property
+    def pages_per_sequence(self) -> int:
+        return math.ceil(self.max_len / self.page_size)
 
 
 class Engine:
@@ -100,14 +119,37 @@ class Engine:
         shardings = shd.tree_shardings(param_axes(self.model_cfg), abstract, self.mesh)
         self.param_target = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-        c = self.model_cfg
-        self.cache_shape = (c.num_layers, cfg.max_concurrent_decodes, cfg.max_len,
-                            c.num_kv_heads, c.head_dim)
-        self.cache_sharding = shd.logical_to_sharding(CACHE_AXES, self.cache_shape, self.mesh)
         self.buckets = tuple(b for b in (cfg.min_bucket * 2**i for i in range(32))
                              if b < cfg.prefill_chunk) + (cfg.prefill_chunk,)
+        self.num_pages = cfg.num_pages or (
+            self._pages_from_memory() if cfg.memory_fraction else
+            cfg.max_concurrent_decodes * cfg.pages_per_sequence + 1)
+        c = self.model_cfg
+        self.pool_shape = (c.num_layers, self.num_pages, cfg.page_size, c.num_kv_heads,
+                           c.head_dim)
+        self.pool_sharding = shd.logical_to_sharding(POOL_AXES, self.pool_shape, self.mesh)
         self.params = None
         self.version = -1
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (keys and values, all layers), over all devices."""
+        c = self.model_cfg
+        return (2 * c.num_layers * self.cfg.page_size * c.num_kv_heads * c.head_dim
+                * jnp.dtype(c.compute_dtype).itemsize)
+
+    def _pages_from_memory(self) -> int:
+        """Pages that fit in `memory_fraction` of the free memory of the most loaded device
+        (the pool is sharded over kv heads like the weights, so each device holds its share of
+        every page)."""
+        stats = [d.memory_stats() for d in self.mesh.devices.flat]
+        if any(s is None or "bytes_limit" not in s for s in stats):
+            raise ValueError(f"memory_fraction={self.cfg.memory_fraction}: the "
+                             f"{self.mesh.devices.flat[0].platform} backend reports no device "
+                             f"memory; set num_pages instead")
+        free = min(s["bytes_limit"] - s["bytes_in_use"] for s in stats)
+        share = self.page_bytes // math.gcd(self.mesh.shape["tensor"], self.model_cfg.num_kv_heads)
+        return max(int(self.cfg.memory_fraction * free) // share, 2)
 
     # -- JetStream Engine API ------------------------------------------------------------------
     @property
@@ -129,7 +171,7 @@ class Engine:
         return reshard(params, self.param_target)
 
     def update_params(self, params, version: int, *, prepared: bool = False) -> None:
-        """Makes `params` current. Call it between two `generate` steps; slot caches are kept.
+        """Makes `params` current. Call it between two `generate` steps; the pool is kept.
         A bad update raises WeightUpdateError and leaves the current weights in place."""
         self.params = params if prepared else self.prepare_params(params)
         self.version = version
@@ -143,13 +185,18 @@ class Engine:
                             jax.eval_shape(self._empty_state), self._state_shardings())
 
     def _empty_state(self) -> DecodeState:
-        return _state_like(self.cfg.max_concurrent_decodes, self.cache_shape,
-                           self.model_cfg.compute_dtype)
+        s = self.cfg.max_concurrent_decodes
+        zeros = lambda d: jnp.zeros((s,), d)  # noqa: E731
+        pool = jnp.zeros(self.pool_shape, self.model_cfg.compute_dtype)
+        return DecodeState(k=pool, v=pool, lengths=zeros(jnp.int32), tokens=zeros(jnp.int32),
+                           counts=zeros(jnp.int32), temperature=zeros(jnp.float32),
+                           top_k=zeros(jnp.int32), top_p=zeros(jnp.float32),
+                           seeds=zeros(jnp.uint32), sample_index=zeros(jnp.int32))
 
     def _state_shardings(self) -> DecodeState:
-        out = jax.tree.map(lambda _: shd.replicated(self.mesh),
-                           _state_like(self.cfg.max_concurrent_decodes))
-        return dataclasses.replace(out, k=self.cache_sharding, v=self.cache_sharding)
+        rep = shd.replicated(self.mesh)
+        fields = {f.name: rep for f in dataclasses.fields(DecodeState)}
+        return DecodeState(**{**fields, "k": self.pool_sharding, "v": self.pool_sharding})
 
     def bucket(self, length: int) -> int:
         for b in self.buckets:
@@ -157,80 +204,66 @@ class Engine:
                 return b
         raise ValueError(f"chunk of {length} tokens exceeds prefill_chunk={self.cfg.prefill_chunk}")
 
-    def prefill(self, params, padded_tokens, true_length: int, *,
-                sampling: SamplingParams = SamplingParams(), existing_prefix: Prefix | None = None):
-        """JetStream's prefill for one prompt: extends `existing_prefix` (or an empty one) by
-        `padded_tokens[:true_length]`. Returns (prefix, (first_tokens [n], first_logprobs [n])):
-        the first token of each of the request's n samples, drawn after the last prompt token."""
-        prefix = self.prefill_batch(params, np.asarray(padded_tokens)[None], [true_length],
-                                    existing_prefix)
-        return prefix, self.sample_first(prefix, [0] * sampling.n, [sampling] * sampling.n,
-                                         list(range(sampling.n)))
-
-    def prefill_batch(self, params, tokens_PT, true_lengths, existing_prefix=None) -> Prefix:
-        """Prefills P prompts (or the next chunk of each) in one call. Rows are padded to a
-        power of two so that few programs are compiled; the prefix keeps the padding rows."""
+    def prefill(self, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
+        """Writes the next chunk of P prompts into their pages: row i's `lengths_P[i]` tokens
+        sit at positions starts_P[i].. and go into the pages of `table_PW[i]`. Returns
+        (state, logits [P, V] after each row's last token). Rows are padded to a power of two
+        (padding rows write only to the null page) so that few programs are compiled."""
         tokens_PT = np.asarray(tokens_PT, np.int32)
         p = tokens_PT.shape[0]
-        rows = 1 << (p - 1).bit_length()
-        lengths = np.ones(rows, np.int32)
-        lengths[:p] = true_lengths
-        tokens = np.zeros((rows, tokens_PT.shape[1]), np.int32)
-        tokens[:p] = tokens_PT
-        if existing_prefix is None:
-            c = self.model_cfg
-            shape = (c.num_layers, rows, self.cfg.max_len, c.num_kv_heads, c.head_dim)
-            existing_prefix = Prefix(k=jnp.zeros(shape, c.compute_dtype),
-                                     v=jnp.zeros(shape, c.compute_dtype),
-                                     length=jnp.zeros((rows,), jnp.int32),
-                                     logits=jnp.zeros((rows, c.vocab_size), jnp.float32))
-        return self._prefill(params, existing_prefix, tokens, lengths)
+        rows = _pad_to_pow2(p)
+        pad = lambda a, dtype: np.concatenate(  # noqa: E731
+            [np.asarray(a, dtype), np.zeros((rows - p, *np.shape(a)[1:]), dtype)])
+        state, logits = self._prefill(params, state, pad(tokens_PT, np.int32),
+                                      pad(starts_P, np.int32), pad(lengths_P, np.int32),
+                                      pad(table_PW, np.int32))
+        return state, logits[:p]
 
-    def sample_first(self, prefix: Prefix, rows, samplings, sample_indices):
-        """First tokens and logprobs for K samples: entry i is drawn from prefix row `rows[i]`
+    def sample_first(self, logits_PV, rows, samplings, sample_indices):
+        """First tokens and logprobs for K samples: entry i is drawn from logits row `rows[i]`
         with `samplings[i]` as sample `sample_indices[i]` of its request."""
         args = _sampling_arrays(samplings, _pad_to_pow2(len(rows)))
         idx = _padded(rows, len(args[0]), np.int32)
         index = _padded(sample_indices, len(args[0]), np.int32)
-        tokens, logprobs = self._sample_first(prefix.logits, idx, index, *args)
+        tokens, logprobs = self._sample_first(logits_PV, idx, index, *args)
         return tokens[: len(rows)], logprobs[: len(rows)]
 
-    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
-               sampling: SamplingParams = SamplingParams(), sample_index: int = 0,
-               first_token=None, row: int = 0) -> DecodeState:
-        """JetStream's insert: copies prefix row `row` into `slot`; the slot then decodes from
-        `first_token` (the one prefill drew for this sample; default: the greedy one)."""
-        if first_token is None:
-            first_token = int(jnp.argmax(prefix.logits[row]))
-        return self.insert_batch(prefix, decode_state, [slot], [row], [sampling],
-                                 [sample_index], [first_token])
-
-    def insert_batch(self, prefix: Prefix, decode_state: DecodeState, slots, rows, samplings,
-                     sample_indices, first_tokens) -> DecodeState:
-        """K inserts in one call: prefix row `rows[i]` goes to slot `slots[i]`."""
+    def insert(self, state: DecodeState, slots, lengths, next_tokens, counts, samplings,
+               sample_indices) -> DecodeState:
+        """JetStream's insert for K sequences whose pages are written: slot `slots[i]` decodes
+        on from `next_tokens[i]` at position `lengths[i]`, having sampled `counts[i]` tokens.
+        Nothing is copied: the slot reaches its pages through the page table."""
         k = _pad_to_pow2(len(slots))
         # Padding repeats the last insert: writing the same slot twice with the same data.
-        return self._insert(decode_state, prefix, _padded(slots, k, np.int32),
-                            _padded(rows, k, np.int32), _padded(first_tokens, k, np.int32),
+        return self._insert(state, _padded(slots, k, np.int32), _padded(lengths, k, np.int32),
+                            _padded(next_tokens, k, np.int32), _padded(counts, k, np.int32),
                             *_sampling_arrays(samplings, k), _padded(sample_indices, k, np.int32))
 
-    def generate(self, params, decode_state: DecodeState):
-        """One decode step for every slot: (decode_state, tokens [S], logprobs [S])."""
-        return self._generate(params, decode_state)
+    def copy_pages(self, state: DecodeState, src, dst) -> DecodeState:
+        """Pool page src[i] copied to dst[i] in every layer (the partly filled last prompt page
+        of a group, once per sample beyond the first)."""
+        k = _pad_to_pow2(len(src))
+        return self._copy_pages(state, _padded(src, k, np.int32), _padded(dst, k, np.int32))
 
-    def generate_steps(self, params, decode_state: DecodeState, steps: int):
-        """`steps` decode steps in one dispatch: (decode_state, tokens [K, S], logprobs [K, S]),
-        exactly what `steps` calls of `generate` would give."""
-        return self._generate_steps(params, decode_state, steps)
+    def generate(self, params, state: DecodeState, table_SW):
+        """One decode step for every slot: (state, tokens [S], logprobs [S])."""
+        state, tokens, logprobs = self.generate_steps(params, state, table_SW, 1)
+        return state, tokens[0], logprobs[0]
+
+    def generate_steps(self, params, state: DecodeState, table_SW, steps: int):
+        """`steps` decode steps in one dispatch: (state, tokens [K, S], logprobs [K, S]). The
+        page table must already hold the pages the steps write."""
+        return self._generate_steps(params, state, np.asarray(table_SW, np.int32), steps)
 
     # -- compiled programs ---------------------------------------------------------------------
-    @partial(jax.jit, static_argnums=0)
-    def _prefill(self, params, prefix: Prefix, tokens_PT, true_lengths_P):
+    @partial(jax.jit, static_argnums=0, donate_argnums=2)
+    def _prefill(self, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
         model = merge_params(self.graphdef, params)
-        x_PTD, k, v = model.extend(tokens_PT, prefix.length, prefix.k, prefix.v)
-        last_PD = jnp.take_along_axis(x_PTD, (true_lengths_P - 1)[:, None, None], axis=1)
-        logits_PV = model.logits(last_PD)[:, 0]
-        return Prefix(k=k, v=v, length=prefix.length + true_lengths_P, logits=logits_PV)
+        cache = PagedKV(state.k, state.v, table_PW)
+        x_PTD, cache = model.extend(tokens_PT, starts_P, cache, valid_B=lengths_P)
+        last_P11 = jnp.maximum(lengths_P - 1, 0)[:, None, None]
+        logits_PV = model.logits(jnp.take_along_axis(x_PTD, last_P11, axis=1))[:, 0]
+        return dataclasses.replace(state, k=cache.k, v=cache.v), logits_PV
 
     @partial(jax.jit, static_argnums=0)
     def _sample_first(self, logits_PV, rows_K, sample_index_K, temperature_K, top_k_K, top_p_K,
@@ -239,38 +272,38 @@ class Engine:
         return sample(logits_PV[rows_K], temperature_K, top_k_K, top_p_K, keys)
 
     @partial(jax.jit, static_argnums=0, donate_argnums=1)
-    def _insert(self, state: DecodeState, prefix: Prefix, slots_K, rows_K, first_tokens_K,
-                temperature_K, top_k_K, top_p_K, seeds_K, sample_index_K):
+    def _insert(self, state: DecodeState, slots_K, lengths_K, tokens_K, counts_K, temperature_K,
+                top_k_K, top_p_K, seeds_K, sample_index_K):
         at = lambda a, x: a.at[slots_K].set(x)  # noqa: E731
-        return DecodeState(
-            k=state.k.at[:, slots_K].set(prefix.k[:, rows_K]),
-            v=state.v.at[:, slots_K].set(prefix.v[:, rows_K]),
-            lengths=at(state.lengths, prefix.length[rows_K]), tokens=at(state.tokens, first_tokens_K),
-            counts=at(state.counts, 1), temperature=at(state.temperature, temperature_K),
+        return dataclasses.replace(
+            state, lengths=at(state.lengths, lengths_K), tokens=at(state.tokens, tokens_K),
+            counts=at(state.counts, counts_K), temperature=at(state.temperature, temperature_K),
             top_k=at(state.top_k, top_k_K), top_p=at(state.top_p, top_p_K),
             seeds=at(state.seeds, seeds_K), sample_index=at(state.sample_index, sample_index_K))
 
-    @partial(jax.jit, static_argnums=0, donate_argnums=2)
-    def _generate(self, params, state: DecodeState):
-        return self._step(params, state)
+    @partial(jax.jit, static_argnums=0, donate_argnums=1)
+    def _copy_pages(self, state: DecodeState, src_K, dst_K):
+        return dataclasses.replace(state, k=state.k.at[:, dst_K].set(state.k[:, src_K]),
+                                   v=state.v.at[:, dst_K].set(state.v[:, src_K]))
 
-    @partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
-    def _generate_steps(self, params, state: DecodeState, steps: int):
+    @partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
+    def _generate_steps(self, params, state: DecodeState, table_SW, steps: int):
         def body(state, _):
-            state, tokens, logprobs = self._step(params, state)
+            state, tokens, logprobs = self._step(params, state, table_SW)
             return state, (tokens, logprobs)
 
         state, (tokens, logprobs) = jax.lax.scan(body, state, length=steps)
         return state, tokens, logprobs
 
-    def _step(self, params, state: DecodeState):
+    def _step(self, params, state: DecodeState, table_SW):
         model = merge_params(self.graphdef, params)
-        x_S1D, k, v = model.extend(state.tokens[:, None], state.lengths, state.k, state.v)
+        cache = PagedKV(state.k, state.v, table_SW)
+        x_S1D, cache = model.extend(state.tokens[:, None], state.lengths, cache)
         logits_SV = model.logits(x_S1D)[:, 0]
         keys = slot_keys(state.seeds, state.sample_index, state.counts)
         tokens, logprobs = sample(logits_SV, state.temperature, state.top_k, state.top_p, keys)
         lengths = jnp.minimum(state.lengths + 1, self.cfg.max_len)
-        state = dataclasses.replace(state, k=k, v=v, lengths=lengths, tokens=tokens,
+        state = dataclasses.replace(state, k=cache.k, v=cache.v, lengths=lengths, tokens=tokens,
                                     counts=state.counts + 1)
         return state, tokens, logprobs
 
@@ -291,12 +324,3 @@ def _sampling_arrays(samplings, k: int):
             _padded([s.top_k for s in samplings], k, np.int32),
             _padded([s.top_p for s in samplings], k, np.float32),
             _padded([s.seed for s in samplings], k, np.uint32))
-
-
-def _state_like(s: int, cache_shape=None, dtype=jnp.float32) -> DecodeState:
-    zeros = lambda d: jnp.zeros((s,), d)  # noqa: E731
-    cache = jnp.zeros(cache_shape or (1,), dtype)
-    return DecodeState(k=cache, v=cache, lengths=zeros(jnp.int32), tokens=zeros(jnp.int32),
-                       counts=zeros(jnp.int32), temperature=zeros(jnp.float32),
-                       top_k=zeros(jnp.int32), top_p=jnp.ones((s,), jnp.float32),
-                       seeds=zeros(jnp.uint32), sample_index=zeros(jnp.int32))

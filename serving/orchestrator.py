@@ -1,15 +1,17 @@
-"""Continuous batching around an Engine, with in-flight weight updates.
+"""Continuous batching around an Engine over a paged KV pool, with in-flight weight updates.
 
-Two threads, blocking on queues as JetStream's orchestrator does:
-- the engine loop owns the device: between two decode dispatches it applies a pending weight
-  update, returns finished slots to the free list, prefills queued prompts chunk by chunk up to
-  a token budget (inserting each into free slots when its prompt is done), then runs
-  `steps_per_dispatch` decode steps for every slot. Prefill is chunked so a long prompt never stalls running decodes.
-- the emitter pulls each dispatch's tokens to the host, appends them to their requests' streams,
-  applies the stop rules (EOS, stop tokens, max_tokens, cache full, client gone) and hands
-  finished slots back to the loop.
+One loop thread owns the device. Each iteration it
+1. swaps in a pending weight update (between two decode dispatches; every page is kept),
+2. has the scheduler plan a prefill call (chunks of prompts being prefilled, new admissions,
+   preempted sequences recomputed) and runs it; each prompt that completes is forked into its
+   n samples, whose first tokens are drawn and which take their slots,
+3. has the scheduler give every running sequence the pages of the next `steps_per_dispatch`
+   tokens (preempting the youngest when the pool runs dry), runs the decode steps, and appends
+   each token to its sequence and its request's stream, applying the stop rules (EOS, stop
+   tokens, max_tokens, max_len, client gone). A finished sequence's pages and slot are free for
+   the next iteration.
 
-Every token is tagged with the version of the weights that produced it.
+Every token is tagged with its log-probability and the version of the weights that produced it.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ import itertools
 import queue
 import threading
 import time
-from typing import Sequence
+from typing import Sequence as Seq
 
 import numpy as np
 
 from jaxrl.errors import UserError
 from serving.engine import Engine
+from serving.paged_kv import table_width
 from serving.sampling import SamplingParams
+from serving.scheduler import Scheduler
+from serving.sequence import Prefill, Request, Sequence
 from serving.stream import DoneEvent, RequestStream, Sample, TokenEvent
 
 __all__ = ["DoneEvent", "InvalidRequest", "Orchestrator", "QueueFull", "RequestStream",
@@ -39,19 +44,6 @@ class InvalidRequest(UserError):
 
 class QueueFull(Exception):
     """Backpressure: the request queue is at its limit; retry later."""
-
-
-@dataclasses.dataclass
-class _Request:
-    prompt: list[int]
-    sampling: SamplingParams
-    stream: RequestStream
-    generated: list[int] = dataclasses.field(default_factory=list)  # per sample
-    done: list[bool] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self):
-        self.generated = [0] * self.sampling.n
-        self.done = [False] * self.sampling.n
 
 
 @dataclasses.dataclass
@@ -70,41 +62,39 @@ class UpdateResult:
 
 
 class Orchestrator:
-    def __init__(self, engine: Engine, *, eos_id: int | None = None, max_queued: int = 1024):
+    def __init__(self, engine: Engine, *, eos_id: int | None = None, max_queued: int = 1024,
+                 longest_first: bool = False):
         if engine.params is None:
             raise ValueError("engine has no weights: call engine.load_params first")
         self.engine = engine
         self.eos_id = eos_id
         self.vocab_size = engine.model_cfg.vocab_size
-        self._queue: collections.deque[_Request] = collections.deque()
+        e = engine.cfg
+        self.scheduler = Scheduler(slots=e.max_concurrent_decodes, num_pages=engine.num_pages,
+                                   page_size=e.page_size, max_len=e.max_len,
+                                   prefill_chunk=e.prefill_chunk,
+                                   prefill_budget=e.prefill_budget, longest_first=longest_first)
         self._max_queued = max_queued
-        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._updates: queue.SimpleQueue[_Update] = queue.SimpleQueue()
-        self._records: queue.Queue = queue.Queue(maxsize=2)  # how far the loop may run ahead
-        self._freed: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._ids = itertools.count()
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._thread: threading.Thread | None = None
         self._stats = collections.Counter()
-        self._running: dict[int, _Request] = {}  # emitter's: requests with samples in slots
-        self._job = None  # loop's: (request, prefix, tokens prefilled) of a long prompt
         self.pauses_s: list[float] = []
         self.error: BaseException | None = None
 
     # -- public --------------------------------------------------------------------------------
     def start(self) -> "Orchestrator":
-        for target, name in ((self._loop, "engine-loop"), (self._emit, "emitter")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
         self._wake.set()
-        for t in self._threads:
-            t.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def __enter__(self):
         return self.start()
@@ -112,8 +102,8 @@ class Orchestrator:
     def __exit__(self, *exc):
         self.stop()
 
-    def validate(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
-        e = self.engine.cfg
+    def validate(self, prompt: Seq[int], sampling: SamplingParams) -> None:
+        e, pool = self.engine.cfg, self.scheduler.pool
         if len(prompt) == 0:
             raise InvalidRequest("prompt is empty")
         if len(prompt) > e.max_prefill_length:
@@ -129,24 +119,29 @@ class Orchestrator:
                                  f"{len(prompt)}-token prompt leaves room for {room}")
         if sampling.n > e.max_concurrent_decodes:
             raise InvalidRequest(f"n={sampling.n} exceeds the {e.max_concurrent_decodes} slots")
+        pages = pool.pages_for(len(prompt)) + (sampling.n - 1) * (len(prompt) % e.page_size > 0)
+        longest = pool.pages_for(len(prompt) + sampling.max_tokens)
+        if max(pages, longest) > pool.capacity:
+            raise InvalidRequest(f"the request needs {max(pages, longest)} KV pages of "
+                                 f"{e.page_size} tokens at once; the pool has {pool.capacity}")
 
-    def submit(self, prompt: Sequence[int], sampling: SamplingParams = SamplingParams()
-               ) -> RequestStream:
-        """Queues a request; raises InvalidRequest or QueueFull at once rather than later."""
+    def submit(self, prompt: Seq[int], sampling: SamplingParams = SamplingParams(), *,
+               predicted_len: float | None = None) -> RequestStream:
+        """Queues a request; raises InvalidRequest or QueueFull at once rather than later.
+        `predicted_len`: its expected output length, for length-aware admission."""
         prompt = [int(t) for t in prompt]
         self.validate(prompt, sampling)
         if self._stop.is_set():
             raise QueueFull("the orchestrator is shutting down")
         stream = RequestStream(next(self._ids), sampling.n)
-        with self._lock:
-            if len(self._queue) >= self._max_queued:
-                raise QueueFull(f"{len(self._queue)} requests are queued (max_queued="
-                                f"{self._max_queued})")
-            self._queue.append(_Request(prompt, sampling, stream))
+        if not self.scheduler.add(Request(prompt, sampling, stream, predicted_len),
+                                  self._max_queued):
+            raise QueueFull(f"{self.scheduler.queued()} requests are queued (max_queued="
+                            f"{self._max_queued})")
         self._wake.set()
         return stream
 
-    def generate(self, prompt: Sequence[int], sampling: SamplingParams = SamplingParams()
+    def generate(self, prompt: Seq[int], sampling: SamplingParams = SamplingParams()
                  ) -> list[Sample]:
         return self.submit(prompt, sampling).result()
 
@@ -154,7 +149,7 @@ class Orchestrator:
         """Checks and moves `params` to the engine (in this thread, beside decoding), then has
         the loop swap them in between two decode steps. Raises WeightUpdateError, leaving the
         old weights serving, if the update is bad."""
-        if not self._threads or not self._threads[0].is_alive():
+        if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("the orchestrator is not running: call start() first")
         t0 = time.perf_counter()
         prepared = self.engine.prepare_params(params)
@@ -167,205 +162,169 @@ class Orchestrator:
         return UpdateResult(version, transfer, update.pause_s)
 
     def metrics(self) -> dict:
-        s = self._stats
+        s, sched = self._stats, self.scheduler
         steps = max(s["steps"], 1)
         pauses = self.pauses_s or [0.0]
-        with self._lock:
-            queued = len(self._queue)
         return {"version": self.engine.version, "steps": s["steps"],
                 "busy_slot_steps": s["busy_slot_steps"],
                 "generated_tokens": s["tokens"], "requests_done": s["requests_done"],
-                "prefill_chunks": s["prefill_chunks"], "queued": queued,
-                "slots_busy_fraction": s["busy_slot_steps"] / (steps * self.engine.cfg.
-                                                                max_concurrent_decodes),
+                "prefill_chunks": s["prefill_chunks"], "prefill_tokens": s["prefill_tokens"],
+                "queued": sched.queued(),
+                "slots_busy_fraction": s["busy_slot_steps"] / (steps * sched.num_slots),
+                "pages_total": sched.pool.capacity, "pages_free": sched.pool.free,
+                "held_tokens_mean": s["held_tokens"] / max(s["busy_slot_steps"], 1),
+                "preemptions": sched.preemptions,
                 "updates": len(self.pauses_s), "update_pause_ms_max": 1e3 * max(pauses),
                 "update_pause_ms_mean": 1e3 * sum(pauses) / len(pauses)}
 
     # -- engine loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
-        engine = self.engine
         try:
-            state = engine.init_decode_state()
-            free = collections.deque(range(engine.cfg.max_concurrent_decodes))
-            owners: list[tuple[_Request, int] | None] = [None] * len(free)
+            state = self.engine.init_decode_state()
             while not self._stop.is_set():
                 self._wake.clear()
-                while not self._updates.empty():
-                    update = self._updates.get()
-                    t0 = time.perf_counter()
-                    engine.update_params(update.params, update.version, prepared=True)
-                    update.pause_s = time.perf_counter() - t0
-                    self.pauses_s.append(update.pause_s)
-                    update.applied.set()
-                while not self._freed.empty():
-                    slot = self._freed.get()
-                    owners[slot] = None
-                    free.append(slot)
-                state, worked = self._admit(state, free, owners)
-                if any(owners):
-                    worked = True
-                    k = engine.cfg.steps_per_dispatch
-                    state, tokens, logprobs = engine.generate_steps(engine.params, state, k)
-                    self._stats["steps"] += k
-                    self._stats["busy_slot_steps"] += k * sum(o is not None for o in owners)
-                    self._records.put(("steps", list(owners), tokens, logprobs, engine.version))
-                if not worked:
+                self._apply_updates()
+                for request in self.scheduler.take_cancelled():
+                    self._finish_request(request, "cancelled")
+                state, prefilled = self._prefill(state)
+                state, decoded = self._decode(state)
+                if not (prefilled or decoded):
                     self._wake.wait(0.05)
         except BaseException as e:  # a bug: fail every request loudly instead of hanging them
             self.error = e
-            self._records.put(("error", e))
+            self._shutdown("error")
             raise
-        finally:
-            self._records.put(("stop",))
+        self._shutdown("shutdown")
 
-    def _admit(self, state, free, owners):
-        """Prefills queued prompts, first come first served, until `prefill_budget` prompt
-        tokens are spent: runs of short prompts in one batched call, a long prompt one chunk at
-        a time. Each finished prompt goes into free slots at once."""
-        engine, budget, worked = self.engine, self.engine.cfg.prefill_budget, False
-        while budget > 0:
-            if self._job is None:
-                batch = self._take_short(len(free), budget)
-                if batch:
-                    longest = max(len(r.prompt) for r in batch)
-                    tokens = np.zeros((len(batch), engine.bucket(longest)), np.int32)
-                    for i, r in enumerate(batch):
-                        tokens[i, : len(r.prompt)] = r.prompt
-                    prefix = engine.prefill_batch(engine.params, tokens,
-                                                  [len(r.prompt) for r in batch])
-                    self._stats["prefill_chunks"] += 1
-                    state = self._insert(batch, prefix, state, free, owners)
-                    budget -= sum(len(r.prompt) for r in batch)
-                    worked = True
-                    continue
-                self._job = self._take_long(len(free))
-                if self._job is None:
-                    break
-            req, prefix, done = self._job
-            chunk = req.prompt[done: done + engine.cfg.prefill_chunk]
-            padded = np.zeros((1, engine.bucket(len(chunk))), np.int32)
-            padded[0, : len(chunk)] = chunk
-            prefix = engine.prefill_batch(engine.params, padded, [len(chunk)], prefix)
-            self._stats["prefill_chunks"] += 1
-            budget -= len(chunk)
-            worked = True
-            self._job = (req, prefix, done + len(chunk))
-            if done + len(chunk) == len(req.prompt):
-                self._job = None
-                state = self._insert([req], prefix, state, free, owners)
-        return state, worked
+    def _apply_updates(self) -> None:
+        while not self._updates.empty():
+            update = self._updates.get()
+            t0 = time.perf_counter()
+            self.engine.update_params(update.params, update.version, prepared=True)
+            update.pause_s = time.perf_counter() - t0
+            self.pauses_s.append(update.pause_s)
+            update.applied.set()
 
-    def _take_short(self, free_slots: int, budget: int) -> list[_Request]:
-        """Requests from the head of the queue whose prompts fit one chunk, while their samples
-        fit the free slots and their tokens the budget."""
-        taken, tokens, slots = [], 0, 0
-        with self._lock:
-            while self._queue:
-                r = self._queue[0]
-                if r.stream.cancelled:
-                    self._finish_all(self._queue.popleft(), "cancelled")
-                    continue
-                if (len(r.prompt) > self.engine.cfg.prefill_chunk
-                        or slots + r.sampling.n > free_slots
-                        or (taken and tokens + len(r.prompt) > budget)):
-                    break
-                taken.append(self._queue.popleft())
-                tokens += len(r.prompt)
-                slots += r.sampling.n
-        return taken
+    def _prefill(self, state):
+        """Runs this iteration's prefill call; starts the sequences of completed prompts."""
+        chunks = self.scheduler.plan_prefill()
+        if not chunks:
+            return state, False
+        engine, sched = self.engine, self.scheduler
+        width = table_width(max(start + len(t) for _, start, t in chunks),
+                            engine.cfg.page_size, engine.cfg.pages_per_sequence)
+        tokens = np.zeros((len(chunks), engine.bucket(max(len(t) for _, _, t in chunks))),
+                          np.int32)
+        for i, (_, _, t) in enumerate(chunks):
+            tokens[i, : len(t)] = t
+        state, logits = engine.prefill(engine.params, state, tokens,
+                                       [start for _, start, _ in chunks],
+                                       [len(t) for _, _, t in chunks],
+                                       sched.table([p.pages for p, _, _ in chunks], width))
+        self._stats["prefill_chunks"] += 1
+        self._stats["prefill_tokens"] += sum(len(t) for _, _, t in chunks)
+        complete = [(row, p) for row, (p, _, t) in enumerate(chunks)
+                    if sched.prefilled(p, len(t))]
+        if complete:
+            state = self._start(state, complete, logits)
+        return state, True
 
-    def _take_long(self, free_slots: int):
-        with self._lock:
-            if self._queue and self._queue[0].sampling.n <= free_slots:
-                return (self._queue.popleft(), None, 0)
-        return None
-
-    def _insert(self, requests, prefix, state, free, owners):
-        """All samples of `requests` (row i of `prefix` is request i) into free slots."""
-        rows, samplings, indices, slots = [], [], [], []
-        for row, r in enumerate(requests):
-            for i in range(r.sampling.n):
-                rows.append(row)
-                samplings.append(r.sampling)
-                indices.append(i)
-                slots.append(free.popleft())
-        engine = self.engine
-        tokens, logprobs = engine.sample_first(prefix, rows, samplings, indices)
-        state = engine.insert_batch(prefix, state, slots, rows, samplings, indices, tokens)
-        for slot, row, i in zip(slots, rows, indices):
-            owners[slot] = (requests[row], i)
-        self._records.put(("first", requests, rows, indices, slots, tokens, logprobs,
-                           engine.version))
+    def _start(self, state, complete: list[tuple[int, Prefill]], logits):
+        """Forks completed prompts into their sequences, draws new requests' first tokens, and
+        puts every sequence still running into its slot."""
+        engine, sched = self.engine, self.scheduler
+        started, copies, fresh = [], [], []
+        for row, p in complete:
+            seqs, page_copies = sched.start(p)
+            copies += page_copies
+            started += seqs
+            if p.resumed is None:
+                fresh += [(row, seq) for seq in seqs]
+        if copies:
+            state = engine.copy_pages(state, *zip(*copies))
+        if fresh:
+            tokens, logprobs = engine.sample_first(
+                logits, [row for row, _ in fresh], [s.request.sampling for _, s in fresh],
+                [s.index for _, s in fresh])
+            for (_, seq), token, logprob in zip(fresh, np.asarray(tokens).tolist(),
+                                                np.asarray(logprobs).tolist()):
+                self._push(seq, token, logprob, engine.version)
+        live = [s for s in started if not s.finished]
+        if live:
+            state = engine.insert(state, [s.slot for s in live], [s.cached for s in live],
+                                  [s.tokens[-1] for s in live], [len(s.tokens) for s in live],
+                                  [s.request.sampling for s in live], [s.index for s in live])
         return state
 
-    # -- emitter -------------------------------------------------------------------------------
-    def _emit(self) -> None:
-        while True:
-            record = self._records.get()
-            kind = record[0]
-            if kind == "stop":
-                self._shutdown()
-                return
-            if kind == "error":
-                self._shutdown(reason="error")
-                return
-            if kind == "first":
-                _, requests, rows, indices, slots, tokens, logprobs, version = record
-                tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
-                for req in requests:
-                    self._running[req.stream.request_id] = req
-                for row, i, slot, token, logprob in zip(rows, indices, slots, tokens, logprobs):
-                    self._push(requests[row], i, slot, token, logprob, version)
-            else:
-                _, owners, tokens, logprobs, version = record
-                tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
-                for step_tokens, step_logprobs in zip(tokens, logprobs):
-                    for slot, owner in enumerate(owners):
-                        if owner is not None:
-                            req, i = owner
-                            self._push(req, i, slot, step_tokens[slot], step_logprobs[slot],
-                                       version)
+    def _decode(self, state):
+        """Runs `steps_per_dispatch` decode steps for every running sequence."""
+        engine, sched = self.engine, self.scheduler
+        for seq in list(sched.running.values()):
+            if seq.request.stream.cancelled:
+                self._finish(seq, "cancelled")
+        k = engine.cfg.steps_per_dispatch
+        sched.reserve(k)
+        if not sched.running:
+            return state, False
+        width = table_width(sched.longest_running() + k, engine.cfg.page_size,
+                            engine.cfg.pages_per_sequence)
+        owners = dict(sched.running)
+        version = engine.version
+        state, tokens, logprobs = engine.generate_steps(engine.params, state,
+                                                        sched.decode_table(width), k)
+        self._stats["steps"] += k
+        self._stats["busy_slot_steps"] += k * len(owners)
+        self._stats["held_tokens"] += k * sum(s.cached for s in owners.values())
+        tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
+        for step_tokens, step_logprobs in zip(tokens, logprobs):
+            for slot, seq in owners.items():
+                if not seq.finished:
+                    self._push(seq, step_tokens[slot], step_logprobs[slot], version)
+        return state, True
 
-    def _push(self, req: _Request, i: int, slot: int, token: int, logprob: float,
-              version: int) -> None:
-        if req.done[i]:
-            return  # tokens the loop made before it learned the sample had finished
+    def _push(self, seq: Sequence, token: int, logprob: float, version: int) -> None:
+        """Appends one token to `seq` and its stream, then applies the stop rules."""
+        req = seq.request
         if req.stream.cancelled:
-            self._finish(req, i, slot, "cancelled")
+            self._finish(seq, "cancelled")
             return
-        req.stream._events.put(TokenEvent(i, token, logprob, version))
-        req.generated[i] += 1
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        seq.versions.append(version)
+        req.stream._events.put(TokenEvent(seq.index, token, logprob, version))
         self._stats["tokens"] += 1
         s = req.sampling
-        reason = None
         if s.stop_at_eos and self.eos_id is not None and token == self.eos_id:
-            reason = "eos"
+            self._finish(seq, "eos")
         elif token in s.stop_token_ids:
-            reason = "stop"
-        elif req.generated[i] >= s.max_tokens or \
-                len(req.prompt) + req.generated[i] >= self.engine.cfg.max_len:
-            reason = "length"
-        if reason:
-            self._finish(req, i, slot, reason)
+            self._finish(seq, "stop")
+        elif len(seq.tokens) >= s.max_tokens or seq.total_len() >= self.engine.cfg.max_len:
+            self._finish(seq, "length")
 
-    def _finish(self, req: _Request, i: int, slot: int | None, reason: str) -> None:
-        req.done[i] = True
-        req.stream._events.put(DoneEvent(i, reason))
-        if slot is not None:
-            self._freed.put(slot)
-            self._wake.set()
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.slot is not None:
+            self.scheduler.finish(seq)
+        seq.finished = True
+        self._done(seq.request, seq.index, reason)
+
+    def _done(self, req: Request, index: int, reason: str) -> None:
+        if req.done[index]:
+            return
+        req.done[index] = True
+        req.stream._events.put(DoneEvent(index, reason))
         if all(req.done):
             self._stats["requests_done"] += 1
-            self._running.pop(req.stream.request_id, None)
 
-    def _finish_all(self, req: _Request, reason: str) -> None:
+    def _finish_request(self, req: Request, reason: str) -> None:
         for i in range(req.sampling.n):
-            if not req.done[i]:
-                self._finish(req, i, None, reason)
+            self._done(req, i, reason)
 
-    def _shutdown(self, reason: str = "shutdown") -> None:
-        with self._lock:
-            pending = list(self._queue)
-            self._queue.clear()
-        for req in pending + list(self._running.values()):
-            self._finish_all(req, reason)
+    def _shutdown(self, reason: str) -> None:
+        """Ends every request not yet finished: queued, being prefilled, preempted, running."""
+        sched = self.scheduler
+        for req in sched.take_waiting():
+            self._finish_request(req, reason)
+        for p in list(sched.prefilling):
+            self._finish_request(p.request, reason)
+        for seq in list(sched.resumes) + list(sched.running.values()):
+            self._done(seq.request, seq.index, reason)

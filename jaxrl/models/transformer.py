@@ -138,42 +138,34 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         return ops.rms_norm(x_BTD, self.final_norm[...].astype(cfg.compute_dtype), cfg.norm_eps)
 
-    def extend(self, input_ids_BT, start_B, cache_k_LBMGH, cache_v_LBMGH):
+    def extend(self, input_ids_BT, start_B, cache, valid_B=None):
         """Runs T new tokens per row on top of a KV cache: row b's tokens sit at positions
-        start_B[b] .. start_B[b]+T-1, attend to the cached positions before them and causally to
-        each other, and their keys and values are written into the cache (positions past its
-        end are dropped). One mechanism for prefill, chunked prefill (T = chunk) and decode
-        (T = 1). Returns (final hidden states [B, T, D], cache_k, cache_v)."""
+        start_B[b] .. start_B[b]+T-1, attend to what the cache holds before them and causally
+        to each other, and their keys and values are written into it. Only the first
+        valid_B[b] tokens of row b are real (default: all); the rest are padding and are not
+        stored. One mechanism for prefill, chunked prefill (T = chunk) and decode (T = 1), on
+        any cache of jaxrl.models.kv_cache's protocol (contiguous, or serving's paged pool).
+        Returns (final hidden states [B, T, D], cache)."""
         cfg = self.cfg
         b, t = input_ids_BT.shape
-        m = cache_k_LBMGH.shape[2]
-        positions_BT = start_B[:, None] + jnp.arange(t, dtype=start_B.dtype)[None, :]
-        rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        offsets_T = jnp.arange(t, dtype=start_B.dtype)
+        positions_BT = start_B[:, None] + offsets_T[None, :]
+        valid_BT = None if valid_B is None else offsets_T[None, :] < valid_B[:, None]
         cos_BTH, sin_BTH = ops.rope_tables(cfg, positions_BT)
-        mask_BTM = jnp.arange(m)[None, None, :] <= positions_BT[:, :, None]
         x_BTD = self.embed_tokens(input_ids_BT)
 
         def body(carry, xs):
-            x_BTD, k_LBMGH, v_LBMGH = carry
+            x_BTD, cache = carry
             p, layer = xs
             w = {k: v.astype(cfg.compute_dtype) for k, v in p.items()}
             q_BTNH, k_BTGH, v_BTGH = _attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
-            # Scatter only the new positions: the cache is carried through the scan and
-            # updated in place (passing per-layer slices as scan inputs and outputs instead
-            # copies the whole cache every call: 1.5x slower decode on CPU).
-            k_LBMGH = k_LBMGH.at[layer, rows_BT, positions_BT].set(
-                k_BTGH.astype(k_LBMGH.dtype), mode="drop")
-            v_LBMGH = v_LBMGH.at[layer, rows_BT, positions_BT].set(
-                v_BTGH.astype(v_LBMGH.dtype), mode="drop")
-            k_BMGH = k_LBMGH[layer].astype(cfg.compute_dtype)
-            v_BMGH = v_LBMGH[layer].astype(cfg.compute_dtype)
-            a_BTNH = ops.attention(q_BTNH, k_BMGH, v_BMGH, mask_BTM, "xla")
-            return (_attention_output_and_mlp(cfg, w, x_BTD, a_BTNH), k_LBMGH, v_LBMGH), None
+            cache = cache.write(layer, positions_BT, k_BTGH, v_BTGH, valid_BT)
+            a_BTNH = cache.attend(layer, q_BTNH, positions_BT)
+            return (_attention_output_and_mlp(cfg, w, x_BTD, a_BTNH), cache), None
 
         layers = jnp.arange(cfg.num_layers)
-        (x_BTD, cache_k_LBMGH, cache_v_LBMGH), _ = jax.lax.scan(
-            body, (x_BTD, cache_k_LBMGH, cache_v_LBMGH), (self.layers.stacked(), layers))
-        return self.final_hidden(x_BTD), cache_k_LBMGH, cache_v_LBMGH
+        (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache), (self.layers.stacked(), layers))
+        return self.final_hidden(x_BTD), cache
 
     def logits(self, x_BTD):
         head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]

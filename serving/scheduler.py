@@ -1,0 +1,198 @@
+"""Who runs next, and on which pages (nano-vllm's Scheduler, Sarathi-Serve's token budget, vLLM's
+recompute preemption). Host bookkeeping only: the orchestrator runs the programs it plans.
+
+Each loop iteration the scheduler
+- plans one prefill call: the next chunk of every prompt being prefilled, then new admissions,
+  until `prefill_budget` prompt tokens. A request is admitted only when its n slots and its
+  prompt's pages are free, keeping one free page per running sequence in hand (a watermark
+  against immediate preemption). Preempted sequences are admitted before new requests;
+- gives every running sequence the pages the next `steps_per_dispatch` decode steps write.
+  When the pool runs dry it preempts the youngest running sequence: its pages go back to the
+  pool and it waits to be recomputed (prompt and tokens, as one more prefill), then decodes on
+  exactly where it stopped.
+
+The n samples of a request share the pages its prompt fills completely; a partly filled last
+page is copied, once per sample beyond the first, since each sample writes its own tokens there.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import numpy as np
+
+from serving.page_pool import PagePool
+from serving.sequence import Prefill, Request, Sequence
+
+
+class Scheduler:
+    def __init__(self, *, slots: int, num_pages: int, page_size: int, max_len: int,
+                 prefill_chunk: int, prefill_budget: int, longest_first: bool = False):
+        self.pool = PagePool(num_pages, page_size)
+        self.max_len = max_len
+        self.prefill_chunk = prefill_chunk
+        self.prefill_budget = prefill_budget
+        self.longest_first = longest_first
+        self.free_slots = collections.deque(range(slots))
+        self.num_slots = slots
+        self.waiting: collections.deque[Request] = collections.deque()   # guarded by _lock
+        self._lock = threading.Lock()
+        self.resumes: collections.deque[Sequence] = collections.deque()   # preempted
+        self.prefilling: list[Prefill] = []
+        self.running: dict[int, Sequence] = {}                            # slot -> sequence
+        self.preemptions = 0
+        self._order = 0
+
+    # -- the queue (any thread) ----------------------------------------------------------------
+    def add(self, request: Request, max_queued: int) -> bool:
+        """Queues `request`; False when `max_queued` requests already wait."""
+        with self._lock:
+            if len(self.waiting) >= max_queued:
+                return False
+            self.waiting.append(request)
+            return True
+
+    def queued(self) -> int:
+        with self._lock:
+            return len(self.waiting)
+
+    def take_cancelled(self) -> list[Request]:
+        """Removes queued requests whose client went away."""
+        with self._lock:
+            gone = [r for r in self.waiting if r.stream.cancelled]
+            if gone:
+                self.waiting = collections.deque(r for r in self.waiting if not r.stream.cancelled)
+        return gone
+
+    def take_waiting(self) -> list[Request]:
+        with self._lock:
+            out, self.waiting = list(self.waiting), collections.deque()
+        return out
+
+    # -- prefill -------------------------------------------------------------------------------
+    def plan_prefill(self) -> list[tuple[Prefill, int, list[int]]]:
+        """(prefill, start, tokens) of each chunk to write in this iteration's prefill call."""
+        budget, chunks = self.prefill_budget, []
+        for p in self.prefilling:
+            if budget <= 0:
+                break
+            chunks.append(self._chunk(p))
+            budget -= len(chunks[-1][2])
+        while budget > 0:
+            p = self._admit()
+            if p is None:
+                break
+            self.prefilling.append(p)
+            chunks.append(self._chunk(p))
+            budget -= len(chunks[-1][2])
+        return chunks
+
+    def _chunk(self, p: Prefill):
+        return p, p.done, p.tokens[p.done: p.done + self.prefill_chunk]
+
+    def _admit(self) -> Prefill | None:
+        """The next prefill to start, if its slots and pages are free."""
+        watermark = len(self.running)
+        if self.resumes:
+            seq = self.resumes[0]
+            tokens = seq.request.prompt + seq.tokens[:-1]
+            pages = self.pool.pages_for(len(tokens))
+            if not self.free_slots or pages + watermark > self.pool.free:
+                return None
+            self.resumes.popleft()
+            return Prefill(tokens, self.pool.allocate(pages), [self.free_slots.popleft()],
+                           seq.request, resumed=seq)
+        with self._lock:
+            if not self.waiting:
+                return None
+            if self.longest_first:
+                request = max(self.waiting, key=lambda r: r.predicted_len or 0.0)
+            else:
+                request = self.waiting[0]
+            n, prompt = request.sampling.n, request.prompt
+            pages = self.pool.pages_for(len(prompt))
+            copies = (n - 1) if len(prompt) % self.pool.page_size else 0
+            if n > len(self.free_slots) or pages + copies + watermark > self.pool.free:
+                return None
+            self.waiting.remove(request)
+        return Prefill(list(prompt), self.pool.allocate(pages),
+                       [self.free_slots.popleft() for _ in range(n)], request,
+                       copy_pages=self.pool.allocate(copies))
+
+    def prefilled(self, p: Prefill, tokens: int) -> bool:
+        """`tokens` more of `p` are written; True when it is complete."""
+        p.done += tokens
+        return p.remaining == 0
+
+    def start(self, p: Prefill) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """A complete prefill's sequences, now running in its slots, and the (source,
+        destination) pages to copy before they decode."""
+        self.prefilling.remove(p)
+        if p.resumed is not None:
+            seqs = [p.resumed]
+            p.resumed.pages = p.pages
+        else:
+            seqs = [Sequence(p.request, i) for i in range(p.request.sampling.n)]
+            seqs[0].pages = p.pages
+            partial = len(p.tokens) % self.pool.page_size != 0
+            full = p.pages[:-1] if partial else p.pages
+            for seq, copy in zip(seqs[1:], p.copy_pages or [None] * (len(seqs) - 1)):
+                seq.pages = self.pool.share(full) + ([copy] if partial else [])
+        copies = [(p.pages[-1], c) for c in p.copy_pages]
+        for seq, slot in zip(seqs, p.slots):
+            seq.slot = slot
+            seq.order = self._order
+            self._order += 1
+            self.running[slot] = seq
+        return seqs, copies
+
+    # -- decode --------------------------------------------------------------------------------
+    def reserve(self, steps: int) -> list[Sequence]:
+        """Pages for `steps` more tokens of every running sequence, oldest first; returns the
+        sequences preempted to find them."""
+        preempted = []
+        for seq in sorted(self.running.values(), key=lambda s: s.order):
+            if seq.slot is None:
+                continue   # preempted earlier in this loop
+            need = self.pool.pages_for(min(seq.cached + steps, self.max_len)) - len(seq.pages)
+            while need > self.pool.free and seq.slot is not None:
+                victim = max(self.running.values(), key=lambda s: s.order)
+                self.preempt(victim)
+                preempted.append(victim)
+            if seq.slot is not None and need > 0:
+                seq.pages += self.pool.allocate(need)
+        return preempted
+
+    def preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.resumes.appendleft(seq)   # the oldest preempted resumes first
+
+    def finish(self, seq: Sequence) -> None:
+        seq.finished = True
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.release(seq.pages)
+        seq.pages = []
+        del self.running[seq.slot]
+        self.free_slots.append(seq.slot)
+        seq.slot = None
+
+    def table(self, rows: list[list[int]], width: int) -> np.ndarray:
+        """Page tables of `rows` (lists of pages) as an int32 [len(rows), width] array."""
+        out = np.zeros((len(rows), width), np.int32)
+        for i, pages in enumerate(rows):
+            out[i, : min(len(pages), width)] = pages[:width]
+        return out
+
+    def decode_table(self, width: int) -> np.ndarray:
+        rows = [[] for _ in range(self.num_slots)]
+        for slot, seq in self.running.items():
+            rows[slot] = seq.pages
+        return self.table(rows, width)
+
+    def longest_running(self) -> int:
+        return max((s.cached for s in self.running.values()), default=0)

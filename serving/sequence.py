@@ -1,0 +1,70 @@
+"""The units the scheduler passes around (nano-vllm's Sequence): a request, the prefill that
+writes a prompt into pages, and each sample's sequence."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from serving.sampling import SamplingParams
+from serving.stream import RequestStream
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A prompt and how to sample it: n samples that share the prompt's prefill and pages."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    stream: RequestStream
+    # Output tokens the scheduler expects (a length predictor's guess, or the caller's): with
+    # length-aware admission, longer ones are admitted first. None: unknown.
+    predicted_len: float | None = None
+    done: list[bool] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.done = [False] * self.sampling.n
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One sample: its tokens so far, with the log-prob and weights version of each, and the
+    pages and slot it holds while it runs."""
+
+    request: Request
+    index: int                                  # which of the request's n samples
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    order: int = -1          # when it last started running: the youngest is preempted first
+    preemptions: int = 0
+    finished: bool = False
+
+    @property
+    def cached(self) -> int:
+        """Tokens whose keys and values are in its pages while it runs: the prompt and every
+        generated token but the last, which the next decode step feeds."""
+        return len(self.request.prompt) + len(self.tokens) - 1
+
+    def total_len(self) -> int:
+        return len(self.request.prompt) + len(self.tokens)
+
+
+@dataclasses.dataclass(eq=False)
+class Prefill:
+    """Tokens being written into pages, a chunk at a time: a new request's prompt (forked into
+    its n sequences when done) or a preempted sequence's prompt and tokens (all but the last,
+    which it feeds next), recomputed."""
+
+    tokens: list[int]
+    pages: list[int]
+    slots: list[int]                  # decode slots reserved for its sequences
+    request: Request
+    resumed: Sequence | None = None
+    copy_pages: list[int] = dataclasses.field(default_factory=list)  # see Scheduler.admit
+    done: int = 0                     # tokens written so far
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.done
