@@ -24,6 +24,7 @@ class PagePool:
         self.page_size = page_size
         self._free = collections.deque(p for p in range(num_pages) if p != NULL_PAGE)
         self._holders = [0] * num_pages
+        self.handed_out = 0    # pages allocated over the pool's life (reuse counts again)
 
     @property
     def capacity(self) -> int:
@@ -41,6 +42,7 @@ class PagePool:
         if n > len(self._free):
             raise PoolExhausted(f"{n} pages asked for, {len(self._free)} free")
         pages = [self._free.popleft() for _ in range(n)]
+        self.handed_out += n
         for p in pages:
             self._holders[p] = 1
         return pages

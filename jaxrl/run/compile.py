@@ -25,7 +25,8 @@ HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 *
 def compile_generate_step(cfg: RunConfig, topology: str) -> dict:
     """Per-device bytes of the engine's decode step (every slot, one token) for `topology`, with
     the engine sized as `jaxrl train` sizes it for RL (rl.slots, rl.max_prompt_len +
-    rl.max_new_tokens) and its weights over all the slice's chips (tensor axis)."""
+    rl.max_new_tokens), its weights over all the slice's chips (tensor axis), and every slot's
+    page table as wide as the longest sequence (the step's worst case)."""
     from jaxrl.run.rl import engine_config
     from serving.engine import Engine
 
@@ -33,8 +34,11 @@ def compile_generate_step(cfg: RunConfig, topology: str) -> dict:
     model_cfg = model_config(cfg)
     engine = Engine(model_cfg, engine_config(cfg, model_cfg),
                     mesh=shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), devices))
-    args = (engine.param_target, engine.abstract_decode_state())
-    return _memory(Engine._generate.lower(engine, *args), args, topology)
+    slots, pages = engine.cfg.max_concurrent_decodes, engine.cfg.pages_per_sequence
+    table = jax.ShapeDtypeStruct((slots, pages), jnp.int32,
+                                 sharding=shd.replicated(engine.mesh))
+    args = (engine.param_target, engine.abstract_decode_state(), table)
+    return _memory(Engine._generate_steps.lower(engine, *args, 1), args, topology)
 
 
 def compile_train_step(cfg: RunConfig, topology: str) -> dict:

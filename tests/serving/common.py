@@ -1,16 +1,56 @@
 """Shared by the serving tests: a tiny model config, an engine config, prompts."""
 
+from functools import partial
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.models import ModelConfig
+from jaxrl.models import ModelConfig, merge_params
+from jaxrl.models.kv_cache import ContiguousKV
 from serving.engine import EngineConfig
+from serving.sampling import sample, slot_keys
 
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64, qkv_bias=True)
+# Pages of 4 tokens: a 64-token sequence spans 16 of them, and the pool's 64 (plus the null
+# page) are reused many times over a test session.
 ENGINE = EngineConfig(max_concurrent_decodes=4, max_len=64, max_prefill_length=40,
-                      prefill_chunk=16, min_bucket=4)
+                      prefill_chunk=16, min_bucket=4, page_size=4)
 
 
 def prompts(*lengths, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(3, CFG.vocab_size, n).tolist() for n in lengths]
+
+
+@partial(jax.jit, static_argnums=0)
+def _contiguous_step(graphdef, params, token, position, cache, sampling_args):
+    model = merge_params(graphdef, params)
+    x, cache = model.extend(jnp.reshape(token, (1, 1)), jnp.reshape(position, (1,)), cache)
+    return sample(model.logits(x)[:, 0], *sampling_args), cache
+
+
+def contiguous_decode(graphdef, params, prompt, sampling, index, versions):
+    """The independent reference for the paged engine: one sequence fed a token at a time into
+    a contiguous KV cache (jaxrl.models.kv_cache), token j drawn under params[versions[j]] with
+    the engine's sampler and keys. Returns (tokens, logprobs)."""
+    cache = ContiguousKV.zeros(CFG.num_layers, 1, ENGINE.max_len, CFG.num_kv_heads, CFG.head_dim)
+    args = lambda j: (np.asarray([sampling.temperature], np.float32),  # noqa: E731
+                      np.asarray([sampling.top_k], np.int32),
+                      np.asarray([sampling.top_p], np.float32),
+                      slot_keys(np.asarray([sampling.seed], np.uint32), np.asarray([index]),
+                                np.asarray([j])))
+    fed = list(prompt)
+    tokens, logprobs = [], []
+    for position in range(len(prompt) + len(versions) - 1):
+        # The token fed at `position` is written by the weights of the token it leads to.
+        j = max(position - len(prompt) + 1, 0)
+        (token, logprob), cache = _contiguous_step(graphdef, params[versions[j]],
+                                                   np.int32(fed[position]), np.int32(position),
+                                                   cache, args(j))
+        if position >= len(prompt) - 1:
+            tokens.append(int(token[0]))
+            logprobs.append(float(logprob[0]))
+            fed.append(tokens[-1])
+    return tokens, logprobs

@@ -25,27 +25,39 @@ def test_greedy_matches_no_cache_reference(model, orchestrator):
     assert got == greedy_generate(model, ps, 12, eos_id=-1)
 
 
+def _prefill_by_hand(engine, prompt, chunk, sampling, slot=1):
+    """Prefills `prompt` in chunks of `chunk` tokens into pool pages 1, 2, ... and inserts it
+    into `slot`: (state, logits after the prompt, first token, page table of the slot)."""
+    pages = list(range(1, engine.cfg.pages_per_sequence + 1))
+    state = engine.init_decode_state()
+    for start in range(0, len(prompt), chunk):
+        piece = prompt[start: start + chunk]
+        padded = np.zeros((1, engine.bucket(len(piece))), np.int32)
+        padded[0, : len(piece)] = piece
+        state, logits = engine.prefill(engine.params, state, padded, [start], [len(piece)],
+                                       [pages])
+    first, _ = engine.sample_first(logits, [0], [sampling], [0])
+    state = engine.insert(state, [slot], [len(prompt)], [int(first[0])], [1], [sampling], [0])
+    table = np.zeros((engine.max_concurrent_decodes, len(pages)), np.int32)
+    table[slot] = pages
+    return state, np.asarray(logits[0]), int(first[0]), table
+
+
 def test_chunked_prefill_equals_unchunked(params):
     prompt = prompts(37)[0]
     results = []
     for chunk in (4, 8, 64):
-        e = Engine(CFG, EngineConfig(max_concurrent_decodes=2, max_len=64,
+        e = Engine(CFG, EngineConfig(max_concurrent_decodes=2, max_len=64, page_size=8,
                                      max_prefill_length=40, prefill_chunk=chunk, min_bucket=4))
-        p = e.load_params(params)
-        prefix = None
-        for start in range(0, len(prompt), chunk):
-            piece = prompt[start: start + chunk]
-            padded = piece + [0] * (e.bucket(len(piece)) - len(piece))
-            prefix, first = e.prefill(p, padded, len(piece), existing_prefix=prefix,
-                                      sampling=SamplingParams(temperature=0.0))
-        state = e.insert(prefix, e.init_decode_state(), 1, SamplingParams(temperature=0.0), 0,
-                         first[0][0])
-        tokens = [int(first[0][0])]
+        e.load_params(params)
+        greedy = SamplingParams(temperature=0.0)
+        state, logits, first, table = _prefill_by_hand(e, prompt, chunk, greedy)
+        tokens = [first]
         for _ in range(8):
-            state, t, _ = e.generate(p, state)
+            state, t, _ = e.generate(e.params, state, table)
             tokens.append(int(t[1]))
-        n = len(prompt)
-        results.append((np.asarray(prefix.logits), np.asarray(prefix.k[:, 0, :n]), tokens))
+        k = np.asarray(state.k[:, 1:6]).reshape(CFG.num_layers, 40, -1)[:, :len(prompt)]
+        results.append((logits, k, tokens))
     for logits, k, tokens in results[:2]:
         np.testing.assert_allclose(logits, results[2][0], atol=1e-5)
         np.testing.assert_allclose(k, results[2][1], atol=1e-5)
@@ -164,19 +176,15 @@ def test_sampling_frequencies_match_reference(temperature, top_k, top_p):
                                atol=0.015)
 
 
-def test_multi_step_dispatch_equals_single_steps(engine, params):
-    p = engine.params
-    prompt = prompts(9, seed=15)[0]
+def test_multi_step_dispatch_equals_single_steps(engine):
     sampling = SamplingParams(temperature=1.0, seed=2)
-    prefix, first = engine.prefill(p, prompt + [0] * (engine.bucket(9) - 9), 9,
-                                   sampling=sampling)
-    state = engine.insert(prefix, engine.init_decode_state(), 0, sampling, 0, first[0][0])
+    state, _, _, table = _prefill_by_hand(engine, prompts(9, seed=15)[0], 16, sampling, slot=0)
     state_b = jax.tree.map(lambda x: x.copy(), state)
     one = []
     for _ in range(6):
-        state, t, lp = engine.generate(p, state)
+        state, t, lp = engine.generate(engine.params, state, table)
         one.append((int(t[0]), float(lp[0])))
-    state_b, t, lp = engine.generate_steps(p, state_b, 6)
+    state_b, t, lp = engine.generate_steps(engine.params, state_b, table, 6)
     assert [x for x, _ in one] == np.asarray(t)[:, 0].tolist()
     np.testing.assert_allclose([y for _, y in one], np.asarray(lp)[:, 0], atol=1e-6)
 

@@ -8,6 +8,7 @@ import pytest
 
 from jaxrl.models import merge_params
 from jaxrl.models.generate import greedy_generate
+from jaxrl.models.kv_cache import ContiguousKV
 from serving.orchestrator import Orchestrator, TokenEvent
 from serving.sampling import SamplingParams
 from sharding.reshard import WeightUpdateError
@@ -33,14 +34,13 @@ def _swap_after(orchestrator, prompt, new_params, version, after=4):
 def _cached_reference(model_a, model_b, prompt, switch, total):
     """Greedy decode with a KV cache: `switch` tokens from A, then B on the same cache."""
     m = len(prompt) + total + 1
-    k = jnp.zeros((CFG.num_layers, 1, m, CFG.num_kv_heads, CFG.head_dim))
-    v = jnp.zeros_like(k)
-    x, k, v = model_a.extend(jnp.asarray([prompt]), jnp.asarray([0]), k, v)
+    cache = ContiguousKV.zeros(CFG.num_layers, 1, m, CFG.num_kv_heads, CFG.head_dim)
+    x, cache = model_a.extend(jnp.asarray([prompt]), jnp.asarray([0]), cache)
     out = [int(jnp.argmax(model_a.logits(x)[0, -1]))]
     while len(out) < total:
         model = model_a if len(out) < switch else model_b
-        x, k, v = model.extend(jnp.asarray([[out[-1]]]), jnp.asarray([len(prompt) + len(out) - 1]),
-                               k, v)
+        x, cache = model.extend(jnp.asarray([[out[-1]]]),
+                                jnp.asarray([len(prompt) + len(out) - 1]), cache)
         out.append(int(jnp.argmax(model.logits(x)[0, -1])))
     return out
 

@@ -1,0 +1,113 @@
+"""The scheduler's bookkeeping alone (no model): admission, page sharing within a group,
+page growth, preemption order and page accounting."""
+
+import pytest
+
+from serving.page_pool import PagePool, PoolExhausted
+from serving.sampling import SamplingParams
+from serving.scheduler import Scheduler
+from serving.sequence import Request
+from serving.stream import RequestStream
+
+
+def _scheduler(num_pages=17, slots=4, budget=64):
+    return Scheduler(slots=slots, num_pages=num_pages, page_size=4, max_len=64,
+                     prefill_chunk=16, prefill_budget=budget)
+
+
+def _request(length, n=1, max_tokens=8):
+    return Request(list(range(3, 3 + length)), SamplingParams(n=n, max_tokens=max_tokens),
+                   RequestStream(0, n))
+
+
+def _prefill_all(sched):
+    """Runs planned chunks until every admitted prompt is written; returns started sequences."""
+    started = []
+    while True:
+        chunks = sched.plan_prefill()
+        if not chunks:
+            return started
+        for p, _, tokens in chunks:
+            if sched.prefilled(p, len(tokens)):
+                started += sched.start(p)[0]
+
+
+def test_a_group_shares_its_full_prompt_pages_and_copies_the_partial_one():
+    sched = _scheduler()
+    sched.add(_request(10, n=3), max_queued=8)      # pages of 4: two full, one with 2 tokens
+    chunks = sched.plan_prefill()
+    assert len(chunks) == 1 and chunks[0][2] == list(range(3, 13))
+    p = chunks[0][0]
+    assert sched.prefilled(p, 10)
+    seqs, copies = sched.start(p)
+    full, partial = p.pages[:2], p.pages[2]
+    assert [s.pages[:2] for s in seqs] == [full] * 3
+    own = [s.pages[2] for s in seqs]
+    assert own[0] == partial and len(set(own)) == 3
+    assert copies == [(partial, own[1]), (partial, own[2])]
+    assert sched.pool.free == 16 - 2 - 3
+    for s in seqs:
+        s.tokens.append(5)
+        sched.finish(s)
+    assert sched.pool.free == 16
+
+
+def test_exact_pages_are_shared_without_copies():
+    sched = _scheduler()
+    sched.add(_request(8, n=2), max_queued=8)
+    seqs = _prefill_all(sched)
+    assert seqs[0].pages == seqs[1].pages and sched.pool.free == 14
+
+
+def test_long_prompts_are_chunked_within_the_budget():
+    sched = _scheduler(num_pages=40, budget=20)
+    sched.add(_request(40), max_queued=8)
+    sched.add(_request(6), max_queued=8)
+    first = sched.plan_prefill()
+    # One chunk of the long prompt (16 tokens) and the short one: 22 >= the budget of 20.
+    assert [len(t) for _, _, t in first] == [16, 6]
+    for p, _, tokens in first:
+        if sched.prefilled(p, len(tokens)):
+            sched.start(p)
+    assert [(start, len(t)) for _, start, t in sched.plan_prefill()] == [(16, 16)]
+
+
+def test_growth_preempts_the_youngest_and_resumes_it_first():
+    sched = _scheduler(num_pages=9)               # 8 usable pages
+    for _ in range(3):
+        sched.add(_request(7, max_tokens=40), max_queued=8)
+    seqs = _prefill_all(sched)                    # 2 pages each, 6 taken
+    assert len(seqs) == 3 and sched.pool.free == 2
+    for s in seqs:
+        s.tokens.append(1)                        # cached = 7: the next step writes position 7
+    preempted = sched.reserve(steps=2)            # each needs positions 7, 8: a third page
+    assert preempted == [seqs[2]] and seqs[2].slot is None and seqs[2].pages == []
+    assert [len(s.pages) for s in seqs[:2]] == [3, 3] and sched.pool.free == 2
+    assert list(sched.resumes) == [seqs[2]]
+    # The preempted sequence is recomputed (prompt + its tokens but the last) before anything new.
+    sched.add(_request(3), max_queued=8)
+    for s in seqs[:2]:
+        sched.finish(s)
+    chunks = sched.plan_prefill()
+    assert chunks[0][0].resumed is seqs[2] and chunks[0][2] == list(range(3, 10))
+
+
+def test_admission_waits_for_slots_and_pages():
+    sched = _scheduler(num_pages=5, slots=2)      # 4 usable pages
+    sched.add(_request(16), max_queued=8)         # 4 pages
+    sched.add(_request(2), max_queued=8)
+    assert len(sched.plan_prefill()) == 1         # the second must wait for a page
+    assert sched.queued() == 1
+
+
+def test_page_pool_accounting():
+    pool = PagePool(4, page_size=4)
+    a = pool.allocate(2)
+    assert 0 not in a and pool.free == 1
+    pool.share(a)
+    pool.release(a)
+    assert pool.free == 1
+    pool.release(a)
+    assert pool.free == 3
+    with pytest.raises(PoolExhausted, match="4 pages asked for, 3 free"):
+        pool.allocate(4)
