@@ -21,11 +21,11 @@ def _train(args) -> None:
 
 
 def _eval(args) -> None:
-    from jaxrl.run.evaluate import evaluate
+    from jaxrl.run.evaluate import evaluate_model
     from jaxrl.run.warmup import restore_for_eval
 
     model, task, tokenizer, step = restore_for_eval(args.checkpoint, args.step)
-    result = evaluate(model, task, tokenizer, args.problems)
+    result = evaluate_model(model, task, tokenizer, args.problems, args.max_new_tokens)
     print(f"step {step}: held-out accuracy {result['accuracy']:.1%} on {result['problems']} "
           f"problems (e.g. {', '.join(result['examples'][:3])})")
 
@@ -33,6 +33,8 @@ def _eval(args) -> None:
 # EngineConfig's fields as `jaxrl serve` users know them: the flag that sets one, or what it is.
 _SERVE_NAMES = {"max_concurrent_decodes": "--slots", "max_len": "--max-len",
                 "max_prefill_length": "--max-prefill-length", "prefill_chunk": "--prefill-chunk",
+                "page_size": "--page-size", "num_pages": "--num-pages",
+                "memory_fraction": "--memory-fraction",
                 "min_bucket": "the engine's smallest prefill bucket,"}
 
 
@@ -42,13 +44,21 @@ def _serve(args) -> None:
     from jaxrl.run.serve import read_update_token, serve
     from serving.engine import EngineConfig
 
-    try:
-        engine_cfg = EngineConfig(max_concurrent_decodes=args.slots, max_len=args.max_len,
-                                  max_prefill_length=args.max_prefill_length,
-                                  prefill_chunk=args.prefill_chunk, dtype=args.dtype)
-    except ValueError as e:  # name the flags the user gave, not EngineConfig's fields
-        raise UserError(re.sub(r"\b(\w+)=", lambda m: f"{_SERVE_NAMES[m[1]]} "
-                               if m[1] in _SERVE_NAMES else m[0], str(e))) from None
+    def engine_config(context: int) -> EngineConfig:
+        """The engine the flags ask for; --max-len 0 takes the model's context."""
+        try:
+            return EngineConfig(max_concurrent_decodes=args.slots,
+                                max_len=args.max_len or context,
+                                max_prefill_length=args.max_prefill_length,
+                                prefill_chunk=args.prefill_chunk, dtype=args.dtype,
+                                page_size=args.page_size, num_pages=args.num_pages,
+                                memory_fraction=args.memory_fraction)
+        except ValueError as e:  # name the flags the user gave, not EngineConfig's fields
+            raise UserError(re.sub(r"\b(\w+)=", lambda m: f"{_SERVE_NAMES[m[1]]} "
+                                   if m[1] in _SERVE_NAMES else m[0], str(e))) from None
+
+    if args.max_len:
+        engine_config(args.max_len)   # refuse bad flags before loading anything
     try:
         token = read_update_token(args.update_token_file)
     except OSError as e:
@@ -59,7 +69,7 @@ def _serve(args) -> None:
     logging.getLogger("jaxrl").addHandler(handler)
     logging.getLogger("jaxrl").setLevel(logging.INFO)
     serve(model_dir=args.model, checkpoint_dir=args.checkpoint, host=args.host, port=args.port,
-          engine_cfg=engine_cfg, update_token=token, log=lambda m: print(m, flush=True))
+          engine_config=engine_config, update_token=token, log=lambda m: print(m, flush=True))
 
 
 def _compile(args) -> None:
@@ -170,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step to restore (default: the newest)")
     p.add_argument("--problems", type=_int_at_least(1), default=200,
                    help="held-out problems to score")
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=8,
+                   help="greedy completion budget per problem")
     p.set_defaults(run=_eval)
 
     p = command("serve", "serve a model over gRPC (JetStream's protocol + weight updates)")
@@ -180,8 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=_port, default=9000, help="port (0: any free port)")
     p.add_argument("--slots", type=_int_at_least(1), default=32, help="concurrent decodes")
-    p.add_argument("--max-len", type=_int_at_least(1), default=64,
-                   help="prompt + generated tokens per slot")
+    p.add_argument("--max-len", type=_int_at_least(0), default=0,
+                   help="longest sequence, prompt + generated tokens (0: the model's context); "
+                        "KV memory is taken page by page as sequences grow, not reserved")
+    p.add_argument("--page-size", type=_int_at_least(1), default=16,
+                   help="tokens per KV cache page")
+    p.add_argument("--num-pages", type=_int_at_least(0), default=0,
+                   help="KV pages in the pool (0: --memory-fraction if set, else enough for "
+                        "every slot at --max-len)")
+    p.add_argument("--memory-fraction", type=float, default=0.0,
+                   help="GPU/TPU: size the KV pool to this fraction of the device memory free "
+                        "after the weights are loaded")
     p.add_argument("--max-prefill-length", type=_int_at_least(1), default=32,
                    help="longest prompt")
     p.add_argument("--prefill-chunk", type=_int_at_least(1), default=16,

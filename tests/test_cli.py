@@ -43,6 +43,25 @@ def test_train_then_eval(tmp_path):
                  "--problems", "8", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("step 8: held-out accuracy")
+    _check_eval_equals_the_cacheless_path(tmp_path / "run" / "checkpoints", out.stdout)
+
+
+def _check_eval_equals_the_cacheless_path(checkpoint_dir, printed):
+    """`jaxrl eval` decodes with the serving engine; greedy decoding by full recompute (the old
+    evaluator) gives the same completions and so the same accuracy."""
+    from jaxrl.models.generate import greedy_generate
+    from jaxrl.run.evaluate import greedy_completions, local_engine
+    from jaxrl.run.warmup import restore_for_eval
+
+    model, task, tokenizer, _ = restore_for_eval(checkpoint_dir)
+    problems = task.held_out(8)
+    prompts = [[tokenizer.bos_id] + tokenizer.encode(p.prompt) for p in problems]
+    reference = greedy_generate(model, prompts, 8, tokenizer.eos_id)
+    with local_engine(model, tokenizer.eos_id, max(map(len, prompts)), 8) as orchestrator:
+        assert greedy_completions(orchestrator, prompts, 8) == reference
+    accuracy = sum(task.score(p, tokenizer.decode(ids)) >= 1
+                   for p, ids in zip(problems, reference)) / len(problems)
+    assert printed.startswith(f"step 8: held-out accuracy {accuracy:.1%} on 8 problems")
 
 
 @pytest.mark.parametrize("args, message", [

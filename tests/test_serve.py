@@ -1,8 +1,15 @@
-"""`jaxrl serve --model HF_DIR` loads a Hugging Face folder with its tokenizer."""
+"""`jaxrl serve --model HF_DIR` loads a Hugging Face folder with its tokenizer and generates as
+Hugging Face does."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
+import grpc
 import numpy as np
+import pytest
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -12,7 +19,18 @@ from jaxrl.models.generate import greedy_generate
 from jaxrl.run.serve import load_model
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
+from serving.proto import generation_pb2 as gen
+from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.sampling import SamplingParams
+
+
+def _word_tokenizer(path, vocab_size):
+    """A word-level tokenizer.json of `vocab_size` ids: <unk>, <s>, </s>, w0, w1, ..."""
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
 
 
 def test_serves_a_hugging_face_folder(tmp_path):
@@ -21,11 +39,7 @@ def test_serves_a_hugging_face_folder(tmp_path):
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, tie_word_embeddings=True)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(37)])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    _word_tokenizer(tmp_path, 40)
 
     model, tokenizer, what = load_model(str(tmp_path), "unused", print)
     assert what == f"qwen2 from {tmp_path}" and tokenizer.eos_id == 2
@@ -37,3 +51,50 @@ def test_serves_a_hugging_face_folder(tmp_path):
         out = o.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6))[0].tokens
     assert out == greedy_generate(model, [prompt], 6, eos_id=-1)[0]
     assert np.all(np.asarray(out) < 40)
+
+
+@pytest.mark.slow
+def test_a_thousand_tokens_through_jaxrl_serve_equal_transformers_generate(tmp_path):
+    """`jaxrl serve --model HF_DIR` (a real server process, paged KV cache, pages of 16 tokens
+    taken as the sequence grows) decodes 1,000 tokens greedily exactly as Hugging Face's
+    `generate` does (float32, tiny random Llama with a 1,100-token context)."""
+    torch.manual_seed(0)
+    # Weights drawn wider than the usual 0.02, so that the next token is rarely a near tie.
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=1100,
+                                      initializer_range=0.3)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    hf.save_pretrained(tmp_path)
+    _word_tokenizer(tmp_path, 40)
+    prompt = [1, 17, 5, 30, 22, 9, 11, 3]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=1000, min_new_tokens=1000,
+                           do_sample=False)[0, len(prompt):].tolist()
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxrl.cli", "serve", "--model", str(tmp_path),
+                             "--port", "0", "--slots", "2", "--max-prefill-length", "16",
+                             "--page-size", "16"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        for line in proc.stdout:
+            if "ready on" in line:
+                break
+        assert "max_len 1100" in line, line + proc.stderr.read()[-2000:]
+        address = line.split("ready on ")[1].split(": ")[0]
+        with grpc.insecure_channel(address) as channel:
+            out = list(gen_grpc.GenerationStub(channel).Generate(gen.GenerateRequest(
+                token_ids=gen.TokenIds(ids=prompt),
+                sampling=gen.SamplingOptions(max_tokens=1000, temperature=0.0, ignore_eos=True)),
+                timeout=300))
+        got = [r.token_ids[0] for r in out if r.token_ids]
+        assert out[-1].finish_reason == "length"
+        assert got == want
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            proc.kill()

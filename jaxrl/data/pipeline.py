@@ -23,37 +23,76 @@ from jaxrl.rl.config import RLConfig
 FEATURES = ("input_ids", "targets", "loss_mask", "behaviour_logp", "advantages")
 
 
-class DropCounter:
-    """Samples dropped by a filter, read by the loop for its metrics (thread-safe)."""
+def length_bucket(tokens: int) -> int:
+    """The power of two at or above a completion's length: samples are counted by this."""
+    return 1 << max(tokens - 1, 0).bit_length()
 
-    def __init__(self, total: int = 0):
+
+class LagStats:
+    """What the lag filter saw and dropped, in samples and tokens per completion-length bucket
+    (thread-safe; the loop logs it, a checkpoint keeps it)."""
+
+    KINDS = ("seen_samples", "seen_tokens", "dropped_samples", "dropped_tokens")
+
+    def __init__(self, state: dict | None = None):
         self._lock = threading.Lock()
-        self._total = total
+        self._counts = {k: {int(b): n for b, n in (state or {}).get(k, {}).items()}
+                        for k in self.KINDS}
 
-    def add(self, n: int = 1) -> None:
+    def add(self, completion_tokens: int, dropped: bool) -> None:
+        bucket = length_bucket(completion_tokens)
         with self._lock:
-            self._total += n
+            for kind, n in (("samples", 1), ("tokens", completion_tokens)):
+                for what in ("seen",) + (("dropped",) if dropped else ()):
+                    counts = self._counts[f"{what}_{kind}"]
+                    counts[bucket] = counts.get(bucket, 0) + n
 
     @property
     def total(self) -> int:
+        """Samples dropped so far."""
         with self._lock:
-            return self._total
+            return sum(self._counts["dropped_samples"].values())
+
+    def fractions(self) -> dict[str, float]:
+        """`lag_dropped_{samples,tokens}_le{bucket}`: the share dropped, per length bucket."""
+        with self._lock:
+            c = self._counts
+            return {f"lag_dropped_{kind}_le{b}": c[f"dropped_{kind}"].get(b, 0) / seen
+                    for kind in ("samples", "tokens")
+                    for b, seen in sorted(c[f"seen_{kind}"].items()) if seen}
+
+    def state(self) -> dict:
+        with self._lock:
+            return {k: {str(b): n for b, n in v.items()} for k, v in self._counts.items()}
 
 
 class LagFilter(grain.transforms.Filter):
-    """Keeps samples whose oldest token is at most `max_lag` optimizer steps older than the
-    trainer's weights (PipelineRL's max lag); counts the rest."""
+    """Keeps samples at most `max_lag` optimizer steps behind the trainer's weights (PipelineRL's
+    max lag), by the sample's lag as `rl.lag` defines it; counts what it drops."""
 
-    def __init__(self, current_step: Callable[[], int], max_lag: int, dropped: DropCounter):
+    def __init__(self, current_step: Callable[[], int], max_lag: int, stats: LagStats,
+                 lag: str = "newest"):
         self.current_step = current_step
         self.max_lag = max_lag
-        self.dropped = dropped
+        self.stats = stats
+        self.lag = lag
 
     def filter(self, rollout: Rollout) -> bool:
-        keep = self.current_step() - min(rollout.versions) <= self.max_lag
-        if not keep:
-            self.dropped.add()
+        keep = sample_lag(rollout.versions, self.current_step(), self.lag) <= self.max_lag
+        self.stats.add(len(rollout.completion), dropped=not keep)
         return keep
+
+
+def sample_lag(versions: list[int], step: int, definition: str) -> float:
+    """How many optimizer steps a sample is behind `step`, judged by the version of its oldest
+    token, of its newest token, or by the mean over its tokens (token-weighted)."""
+    if definition == "oldest":
+        return step - min(versions)
+    if definition == "newest":
+        return step - max(versions)
+    if definition == "mean":
+        return step - sum(versions) / len(versions)
+    raise ValueError(f"lag definition {definition!r} is not one of 'oldest', 'newest', 'mean'")
 
 
 def features(rollout: Rollout) -> dict[str, np.ndarray]:
@@ -101,15 +140,15 @@ def pack(rollouts: list[Rollout], cfg: RLConfig) -> dict[str, Any]:
 
 def rl_batches(log: RolloutLog, cfg: RLConfig, *, current_step: Callable[[], int],
                put: Callable[[dict], dict] = lambda a: a, start: int = 0,
-               dropped_before: int = 0) -> tuple[grain.IterDataset, DropCounter]:
+               lag_state: dict | None = None) -> tuple[grain.IterDataset, LagStats]:
     """The pipeline as a Grain IterDataset of training batches (see `pack`) whose arrays went
     through `put` (a sharded device_put onto the trainer mesh), prefetched in a thread, and
-    the counter of samples the lag filter dropped."""
-    dropped = DropCounter(dropped_before)  # a resumed run keeps counting
-    ds = RolloutSource(log, start).filter(LagFilter(current_step, cfg.max_lag, dropped))
+    the lag filter's statistics."""
+    stats = LagStats(lag_state)  # a resumed run keeps counting
+    ds = RolloutSource(log, start).filter(LagFilter(current_step, cfg.max_lag, stats, cfg.lag))
     ds = ds.batch(cfg.batch_size, drop_remainder=True, batch_fn=list)
     ds = ds.map(lambda rollouts: pack(rollouts, cfg))
     ds = ds.map(lambda b: {**b, "arrays": put(b["arrays"])})
     if cfg.prefetch:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cfg.prefetch)
-    return ds, dropped
+    return ds, stats

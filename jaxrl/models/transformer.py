@@ -167,10 +167,14 @@ class Transformer(nnx.Module):
         (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache), (self.layers.stacked(), layers))
         return self.final_hidden(x_BTD), cache
 
-    def logits(self, x_BTD):
+    def head(self):
+        """The output projection [D, V] in the compute dtype (the embedding's transpose when
+        tied)."""
         head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        return jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(self.cfg.compute_dtype),
-                          preferred_element_type=jnp.float32)
+        return head_DV.astype(self.cfg.compute_dtype)
+
+    def logits(self, x_BTD):
+        return jnp.einsum("btd,dv->btv", x_BTD, self.head(), preferred_element_type=jnp.float32)
 
     def __call__(self, input_ids_BT, positions_BT=None, segment_ids_BT=None):
         return self.logits(self.hidden(input_ids_BT, positions_BT, segment_ids_BT))

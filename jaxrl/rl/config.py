@@ -37,10 +37,16 @@ class RLConfig:
     normalize_std: bool = False     # divide advantages by the group's reward std
     filter_zero_advantage: bool = True  # drop groups whose rewards are all equal
     filter_overlong: bool = True    # drop samples cut off by max_new_tokens
-    # Drop samples whose oldest token is more than this many optimizer steps older than the
-    # trainer's weights, judged when the pipeline reads the sample (up to `prefetch` batches
-    # before the step that trains on it, so the reported lag can exceed it by that much).
+    # Drop samples more than this many optimizer steps behind the trainer's weights, judged
+    # when the pipeline reads the sample (up to `prefetch` batches before the step that trains
+    # on it, so the reported lag can exceed it by that much).
     max_lag: int = 4
+    # A sample's lag, from the weights versions of its tokens: newest (the version its last
+    # token was drawn under: how long it waited since it finished), oldest (its first token:
+    # also how long it took to generate, so every sample that takes more than max_lag steps to
+    # write is dropped, and long answers with it), or mean (token-weighted). Each token's own
+    # lag is corrected by its importance weight either way; see the README.
+    lag: Literal["newest", "oldest", "mean"] = "newest"
     pack_len: int = 64              # tokens per packed row
     microbatch_rows: int = 16       # packed rows per microbatch
     max_segments: int = 16          # most samples packed into one row

@@ -13,6 +13,7 @@ from jaxrl.config import RunConfig
 from jaxrl.models import abstract_model
 from jaxrl.models.transformer import split_params
 from jaxrl.run.warmup import model_config
+from jaxrl.train.objectives import SupervisedLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
 from jaxrl.train.step import abstract_state, jit_train_step, state_shardings
 from sharding import mesh as shd
@@ -52,7 +53,8 @@ def compile_train_step(cfg: RunConfig, topology: str) -> dict:
     state = abstract_state(model_cfg, tx, shardings)
     graphdef, _ = split_params(abstract_model(model_cfg))
     step = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(cfg.optim, 1),
-                          remat=cfg.train.remat, pipeline=cfg.sharding.pipeline)
+                          remat=cfg.train.remat, pipeline=cfg.sharding.pipeline,
+                          objective=SupervisedLoss(cfg.train.logits_chunk))
     t = cfg.train
     shape = (t.microbatches, t.batch_size // t.microbatches, t.seq_len)
     sharding = shd.batch_sharding(mesh, 3, leading=1)

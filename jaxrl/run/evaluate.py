@@ -1,27 +1,85 @@
-"""Held-out accuracy of a model on a task (greedy decoding)."""
+"""Held-out accuracy of a model on a task, decoded greedily by the serving engine (batched, on the
+paged KV cache): through the RL run's own engine, or an engine started for the occasion."""
 
 from __future__ import annotations
 
-from jaxrl.models.generate import greedy_generate
+import contextlib
+import math
+from typing import Sequence
+
 from jaxrl.models.tokenizer import Tokenizer
-from jaxrl.models.transformer import Transformer
+from jaxrl.models.transformer import Transformer, split_params
 from jaxrl.rl.tasks.base import Task
+from serving.engine import Engine, EngineConfig
+from serving.orchestrator import InvalidRequest, Orchestrator
+from serving.sampling import SamplingParams
 
 
-def evaluate(model: Transformer, task: Task, tokenizer: Tokenizer, num_problems: int,
-             max_new_tokens: int = 8, batch_size: int = 256) -> dict:
-    """{"accuracy", "problems", "examples"}: the share of held-out problems answered exactly."""
+def evaluate(orchestrator: Orchestrator, task: Task, tokenizer: Tokenizer, num_problems: int,
+             max_new_tokens: int = 8, wave: int = 256) -> dict:
+    """{"accuracy", "problems", "examples", "too_long"}: the share of held-out problems answered
+    exactly, greedy, by whatever weights `orchestrator` serves. A prompt the engine cannot take
+    (too long) counts as wrong and is reported in "too_long"."""
     problems = task.held_out(num_problems)
-    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    prompts = _prompts(problems, tokenizer)
+    completions = greedy_completions(orchestrator, prompts, max_new_tokens, wave)
     scores, examples = [], []
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start: start + batch_size]
-        prompts = [bos + tokenizer.encode(p.prompt) for p in chunk]
-        for problem, ids in zip(chunk, greedy_generate(model, prompts, max_new_tokens,
-                                                       tokenizer.eos_id)):
-            completion = tokenizer.decode(ids)
-            scores.append(float(task.score(problem, completion) >= 1.0))
-            if len(examples) < 5:
-                examples.append(f"{problem.prompt}{completion}")
-    accuracy = sum(scores) / max(len(scores), 1)
-    return {"accuracy": accuracy, "problems": len(scores), "examples": examples}
+    for problem, ids in zip(problems, completions):
+        completion = tokenizer.decode(ids) if ids is not None else ""
+        scores.append(float(ids is not None and task.score(problem, completion) >= 1.0))
+        if len(examples) < 5:
+            examples.append(f"{problem.prompt}{completion}")
+    return {"accuracy": sum(scores) / max(len(scores), 1), "problems": len(scores),
+            "examples": examples, "too_long": sum(c is None for c in completions)}
+
+
+def evaluate_model(model: Transformer, task: Task, tokenizer: Tokenizer, num_problems: int,
+                   max_new_tokens: int = 8) -> dict:
+    """`evaluate` on an engine started for `model` alone."""
+    prompts = _prompts(task.held_out(num_problems), tokenizer)
+    with local_engine(model, tokenizer.eos_id, max(map(len, prompts)), max_new_tokens) as o:
+        return evaluate(o, task, tokenizer, num_problems, max_new_tokens)
+
+
+def greedy_completions(orchestrator: Orchestrator, prompts: Sequence[list[int]],
+                       max_new_tokens: int, wave: int = 256) -> list[list[int] | None]:
+    """Greedy completions, each cut before its EOS; None for a prompt the engine refuses.
+    Submitted `wave` at a time so the queue never overflows."""
+    eos = orchestrator.eos_id
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    out: list[list[int] | None] = []
+    for start in range(0, len(prompts), wave):
+        streams = []
+        for ids in prompts[start: start + wave]:
+            try:
+                streams.append(orchestrator.submit(ids, sampling))
+            except InvalidRequest:
+                streams.append(None)
+        for stream in streams:
+            if stream is None:
+                out.append(None)
+                continue
+            tokens = stream.result()[0].tokens
+            out.append(tokens[: tokens.index(eos)] if eos in tokens else tokens)
+    return out
+
+
+@contextlib.contextmanager
+def local_engine(model: Transformer, eos_id: int | None, longest_prompt: int,
+                 max_new_tokens: int, slots: int = 64):
+    """A started Orchestrator serving `model` (its dtype), sized for prompts of up to
+    `longest_prompt` tokens and `max_new_tokens` more."""
+    chunk = min(1 << max(longest_prompt - 1, 7).bit_length(), 512)
+    cfg = EngineConfig(max_concurrent_decodes=slots, max_len=longest_prompt + max_new_tokens,
+                       max_prefill_length=longest_prompt, prefill_chunk=chunk,
+                       prefill_budget=max(chunk, 256), dtype=model.cfg.dtype,
+                       page_size=min(16, 1 << math.ceil(math.log2(longest_prompt + 1))))
+    engine = Engine(model.cfg, cfg)
+    engine.load_params(split_params(model)[1])
+    with Orchestrator(engine, eos_id=eos_id, max_queued=4 * slots) as orchestrator:
+        yield orchestrator
+
+
+def _prompts(problems, tokenizer: Tokenizer) -> list[list[int]]:
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    return [bos + tokenizer.encode(p.prompt) for p in problems]

@@ -25,7 +25,7 @@ import numpy as np
 from jaxrl.config import ConfigError, RunConfig, to_dict
 from jaxrl.data.pipeline import rl_batches
 from jaxrl.data.rollouts import Rollout, RolloutLog, source_position
-from jaxrl.models import abstract_model, from_hf, merge_params
+from jaxrl.models import abstract_model, from_hf
 from jaxrl.models.transformer import split_params
 from jaxrl.run.actor import Actor
 from jaxrl.run.evaluate import evaluate
@@ -70,7 +70,8 @@ def make_objective(cfg: RunConfig) -> PolicyGradientLoss:
     rl = cfg.rl
     return PolicyGradientLoss(kind=rl.loss, temperature=rl.temperature, tis_cap=rl.tis_cap,
                               clip_low=rl.clip_low, clip_high=rl.clip_high,
-                              kl_coef=rl.kl_coef, max_segments=rl.max_segments)
+                              kl_coef=rl.kl_coef, max_segments=rl.max_segments,
+                              logits_chunk=cfg.train.logits_chunk)
 
 
 def check_config(cfg: RunConfig) -> None:
@@ -182,10 +183,10 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     actor.notify_trained(data["position"])
     batch_sharding = shd.batch_sharding(mesh, 3, leading=1)
     trainer_step = [step]
-    dataset, dropped_lag = rl_batches(
+    dataset, lag_stats = rl_batches(
         rollout_log, rl, current_step=lambda: trainer_step[0],
         put=lambda a: jax.device_put(a, batch_sharding), start=data["position"],
-        dropped_before=data.get("dropped_lag", 0))
+        lag_state=data.get("lag_stats"))
     batches = iter(dataset)
     if data["iterator"] is not None:
         batches.set_state(data["iterator"])
@@ -197,16 +198,18 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
                                 wandb_project=cfg.log.wandb_project, config=config_dict,
                                 resume_step=step, name="RL")
 
-    def held_out(params) -> dict:
+    def held_out() -> dict:
+        """Greedy accuracy of the weights the engine serves (the trainer's newest), decoded
+        by the engine beside the rollouts."""
         t0 = time.perf_counter()
-        out = evaluate(merge_params(graphdef, params), task, tokenizer,
-                       cfg.train.eval_problems, max_new_tokens=rl.max_new_tokens)
+        out = evaluate(orchestrator, task, tokenizer, cfg.train.eval_problems,
+                       max_new_tokens=rl.max_new_tokens)
         clock.exclude(time.perf_counter() - t0)
         return out
 
     eval_before = data["eval_before"]
     if eval_before is None and cfg.train.eval_problems:
-        eval_before = held_out(state["params"])["accuracy"]
+        eval_before = held_out()["accuracy"]
         metrics_log.log(step, {"eval_accuracy": eval_before, "time_s": clock()})
     log(f"RL ({rl.mode}, {rl.placement}, loss {rl.loss}): steps {step}..{end}; "
         f"{rl.prompts_per_step} prompts x {rl.group_size} samples per step; trainer on "
@@ -259,24 +262,26 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
                    "slots_busy_fraction": (engine_now["busy_slot_steps"] -
                                            engine_before["busy_slot_steps"])
                    / max(slot_steps * rl.slots, 1),
-                   "dropped_lag": dropped_lag.total,
+                   "dropped_lag": lag_stats.total, **lag_stats.fractions(),
                    "dropped_zero_advantage": actor.stats["dropped_zero_advantage"],
                    "dropped_overlong": actor.stats["dropped_overlong"],
                    "microbatches": batch["microbatches"]}
             row["trained_tokens_per_s"] = row["trained_tokens"] / max(now - t_prev, 1e-9)
             engine_before, t_prev = engine_now, now
             if rl.eval_every and (step - first_rl) % rl.eval_every == 0 and step < end:
-                row["eval_accuracy"] = held_out(state["params"])["accuracy"]
+                row["eval_accuracy"] = held_out()["accuracy"]
             metrics_log.log(step, row)
             metrics_log.histogram(step, "lag", lags)
             rows.append(row)
             progress.update(step, row)
             if step % cfg.checkpoint.every == 0 or step == end:
                 data = {**actor.snapshot(position), "iterator": batches.get_state(),
-                        "dropped_lag": dropped_lag.total, "time_s": now,
+                        "lag_stats": lag_stats.state(), "time_s": now,
                         "eval_before": eval_before}
                 ckpt.save(state, config_dict, data=data)
                 rollout_log.release(position)
+        if cfg.train.eval_problems:
+            final_eval = held_out()
     finally:
         progress.close()
         actor.stop()
@@ -292,7 +297,7 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
                "checkpoint": str(ckpt.path / str(end)), "eval_before": eval_before,
                "seconds": clock() - t_start}
     if cfg.train.eval_problems:
-        result = held_out(state["params"])
+        result = final_eval
         summary["eval_after"] = result["accuracy"]
         summary["examples"] = result["examples"]
         metrics_log.log(end, {"eval_accuracy": result["accuracy"], "time_s": clock()})

@@ -38,17 +38,20 @@ def load_model(model_dir: str | None, checkpoint_dir: str | Path, log: Callable[
 
 
 def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
-          engine_cfg: EngineConfig, update_token: str | None,
+          engine_config: Callable[[int], EngineConfig], update_token: str | None,
           log: Callable[[str], None] = print, ready: threading.Event | None = None) -> None:
+    """`engine_config(context)`: the engine's sizes, given the model's context length."""
     model, tokenizer, what = load_model(model_dir, checkpoint_dir, log)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise UserError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
                         f"{model.cfg.vocab_size}")
+    engine_cfg = engine_config(model.cfg.max_seq_len)
     if engine_cfg.max_len > model.cfg.max_seq_len:
         raise UserError(f"--max-len {engine_cfg.max_len} exceeds the model's max_seq_len "
                         f"{model.cfg.max_seq_len}")
     engine = Engine(model.cfg, engine_cfg)
     engine.load_params(split_params(model)[1])
+    del model   # the engine holds its own copy of the weights, in the serving dtype
     orchestrator = Orchestrator(engine, eos_id=tokenizer.eos_id).start()
     try:
         server = Server(orchestrator, tokenizer, host=host, port=port,
@@ -60,7 +63,8 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     log(f"jaxrl serve: ready on {server.address}: {what}; {engine_cfg.max_concurrent_decodes} "
-        f"slots, max_len {engine_cfg.max_len}; weight updates "
+        f"slots, max_len {engine_cfg.max_len}, {engine.num_pages - 1} KV pages of "
+        f"{engine_cfg.page_size} tokens; weight updates "
         f"{'enabled' if update_token else 'disabled (no update token)'}")
     if ready is not None:
         ready.set()

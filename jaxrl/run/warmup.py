@@ -20,9 +20,10 @@ from jaxrl.models.transformer import split_params
 from jaxrl.rl.tasks.arithmetic import ArithmeticTask
 from jaxrl.rl.tasks.base import Task
 from jaxrl.rl.tasks.math import MathTask
-from jaxrl.run.evaluate import evaluate
+from jaxrl.run.evaluate import evaluate_model
 from jaxrl.run.metrics import MetricsLogger
 from jaxrl.train.checkpoint import CheckpointError, Checkpointer
+from jaxrl.train.objectives import SupervisedLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
 from jaxrl.train.step import (abstract_state, init_state, jit_train_step, split_microbatches,
                               state_shardings)
@@ -112,7 +113,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
         state = init_state(model_cfg, tx, shardings, cfg.train.seed, params)
     graphdef, _ = split_params(abstract_model(model_cfg))
     step_fn = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(cfg.optim, cfg.train.steps),
-                             remat=cfg.train.remat, pipeline=cfg.sharding.pipeline)
+                             remat=cfg.train.remat, pipeline=cfg.sharding.pipeline,
+                             objective=SupervisedLoss(cfg.train.logits_chunk))
     batch_shard = batch_sharding(mesh, 3, leading=1)
 
     run_dir = Path(cfg.run_dir)
@@ -153,7 +155,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
                "seconds": seconds}
     if cfg.train.eval_problems and evaluate_at_end:
         model = merge_params(graphdef, state["params"])
-        summary["eval"] = evaluate(model, task, tokenizer, cfg.train.eval_problems)
+        summary["eval"] = evaluate_model(model, task, tokenizer, cfg.train.eval_problems,
+                                         max_new_tokens=cfg.rl.max_new_tokens)
     ckpt.close()
     return summary
 

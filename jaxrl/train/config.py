@@ -49,6 +49,9 @@ class TrainConfig:
     # Keep the optimizer state (AdamW's two moments) in pinned host memory between steps and
     # bring it to the device only for the update (MaxText's optimizer offload).
     offload_optimizer: bool = False
+    # Positions whose float32 logits exist at once in the loss (token log-probs, entropy): the
+    # full [rows, T, vocab] block is never built (jaxrl/train/objectives.py). 0: all at once.
+    logits_chunk: int = 512
 
     def __post_init__(self):
         if self.steps < 0:
@@ -61,6 +64,9 @@ class TrainConfig:
                              f"train.batch_size={self.batch_size}")
         if self.eval_problems < 0:
             raise ValueError(f"train.eval_problems={self.eval_problems} must be >= 0")
+        if self.logits_chunk < 0:
+            raise ValueError(f"train.logits_chunk={self.logits_chunk} must be >= 0 (0: "
+                             f"unchunked)")
 
 
 @dataclasses.dataclass(frozen=True)

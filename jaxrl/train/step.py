@@ -234,10 +234,12 @@ def init_state(model_cfg: ModelConfig, tx, shardings, seed: int, params=None):
 
 
 def jit_train_step(graphdef, tx, shardings, mesh: Mesh, schedule=None, rules=shd.RULES,
-                   remat: str = "none", pipeline: pp.PipelineConfig | None = None):
+                   remat: str = "none", pipeline: pp.PipelineConfig | None = None,
+                   objective=SupervisedLoss()):
     """The train step compiled for the mesh; the state is donated and updated in place."""
     batch = shd.batch_sharding(mesh, 3, rules, leading=1)
-    return jax.jit(make_train_step(graphdef, tx, schedule, remat=remat, pipeline=pipeline,
+    return jax.jit(make_train_step(graphdef, tx, schedule, objective, remat=remat,
+                                   pipeline=pipeline,
                                    mesh=mesh, opt_device=optimizer_on_device(shardings)),
                    in_shardings=(shardings, batch),
                    out_shardings=(shardings, shd.replicated(mesh)),

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl.data.pipeline import DropCounter, LagFilter, pack, rl_batches
+from jaxrl.data.pipeline import LagFilter, LagStats, pack, rl_batches
 from jaxrl.data.rollouts import Rollout, RolloutLog, RolloutSource, source_position
 from jaxrl.rl.config import RLConfig
 
@@ -130,20 +130,35 @@ def test_pack_shortest_samples():
 
 # --- 2. lag filter -----------------------------------------------------------------------------
 
-def test_lag_filter_judges_the_oldest_token():
-    dropped = DropCounter()
-    keep = LagFilter(lambda: 5, max_lag=2, dropped=dropped).filter
+@pytest.mark.parametrize("lag, kept", [("oldest", [True, True, False, False, False]),
+                                       ("newest", [True, True, False, True, True]),
+                                       ("mean", [True, True, False, False, True])])
+def test_lag_filter_by_each_definition(lag, kept):
+    stats = LagStats()
+    keep = LagFilter(lambda: 5, max_lag=2, stats=stats, lag=lag).filter
     rng = np.random.default_rng(0)
-    assert keep(make_rollout(rng, 0, 2, 1, versions=[3]))          # lag 2: kept
-    assert keep(make_rollout(rng, 1, 2, 2, versions=[5, 4]))
-    assert not keep(make_rollout(rng, 2, 2, 1, versions=[2]))      # lag 3: dropped
-    assert not keep(make_rollout(rng, 3, 2, 3, versions=[5, 2, 5]))  # one old token is enough
-    assert dropped.total == 2
+    samples = [make_rollout(rng, 0, 2, 1, versions=[3]),            # lag 2 by any measure
+               make_rollout(rng, 1, 2, 2, versions=[5, 4]),
+               make_rollout(rng, 2, 2, 1, versions=[2]),            # lag 3 by any measure
+               make_rollout(rng, 3, 2, 3, versions=[5, 2, 5]),      # oldest 3, mean 1, newest 0
+               make_rollout(rng, 4, 2, 5, versions=[1, 2, 3, 4, 5])]  # oldest 4, mean 2
+    assert [keep(r) for r in samples] == kept
+    assert stats.total == kept.count(False)
+
+
+def test_lag_stats_per_length_bucket_survive_a_checkpoint():
+    stats = LagStats()
+    for tokens, dropped in ((3, False), (4, True), (100, True), (120, False), (900, True)):
+        stats.add(tokens, dropped)
+    fractions = LagStats(stats.state()).fractions()
+    assert fractions == {"lag_dropped_samples_le4": 0.5, "lag_dropped_samples_le128": 0.5,
+                         "lag_dropped_samples_le1024": 1.0, "lag_dropped_tokens_le4": 4 / 7,
+                         "lag_dropped_tokens_le128": 100 / 220, "lag_dropped_tokens_le1024": 1.0}
 
 
 def test_pipeline_drops_stale_samples_and_keeps_order():
     rng = np.random.default_rng(0)
-    cfg = dataclasses.replace(CFG, max_lag=2)
+    cfg = dataclasses.replace(CFG, max_lag=2, lag="oldest")
     rollouts, kept = [], []
     for i in range(8 * cfg.batch_size):
         n = int(rng.integers(1, cfg.max_new_tokens + 1))
