@@ -68,8 +68,9 @@ def test_a_thousand_tokens_through_jaxrl_serve_equal_transformers_generate(tmp_p
     hf.save_pretrained(tmp_path)
     _word_tokenizer(tmp_path, 40)
     prompt = [1, 17, 5, 30, 22, 9, 11, 3]
+    hf.generation_config.eos_token_id = None   # run to the limit, EOS included, as ignore_eos
     with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=1000, min_new_tokens=1000,
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=1000,
                            do_sample=False)[0, len(prompt):].tolist()
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
