@@ -88,13 +88,16 @@ def main(argv=None):
     params = split_params(model)[1]
     engine.load_params(params)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new, stop_at_eos=False)
-    # The bare decode step, no orchestration: what the device needs per step for every slot.
+    # The bare decode step, no orchestration: what the device needs per step for every slot,
+    # each slot on pages of its own as wide as its longest sequence.
     state = engine.init_decode_state()
+    width = engine.cfg.pages_per_sequence
+    table = 1 + np.arange(args.batch * width, dtype=np.int32).reshape(args.batch, width)
 
     def steps():
         nonlocal state
         for _ in range(100):
-            state, _, _ = engine.generate(engine.params, state)
+            state, _, _ = engine.generate(engine.params, state, table)
         jax.block_until_ready(state)
 
     steps()
@@ -140,9 +143,12 @@ def main(argv=None):
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), new_params))
         engine.load_params(restored, 99)
         state = engine.init_decode_state()
-        for slot, p in enumerate(prompts):
-            prefix, first = engine.prefill(engine.params, p.tolist(), len(p), sampling=greedy)
-            state = engine.insert(prefix, state, slot, greedy, 0, first[0][0])
+        slots = list(range(args.batch))
+        state, logits = engine.prefill(engine.params, state, prompts, [0] * args.batch,
+                                       [args.prompt] * args.batch, table)
+        first, _ = engine.sample_first(logits, slots, [greedy] * args.batch, [0] * args.batch)
+        state = engine.insert(state, slots, [args.prompt] * args.batch, first,
+                              [1] * args.batch, [greedy] * args.batch, [0] * args.batch)
         jax.block_until_ready(state)
 
     reload()
