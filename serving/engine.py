@@ -11,7 +11,8 @@ sequence has is the scheduler's (serving/scheduler.py), passed in as page tables
 Prefill writes a chunk of each row's prompt straight into that row's pages and attends over
 the pages before it (Sarathi-Serve's chunked prefill); decode does the same with one token per
 slot. Both run `Transformer.extend` on a `PagedKV`, sized to the longest row they hold (a page
-table of power-of-two width), so a step's cost follows the tokens held, not `max_len`.
+table width from a few buckets per doubling), so a step's cost follows the tokens held, not
+`max_len`.
 `update_params` swaps the weights between two steps and keeps every page (PipelineRL).
 """
 
@@ -27,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl.models import ModelConfig, abstract_model, merge_params, param_axes, split_params
-from serving.paged_kv import IMPLEMENTATIONS, PagedKV
+from serving.paged_kv import IMPLEMENTATIONS, PagedKV, table_width
 from serving.sampling import sample, slot_keys
 from sharding import mesh as shd
 from sharding.reshard import reshard
@@ -71,6 +72,9 @@ class EngineConfig:
     steps_per_dispatch: int = 1
     dtype: str = "float32"            # weights and KV pool; bfloat16 on GPU/TPU
     page_size: int = 16               # tokens per KV page
+    # Page-table widths per doubling: a step reads its longest row's pages rounded up to one of
+    # these (4: at most 25% more than held, 4 programs per doubling; 1: up to 2x, 1 program).
+    page_buckets: int = 4
     # Pages in the pool, the null page included. 0: from memory_fraction if set, else enough
     # for every slot at max_len (no oversubscription).
     num_pages: int = 0
@@ -89,7 +93,7 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} is below "
                              f"min_bucket={self.min_bucket}")
         for name in ("prefill_budget", "steps_per_dispatch", "max_concurrent_decodes",
-                     "page_size"):
+                     "page_size", "page_buckets"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.num_pages < 0:
@@ -106,6 +110,10 @@ class EngineConfig:
     @property
     def pages_per_sequence(self) -> int:
         return math.ceil(self.max_len / self.page_size)
+
+    def table_width(self, tokens: int) -> int:
+        """Page-table width of a call whose longest row needs `tokens` positions."""
+        return table_width(tokens, self.page_size, self.pages_per_sequence, self.page_buckets)
 
 
 class Engine:

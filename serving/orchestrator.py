@@ -28,7 +28,6 @@ import numpy as np
 
 from jaxrl.errors import UserError
 from serving.engine import Engine
-from serving.paged_kv import table_width
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
 from serving.sequence import Prefill, Request, Sequence
@@ -211,8 +210,7 @@ class Orchestrator:
         if not chunks:
             return state, False
         engine, sched = self.engine, self.scheduler
-        width = table_width(max(start + len(t) for _, start, t in chunks),
-                            engine.cfg.page_size, engine.cfg.pages_per_sequence)
+        width = engine.cfg.table_width(max(start + len(t) for _, start, t in chunks))
         tokens = np.zeros((len(chunks), engine.bucket(max(len(t) for _, _, t in chunks))),
                           np.int32)
         for i, (_, _, t) in enumerate(chunks):
@@ -266,8 +264,7 @@ class Orchestrator:
         sched.reserve(k)
         if not sched.running:
             return state, False
-        width = table_width(sched.longest_running() + k, engine.cfg.page_size,
-                            engine.cfg.pages_per_sequence)
+        width = engine.cfg.table_width(sched.longest_running() + k)
         owners = dict(sched.running)
         version = engine.version
         state, tokens, logprobs = engine.generate_steps(engine.params, state,

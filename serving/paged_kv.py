@@ -71,9 +71,11 @@ class PagedKV:
                              mask_BTS, "xla")
 
 
-def table_width(tokens: int, page_size: int, max_pages: int, min_pages: int = 1) -> int:
-    """Pages per row for a call whose longest row needs `tokens` positions: the next power of
-    two (one compiled program per width), at most `max_pages`."""
-    need = max(math.ceil(tokens / page_size), min_pages, 1)
-    return min(1 << (need - 1).bit_length(), max_pages)
-
+def table_width(tokens: int, page_size: int, max_pages: int, per_doubling: int = 1) -> int:
+    """Pages per row for a call whose longest row needs `tokens` positions, rounded up to one of
+    `per_doubling` evenly spaced widths per power of two (one compiled program per width; 4 per
+    doubling reads at most 25% more pages than needed, 1 up to 100%), at most `max_pages`."""
+    need = max(math.ceil(tokens / page_size), 1)
+    octave = 1 << (need - 1).bit_length() - 1 if need > 1 else 1   # largest power of 2 < need
+    step = max(octave // per_doubling, 1)
+    return min(-(-need // step) * step, max_pages)

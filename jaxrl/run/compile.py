@@ -83,14 +83,30 @@ _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def _out_of_memory(error: Exception, args) -> dict:
-    """The compiler refuses a program whose temporaries exceed HBM (CompileTimeHbmOom); report
-    the size it needed instead of failing. Other compile errors propagate."""
-    m = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM", str(error))
-    if m is None:
-        raise error
+    """The compiler refuses a program whose temporaries exceed HBM (CompileTimeHbmOom) or one
+    of whose fusions needs more scoped VMEM than the core has (CompileTimeScopedVmemOom: e.g.
+    XLA attention's [.., T, T] scores at long T); report it as not fitting, with the compiler's
+    figure, instead of failing. Other compile errors propagate."""
+    text = str(error)
     per_device = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
                      for a in jax.tree.leaves(args))
-    return {"device_temp_bytes": int(float(m.group(1)) * _UNITS[m.group(2)]),
-            "host_temp_bytes": 0, "argument_bytes": per_device, "host_argument_bytes": 0,
-            "output_bytes": 0, "fits": False,
-            "note": "the compiler ran out of HBM; device_temp_bytes is its estimate"}
+    out = {"device_temp_bytes": 0, "host_temp_bytes": 0, "argument_bytes": per_device,
+           "host_argument_bytes": 0, "output_bytes": 0, "fits": False}
+    hbm = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM", text)
+    vmem = re.search(r"Scoped allocation with size ([\d.]+)([KMGT]) and limit ([\d.]+)([KMGT])",
+                     text)
+    if hbm is not None:
+        out["device_temp_bytes"] = _bytes(hbm.group(1), hbm.group(2))
+        out["note"] = "the compiler ran out of HBM; device_temp_bytes is its estimate"
+    elif vmem is not None:
+        need, limit = _bytes(*vmem.group(1, 2)), _bytes(*vmem.group(3, 4))
+        out.update(vmem_bytes=need, vmem_limit_bytes=limit)
+        out["note"] = (f"a fusion needs {need / 2**20:.2f} MiB of scoped VMEM, over the "
+                       f"{limit / 2**20:.2f} MiB limit; device memory was not estimated")
+    else:
+        raise error
+    return out
+
+
+def _bytes(number: str, unit: str) -> int:
+    return int(float(number) * _UNITS[unit])

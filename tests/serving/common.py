@@ -14,9 +14,10 @@ from serving.sampling import sample, slot_keys
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64, qkv_bias=True)
 # Pages of 4 tokens: a 64-token sequence spans 16 of them, and the pool's 64 (plus the null
-# page) are reused many times over a test session.
+# page) are reused many times over a test session. Power-of-two table widths only, so that
+# few programs are compiled (the pool-exhaustion test uses 4 widths per doubling).
 ENGINE = EngineConfig(max_concurrent_decodes=4, max_len=64, max_prefill_length=40,
-                      prefill_chunk=16, min_bucket=4, page_size=4)
+                      prefill_chunk=16, min_bucket=4, page_size=4, page_buckets=1)
 
 
 def prompts(*lengths, seed=0):

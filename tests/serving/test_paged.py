@@ -93,7 +93,7 @@ def test_weight_update_mid_sequence_under_load(engine, params, model):
 
 def test_pool_exhaustion_preempts_and_loses_nothing(params, model):
     # 24 pages of 4 tokens: one 60-token sequence fits, four do not.
-    tight = Engine(CFG, EngineConfig(**{**ENGINE.__dict__, "num_pages": 25}))
+    tight = Engine(CFG, EngineConfig(**{**ENGINE.__dict__, "num_pages": 25, "page_buckets": 4}))
     tight.load_params(params)
     requests = [(p, SamplingParams(temperature=0.0, max_tokens=44)) for p in
                 prompts(9, 16, 5, 12, 7, 3, seed=4)]
