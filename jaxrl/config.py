@@ -167,6 +167,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 from jaxrl.models.config import ModelConfig  # noqa: E402
 from jaxrl.rl.config import RLConfig  # noqa: E402
 from jaxrl.rl.tasks.arithmetic import ArithmeticConfig  # noqa: E402
+from jaxrl.rl.tasks.countdown import CountdownConfig  # noqa: E402
 from jaxrl.rl.tasks.math import MathConfig  # noqa: E402
 from jaxrl.train.config import CheckpointConfig, OptimConfig, TrainConfig  # noqa: E402
 from sharding.mesh import MeshConfig  # noqa: E402
@@ -206,7 +207,7 @@ class RunConfig:
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
-    task: ArithmeticConfig | MathConfig = ArithmeticConfig()   # told apart by task.name
+    task: ArithmeticConfig | MathConfig | CountdownConfig = ArithmeticConfig()  # by task.name
     rl: RLConfig = RLConfig()
     log: LogConfig = LogConfig()
 

@@ -15,7 +15,7 @@ from jaxrl.rl.tasks.base import Task
 
 def encode_example(task: Task, tokenizer: Tokenizer, rng: np.random.Generator,
                    seq_len: int) -> dict[str, np.ndarray]:
-    problem = task.sample(rng)
+    problem = task.warmup_sample(rng)
     prompt = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + \
         tokenizer.encode(problem.prompt)
     answer = tokenizer.encode(problem.answer) + [tokenizer.eos_id]

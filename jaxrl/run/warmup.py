@@ -18,6 +18,7 @@ from jaxrl.models import ModelConfig, abstract_model, from_hf, load_hf_config, m
 from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from jaxrl.models.transformer import split_params
 from jaxrl.rl.tasks.arithmetic import ArithmeticTask
+from jaxrl.rl.tasks.countdown import CountdownTask
 from jaxrl.rl.tasks.base import Task
 from jaxrl.rl.tasks.math import MathTask
 from jaxrl.run.evaluate import evaluate_model
@@ -45,6 +46,8 @@ def build_task(cfg: RunConfig, model_cfg: ModelConfig) -> tuple[Task, Tokenizer]
             raise ConfigError("task.name=math needs hf_path: a Hugging Face model folder with "
                               "its tokenizer.json (the demo model only knows arithmetic)")
         task = MathTask(cfg.task)
+    elif cfg.task.name == "countdown":
+        task = CountdownTask(cfg.task)
     else:
         task = ArithmeticTask(cfg.task)
     tokenizer = HFTokenizer(cfg.hf_path) if cfg.hf_path else CharTokenizer(task.alphabet)

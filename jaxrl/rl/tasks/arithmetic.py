@@ -61,6 +61,8 @@ class ArithmeticTask:
             if not self._is_held_out(a, op, b):
                 return self._problem(a, op, b)
 
+    warmup_sample = sample   # the warm-up sees the whole problem space
+
     def held_out(self, n: int) -> list[Problem]:
         m = self.cfg.max_operand
         total = sum(self._is_held_out(a, op, b)

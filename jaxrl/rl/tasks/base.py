@@ -20,6 +20,10 @@ class Task(Protocol):
     def sample(self, rng: np.random.Generator) -> Problem:
         """A training problem (never one of the held-out problems)."""
 
+    def warmup_sample(self, rng: np.random.Generator) -> Problem:
+        """A problem for the supervised warm-up: `sample`'s, or a narrower share of them (a
+        long-tailed task keeps the tail for RL)."""
+
     def held_out(self, n: int) -> list[Problem]:
         """The first `n` held-out evaluation problems, the same on every call."""
 

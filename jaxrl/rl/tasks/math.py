@@ -306,6 +306,8 @@ class MathTask:
     def sample(self, rng: np.random.Generator) -> Problem:
         return self._train[int(rng.integers(len(self._train)))]
 
+    warmup_sample = sample   # the warm-up sees the whole problem space
+
     def held_out(self, n: int) -> list[Problem]:
         """The first `n` evaluation problems in file order (all of them if there are fewer)."""
         return self._eval[:max(n, 0)]
