@@ -96,7 +96,7 @@ def test_pool_exhaustion_preempts_and_loses_nothing(params, model):
     tight = Engine(CFG, EngineConfig(**{**ENGINE.__dict__, "num_pages": 25, "page_buckets": 4}))
     tight.load_params(params)
     requests = [(p, SamplingParams(temperature=0.0, max_tokens=44)) for p in
-                prompts(9, 16, 5, 12, 7, 3, seed=4)]
+                prompts(9, 16, 5, 12, seed=4)]
     requests.append((prompts(10, seed=5)[0],
                      SamplingParams(temperature=1.0, seed=7, max_tokens=40, n=2)))
     with Orchestrator(tight) as o:

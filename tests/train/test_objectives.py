@@ -39,7 +39,7 @@ def _reference(model, mb, temperature):
     return logp_BT, entropy_BT, jnp.argmax(logp_BTV, axis=-1) == mb["targets"]
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 5, 11, 64])   # 4 and 5 leave a ragged last chunk
+@pytest.mark.parametrize("chunk", [1, 4, 64])   # 4 leaves a ragged last chunk; 64 > T
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_token_stats_equal_the_whole_block(model, chunk, temperature):
     mb = _batch()
