@@ -3,6 +3,7 @@ paged KV cache): through the RL run's own engine, or an engine started for the o
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from typing import Sequence
@@ -11,18 +12,18 @@ from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.models.transformer import Transformer, split_params
 from jaxrl.rl.tasks.base import Task
 from serving.engine import Engine, EngineConfig
-from serving.orchestrator import InvalidRequest, Orchestrator
+from serving.orchestrator import InvalidRequest, Orchestrator, QueueFull
 from serving.sampling import SamplingParams
 
 
 def evaluate(orchestrator: Orchestrator, task: Task, tokenizer: Tokenizer, num_problems: int,
-             max_new_tokens: int = 8, wave: int = 256) -> dict:
+             max_new_tokens: int = 8) -> dict:
     """{"accuracy", "problems", "examples", "too_long"}: the share of held-out problems answered
     exactly, greedy, by whatever weights `orchestrator` serves. A prompt the engine cannot take
     (too long) counts as wrong and is reported in "too_long"."""
     problems = task.held_out(num_problems)
     prompts = _prompts(problems, tokenizer)
-    completions = greedy_completions(orchestrator, prompts, max_new_tokens, wave)
+    completions = greedy_completions(orchestrator, prompts, max_new_tokens)
     scores, examples = [], []
     for problem, ids in zip(problems, completions):
         completion = tokenizer.decode(ids) if ids is not None else ""
@@ -42,25 +43,33 @@ def evaluate_model(model: Transformer, task: Task, tokenizer: Tokenizer, num_pro
 
 
 def greedy_completions(orchestrator: Orchestrator, prompts: Sequence[list[int]],
-                       max_new_tokens: int, wave: int = 256) -> list[list[int] | None]:
-    """Greedy completions, each cut before its EOS; None for a prompt the engine refuses.
-    Submitted `wave` at a time so the queue never overflows."""
+                       max_new_tokens: int) -> list[list[int] | None]:
+    """Greedy completions, each cut before its EOS; None for a prompt the engine refuses. When
+    the engine's queue is full (it may be busy with rollouts), waits for the oldest request of
+    this call before submitting more."""
     eos = orchestrator.eos_id
     sampling = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    out: list[list[int] | None] = []
-    for start in range(0, len(prompts), wave):
-        streams = []
-        for ids in prompts[start: start + wave]:
+    out: list[list[int] | None] = [None] * len(prompts)
+    pending: collections.deque = collections.deque()   # (index, stream), oldest first
+
+    def collect():
+        i, stream = pending.popleft()
+        tokens = stream.result()[0].tokens
+        out[i] = tokens[: tokens.index(eos)] if eos in tokens else tokens
+
+    for i, ids in enumerate(prompts):
+        while True:
             try:
-                streams.append(orchestrator.submit(ids, sampling))
+                pending.append((i, orchestrator.submit(ids, sampling)))
+                break
             except InvalidRequest:
-                streams.append(None)
-        for stream in streams:
-            if stream is None:
-                out.append(None)
-                continue
-            tokens = stream.result()[0].tokens
-            out.append(tokens[: tokens.index(eos)] if eos in tokens else tokens)
+                break
+            except QueueFull:
+                if not pending:
+                    raise
+                collect()
+    while pending:
+        collect()
     return out
 
 

@@ -197,3 +197,14 @@ def test_backpressure_refuses_past_the_queue_limit(engine):
     o.submit([3, 4], GREEDY)
     with pytest.raises(QueueFull, match=r"2 requests are queued \(max_queued=2\)"):
         o.submit([3, 4], GREEDY)
+
+
+def test_greedy_completions_wait_for_a_full_queue(engine, model):
+    """Held-out evaluation submits more prompts than the queue takes: it waits for its oldest
+    request instead of failing, and refuses nothing it can serve."""
+    from jaxrl.run.evaluate import greedy_completions
+
+    ps = prompts(5, 9, 3, 12, 7, 4, 11, seed=21)
+    with Orchestrator(engine, max_queued=2) as o:
+        got = greedy_completions(o, ps + [[3] * 41], 6)   # the last is over the prompt limit
+    assert got == greedy_generate(model, ps, 6, eos_id=-1) + [None]
