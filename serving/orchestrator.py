@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxrl.errors import UserError
 from serving.engine import Engine
+from serving.length_predictor import LengthPredictor
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
 from serving.sequence import Prefill, Request, Sequence
@@ -63,6 +64,9 @@ class UpdateResult:
 class Orchestrator:
     def __init__(self, engine: Engine, *, eos_id: int | None = None, max_queued: int = 1024,
                  longest_first: bool = False):
+        """`longest_first`: admit the requests predicted to generate the most tokens first
+        (StreamRL), by the caller's `predicted_len` or else a LengthPredictor that learns from
+        every finished request; otherwise first come, first served."""
         if engine.params is None:
             raise ValueError("engine has no weights: call engine.load_params first")
         self.engine = engine
@@ -74,6 +78,7 @@ class Orchestrator:
                                    prefill_chunk=e.prefill_chunk,
                                    prefill_budget=e.prefill_budget, longest_first=longest_first)
         self._max_queued = max_queued
+        self.length_predictor = LengthPredictor() if longest_first else None
         self._wake = threading.Event()
         self._updates: queue.SimpleQueue[_Update] = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -133,6 +138,8 @@ class Orchestrator:
         if self._stop.is_set():
             raise QueueFull("the orchestrator is shutting down")
         stream = RequestStream(next(self._ids), sampling.n)
+        if predicted_len is None and self.length_predictor is not None:
+            predicted_len = self.length_predictor.predict(prompt)
         if not self.scheduler.add(Request(prompt, sampling, stream, predicted_len),
                                   self._max_queued):
             raise QueueFull(f"{self.scheduler.queued()} requests are queued (max_queued="
@@ -302,6 +309,7 @@ class Orchestrator:
         if seq.slot is not None:
             self.scheduler.finish(seq)
         seq.finished = True
+        seq.request.longest = max(seq.request.longest, len(seq.tokens))
         self._done(seq.request, seq.index, reason)
 
     def _done(self, req: Request, index: int, reason: str) -> None:
@@ -311,6 +319,9 @@ class Orchestrator:
         req.stream._events.put(DoneEvent(index, reason))
         if all(req.done):
             self._stats["requests_done"] += 1
+            if self.length_predictor is not None and reason in ("eos", "stop", "length"):
+                # A group takes as long as its longest sample.
+                self.length_predictor.update(req.prompt, req.longest)
 
     def _finish_request(self, req: Request, reason: str) -> None:
         for i in range(req.sampling.n):

@@ -20,6 +20,7 @@ class Request:
     # length-aware admission, longer ones are admitted first. None: unknown.
     predicted_len: float | None = None
     done: list[bool] = dataclasses.field(default_factory=list)
+    longest: int = 0      # tokens of its longest finished sample
 
     def __post_init__(self):
         self.done = [False] * self.sampling.n

@@ -27,6 +27,10 @@ class RLConfig:
     max_new_tokens: int = 8         # completion budget per sample
     temperature: float = 1.0        # sampling temperature (the trainer's pi uses the same)
     slots: int = 32                 # engine slots (concurrent sequences)
+    # Which waiting group the engine admits next: fifo, or longest_first (StreamRL's
+    # skewness-aware dispatch: predicted-long groups first, so the tail starts early; the
+    # prediction is learned online from finished groups, serving/length_predictor.py).
+    admission: Literal["fifo", "longest_first"] = "fifo"
     # Policy loss: tis = truncated importance sampling REINFORCE (PipelineRL's default),
     # ppo = PPO-clip, gspo = GSPO (sequence-level ratio).
     loss: Literal["tis", "ppo", "gspo"] = "tis"

@@ -171,8 +171,8 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     engine_mesh = shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), engine_devices)
     engine = Engine(model_cfg, engine_cfg, mesh=engine_mesh)
     engine.load_params(state["params"], version=step)
-    orchestrator = Orchestrator(engine, eos_id=tokenizer.eos_id,
-                                max_queued=4 * rl.batch_size).start()
+    orchestrator = Orchestrator(engine, eos_id=tokenizer.eos_id, max_queued=4 * rl.batch_size,
+                                longest_first=rl.admission == "longest_first").start()
     data = data or {"position": 0, "rollouts": [], "redo": [], "next_problem": 0,
                     "iterator": None, "time_s": 0.0, "eval_before": None}
     rollout_log = RolloutLog(data["position"],

@@ -208,3 +208,13 @@ def test_greedy_completions_wait_for_a_full_queue(engine, model):
     with Orchestrator(engine, max_queued=2) as o:
         got = greedy_completions(o, ps + [[3] * 41], 6)   # the last is over the prompt limit
     assert got == greedy_generate(model, ps, 6, eos_id=-1) + [None]
+
+
+def test_longest_first_serves_the_same_tokens(engine, model):
+    ps = prompts(5, 21, 9, 3, seed=22)
+    with Orchestrator(engine, longest_first=True) as o:
+        streams = [o.submit(p, GREEDY) for p in ps]
+        got = [s.result()[0].tokens for s in streams]
+        o.generate(ps[0], GREEDY)          # predicted from what the first four taught it
+    assert got == greedy_generate(model, ps, 12, eos_id=-1)
+    assert o.length_predictor.predict(ps[0]) > 0

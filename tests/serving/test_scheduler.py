@@ -1,8 +1,11 @@
-"""The scheduler's bookkeeping alone (no model): admission, page sharing within a group,
-page growth, preemption order and page accounting."""
+"""The scheduler's bookkeeping alone (no model): admission (first come or longest predicted
+first), page sharing within a group, page growth, preemption order and page accounting; the
+length predictor behind longest-first admission."""
 
+import numpy as np
 import pytest
 
+from serving.length_predictor import LengthPredictor
 from serving.page_pool import PagePool, PoolExhausted
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
@@ -111,3 +114,40 @@ def test_page_pool_accounting():
     assert pool.free == 3
     with pytest.raises(PoolExhausted, match="4 pages asked for, 3 free"):
         pool.allocate(4)
+
+
+def test_longest_first_admits_the_longest_predicted_request_first():
+    sched = Scheduler(slots=1, num_pages=40, page_size=4, max_len=64, prefill_chunk=16,
+                      prefill_budget=4, longest_first=True)
+    for length, predicted in ((3, 5.0), (4, 50.0), (5, None), (6, 20.0)):
+        r = _request(length)
+        r.predicted_len = predicted
+        sched.add(r, max_queued=8)
+    order = []
+    while True:
+        chunks = sched.plan_prefill()
+        if not chunks:
+            break
+        p, _, tokens = chunks[0]
+        order.append(len(p.request.prompt))
+        assert sched.prefilled(p, len(tokens))
+        for s in sched.start(p)[0]:
+            s.tokens.append(1)
+            sched.finish(s)
+    assert order == [4, 6, 3, 5]    # 50, 20, 5, then unknown
+
+
+def test_length_predictor_ranks_requests_by_what_it_has_seen():
+    rng = np.random.default_rng(0)
+
+    def example():   # the output length is set by the prompt's third token
+        prompt = rng.integers(3, 30, 12).tolist()
+        return prompt, 10 * prompt[2] + 3
+
+    predictor = LengthPredictor()
+    for _ in range(1000):
+        predictor.update(*example())
+    test = [example() for _ in range(300)]
+    predicted = np.argsort(np.argsort([predictor.predict(p) for p, _ in test]))
+    actual = np.argsort(np.argsort([n for _, n in test]))
+    assert np.corrcoef(predicted, actual)[0, 1] > 0.8    # Spearman's rank correlation
