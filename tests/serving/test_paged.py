@@ -74,7 +74,7 @@ def test_weight_update_mid_sequence_under_load(engine, params, model):
     which the reference cannot know.)"""
     noisy = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape),
                          params)
-    requests = _requests(seed=2, lengths=(5, 9, 3, 14, 7, 11, 4, 16), max_tokens=40)
+    requests = _requests(seed=2, lengths=(5, 9, 3, 14, 7, 11, 4, 16), max_tokens=48)
     with Orchestrator(engine) as o:
         events = iter(o.submit(*requests[0]))
         seen = [next(events), next(events)]
