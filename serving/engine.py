@@ -139,24 +139,20 @@ class Engine:
         self.params = None
         self.version = -1
 
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page (keys and values, all layers), over all devices."""
-        c = self.model_cfg
-        return (2 * c.num_layers * self.cfg.page_size * c.num_kv_heads * c.head_dim
-                * jnp.dtype(c.compute_dtype).itemsize)
-
     def _pages_from_memory(self) -> int:
         """Pages that fit in `memory_fraction` of the free memory of the most loaded device
-        (the pool is sharded over kv heads like the weights, so each device holds its share of
-        every page)."""
+        (the pool is sharded over kv heads where the tensor axis divides them, so a device
+        holds its shard of every page)."""
         stats = [d.memory_stats() for d in self.mesh.devices.flat]
         if any(s is None or "bytes_limit" not in s for s in stats):
             raise ValueError(f"memory_fraction={self.cfg.memory_fraction}: the "
                              f"{self.mesh.devices.flat[0].platform} backend reports no device "
                              f"memory; set num_pages instead")
         free = min(s["bytes_limit"] - s["bytes_in_use"] for s in stats)
-        share = self.page_bytes // math.gcd(self.mesh.shape["tensor"], self.model_cfg.num_kv_heads)
+        c = self.model_cfg
+        page = (c.num_layers, 1, self.cfg.page_size, c.num_kv_heads, c.head_dim)
+        shard = shd.logical_to_sharding(POOL_AXES, page, self.mesh).shard_shape(page)
+        share = 2 * math.prod(shard) * jnp.dtype(c.compute_dtype).itemsize   # keys and values
         return max(int(self.cfg.memory_fraction * free) // share, 2)
 
     # -- JetStream Engine API ------------------------------------------------------------------
