@@ -166,7 +166,6 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self._release(seq)
-        seq.preemptions += 1
         self.preemptions += 1
         self.resumes.appendleft(seq)   # the oldest preempted resumes first
 

@@ -39,7 +39,6 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     order: int = -1          # when it last started running: the youngest is preempted first
-    preemptions: int = 0
     finished: bool = False
 
     @property
