@@ -84,6 +84,9 @@ class Orchestrator:
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._hold = threading.Event()      # set: dispatch nothing until resume()
+        self._held = threading.Event()      # set by the loop once it honours the hold
+        self._hold_lock = threading.Lock()
         self._stats = collections.Counter()
         self.pauses_s: list[float] = []
         self.error: BaseException | None = None
@@ -99,6 +102,26 @@ class Orchestrator:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def pause(self, timeout: float = 60.0) -> None:
+        """Stops dispatching prefill and decode calls between two of them and returns once the
+        device is free (partial rollouts: the trainer gets it for a step). Every sequence keeps
+        its tokens, slot and pages; weight updates, cancellations and new requests are still
+        taken, and `resume` continues decoding exactly where it stopped."""
+        self._hold.set()
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        while not self._held.wait(0.05):
+            if self._thread is None or not self._thread.is_alive():
+                return                      # a stopped loop dispatches nothing
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine loop did not pause within {timeout} s")
+
+    def resume(self) -> None:
+        with self._hold_lock:
+            self._hold.clear()
+            self._held.clear()
+        self._wake.set()
 
     def __enter__(self):
         return self.start()
@@ -178,6 +201,7 @@ class Orchestrator:
                 "queued": sched.queued(),
                 "slots_busy_fraction": s["busy_slot_steps"] / (steps * sched.num_slots),
                 "pages_total": sched.pool.capacity, "pages_free": sched.pool.free,
+                "held_tokens": s["held_tokens"],
                 "held_tokens_mean": s["held_tokens"] / max(s["busy_slot_steps"], 1),
                 "preemptions": sched.preemptions,
                 "updates": len(self.pauses_s), "update_pause_ms_max": 1e3 * max(pauses),
@@ -192,6 +216,9 @@ class Orchestrator:
                 self._apply_updates()
                 for request in self.scheduler.take_cancelled():
                     self._finish_request(request, "cancelled")
+                if self._holding():
+                    self._wake.wait(0.05)
+                    continue
                 state, prefilled = self._prefill(state)
                 state, decoded = self._decode(state)
                 if not (prefilled or decoded):
@@ -201,6 +228,13 @@ class Orchestrator:
             self._shutdown("error")
             raise
         self._shutdown("shutdown")
+
+    def _holding(self) -> bool:
+        with self._hold_lock:
+            if self._hold.is_set():
+                self._held.set()
+                return True
+            return False
 
     def _apply_updates(self) -> None:
         while not self._updates.empty():

@@ -16,7 +16,10 @@ class RLConfig:
     steps: int = 0                  # RL optimizer steps after the warm-up; 0: warm-up only
     # async: PipelineRL (the engine never stops; weights change in flight after every step).
     # sync: conventional RL (generate a batch with fixed weights, train on it, repeat).
-    mode: Literal["async", "sync"] = "async"
+    # partial: sync with partial rollouts (SeamlessFlow, APRIL): the engine is kept full and
+    # generates until a batch is ready, then pauses while the trainer steps; unfinished
+    # sequences keep their tokens and pages and continue under the new weights.
+    mode: Literal["async", "sync", "partial"] = "async"
     # colocated: trainer and engine share the devices; split: the last `engine_devices`
     # devices serve, the others train.
     placement: Literal["colocated", "split"] = "colocated"

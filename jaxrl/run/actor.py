@@ -54,6 +54,7 @@ class Actor:
         self._warn = warn
         self._skipped_in_a_row = 0
         self._last_progress = time.monotonic()    # when a rollout last reached the log
+        self._lengths: collections.deque[int] = collections.deque()  # see take_lengths
 
     # -- problems and requests -----------------------------------------------------------------
     def problem(self, index: int) -> Problem:
@@ -114,6 +115,7 @@ class Actor:
             tokens = s.tokens[:-1] if s.tokens and s.tokens[-1] == eos else s.tokens
             rewards.append(self.task.score(problem, self.tokenizer.decode(tokens)))
         rewards = np.asarray(rewards, np.float32)
+        self._lengths.extend(len(s.tokens) for s in samples)
         self.stats["reward_sum"] += float(rewards.sum())
         self.stats["solved"] += int((rewards >= 1).sum())
         self.stats["scored"] += len(rewards)
@@ -186,6 +188,14 @@ class Actor:
                        f"{s['dropped_overlong']} overlong (rl.filter_overlong), "
                        f"{s['prompts_too_long']} prompts too long")
             self._last_progress = time.monotonic()
+
+    def take_lengths(self) -> list[int]:
+        """Completion lengths of every sample scored since the last call, before any filter:
+        the model's output-length distribution, not what the trainer kept of it."""
+        out = []
+        while self._lengths:
+            out.append(self._lengths.popleft())
+        return out
 
     def notify_trained(self, position: int) -> None:
         with self._lock:

@@ -7,6 +7,9 @@ publishes its weights and the engine swaps them in between two decode steps, so 
 flight continue under the new weights (every token records the version that produced it).
 mode=sync (conventional RL): generate one step's samples with fixed weights, train, publish,
 repeat; the engine idles while the trainer trains and the trainer while the engine generates.
+mode=partial (sync with partial rollouts): the actor keeps the engine full as in async mode, but
+the engine pauses while the trainer steps; sequences unfinished when a batch is complete are
+not waited for: they keep their tokens and continue under the new weights after the step.
 
 Wiring only: the parts live in serving/, jaxrl/data, jaxrl/rl and jaxrl/train.
 """
@@ -219,7 +222,7 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     all_lags, rows = [], []
     engine_before, actor_before = orchestrator.metrics(), actor.stats.copy()
     t_start = t_prev = clock()
-    if rl.mode == "async":
+    if rl.mode in ("async", "partial"):
         actor.start()
     progress = Progress(total=end, completed=step, enabled=cfg.log.progress, log=log)
     try:
@@ -230,12 +233,16 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
             t0 = time.perf_counter()
             batch = _next_batch(batches, actor)
             wait_s = time.perf_counter() - t0
+            if rl.mode == "partial":
+                orchestrator.pause()
             t0 = time.perf_counter()
             state, metrics = jax.block_until_ready(step_fn(state, batch["arrays"]))
             step_s = time.perf_counter() - t0
             step += 1
             trainer_step[0] = step
             update = orchestrator.update_params(state["params"], version=step)
+            if rl.mode == "partial":
+                orchestrator.resume()
             position = source_position(batches.get_state())
             actor.notify_trained(position)
 
@@ -267,12 +274,17 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
                    "dropped_overlong": actor.stats["dropped_overlong"],
                    "microbatches": batch["microbatches"]}
             row["trained_tokens_per_s"] = row["trained_tokens"] / max(now - t_prev, 1e-9)
+            row["held_tokens_mean"] = (engine_now["held_tokens"] - engine_before["held_tokens"]) \
+                / max(engine_now["busy_slot_steps"] - engine_before["busy_slot_steps"], 1)
+            lengths = actor.take_lengths()
+            row.update(length_quantiles(lengths))
             engine_before, t_prev = engine_now, now
             if rl.eval_every and (step - first_rl) % rl.eval_every == 0 and step < end:
                 row["eval_accuracy"] = held_out()["accuracy"]
             metrics_log.log(step, row)
             metrics_log.histogram(step, "lag", lags)
-            rows.append(row)
+            metrics_log.histogram(step, "completion_len", lengths)
+            rows.append({"step": step, **row})
             progress.update(step, row)
             if step % cfg.checkpoint.every == 0 or step == end:
                 data = {**actor.snapshot(position), "iterator": batches.get_state(),
@@ -304,6 +316,16 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     metrics_log.close()
     summary["plots"] = {k: str(v) for k, v in save_run_plots(run_dir, rows, all_lags).items()}
     return summary
+
+
+def length_quantiles(lengths: list[int]) -> dict:
+    """The output-length distribution of the samples generated during a step (before filters):
+    completion_len_{p10,p50,p90,max}; none when no group finished during the step."""
+    if not lengths:
+        return {}
+    p10, p50, p90 = np.percentile(lengths, [10, 50, 90])
+    return {"completion_len_p10": float(p10), "completion_len_p50": float(p50),
+            "completion_len_p90": float(p90), "completion_len_max": float(max(lengths))}
 
 
 def _rate(rows: list[dict], batch_size: int) -> float:

@@ -15,8 +15,9 @@ from tensorboardX.proto import event_pb2
 
 from jaxrl.errors import UserError
 from jaxrl.run.metrics import METRICS_FILE, MetricsLogger, read_metrics
-from jaxrl.run.plots import (figure_lag_histogram, figure_reward_curves, lag_histogram,
-                             reward_curves, save_run_plots)
+from jaxrl.run.rl import length_quantiles
+from jaxrl.run.plots import (figure_lag_histogram, figure_lengths, figure_reward_curves,
+                             lag_histogram, reward_curves, save_run_plots)
 
 
 def _crc32c(data: bytes) -> int:
@@ -299,6 +300,23 @@ def test_save_run_plots_from_logged_rows(tmp_path):
             logger.log(step, {"time_s": step * 2.0, "reward": step / 4})
     paths = save_run_plots(tmp_path, read_metrics(tmp_path), lags=[0, 1, 1, 2])
     assert paths == {"reward": tmp_path / "plots" / "reward.png",
-                     "lag": tmp_path / "plots" / "lag.png"}
+                     "lag": tmp_path / "plots" / "lag.png",
+                     "lengths": tmp_path / "plots" / "lengths.png"}
     for path in paths.values():
         assert path.stat().st_size > 0 and _png_size(path) == (640, 400)
+
+
+def test_length_figure_draws_each_steps_quantiles_of_the_samples():
+    lengths = {1: [8, 9, 10, 40, 1600], 3: [8, 8, 12, 30]}   # step 2: no group finished
+    rows = [{"step": 1, **length_quantiles(lengths[1])}, {"step": 2},
+            {"step": 3, **length_quantiles(lengths[3])}]
+    ax = figure_lengths(rows).axes[0]
+    median, longest = ax.lines
+    assert list(median.get_xdata()) == [1, 3]
+    assert list(median.get_ydata()) == [np.median(lengths[1]), np.median(lengths[3])]
+    assert list(longest.get_ydata()) == [1600, 30]
+    band = ax.collections[0].get_paths()[0].vertices
+    assert band[:, 1].min() == pytest.approx(np.percentile(lengths[3], 10))
+    assert band[:, 1].max() == pytest.approx(np.percentile(lengths[1], 90))
+    assert ax.get_yscale() == "log"
+    assert length_quantiles([]) == {}

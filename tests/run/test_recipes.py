@@ -108,7 +108,7 @@ def test_qwen_gsm8k_recipe_runs_end_to_end(tmp_path):
     assert any(re.match(r"RL \(async, colocated, loss tis\)", line) for line in lines)
 
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    for name in ("reward", "lag"):
+    for name in ("reward", "lag", "lengths"):
         png = Path(summary["rl"]["plots"][name])
         assert png == run_dir / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,12 +1,14 @@
 """The RL loop (jaxrl/run/rl.py) on the demo arithmetic task with a tiny model: the reward rises
-in both modes, split placement keeps trainer and engine on their own devices, a run interrupted
-mid-way resumes the same rollout stream, and bad configurations are refused.
+in all three modes, split placement keeps trainer and engine on their own devices, partial
+rollouts pause the engine while the trainer steps, a run interrupted mid-way resumes the same
+rollout stream, and bad configurations are refused.
 
-One supervised warm-up is trained for the module. Two RL runs start from copies of its
+One supervised warm-up is trained for the module. Three RL runs start from copies of its
 checkpoint, through `jaxrl.run.job.run` as `jaxrl train` does, and serve several tests each
 (every run compiles its own trainer and engine, which is most of its cost on CPU):
 - async, colocated, interrupted after step 11 and resumed from its checkpoint at step 10;
-- sync, split placement (4 devices train, 4 serve).
+- sync, split placement (4 devices train, 4 serve);
+- partial (sync with partial rollouts), colocated.
 """
 
 import shutil
@@ -21,6 +23,7 @@ from jaxrl.run import job, rl
 from jaxrl.run.actor import Actor
 from jaxrl.run.metrics import read_metrics
 from jaxrl.train.checkpoint import Checkpointer
+from serving.orchestrator import Orchestrator
 
 WARMUP = 20      # supervised steps; RL steps are numbered on from there
 RL_STEPS = 30
@@ -142,12 +145,40 @@ def sync_split_run(warm, tmp_path_factory):
     return {"run_dir": run_dir, "summary": summary, "engines": engines, "saved": saved}
 
 
+@pytest.fixture(scope="module")
+def partial_run(warm, tmp_path_factory):
+    """Sync with partial rollouts, colocated. Records the engine's generated-token count when
+    each pause returned and when the matching resume was called, and what every step trained."""
+    holds, trained = [], {}
+    pause, resume, batch_stats = Orchestrator.pause, Orchestrator.resume, rl.batch_stats
+
+    def record_pause(self, *args, **kwargs):
+        pause(self, *args, **kwargs)
+        holds.append([self.metrics()["generated_tokens"]])
+
+    def record_resume(self):
+        holds[-1].append(self.metrics()["generated_tokens"])
+        resume(self)
+
+    def record_batch(rollouts, step):
+        trained[step + 1] = list(rollouts)
+        return batch_stats(rollouts, step)
+
+    run_dir = rl_run_dir(warm, tmp_path_factory.mktemp("partial"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Orchestrator, "pause", record_pause)
+        mp.setattr(Orchestrator, "resume", record_resume)
+        mp.setattr(rl, "batch_stats", record_batch)
+        job.run(config(run_dir, "rl.mode=partial"), log=quiet)
+    return {"run_dir": run_dir, "holds": holds, "trained": trained}
+
+
 # -- learning ----------------------------------------------------------------------------------
 
 K = 8   # steps averaged at each end
 
 
-@pytest.mark.parametrize("run", ["async_run", "sync_split_run"])
+@pytest.mark.parametrize("run", ["async_run", "sync_split_run", "partial_run"])
 def test_reward_rises(request, run, report_table):
     """The last 8 steps' mean reward against the first 8's. Measured on this 2-core machine in
     18 runs (3 warm-up seeds x both modes, 3 more of seed 0 x both modes, this file 3 times):
@@ -161,6 +192,20 @@ def test_reward_rises(request, run, report_table):
                  ("run", "steps", f"first {K}", f"last {K}"),
                  (run, len(rows), f"{first:.3f}", f"{last:.3f}"))
     assert last > first + 0.05, rewards.round(2).tolist()
+
+
+# -- partial rollouts --------------------------------------------------------------------------
+
+def test_partial_rollouts_pause_the_engine_and_carry_unfinished_samples(partial_run):
+    """The engine generates nothing while the trainer steps, and samples unfinished at a step
+    boundary are not waited for: they continue under the next weights and are trained later."""
+    holds, trained = partial_run["holds"], partial_run["trained"]
+    assert len(holds) == RL_STEPS
+    assert all(at_pause == at_resume for at_pause, at_resume in holds), holds
+    carried = [r for step in trained.values() for r in step if len(set(r.versions)) > 1]
+    assert carried, "no sample spanned a step boundary"
+    for r in carried:   # versions only move forward along a sample, one step at a time
+        assert all(b - a in (0, 1) for a, b in zip(r.versions, r.versions[1:]))
 
 
 # -- placement ---------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """In-flight weight updates: tokens after the swap follow the new weights on the kept KV cache,
 version tags are exact, a bad update is rejected and serving goes on."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,3 +116,35 @@ def test_update_needs_a_running_orchestrator(engine, params):
     with pytest.raises(RuntimeError, match="not running: call start"):
         Orchestrator(engine).update_params(params, 5)
     assert engine.version != 5
+
+
+def test_pause_holds_the_engine_and_resume_continues_under_new_weights(engine, params, model):
+    """Partial rollouts: a paused engine dispatches nothing (no token, no prefill) while it takes
+    a weight update and a new request; after resume the sequence continues on its kept cache
+    under the new weights, token for token as a cached decode that switches weights there."""
+    noisy = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape),
+                         params)
+    prompt = prompts(8, seed=9)[0]
+    with Orchestrator(engine) as o:
+        stream = o.submit(prompt, GREEDY)
+        events = iter(stream)
+        head = [next(events) for _ in range(4)]
+        o.pause()
+        held = o.metrics()
+        o.update_params(noisy, 1)
+        late = o.submit(prompts(5, seed=10)[0], SamplingParams(temperature=0.0, max_tokens=3))
+        time.sleep(0.3)
+        during = o.metrics()
+        assert (during["generated_tokens"], during["prefill_chunks"]) == \
+            (held["generated_tokens"], held["prefill_chunks"])
+        assert during["version"] == 1
+        o.resume()
+        tokens = [e for e in head + list(events) if isinstance(e, TokenEvent)]
+        assert len(late.result()[0].tokens) == 3
+    engine.update_params(params, 0)
+    versions = [t.version for t in tokens]
+    k = versions.index(1)
+    assert k >= 4 and versions == [0] * k + [1] * (N - k)
+    graphdef = engine.graphdef
+    assert [t.token for t in tokens] == _cached_reference(
+        merge_params(graphdef, params), merge_params(graphdef, noisy), prompt, k, N)
