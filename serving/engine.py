@@ -41,8 +41,7 @@ POOL_AXES = ("layers", "pages", "page", "kv_heads", "head_dim")
 class DecodeState:
     """The page pool and everything `generate` needs about every slot."""
 
-    k: jax.Array              # [L, P, K, G, H]: the pool
-    v: jax.Array
+    kv: jax.Array             # [L, P, K, 2G, H]: the pool (serving/paged_kv.py)
     lengths: jax.Array        # int32 [S]: tokens of each slot's sequence in the pool
     tokens: jax.Array         # int32 [S]: the token each slot feeds next
     counts: jax.Array         # int32 [S]: tokens sampled so far (drives the RNG)
@@ -81,8 +80,9 @@ class EngineConfig:
     # GPU/TPU: size the pool to this fraction of the device memory free once the weights are
     # loaded (vLLM's gpu_memory_utilization, applied to what is left). 0: unused.
     memory_fraction: float = 0.0
-    # Decode and prefill attention over the pages. reference: gather + XLA attention, runs
-    # everywhere (serving/paged_kv.py).
+    # Attention over the pages (serving/paged_kv.py). reference: gather + XLA attention, runs
+    # everywhere; ragged: decode through the Pallas TPU ragged paged attention kernel (TPU only,
+    # head_dim a multiple of 128; compiled, not yet checked on a TPU).
     attention: str = "reference"
 
     def __post_init__(self):
@@ -133,9 +133,17 @@ class Engine:
             self._pages_from_memory() if cfg.memory_fraction else
             cfg.max_concurrent_decodes * cfg.pages_per_sequence + 1)
         c = self.model_cfg
-        self.pool_shape = (c.num_layers, self.num_pages, cfg.page_size, c.num_kv_heads,
+        platform = self.mesh.devices.flat[0].platform
+        if cfg.attention == "ragged" and c.head_dim % 128:
+            raise ValueError(f"attention='ragged' needs head_dim a multiple of 128 (the TPU "
+                             f"lane width); the model has head_dim={c.head_dim}: use "
+                             f"attention='reference'")
+        if cfg.attention == "ragged" and platform != "tpu":
+            raise ValueError(f"attention='ragged' is the Pallas TPU kernel; on {platform} use "
+                             f"attention='reference'")
+        self.pool_shape = (c.num_layers, self.num_pages, cfg.page_size, 2 * c.num_kv_heads,
                            c.head_dim)
-        self.pool_sharding = shd.logical_to_sharding(POOL_AXES, self.pool_shape, self.mesh)
+        self.pool_sharding = self._pool_sharding(self.num_pages)
         self.params = None
         self.version = -1
 
@@ -150,10 +158,22 @@ class Engine:
                              f"memory; set num_pages instead")
         free = min(s["bytes_limit"] - s["bytes_in_use"] for s in stats)
         c = self.model_cfg
-        page = (c.num_layers, 1, self.cfg.page_size, c.num_kv_heads, c.head_dim)
-        shard = shd.logical_to_sharding(POOL_AXES, page, self.mesh).shard_shape(page)
-        share = 2 * math.prod(shard) * jnp.dtype(c.compute_dtype).itemsize   # keys and values
+        page = (c.num_layers, 1, self.cfg.page_size, 2 * c.num_kv_heads, c.head_dim)
+        share = math.prod(self._pool_sharding(1).shard_shape(page)) * \
+            jnp.dtype(c.compute_dtype).itemsize
         return max(int(self.cfg.memory_fraction * free) // share, 2)
+
+    def _pool_sharding(self, pages: int):
+        """The pool's sharding: over kv heads where the tensor axis divides them. Decided on
+        the G kv heads, not the 2G interleaved ones, so a head's keys and values stay on one
+        device."""
+        c = self.model_cfg
+        per_head = (c.num_layers, pages, self.cfg.page_size, c.num_kv_heads, c.head_dim)
+        return shd.logical_to_sharding(POOL_AXES, per_head, self.mesh)
+
+    def _cache(self, state: "DecodeState", table) -> PagedKV:
+        spec = tuple(self.pool_sharding.spec) + (None,) * 5
+        return PagedKV(state.kv, table, self.cfg.attention, self.mesh, spec[3])
 
     # -- JetStream Engine API ------------------------------------------------------------------
     @property
@@ -192,7 +212,7 @@ class Engine:
         s = self.cfg.max_concurrent_decodes
         zeros = lambda d: jnp.zeros((s,), d)  # noqa: E731
         pool = jnp.zeros(self.pool_shape, self.model_cfg.compute_dtype)
-        return DecodeState(k=pool, v=pool, lengths=zeros(jnp.int32), tokens=zeros(jnp.int32),
+        return DecodeState(kv=pool, lengths=zeros(jnp.int32), tokens=zeros(jnp.int32),
                            counts=zeros(jnp.int32), temperature=zeros(jnp.float32),
                            top_k=zeros(jnp.int32), top_p=zeros(jnp.float32),
                            seeds=zeros(jnp.uint32), sample_index=zeros(jnp.int32))
@@ -200,7 +220,7 @@ class Engine:
     def _state_shardings(self) -> DecodeState:
         rep = shd.replicated(self.mesh)
         fields = {f.name: rep for f in dataclasses.fields(DecodeState)}
-        return DecodeState(**{**fields, "k": self.pool_sharding, "v": self.pool_sharding})
+        return DecodeState(**{**fields, "kv": self.pool_sharding})
 
     def bucket(self, length: int) -> int:
         for b in self.buckets:
@@ -263,11 +283,11 @@ class Engine:
     @partial(jax.jit, static_argnums=0, donate_argnums=2)
     def _prefill(self, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
         model = merge_params(self.graphdef, params)
-        cache = PagedKV(state.k, state.v, table_PW)
+        cache = self._cache(state, table_PW)
         x_PTD, cache = model.extend(tokens_PT, starts_P, cache, valid_B=lengths_P)
         last_P11 = jnp.maximum(lengths_P - 1, 0)[:, None, None]
         logits_PV = model.logits(jnp.take_along_axis(x_PTD, last_P11, axis=1))[:, 0]
-        return dataclasses.replace(state, k=cache.k, v=cache.v), logits_PV
+        return dataclasses.replace(state, kv=cache.kv), logits_PV
 
     @partial(jax.jit, static_argnums=0)
     def _sample_first(self, logits_PV, rows_K, sample_index_K, temperature_K, top_k_K, top_p_K,
@@ -287,8 +307,7 @@ class Engine:
 
     @partial(jax.jit, static_argnums=0, donate_argnums=1)
     def _copy_pages(self, state: DecodeState, src_K, dst_K):
-        return dataclasses.replace(state, k=state.k.at[:, dst_K].set(state.k[:, src_K]),
-                                   v=state.v.at[:, dst_K].set(state.v[:, src_K]))
+        return dataclasses.replace(state, kv=state.kv.at[:, dst_K].set(state.kv[:, src_K]))
 
     @partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
     def _generate_steps(self, params, state: DecodeState, table_SW, steps: int):
@@ -301,13 +320,13 @@ class Engine:
 
     def _step(self, params, state: DecodeState, table_SW):
         model = merge_params(self.graphdef, params)
-        cache = PagedKV(state.k, state.v, table_SW)
+        cache = self._cache(state, table_SW)
         x_S1D, cache = model.extend(state.tokens[:, None], state.lengths, cache)
         logits_SV = model.logits(x_S1D)[:, 0]
         keys = slot_keys(state.seeds, state.sample_index, state.counts)
         tokens, logprobs = sample(logits_SV, state.temperature, state.top_k, state.top_p, keys)
         lengths = jnp.minimum(state.lengths + 1, self.cfg.max_len)
-        state = dataclasses.replace(state, k=cache.k, v=cache.v, lengths=lengths, tokens=tokens,
+        state = dataclasses.replace(state, kv=cache.kv, lengths=lengths, tokens=tokens,
                                     counts=state.counts + 1)
         return state, tokens, logprobs
 

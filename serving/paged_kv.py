@@ -2,14 +2,28 @@
 per-row page tables (vLLM's PagedAttention layout, as in JetStream's and tpu-inference's paged
 attention).
 
-    pool k, v : [L, P, page, G, H]     P pages of `page` tokens; page 0 is the null page
-    table     : int32 [B, W]           row b's logical page i lives in pool page table[b, i]
+    pool kv : [L, P, page, 2G, H]    P pages of `page` tokens; keys at even and values at odd
+                                     heads (kv head g: keys 2g, values 2g+1); page 0 is the null
+                                     page
+    table   : int32 [B, W]           row b's logical page i lives in pool page table[b, i]
 
+Keys and values share one pool, interleaved per head: the layout of the Pallas TPU ragged paged
+attention kernel, so that it reads the pool in place, and one scatter writes both.
 Position p of row b is slot p % page of pool page table[b, p // page]. Writes of padding tokens,
 of rows with no page there (table entry 0) and of positions past the table's W pages all land
-in the null page, which no row ever reads as its own. `attend` gathers only the W pages of the
+in the null page, which no row ever reads as its own. Attention reads only the W pages of the
 table it is given, so the caller sizes W to the longest row it holds (rounded up to a bucket):
 a decode step costs what the batch holds, not what the longest possible sequence could.
+
+Attention implementations (`impl`):
+- reference: gather the row's pages and attend with XLA; runs everywhere.
+- ragged: decode steps (one token per row) through the Pallas TPU kernel
+  `ragged_paged_attention`, which streams each row's pages from HBM up to its length; under a
+  mesh it runs in `shard_map` over the kv-head axis. Prefill chunks (compute-bound) keep the
+  reference path. TPU only, head_dim a multiple of 128. It compiles ahead of time for TPU
+  slices (tests/serving/test_kernels.py) but has not been checked numerically: Pallas's TPU
+  interpret mode cannot run it on CPU (JAX 0.10.2: it reshapes a VMEM ref), and no TPU was
+  available, so it is not the default.
 
 Shape letters as in jaxrl/models; P pool pages, W table width (pages per row), K page size.
 """
@@ -21,11 +35,16 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.models import layers as ops
 
 NULL_PAGE = 0
-IMPLEMENTATIONS = ("reference",)
+IMPLEMENTATIONS = ("reference", "ragged")
+
+
+def _static(default=None):
+    return dataclasses.field(default=default, metadata={"static": True})
 
 
 @jax.tree_util.register_dataclass
@@ -34,13 +53,15 @@ class PagedKV:
     """The pool and the page tables of the rows one call runs; satisfies the KV cache protocol
     of jaxrl.models.kv_cache."""
 
-    k: jax.Array        # [L, P, K, G, H]
-    v: jax.Array
+    kv: jax.Array       # [L, P, K, 2G, H]
     table: jax.Array    # int32 [B, W]
+    impl: str = _static("reference")
+    mesh: Mesh | None = _static()          # ragged under a mesh: the pool's mesh ...
+    head_axis: str | None = _static()      # ... and the axis its kv heads are sharded over
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.kv.shape[2]
 
     def slots(self, positions_BT, valid_BT=None):
         """(pool page, offset in the page) of each position; the null page where a position has
@@ -55,20 +76,60 @@ class PagedKV:
 
     def write(self, layer, positions_BT, k_BTGH, v_BTGH, valid_BT=None) -> "PagedKV":
         page_BT, offset_BT = self.slots(positions_BT, valid_BT)
-        k = self.k.at[layer, page_BT, offset_BT].set(k_BTGH.astype(self.k.dtype))
-        v = self.v.at[layer, page_BT, offset_BT].set(v_BTGH.astype(self.v.dtype))
-        return PagedKV(k, v, self.table)
+        kv_BTCH = interleave(k_BTGH, v_BTGH).astype(self.kv.dtype)
+        return dataclasses.replace(self, kv=self.kv.at[layer, page_BT, offset_BT].set(kv_BTCH))
 
     def attend(self, layer, q_BTNH, positions_BT):
-        """Reference paged attention in plain JAX: gather the row's W pages into a
-        [B, W * K, G, H] block and attend causally over it. Positions past a row's length hold
-        stale data and are masked by causality (key position <= query position)."""
+        if self.impl != "reference" and q_BTNH.shape[1] == 1:
+            return self._attend_kernel(layer, q_BTNH, positions_BT)
+        return self._attend_reference(layer, q_BTNH, positions_BT)
+
+    def _attend_reference(self, layer, q_BTNH, positions_BT):
+        """Gathers the row's W pages into a [B, W * K, 2G, H] block and attends causally over
+        it. Positions past a row's length hold stale data and are masked by causality (key
+        position <= query position)."""
         b, w = self.table.shape
-        k_BSGH = self.k[layer, self.table].reshape(b, w * self.page_size, *self.k.shape[3:])
-        v_BSGH = self.v[layer, self.table].reshape(b, w * self.page_size, *self.v.shape[3:])
+        kv_BSCH = self.kv[layer, self.table].reshape(b, w * self.page_size, *self.kv.shape[3:])
+        kv_BSCH = kv_BSCH.astype(q_BTNH.dtype)
         mask_BTS = jnp.arange(w * self.page_size)[None, None, :] <= positions_BT[:, :, None]
-        return ops.attention(q_BTNH, k_BSGH.astype(q_BTNH.dtype), v_BSGH.astype(q_BTNH.dtype),
-                             mask_BTS, "xla")
+        return ops.attention(q_BTNH, kv_BSCH[:, :, 0::2], kv_BSCH[:, :, 1::2], mask_BTS, "xla")
+
+    def _attend_kernel(self, layer, q_B1NH, positions_B1):
+        """One query per row through Pallas's ragged paged attention: row b attends to its
+        first positions_B1[b] + 1 tokens, read page by page from the pool."""
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+            ragged_paged_attention)
+
+        b, _, _, h = q_B1NH.shape
+        lengths_B = (positions_B1[:, 0] + 1).astype(jnp.int32)
+        cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32)
+        num_seqs = jnp.asarray([b], jnp.int32)
+
+        # Block sizes chosen here: the kernel's tuned table looks up the TPU of the process,
+        # which compiling ahead of time for a slice does not have. About 256 keys per block.
+        blocks = {"num_kv_pages_per_block": min(self.table.shape[1],
+                                                max(256 // self.page_size, 1)),
+                  "num_queries_per_block": min(b, 32)}
+
+        def kernel(q_BNH, kv_PKCH, lengths_B, table_BW, cu_q_lens, num_seqs):
+            return ragged_paged_attention(q_BNH, kv_PKCH, lengths_B, table_BW, cu_q_lens,
+                                          num_seqs, sm_scale=1 / math.sqrt(h), **blocks)
+
+        if self.mesh is not None and self.head_axis is not None:
+            heads, rep = PartitionSpec(None, self.head_axis), PartitionSpec()
+            kernel = jax.shard_map(
+                kernel, mesh=self.mesh, check_vma=False,
+                in_specs=(heads, PartitionSpec(None, None, self.head_axis), rep, rep, rep, rep),
+                out_specs=heads)
+        args = (q_B1NH[:, 0].astype(self.kv.dtype), self.kv[layer], lengths_B,
+                self.table.astype(jnp.int32), cu_q_lens, num_seqs)
+        return kernel(*args).astype(q_B1NH.dtype)[:, None]
+
+
+def interleave(k_BTGH, v_BTGH):
+    """Keys and values as one [B, T, 2G, H] block: head g's keys at 2g, its values at 2g+1."""
+    kv = jnp.stack([k_BTGH, v_BTGH], axis=-2)
+    return kv.reshape(*k_BTGH.shape[:-2], 2 * k_BTGH.shape[-2], k_BTGH.shape[-1])
 
 
 def table_width(tokens: int, page_size: int, max_pages: int, per_doubling: int = 1) -> int:

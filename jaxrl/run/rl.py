@@ -66,7 +66,8 @@ def engine_config(cfg: RunConfig, model_cfg) -> EngineConfig:
     chunk = max(8, min(2 ** math.ceil(math.log2(rl.max_prompt_len)), 512))
     return EngineConfig(max_concurrent_decodes=rl.slots, max_len=rl.sample_len + 1,
                         max_prefill_length=rl.max_prompt_len, prefill_chunk=chunk,
-                        prefill_budget=max(64, chunk), dtype=model_cfg.dtype)
+                        prefill_budget=max(64, chunk), dtype=model_cfg.dtype,
+                        attention=rl.engine_attention)
 
 
 def make_objective(cfg: RunConfig) -> PolicyGradientLoss:

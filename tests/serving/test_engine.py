@@ -56,7 +56,7 @@ def test_chunked_prefill_equals_unchunked(params):
         for _ in range(8):
             state, t, _ = e.generate(e.params, state, table)
             tokens.append(int(t[1]))
-        k = np.asarray(state.k[:, 1:6]).reshape(CFG.num_layers, 40, -1)[:, :len(prompt)]
+        k = np.asarray(state.kv[:, 1:6]).reshape(CFG.num_layers, 40, -1)[:, :len(prompt)]
         results.append((logits, k, tokens))
     for logits, k, tokens in results[:2]:
         np.testing.assert_allclose(logits, results[2][0], atol=1e-5)

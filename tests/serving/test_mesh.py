@@ -17,7 +17,8 @@ def test_tensor_parallel_serving_equals_one_device(params, orchestrator):
     engine = Engine(CFG, ENGINE, mesh=mesh)
     placed = engine.load_params(params)
     assert placed["layers"]["q_proj"].sharding.spec == P(None, None, "tensor", None)
-    assert engine.init_decode_state().k.sharding.spec == P(None, None, None, "tensor", None)
+    # Keys at even, values at odd heads: each device holds whole kv heads, keys and values.
+    assert engine.init_decode_state().kv.sharding.spec == P(None, None, None, "tensor", None)
     ps = prompts(7, 23, 12, seed=11)
     sampling = [SamplingParams(temperature=0.0, max_tokens=10),
                 SamplingParams(temperature=1.0, seed=5, max_tokens=10),
