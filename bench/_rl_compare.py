@@ -40,6 +40,8 @@ def add_arguments(p, *, config: Path, rl_steps: int, target: float, window: int,
     p.add_argument("--warmup-dir", default=None,
                    help="checkpoint dir holding the warm-up's last step, train.steps "
                         "(None: train the warm-up first)")
+    p.add_argument("--save", default=None,
+                   help="also write every variant's per-step metrics to this JSON file")
     p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
                    help="config overrides for every variant")
 
@@ -100,8 +102,11 @@ def run_variant(base: Path, work: Path, name: str, args) -> dict:
             "rows": rows}
 
 
-def report(results: dict[str, dict]) -> None:
-    """The table, then every variant's ratios against the first (the baseline)."""
+def report(results: dict[str, dict], save: str | None = None) -> None:
+    """The table, then every variant's ratios against the first (the baseline); with `save`,
+    every variant's per-step rows to that JSON file as well."""
+    if save:
+        Path(save).write_text(json.dumps(results))
     print(f"{'variant':<20} {'samples/s':>10} {'seconds':>8} {'to target':>10} "
           f"{'final success':>14} {'lag':>5} {'slots busy':>10} {'held tokens':>11}")
     for r in results.values():

@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     work = Path(tempfile.mkdtemp(prefix="jaxrl-bench-"))
     base = compare.warm_checkpoint(args, work)
     compare.report({name: compare.run_variant(base, work, name, args)
-                    for name in args.variants})
+                    for name in args.variants}, args.save)
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -58,7 +58,7 @@ def main(argv=None) -> None:
         r = results[name]
         print(f"  {name}: {r['samples_per_s']:.1f} samples/s, success {r['final_success']:.3f}",
               flush=True)
-    compare.report(results)
+    compare.report(results, args.save)
     held = round(results.get("async", r)["held_tokens_mean"])
     d = decode_ratio(args, held)
     print(f"decode at mean held length l={held} (max_len {d['max_len']}): paged "

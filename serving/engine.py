@@ -274,10 +274,25 @@ class Engine:
         state, tokens, logprobs = self.generate_steps(params, state, table_SW, 1)
         return state, tokens[0], logprobs[0]
 
-    def generate_steps(self, params, state: DecodeState, table_SW, steps: int):
+    def generate_steps(self, params, state: DecodeState, table_SW, steps: int, slots=None):
         """`steps` decode steps in one dispatch: (state, tokens [K, S], logprobs [K, S]). The
-        page table must already hold the pages the steps write."""
-        return self._generate_steps(params, state, np.asarray(table_SW, np.int32), steps)
+        page table must already hold the pages the steps write.
+
+        With `slots` (R of them, table_SW then [R, W] in the same order), only those slots are
+        decoded: their rows are gathered into a batch of S/16, S/4 or S rows (S slots; always S
+        when S <= 8), padded with other slots, which must be idle. A long tail with few busy
+        slots then costs those rows, not every slot. Returns tokens and logprobs [K, R]."""
+        table = np.asarray(table_SW, np.int32)
+        if slots is None:
+            return self._generate_steps(params, state, table, steps)
+        slots = list(slots)
+        rows = _row_bucket(len(slots), self.cfg.max_concurrent_decodes)
+        taken = set(slots)
+        idle = [s for s in range(self.cfg.max_concurrent_decodes) if s not in taken]
+        padded = np.asarray(slots + idle[: rows - len(slots)], np.int32)
+        table = np.concatenate([table, np.zeros((rows - len(slots), table.shape[1]), np.int32)])
+        state, tokens, logprobs = self._generate_rows(params, state, table, padded, steps)
+        return state, tokens[:, : len(slots)], logprobs[:, : len(slots)]
 
     # -- compiled programs ---------------------------------------------------------------------
     @partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -318,6 +333,20 @@ class Engine:
         state, (tokens, logprobs) = jax.lax.scan(body, state, length=steps)
         return state, tokens, logprobs
 
+    @partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
+    def _generate_rows(self, params, state: DecodeState, table_RW, slots_R, steps: int):
+        per_slot = [f.name for f in dataclasses.fields(DecodeState) if f.name != "kv"]
+        rows = dataclasses.replace(state, **{n: getattr(state, n)[slots_R] for n in per_slot})
+
+        def body(rows, _):
+            rows, tokens, logprobs = self._step(params, rows, table_RW)
+            return rows, (tokens, logprobs)
+
+        rows, (tokens, logprobs) = jax.lax.scan(body, rows, length=steps)
+        state = dataclasses.replace(state, kv=rows.kv, **{
+            n: getattr(state, n).at[slots_R].set(getattr(rows, n)) for n in per_slot})
+        return state, tokens, logprobs
+
     def _step(self, params, state: DecodeState, table_SW):
         model = merge_params(self.graphdef, params)
         cache = self._cache(state, table_SW)
@@ -329,6 +358,13 @@ class Engine:
         state = dataclasses.replace(state, kv=cache.kv, lengths=lengths, tokens=tokens,
                                     counts=state.counts + 1)
         return state, tokens, logprobs
+
+
+def _row_bucket(n: int, slots: int) -> int:
+    """Rows of a decode batch for n busy slots out of `slots`: 3 sizes, so 3 programs per
+    page-table width."""
+    sizes = (slots,) if slots <= 8 else (-(-slots // 16), -(-slots // 4), slots)
+    return next(size for size in sizes if size >= n)
 
 
 def _pad_to_pow2(n: int) -> int:

@@ -306,18 +306,20 @@ class Orchestrator:
         if not sched.running:
             return state, False
         width = engine.cfg.table_width(sched.longest_running() + k)
-        owners = dict(sched.running)
+        owners = sorted(sched.running.items())
         version = engine.version
-        state, tokens, logprobs = engine.generate_steps(engine.params, state,
-                                                        sched.decode_table(width), k)
+        # Only the busy slots are decoded (gathered into a power-of-two batch of rows).
+        state, tokens, logprobs = engine.generate_steps(
+            engine.params, state, sched.table([seq.pages for _, seq in owners], width), k,
+            slots=[slot for slot, _ in owners])
         self._stats["steps"] += k
         self._stats["busy_slot_steps"] += k * len(owners)
-        self._stats["held_tokens"] += k * sum(s.cached for s in owners.values())
+        self._stats["held_tokens"] += k * sum(s.cached for _, s in owners)
         tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
         for step_tokens, step_logprobs in zip(tokens, logprobs):
-            for slot, seq in owners.items():
+            for row, (_, seq) in enumerate(owners):
                 if not seq.finished:
-                    self._push(seq, step_tokens[slot], step_logprobs[slot], version)
+                    self._push(seq, step_tokens[row], step_logprobs[row], version)
         return state, True
 
     def _push(self, seq: Sequence, token: int, logprob: float, version: int) -> None:

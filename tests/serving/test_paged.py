@@ -123,3 +123,28 @@ def test_prompt_pages_shared_by_a_group(engine):
         assert 7 + 4 <= held <= 7 + 4 + 4 * 8
         assert held < 4 * 8
         assert pool.free == pool.capacity
+
+
+def test_only_busy_slots_are_decoded(params, model):
+    """16 slots: the decode batch is the busy slots gathered into 1, 4 or 16 rows. As requests
+    of different lengths finish, the busy count passes through every size, and every token
+    still equals the references."""
+    wide = Engine(CFG, EngineConfig(**{**ENGINE.__dict__, "max_concurrent_decodes": 16}))
+    wide.load_params(params)
+    busy = []
+    generate_steps = wide.generate_steps
+
+    def record(params, state, table, steps, slots=None):
+        busy.append(len(slots))
+        return generate_steps(params, state, table, steps, slots)
+
+    wide.generate_steps = record
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=m)) for p, m in
+                zip(prompts(5, 9, 3, 14, 7, 11, 4, 6, 8, 10, seed=6),
+                    (4, 8, 12, 16, 20, 24, 28, 32, 40, 52))]
+    requests.append((prompts(12, seed=8)[0],
+                     SamplingParams(temperature=1.0, seed=3, max_tokens=24, n=3)))
+    with Orchestrator(wide) as o:
+        results = [s.result() for s in [o.submit(*r) for r in requests]]
+    assert {1, 4, 16} <= {next(b for b in (1, 4, 16) if b >= n) for n in busy}
+    _check_against_references(wide, {0: params}, requests, results, model)
