@@ -33,6 +33,7 @@ from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
 from serving.sequence import Prefill, Request, Sequence
 from serving.stream import DoneEvent, RequestStream, Sample, TokenEvent
+from serving.weight_stream import StaleVersion
 
 __all__ = ["DoneEvent", "InvalidRequest", "Orchestrator", "QueueFull", "RequestStream",
            "Sample", "TokenEvent", "UpdateResult"]
@@ -81,6 +82,8 @@ class Orchestrator:
         self.length_predictor = LengthPredictor() if longest_first else None
         self._wake = threading.Event()
         self._updates: queue.SimpleQueue[_Update] = queue.SimpleQueue()
+        self._update_lock = threading.Lock()     # one update checked and queued at a time
+        self._accepted_version = engine.version  # the newest version queued or served
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -174,17 +177,28 @@ class Orchestrator:
                  ) -> list[Sample]:
         return self.submit(prompt, sampling).result()
 
+    @property
+    def newest_version(self) -> int:
+        """The newest weights version served or accepted to be: an update must be newer."""
+        return max(self._accepted_version, self.engine.version)
+
     def update_params(self, params, version: int, timeout: float | None = None) -> UpdateResult:
         """Checks and moves `params` to the engine (in this thread, beside decoding), then has
         the loop swap them in between two decode steps. Raises WeightUpdateError, leaving the
-        old weights serving, if the update is bad."""
+        old weights serving, if the update is bad, and StaleVersion if `version` is not newer
+        than every version served or accepted before it (versions never go back)."""
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("the orchestrator is not running: call start() first")
-        t0 = time.perf_counter()
-        prepared = self.engine.prepare_params(params)
-        transfer = time.perf_counter() - t0
-        update = _Update(prepared, version)
-        self._updates.put(update)
+        with self._update_lock:
+            if version <= self.newest_version:
+                raise StaleVersion(f"weight update version {version} is not newer than the "
+                                   f"served version {self.newest_version}")
+            t0 = time.perf_counter()
+            prepared = self.engine.prepare_params(params)
+            transfer = time.perf_counter() - t0
+            update = _Update(prepared, version)
+            self._accepted_version = version
+            self._updates.put(update)
         self._wake.set()
         if not update.applied.wait(timeout):
             raise TimeoutError(f"weight update {version} not applied within {timeout} s")

@@ -13,8 +13,6 @@ import logging
 from concurrent import futures
 
 import grpc
-import ml_dtypes
-import numpy as np
 
 from jaxrl.models.tokenizer import Tokenizer
 from serving.orchestrator import DoneEvent, InvalidRequest, Orchestrator, QueueFull
@@ -23,12 +21,10 @@ from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.proto import jetstream_pb2 as js_pb2
 from serving.proto import jetstream_pb2_grpc as js_grpc
 from serving.sampling import SamplingParams
+from serving.weight_stream import StaleVersion, assemble_weights, tensor_names
 from sharding.reshard import WeightUpdateError
 
 log = logging.getLogger("jaxrl.serve")
-
-WIRE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
 
 def _submit(orchestrator: Orchestrator, context, prompt, sampling_fn):
     """Validates and queues; aborts the RPC with the right status on bad input."""
@@ -112,6 +108,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.update_token = update_token
+        self._shapes = tensor_names(orchestrator.engine.param_target)
 
     def Generate(self, request, context):
         kind = request.WhichOneof("prompt")
@@ -144,8 +141,11 @@ class GenerationService(gen_grpc.GenerationServicer):
                           "weight updates need 'authorization: Bearer <token>' metadata with "
                           "the server's update token")
         try:
-            version, params = assemble_weights(request_iterator)
+            version, params = assemble_weights(request_iterator, self._shapes,
+                                               self.orchestrator.newest_version)
             result = self.orchestrator.update_params(params, version)
+        except StaleVersion as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (WeightUpdateError, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         log.info("weights version %d in: transfer %.1f ms, pause %.3f ms", version,
@@ -155,39 +155,6 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     def GetMetrics(self, request, context):
         return gen_pb2.MetricsResponse(json=json.dumps(self.orchestrator.metrics()))
-
-
-def assemble_weights(pieces) -> tuple[int, dict]:
-    """Rebuilds a nested dict of numpy arrays from streamed `WeightPiece`s."""
-    buffers, meta, version = {}, {}, None
-    for p in pieces:
-        if version is None:
-            version = p.version
-        elif p.version != version:
-            raise ValueError(f"pieces of one update carry versions {version} and {p.version}")
-        if p.dtype not in WIRE_DTYPES:
-            raise ValueError(f"tensor {p.name}: dtype {p.dtype!r} is not one of "
-                             f"{', '.join(WIRE_DTYPES)}")
-        shape, dtype = tuple(p.shape), np.dtype(WIRE_DTYPES[p.dtype])
-        if p.name not in buffers:
-            buffers[p.name] = bytearray(int(np.prod(shape)) * dtype.itemsize)
-            meta[p.name] = (shape, dtype)
-        buf = buffers[p.name]
-        if p.offset < 0 or p.offset + len(p.data) > len(buf):
-            raise ValueError(f"tensor {p.name}: piece at byte {p.offset} of {len(p.data)} bytes "
-                             f"overruns its {len(buf)} bytes")
-        buf[p.offset: p.offset + len(p.data)] = p.data
-    if version is None:
-        raise ValueError("the update carried no tensors")
-    tree: dict = {}
-    for name, buf in buffers.items():
-        shape, dtype = meta[name]
-        node = tree
-        *parents, leaf = name.split("/")
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[leaf] = np.frombuffer(bytes(buf), dtype).reshape(shape)
-    return version, tree
 
 
 class Server:

@@ -13,6 +13,7 @@ from jaxrl.models.generate import greedy_generate
 from jaxrl.models.kv_cache import ContiguousKV
 from serving.orchestrator import Orchestrator, TokenEvent
 from serving.sampling import SamplingParams
+from serving.weight_stream import StaleVersion
 from sharding.reshard import WeightUpdateError
 
 from tests.serving.common import CFG, prompts
@@ -110,6 +111,17 @@ def test_bad_update_is_rejected_and_serving_goes_on(engine, params, model, case)
         s = o.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6))[0]
         assert s.tokens == greedy_generate(model, [prompt], 6, -1)[0]
         assert set(s.versions) == {version}
+
+
+def test_versions_never_go_back(engine, params):
+    with Orchestrator(engine) as o:
+        o.update_params(params, 4)
+        for stale in (4, 3, 0):
+            with pytest.raises(StaleVersion, match=f"version {stale} is not newer than the "
+                                                   f"served version 4"):
+                o.update_params(params, stale)
+        assert engine.version == 4 and o.metrics()["updates"] == 1
+    engine.update_params(params, 0)
 
 
 def test_update_needs_a_running_orchestrator(engine, params):

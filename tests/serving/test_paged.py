@@ -86,7 +86,7 @@ def test_weight_update_mid_sequence_under_load(engine, params, model):
                        versions=[e.version for e in seen if isinstance(e, TokenEvent)],
                        finish_reason=seen[-1].reason)
         results = [[first]] + [s.result() for s in rest]
-        o.update_params(params, 0)
+    engine.update_params(params, 0)
     assert {0, 1} <= set(results[0][0].versions)
     _check_against_references(engine, {0: params, 1: noisy}, requests, results, model)
 

@@ -3,6 +3,7 @@ request, client disconnects, weight updates with and without the secret."""
 
 import concurrent.futures
 import json
+import re
 
 import grpc
 import jax
@@ -11,7 +12,7 @@ import pytest
 
 from jaxrl.models.generate import greedy_generate
 from jaxrl.models.tokenizer import CharTokenizer
-from serving.client import push_weights
+from serving.client import push_weights, weight_pieces
 from serving.orchestrator import Orchestrator
 from serving.proto import generation_pb2 as gen
 from serving.proto import generation_pb2_grpc as gen_grpc
@@ -144,6 +145,47 @@ def test_generation_service_reports_logprobs_and_versions(channel, model):
     assert {r.versions[0] for r in out if r.token_ids} == {0}
 
 
+def _push(channel, pieces):
+    return gen_grpc.GenerationStub(channel).UpdateWeights(
+        iter(pieces), timeout=60, metadata=[("authorization", f"Bearer {TOKEN}")])
+
+
+def test_hostile_weight_updates_are_refused_and_serving_goes_on(channel, server, params, model):
+    """Each kind of bad stream gets its status and a message naming the tensor and bytes; none
+    changes the served weights or version, and the server keeps generating."""
+    good = list(weight_pieces(params, 3, piece_bytes=256))
+    embed = [i for i, p in enumerate(good) if p.name == "embed"]
+    overlap = good[:]
+    overlap.insert(embed[1], gen.WeightPiece(**{**_fields(good[embed[0]]), "offset": 128}))
+    huge = gen.WeightPiece(**{**_fields(good[0]), "shape": [2**40]})
+    cases = [
+        (good[:embed[1]] + good[embed[1] + 1:], grpc.StatusCode.INVALID_ARGUMENT,
+         r"embed has no bytes \[256, 512\)"),
+        (overlap, grpc.StatusCode.INVALID_ARGUMENT,
+         r"embed: piece of bytes \[128, 384\) overlaps the piece of bytes \[0, 256\)"),
+        (good[:-1], grpc.StatusCode.INVALID_ARGUMENT, "incomplete"),
+        ([huge], grpc.StatusCode.INVALID_ARGUMENT, r"declared shape \(1099511627776,\)"),
+        (list(weight_pieces(params, 0)), grpc.StatusCode.FAILED_PRECONDITION,
+         "version 0 is not newer than the served version 0"),
+    ]
+    g = gen_grpc.GenerationStub(channel)
+    for stream, code, message in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            _push(channel, stream)
+        assert err.value.code() == code and re.search(message, err.value.details()), \
+            err.value.details()
+        assert json.loads(g.GetMetrics(gen.MetricsRequest()).json)["version"] == 0
+    prompt = prompts(5, seed=12)[0]
+    out = list(g.Generate(gen.GenerateRequest(
+        token_ids=gen.TokenIds(ids=prompt),
+        sampling=gen.SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True))))
+    assert [t for r in out for t in r.token_ids] == greedy_generate(model, [prompt], 4, -1)[0]
+
+
+def _fields(piece):
+    return {f.name: getattr(piece, f.name) for f in piece.DESCRIPTOR.fields}
+
+
 def test_weight_updates_need_the_secret(channel, server, params):
     g = gen_grpc.GenerationStub(channel)
     with pytest.raises(grpc.RpcError) as err:
@@ -153,7 +195,7 @@ def test_weight_updates_need_the_secret(channel, server, params):
     with pytest.raises(grpc.RpcError) as err:
         push_weights(channel, bad, 7, token=TOKEN)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "embed has shape (3, 3)" in err.value.details()
+    assert "embed declared shape (3, 3); the served model needs (32, 32)" in err.value.details()
     assert json.loads(g.GetMetrics(gen.MetricsRequest()).json)["version"] == 0
 
     reply = push_weights(channel, params, 7, token=TOKEN)
@@ -164,4 +206,4 @@ def test_weight_updates_need_the_secret(channel, server, params):
     assert {r.versions[0] for r in out if r.token_ids} == {7}
     metrics = json.loads(g.GetMetrics(gen.MetricsRequest()).json)
     assert metrics["version"] == 7 and metrics["updates"] == 1
-    server.orchestrator.update_params(params, 0)
+    server.orchestrator.engine.update_params(params, 0)

@@ -1,0 +1,149 @@
+"""Weights arriving as a stream of pieces (`WeightPiece`: tensor name, shape, dtype, byte offset,
+bytes), assembled into a tree only once every check has passed.
+
+Checks, each before anything that depends on it:
+- the version is the same on every piece and newer than the one served;
+- a tensor's name is one of the served model's, its declared shape is that parameter's shape
+  and its dtype a floating wire dtype: all before its buffer is allocated, so a hostile shape
+  allocates nothing;
+- a tensor's shape and dtype are the same on every piece of it;
+- the pieces of a tensor tile it exactly: none starts outside it or runs past its end, none
+  overlaps another (both byte ranges named), and when the stream ends none is missing (the first
+  gap named), and every tensor of the model is present.
+Any failure raises WeightUpdateError naming the tensor and the byte range; nothing is returned,
+so nothing is applied.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from sharding.reshard import WeightUpdateError
+
+WIRE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+class StaleVersion(WeightUpdateError):
+    """An update whose version is not newer than the one served."""
+
+
+def tensor_names(target) -> dict[str, tuple[int, ...]]:
+    """{"layers/q_proj": shape, ...} of a tree of arrays or ShapeDtypeStructs."""
+    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(x.shape)
+            for path, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+
+
+class _Tensor:
+    """One tensor's buffer and the byte ranges written into it, kept sorted and disjoint."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: np.dtype):
+        self.name, self.shape, self.dtype = name, shape, dtype
+        self.buffer = bytearray(math.prod(shape) * dtype.itemsize)
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def write(self, offset: int, data: bytes) -> None:
+        end = offset + len(data)
+        if offset < 0 or end > len(self.buffer) or (not data and len(self.buffer)):
+            raise WeightUpdateError(f"weight update: {self.name}: piece of bytes [{offset}, {end})"
+                                    f" lies outside the tensor's {len(self.buffer)} bytes")
+        i = bisect.bisect_right(self.starts, offset)
+        for j in (i - 1, i):   # the neighbours that could overlap [offset, end)
+            if 0 <= j < len(self.starts) and self.starts[j] < end and offset < self.ends[j] \
+                    and offset < end:
+                raise WeightUpdateError(
+                    f"weight update: {self.name}: piece of bytes [{offset}, {end}) overlaps the "
+                    f"piece of bytes [{self.starts[j]}, {self.ends[j]})")
+        self.starts.insert(i, offset)
+        self.ends.insert(i, end)
+        self.buffer[offset:end] = data
+
+    def first_gap(self) -> tuple[int, int] | None:
+        covered = 0
+        for start, end in zip(self.starts, self.ends):
+            if start > covered:
+                return covered, start
+            covered = max(covered, end)
+        return (covered, len(self.buffer)) if covered < len(self.buffer) else None
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(bytes(self.buffer), self.dtype).reshape(self.shape)
+
+
+class WeightAssembler:
+    """Assembles one update for a model whose parameters are `shapes` ({name: shape}), served
+    at `current_version`. `add` each piece, then `finish` for (version, tree)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], current_version: int):
+        self.shapes = shapes
+        self.current_version = current_version
+        self.version: int | None = None
+        self.tensors: dict[str, _Tensor] = {}
+
+    def add(self, piece) -> None:
+        self._check_version(piece.version)
+        shape, dtype = tuple(piece.shape), piece.dtype
+        tensor = self.tensors.get(piece.name)
+        if tensor is None:
+            if piece.name not in self.shapes:
+                raise WeightUpdateError(f"weight update: {piece.name!r} is not a parameter of "
+                                        f"the served model")
+            if shape != self.shapes[piece.name]:
+                raise WeightUpdateError(f"weight update: {piece.name} declared shape {shape}; "
+                                        f"the served model needs {self.shapes[piece.name]}")
+            if dtype not in WIRE_DTYPES:
+                raise WeightUpdateError(f"weight update: {piece.name}: dtype {dtype!r} is not "
+                                        f"one of {', '.join(WIRE_DTYPES)}")
+            tensor = self.tensors[piece.name] = _Tensor(piece.name, shape,
+                                                        np.dtype(WIRE_DTYPES[dtype]))
+        elif shape != tensor.shape or np.dtype(WIRE_DTYPES.get(dtype, object)) != tensor.dtype:
+            raise WeightUpdateError(f"weight update: {piece.name}: a piece declares {shape} "
+                                    f"{dtype}, an earlier one {tensor.shape} {tensor.dtype}")
+        tensor.write(piece.offset, piece.data)
+
+    def _check_version(self, version: int) -> None:
+        if self.version is None:
+            if version <= self.current_version:
+                raise StaleVersion(f"weight update version {version} is not newer than the "
+                                   f"served version {self.current_version}")
+            self.version = version
+        elif version != self.version:
+            raise WeightUpdateError(f"weight update: pieces of one update carry versions "
+                                    f"{self.version} and {version}")
+
+    def finish(self) -> tuple[int, dict]:
+        if self.version is None:
+            raise WeightUpdateError("weight update carried no tensors")
+        missing = [n for n in self.shapes if n not in self.tensors]
+        if missing:
+            raise WeightUpdateError(f"weight update is incomplete: no piece of {missing[0]}"
+                                    + (f" (and {len(missing) - 1} more tensors)"
+                                       if len(missing) > 1 else ""))
+        for tensor in self.tensors.values():
+            gap = tensor.first_gap()
+            if gap is not None:
+                raise WeightUpdateError(f"weight update is incomplete: {tensor.name} has no "
+                                        f"bytes [{gap[0]}, {gap[1]}) of its "
+                                        f"{len(tensor.buffer)}")
+        tree: dict = {}
+        for name, tensor in self.tensors.items():
+            *parents, leaf = name.split("/")
+            node = tree
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = tensor.array()
+        return self.version, tree
+
+
+def assemble_weights(pieces, shapes: dict[str, tuple[int, ...]], current_version: int
+                     ) -> tuple[int, dict]:
+    """(version, tree of numpy arrays) from a stream of pieces, every check passed."""
+    assembler = WeightAssembler(shapes, current_version)
+    for piece in pieces:
+        assembler.add(piece)
+    return assembler.finish()
