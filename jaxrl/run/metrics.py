@@ -22,20 +22,25 @@ class MetricsLogger:
 
     def __init__(self, run_dir, *, tensorboard: bool = True, wandb: bool = False,
                  wandb_project: str = "jaxrl", config: dict | None = None,
-                 resume_step: int | None = None, name: str | None = None):
+                 resume_step: int | None = None, name: str | None = None,
+                 phase: str | None = None, phase_restarts: bool = False):
         """`resume_step`: the step a resumed run restarts from; rows a crashed run logged after
         it (and will log again) are dropped, from metrics.jsonl and from TensorBoard's view.
-        `name`: the phase (warm-up, RL), which names the W&B run `<run_dir>/<name>`."""
+        `name`: the phase (warm-up, RL), which names the W&B run `<run_dir>/<name>`.
+        `phase`: written into every row as "phase"; with `phase_restarts` (the phase starts
+        over: no checkpoint of it was written), every earlier row of that phase is dropped too,
+        e.g. the evaluation row logged at the phase's first step before the crash."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._phase = phase
         # W&B first: when it cannot start, the run's files are left as they were.
         self._wandb, self._wandb_histogram = \
             _start_wandb(wandb_project, self.run_dir, config, name) if wandb else (None, None)
         path = self.run_dir / METRICS_FILE
         if path.exists():
             _drop_partial_last_line(path)
-            if resume_step is not None:
-                _drop_rows_after(path, resume_step)
+            _drop_rows(path, lambda row: (resume_step is None or row["step"] <= resume_step)
+                       and not (phase_restarts and row.get("phase") == phase))
         self._jsonl = path.open("a", encoding="utf-8")
         self._tb = _open_tensorboard(self.run_dir / "tensorboard", resume_step) \
             if tensorboard else None
@@ -43,6 +48,8 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         values = {name: float(value) for name, value in metrics.items()}
         row = {"step": int(step), **{k: v if math.isfinite(v) else None for k, v in values.items()}}
+        if self._phase is not None:
+            row["phase"] = self._phase
         self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
@@ -103,11 +110,15 @@ def _drop_partial_last_line(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
-def _drop_rows_after(path: Path, step: int) -> None:
+def _drop_rows(path: Path, keep) -> None:
+    """Rewrites metrics.jsonl without the rows `keep` refuses, atomically (a kill during the
+    rewrite leaves the old file or the new one, never a cut one)."""
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if not line.strip() or json.loads(line)["step"] <= step]
+    kept = [line for line in lines if not line.strip() or keep(json.loads(line))]
     if len(kept) != len(lines):
-        path.write_text("".join(kept), encoding="utf-8")
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        tmp.replace(path)
 
 
 def _open_tensorboard(logdir: Path, resume_step: int | None = None) -> SummaryWriter:

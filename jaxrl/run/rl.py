@@ -145,6 +145,7 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     if rl.kl_coef > 0:
         target["ref_params"] = target["params"]
     data = ckpt.saved_data(latest) if latest is not None else None
+    rl_restarts = data is None      # no RL checkpoint yet: RL starts (over) from the warm-up's
     if data is not None:  # an RL checkpoint: resume everything
         state = ckpt.restore(target, latest)
         log(f"resumed RL from {ckpt.path}/{latest}")
@@ -200,7 +201,8 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     clock = _Clock(data["time_s"])
     metrics_log = MetricsLogger(run_dir, wandb=cfg.log.wandb,
                                 wandb_project=cfg.log.wandb_project, config=config_dict,
-                                resume_step=step, name="RL")
+                                resume_step=step, name="RL", phase="rl",
+                                phase_restarts=rl_restarts)
 
     def held_out() -> dict:
         """Greedy accuracy of the weights the engine serves (the trainer's newest), decoded

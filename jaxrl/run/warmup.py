@@ -129,7 +129,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
         f"{dict(mesh.shape)}; steps {first}..{cfg.train.steps}")
     pending, last_metrics, start = [], {}, time.perf_counter()
     metrics_log = MetricsLogger(run_dir, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
-                                config=config_dict, name="warm-up",
+                                config=config_dict, name="warm-up", phase="warm-up",
                                 # rows a crashed run logged past its checkpoint; never RL's
                                 resume_step=first if first < cfg.train.steps else None)
     try:
@@ -138,14 +138,17 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
             state, metrics = step_fn(state, jax.device_put(batch, batch_shard))
             pending.append((step + 1, metrics))
             done = step + 1 == cfg.train.steps
-            if (step + 1) % cfg.train.log_every == 0 or done:
+            print_now = (step + 1) % cfg.train.log_every == 0 or done
+            save_now = (step + 1) % cfg.checkpoint.every == 0 or done
+            if print_now or save_now:   # a checkpoint never covers rows not yet on disk
                 for s, m in pending:
                     row = {k: float(v) for k, v in jax.device_get(m).items()}
                     metrics_log.log(s, row)
                 pending, last_metrics = [], row
+            if print_now:
                 log(f"step {s:>5}  loss {row['loss']:.4f}  token_acc "
                     f"{row['token_accuracy']:.3f}  lr {row['lr']:.2e}")
-            if (step + 1) % cfg.checkpoint.every == 0 or done:
+            if save_now:
                 ckpt.save(state, config_dict)
     finally:
         metrics_log.close()

@@ -143,6 +143,25 @@ def test_resume_drops_a_row_cut_short_by_a_killed_run(tmp_path):
     assert read_metrics(tmp_path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}]
 
 
+def test_a_phase_that_restarts_logs_its_rows_once(tmp_path):
+    """RL killed before its first checkpoint: the restart evaluates again at the warm-up's last
+    step, and the row of the first attempt (and its later steps) must not stay beside it."""
+    with MetricsLogger(tmp_path, tensorboard=False, phase="warm-up") as logger:
+        logger.log(10, {"loss": 0.5})
+    for _ in range(3):   # three restarts, none reached an RL checkpoint
+        with MetricsLogger(tmp_path, tensorboard=False, resume_step=10, phase="rl",
+                           phase_restarts=True) as logger:
+            logger.log(10, {"eval_accuracy": 0.25})
+            logger.log(11, {"reward": 0.5})
+    with MetricsLogger(tmp_path, tensorboard=False, resume_step=11, phase="rl") as logger:
+        logger.log(12, {"reward": 0.75})   # resumed from an RL checkpoint at 11: rows kept
+    assert read_metrics(tmp_path) == [
+        {"step": 10, "loss": 0.5, "phase": "warm-up"},
+        {"step": 10, "eval_accuracy": 0.25, "phase": "rl"},
+        {"step": 11, "reward": 0.5, "phase": "rl"},
+        {"step": 12, "reward": 0.75, "phase": "rl"}]
+
+
 def test_read_metrics_of_a_directory_without_metrics_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="metrics.jsonl"):
         read_metrics(tmp_path)
