@@ -41,7 +41,7 @@ _SERVE_NAMES = {"max_concurrent_decodes": "--slots", "max_len": "--max-len",
 def _serve(args) -> None:
     import logging
 
-    from jaxrl.run.serve import read_update_token, serve
+    from jaxrl.run.serve import read_tls, read_update_token, serve
     from serving.engine import EngineConfig
 
     def engine_config(context: int) -> EngineConfig:
@@ -68,8 +68,11 @@ def _serve(args) -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
     logging.getLogger("jaxrl").addHandler(handler)
     logging.getLogger("jaxrl").setLevel(logging.INFO)
+    tls = read_tls(args.tls_cert, args.tls_key)
     serve(model_dir=args.model, checkpoint_dir=args.checkpoint, host=args.host, port=args.port,
-          engine_config=engine_config, update_token=token, log=lambda m: print(m, flush=True))
+          engine_config=engine_config, update_token=token, log=lambda m: print(m, flush=True),
+          tls=tls, allow_remote=args.allow_remote,
+          max_concurrent_rpcs=args.max_concurrent_rpcs)
 
 
 def _compile(args) -> None:
@@ -189,7 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face folder to serve (default: the demo model)")
     p.add_argument("--checkpoint", default="runs/demo/checkpoints",
                    help="without --model: serve the newest checkpoint here if there is one")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; one reachable from other machines needs "
+                        "--allow-remote")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a non-loopback --host (logs a warning, louder without TLS)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--max-concurrent-rpcs", type=_int_at_least(1), default=1024,
+                   help="RPCs in progress at once; more get RESOURCE_EXHAUSTED")
     p.add_argument("--port", type=_port, default=9000, help="port (0: any free port)")
     p.add_argument("--slots", type=_int_at_least(1), default=32, help="concurrent decodes")
     p.add_argument("--max-len", type=_int_at_least(0), default=0,

@@ -8,6 +8,7 @@ RESOURCE_EXHAUSTED; a client that goes away frees its slots. None of these stop 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
 from concurrent import futures
@@ -157,21 +158,49 @@ class GenerationService(gen_grpc.GenerationServicer):
         return gen_pb2.MetricsResponse(json=json.dumps(self.orchestrator.metrics()))
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class Server:
-    """Both services on one port. `port=0` picks a free one (see `.port` after `start`)."""
+    """Both services on one port. `port=0` picks a free one (see `.port` after `start`).
+
+    `tls`: (certificate chain, private key) as PEM bytes; without it the port is plaintext.
+    `max_concurrent_rpcs`: RPCs in progress at once; more get RESOURCE_EXHAUSTED at once.
+    A non-loopback `host` is refused unless `allow_remote`, and then logs a warning (louder
+    without TLS: the weight-update token would cross the network in clear)."""
 
     def __init__(self, orchestrator: Orchestrator, tokenizer: Tokenizer | None = None, *,
                  host: str = "127.0.0.1", port: int = 9000, update_token: str | None = None,
-                 max_workers: int = 256):
+                 max_workers: int = 256, max_concurrent_rpcs: int = 1024,
+                 tls: tuple[bytes, bytes] | None = None, allow_remote: bool = False):
+        if not is_loopback(host):
+            if not allow_remote:
+                raise ValueError(f"host {host!r} is reachable from other machines; pass "
+                                 f"allow_remote (jaxrl serve --allow-remote) to bind it")
+            log.warning("serving on %s, reachable from other machines%s", host,
+                        "" if tls else " WITHOUT TLS: requests, outputs and the weight-update "
+                        "token cross the network in clear (use --tls-cert/--tls-key)")
         self.orchestrator = orchestrator
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                                   maximum_concurrent_rpcs=max_concurrent_rpcs,
                                    options=[("grpc.max_receive_message_length", 64 * 2**20)])
         js_grpc.add_OrchestratorServicer_to_server(
             JetStreamService(orchestrator, tokenizer), self._server)
         gen_grpc.add_GenerationServicer_to_server(
             GenerationService(orchestrator, tokenizer, update_token), self._server)
         self.address = f"{host}:{port}"
-        self.port = self._server.add_insecure_port(self.address)
+        if tls is not None:
+            credentials = grpc.ssl_server_credentials([(tls[1], tls[0])])
+            self.port = self._server.add_secure_port(self.address, credentials)
+        else:
+            self.port = self._server.add_insecure_port(self.address)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.address}")
         self.address = f"{host}:{self.port}"

@@ -3,17 +3,39 @@ each resumed from the newest checkpoint; ends with a summary table."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Callable
 
 import rich.console
 import rich.table
 
 from jaxrl.config import RunConfig
+from jaxrl.errors import UserError
 from jaxrl.run import rl, warmup
 from jaxrl.train.checkpoint import CheckpointError, Checkpointer
 
 
+def check_run_dir(path) -> None:
+    """One line naming the path and the problem when `path` (a run or checkpoint directory)
+    cannot be used: a file in the way (there or above it), no permission, a read-only disk."""
+    path = Path(path)
+    for p in (path, *path.parents):
+        if p.exists() and not p.is_dir():
+            raise UserError(f"run_dir {str(path)!r} cannot be used: {str(p)!r} is a file, not a "
+                            f"directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UserError(f"run_dir {str(path)!r} cannot be used: "
+                        f"{e.strerror or e}") from None
+
+
 def run(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
+    check_run_dir(cfg.run_dir)
+    check_run_dir(cfg.checkpoint_dir)
     ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep)
     latest = ckpt.latest_step()
     ckpt.close()

@@ -144,15 +144,26 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     target = abstract_state(model_cfg, tx, shardings)
     if rl.kl_coef > 0:
         target["ref_params"] = target["params"]
-    data = ckpt.saved_data(latest) if latest is not None else None
+
+    def load(step):   # an RL checkpoint: (data, state); the warm-up's: (None, params)
+        data = ckpt.saved_data(step)
+        if data is not None:
+            return data, ckpt.restore(target, step)
+        return None, ckpt.restore({"params": target["params"]}, step, params_only=True)["params"]
+
+    if latest is not None:
+        latest, loaded = ckpt.restore_newest(load, log)
+    data, restored = loaded if latest is not None else (None, None)
+    if first_rl and (latest is None or latest < first_rl):
+        raise ConfigError(f"RL starts from the warm-up's checkpoint at step {first_rl}; "
+                          f"{ckpt.path} holds {latest} (after setting aside unreadable steps)")
     rl_restarts = data is None      # no RL checkpoint yet: RL starts (over) from the warm-up's
     if data is not None:  # an RL checkpoint: resume everything
-        state = ckpt.restore(target, latest)
+        state = restored
         log(f"resumed RL from {ckpt.path}/{latest}")
     else:  # fresh RL optimizer on the warm-up's weights (or, without warm-up, the model's)
         if latest is not None:
-            params = ckpt.restore({"params": target["params"]}, latest,
-                                  params_only=True)["params"]
+            params = restored
         elif cfg.hf_path:
             params = split_params(from_hf(cfg.hf_path, model_cfg.dtype,
                                           param_dtype=model_cfg.param_dtype))[1]

@@ -19,7 +19,7 @@ from jaxrl.rl.tasks.arithmetic import ArithmeticTask
 from jaxrl.train.checkpoint import has_checkpoint
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
-from serving.server import Server
+from serving.server import Server, is_loopback
 
 
 def load_model(model_dir: str | None, checkpoint_dir: str | Path, log: Callable[[str], None]):
@@ -39,8 +39,14 @@ def load_model(model_dir: str | None, checkpoint_dir: str | Path, log: Callable[
 
 def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
           engine_config: Callable[[int], EngineConfig], update_token: str | None,
-          log: Callable[[str], None] = print, ready: threading.Event | None = None) -> None:
+          log: Callable[[str], None] = print, ready: threading.Event | None = None,
+          tls: tuple[bytes, bytes] | None = None, allow_remote: bool = False,
+          max_concurrent_rpcs: int = 1024) -> None:
     """`engine_config(context)`: the engine's sizes, given the model's context length."""
+    if not is_loopback(host) and not allow_remote:
+        raise UserError(f"--host {host} is reachable from other machines; add --allow-remote "
+                        f"to bind it (and --tls-cert/--tls-key, or the weight-update token "
+                        f"crosses the network in clear)")
     model, tokenizer, what = load_model(model_dir, checkpoint_dir, log)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise UserError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
@@ -55,14 +61,16 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
     orchestrator = Orchestrator(engine, eos_id=tokenizer.eos_id).start()
     try:
         server = Server(orchestrator, tokenizer, host=host, port=port,
-                        update_token=update_token).start()
+                        update_token=update_token, tls=tls, allow_remote=allow_remote,
+                        max_concurrent_rpcs=max_concurrent_rpcs).start()
     except (OSError, RuntimeError) as e:
         orchestrator.stop()
         raise UserError(f"cannot listen on {host}:{port}: {e}") from e
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    log(f"jaxrl serve: ready on {server.address}: {what}; {engine_cfg.max_concurrent_decodes} "
+    log(f"jaxrl serve: ready on {server.address}{' (TLS)' if tls else ''}: {what}; "
+        f"{engine_cfg.max_concurrent_decodes} "
         f"slots, max_len {engine_cfg.max_len}, {engine.num_pages - 1} KV pages of "
         f"{engine_cfg.page_size} tokens; weight updates "
         f"{'enabled' if update_token else 'disabled (no update token)'}")
@@ -72,6 +80,24 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
     log("jaxrl serve: shutting down")
     server.stop(grace=5.0)
     log("jaxrl serve: stopped")
+
+
+def read_tls(cert: str | None, key: str | None) -> tuple[bytes, bytes] | None:
+    """(certificate chain, private key) PEM bytes from --tls-cert and --tls-key, or None."""
+    if (cert is None) != (key is None):
+        raise UserError("--tls-cert and --tls-key go together: give both or neither")
+    if cert is None:
+        return None
+    out = []
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise UserError(f"{flag} {path!r}: {(e.strerror or str(e)).lower()}") from None
+        if b"-----BEGIN" not in data:
+            raise UserError(f"{flag} {path!r} is not a PEM file")
+        out.append(data)
+    return out[0], out[1]
 
 
 def read_update_token(path: str | None) -> str | None:

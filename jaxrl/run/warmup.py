@@ -96,8 +96,6 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     task, tokenizer = build_task(cfg, model_cfg)
     mesh = make_mesh(cfg.mesh)
     _check_batch(cfg, mesh)
-    if latest is not None:
-        _check_same_model(ckpt.saved_config(latest), model_cfg, ckpt.path)
     dataset = sft_dataset(task, tokenizer, batch_size=cfg.train.batch_size,
                           seq_len=cfg.train.seq_len, seed=cfg.train.seed)
     dataset[0]  # fails here, naming the example, if train.seq_len is too short
@@ -106,7 +104,14 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     shardings = state_shardings(model_cfg, tx, mesh,
                                 offload_optimizer=cfg.train.offload_optimizer)
     if latest is not None:
-        state = ckpt.restore(abstract_state(model_cfg, tx, shardings), latest)
+        target = abstract_state(model_cfg, tx, shardings)
+
+        def load(step):   # the model check first: another model's checkpoint is not broken
+            _check_same_model(ckpt.saved_config(step), model_cfg, ckpt.path)
+            return ckpt.restore(target, step)
+
+        latest, state = ckpt.restore_newest(load, log)
+    if latest is not None:
         log(f"resumed from {ckpt.path}/{latest}")
     else:
         params = None

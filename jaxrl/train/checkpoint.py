@@ -9,26 +9,35 @@
                               rollouts generated but not yet trained on, the next problem)
 
 Saves are atomic (Orbax writes to a temporary folder and renames it) and asynchronous by choice.
-A directory that holds anything but checkpoints is refused before anything is written.
+A directory that holds anything but checkpoints is refused before anything is written. A step
+that cannot be read back (a truncated array file, a disk error) is moved aside to
+`<dir>.bad/<step>`, never deleted, and the step before it is used (`restore_newest`).
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
 
 from jaxrl.errors import UserError
 
+T = TypeVar("T")
 _STEP_DIR = re.compile(r"^\d+$")
 _TMP_DIR = re.compile(r".*\.orbax-checkpoint-tmp.*")
 
 
 class CheckpointError(UserError):
     """A checkpoint directory that cannot be used; the message says why and what to do."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A saved step whose files cannot be read back."""
 
 
 def _check_directory(path: Path) -> None:
@@ -109,12 +118,41 @@ class Checkpointer:
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(**items))
         except (ValueError, KeyError, FileNotFoundError) as e:
-            raise CheckpointError(f"cannot restore step {step} from {str(self.path)!r}: "
-                                  f"{e}") from e
+            raise CorruptCheckpoint(f"cannot restore step {step} from {str(self.path)!r}: "
+                                    f"{e}") from e
         ref = {"ref_params": out.ref_params} if "ref_params" in abstract else {}
         if params_only:
             return {"params": out.params, **ref}
         return {"params": out.params, "opt_state": out.opt_state, **out.train_state, **ref}
+
+    def restore_newest(self, load: Callable[[int], T], log: Callable[[str], None] = print
+                       ) -> tuple[int | None, T | None]:
+        """(step, load(step)) for the newest step that `load` can read, newest first. A step
+        it cannot read is reported in one line and moved aside to `<dir>.bad/<step>`; (None,
+        None) when no step is left. A user error `load` raises (e.g. the checkpoint is of
+        another model) is not a broken step: it propagates and nothing is moved."""
+        while (step := self.latest_step()) is not None:
+            try:
+                return step, load(step)
+            except Exception as e:   # noqa: BLE001: whatever the reason, the step is unusable
+                if isinstance(e, UserError) and not isinstance(e, CorruptCheckpoint):
+                    raise
+                aside = self._move_aside(step)
+                reason = (str(e).strip().splitlines() or [""])[0][:200]
+                log(f"checkpoint step {step} in {self.path} cannot be restored "
+                    f"({type(e).__name__}: {reason}); moved to {aside}; trying the step "
+                    f"before it")
+        return None, None
+
+    def _move_aside(self, step: int) -> Path:
+        bad = self.path.parent / f"{self.path.name}.bad"
+        bad.mkdir(parents=True, exist_ok=True)
+        target = bad / str(step)
+        if target.exists():
+            target = bad / f"{step}.{time.strftime('%Y%m%d-%H%M%S')}"
+        shutil.move(str(self.path / str(step)), str(target))
+        self._manager.reload()
+        return target
 
     def resolve_step(self, step: int | None) -> int:
         steps = self.all_steps()

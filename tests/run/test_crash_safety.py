@@ -1,8 +1,12 @@
-"""What a crash can leave behind: metrics rows are on disk before the checkpoint that covers
-them is written, so a kill after a checkpoint loses no row of it."""
+"""What a crash can leave behind, and bad places to run: metrics rows are on disk before the
+checkpoint that covers them is written; a checkpoint that cannot be read is set aside and the
+one before it used; a run directory with a file in the way is one line."""
+
+import pytest
 
 from jaxrl.config import load_run_config
-from jaxrl.run import warmup
+from jaxrl.errors import UserError
+from jaxrl.run import job, warmup
 from jaxrl.run.metrics import read_metrics
 
 TINY = ["model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64", "model.num_heads=2",
@@ -27,3 +31,38 @@ def test_rows_reach_disk_before_the_checkpoint_that_covers_them(tmp_path, monkey
                  log=lambda _: None)
     assert on_disk_at_save == {3: [1, 2, 3], 6: [1, 2, 3, 4, 5, 6],
                                7: [1, 2, 3, 4, 5, 6, 7]}
+
+
+def test_a_checkpoint_that_cannot_be_read_is_set_aside_and_the_one_before_used(tmp_path):
+    cfg = lambda steps: load_run_config(None, [  # noqa: E731
+        *TINY, f"run_dir={tmp_path}", f"train.steps={steps}", "checkpoint.every=3",
+        "checkpoint.resume=true"])
+    warmup.train(cfg(6), log=lambda _: None)
+    step6 = tmp_path / "checkpoints" / "6"
+    files = sorted(p for p in (step6 / "params").rglob("*") if p.is_file()
+                   and p.stat().st_size > 64)
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    size = biggest.stat().st_size
+    with biggest.open("r+b") as f:          # a write cut short by a crash or a full disk
+        f.truncate(size // 2)
+    lines = []
+    summary = warmup.train(cfg(9), log=lines.append)
+    bad = tmp_path / "checkpoints.bad" / "6"
+    assert any(line.startswith(f"checkpoint step 6 in {tmp_path / 'checkpoints'} cannot be "
+                               f"restored") and f"moved to {bad}" in line for line in lines), lines
+    assert f"resumed from {tmp_path / 'checkpoints'}/3" in lines
+    assert (bad / "params").is_dir()        # set aside, not deleted
+    assert summary["steps"] == 9
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 10))   # steps 4-6 logged once, again
+
+
+@pytest.mark.parametrize("where", ["run_dir", "parent"])
+def test_a_run_dir_with_a_file_in_the_way_is_one_line(tmp_path, where):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    run_dir = blocker if where == "run_dir" else blocker / "run"
+    with pytest.raises(UserError, match=rf"run_dir '{run_dir}' cannot be used: '{blocker}' is a "
+                                        r"file, not a directory"):
+        job.run(load_run_config(None, [*TINY, f"run_dir={run_dir}", "train.steps=1"]),
+                log=lambda _: None)
