@@ -111,6 +111,13 @@ class EngineConfig:
     def pages_per_sequence(self) -> int:
         return math.ceil(self.max_len / self.page_size)
 
+    def row_bucket(self, busy: int) -> int:
+        """Rows of a decode batch for `busy` slots: S/16, S/4 or S of the S slots (always S up
+        to 8 slots), so 3 programs per page-table width."""
+        s = self.max_concurrent_decodes
+        sizes = (s,) if s <= 8 else (-(-s // 16), -(-s // 4), s)
+        return next(size for size in sizes if size >= busy)
+
     def table_width(self, tokens: int) -> int:
         """Page-table width of a call whose longest row needs `tokens` positions."""
         return table_width(tokens, self.page_size, self.pages_per_sequence, self.page_buckets)
@@ -286,7 +293,7 @@ class Engine:
         if slots is None:
             return self._generate_steps(params, state, table, steps)
         slots = list(slots)
-        rows = _row_bucket(len(slots), self.cfg.max_concurrent_decodes)
+        rows = self.cfg.row_bucket(len(slots))
         taken = set(slots)
         idle = [s for s in range(self.cfg.max_concurrent_decodes) if s not in taken]
         padded = np.asarray(slots + idle[: rows - len(slots)], np.int32)
@@ -358,13 +365,6 @@ class Engine:
         state = dataclasses.replace(state, kv=cache.kv, lengths=lengths, tokens=tokens,
                                     counts=state.counts + 1)
         return state, tokens, logprobs
-
-
-def _row_bucket(n: int, slots: int) -> int:
-    """Rows of a decode batch for n busy slots out of `slots`: 3 sizes, so 3 programs per
-    page-table width."""
-    sizes = (slots,) if slots <= 8 else (-(-slots // 16), -(-slots // 4), slots)
-    return next(size for size in sizes if size >= n)
 
 
 def _pad_to_pow2(n: int) -> int:

@@ -319,12 +319,18 @@ class Orchestrator:
         sched.reserve(k)
         if not sched.running:
             return state, False
-        width = engine.cfg.table_width(sched.longest_running() + k)
-        owners = sorted(sched.running.items())
         version = engine.version
-        # Only the busy slots are decoded (gathered into a power-of-two batch of rows).
+        for group in decode_groups(engine.cfg, sorted(sched.running.items()), k):
+            state = self._decode_group(state, group, k, version)
+        return state, True
+
+    def _decode_group(self, state, owners: list[tuple[int, Sequence]], k: int, version: int):
+        """Decodes the slots of `owners` (gathered into a batch of their own) at the page-table
+        width of the longest of them."""
+        engine = self.engine
+        width = engine.cfg.table_width(max(s.cached for _, s in owners) + k)
         state, tokens, logprobs = engine.generate_steps(
-            engine.params, state, sched.table([seq.pages for _, seq in owners], width), k,
+            engine.params, state, self.scheduler.table([s.pages for _, s in owners], width), k,
             slots=[slot for slot, _ in owners])
         self._stats["steps"] += k
         self._stats["busy_slot_steps"] += k * len(owners)
@@ -334,7 +340,7 @@ class Orchestrator:
             for row, (_, seq) in enumerate(owners):
                 if not seq.finished:
                     self._push(seq, step_tokens[row], step_logprobs[row], version)
-        return state, True
+        return state
 
     def _push(self, seq: Sequence, token: int, logprob: float, version: int) -> None:
         """Appends one token to `seq` and its stream, then applies the stop rules."""
@@ -386,3 +392,31 @@ class Orchestrator:
             self._finish_request(p.request, reason)
         for seq in list(sched.resumes) + list(sched.running.values()):
             self._done(seq.request, seq.index, reason)
+
+
+# A row of a decode batch costs about this many pages of attention in the rest of the model
+# (projections, MLP, sampling), and a dispatch about this many row-pages of host overhead.
+_ROW_PAGES, _DISPATCH_ROW_PAGES = 4, 16
+_SPLIT_GAIN = 0.8     # two batches only when they cost at most this share of one
+
+
+def decode_groups(cfg, owners: list[tuple[int, Sequence]], k: int
+                  ) -> list[list[tuple[int, Sequence]]]:
+    """The running (slot, sequence) pairs in one decode batch, or two when that is cheaper: the
+    reference attention pads every row to the batch's longest, so in a long tail (many short
+    sequences, a few long ones) the short rows go in a batch at their own width. Cost of a batch:
+    its rows (bucketed) x (its page-table width + _ROW_PAGES), plus a dispatch; two batches
+    when they cost at most _SPLIT_GAIN of one."""
+    by_length = sorted(owners, key=lambda o: o[1].cached)
+
+    def cost(group):
+        width = cfg.table_width(group[-1][1].cached + k)
+        return cfg.row_bucket(len(group)) * (width + _ROW_PAGES) + _DISPATCH_ROW_PAGES
+
+    one = cost(by_length)
+    best, split = _SPLIT_GAIN * one, None    # split only for a clear gain
+    for i in range(len(by_length) - 1, 0, -1):   # on a tie, the fewest rows at the wide width
+        c = cost(by_length[:i]) + cost(by_length[i:])
+        if c < best:
+            best, split = c, i
+    return [by_length] if split is None else [by_length[:split], by_length[split:]]

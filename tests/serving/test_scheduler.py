@@ -151,3 +151,23 @@ def test_length_predictor_ranks_requests_by_what_it_has_seen():
     predicted = np.argsort(np.argsort([predictor.predict(p) for p, _ in test]))
     actual = np.argsort(np.argsort([n for _, n in test]))
     assert np.corrcoef(predicted, actual)[0, 1] > 0.8    # Spearman's rank correlation
+
+
+def test_a_long_tail_is_decoded_apart_from_the_short_rows():
+    """60 short sequences and 2 long ones: two batches, the long pair alone at its width, the
+    short rows at theirs; all rows of similar length stay in one batch."""
+    from types import SimpleNamespace
+
+    from serving.engine import EngineConfig
+    from serving.orchestrator import decode_groups
+
+    cfg = EngineConfig(max_concurrent_decodes=64, max_len=2048, page_size=16)
+
+    def running(*lengths):   # (slot, sequence) pairs; grouping reads only the held length
+        return [(slot, SimpleNamespace(cached=n)) for slot, n in enumerate(lengths)]
+
+    groups = decode_groups(cfg, running(*[20] * 60, 1000, 1100), k=1)
+    assert [[s.cached for _, s in g] for g in groups] == [[20] * 60, [1000, 1100]]
+    assert len(decode_groups(cfg, running(*range(100, 164)), k=1)) == 1
+    assert len(decode_groups(EngineConfig(max_concurrent_decodes=4, max_len=2048),
+                             running(20, 20, 20, 1500), k=1)) == 1   # 4 rows: always one batch
