@@ -29,9 +29,10 @@ run: $(VENV)/.run-deps
 	JAX_PLATFORMS=$(JAX_PLATFORMS) $(VENV)/bin/jaxrl train --config configs/demo_cpu.yaml
 
 # Two pytest-xdist workers: most of the suite's time is XLA compiling, one core per program.
-# tests/conftest.py keeps each module on one worker and every TPU compile on the same one.
+# --dist loadscope keeps a module's tests (and its module-scoped runs) on one worker; every TPU
+# compile is in tests/sharding/test_tpu_aot.py, since libtpu allows one process per machine.
 test: $(VENV)/.test-deps
-	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PY) -m pytest tests -m "not gpu" -n 2 --dist loadgroup
+	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PY) -m pytest tests -m "not gpu" -n 2 --dist loadscope
 
 # Regenerates the gRPC modules after a change to serving/proto/*.proto (needs the test extras).
 protos: $(VENV)/.test-deps

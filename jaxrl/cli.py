@@ -197,8 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--allow-remote")
     p.add_argument("--allow-remote", action="store_true",
                    help="allow a non-loopback --host (logs a warning, louder without TLS)")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve over TLS")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-cert", default=None,
+                   help="PEM certificate chain: serve over TLS (default: none, plaintext)")
+    p.add_argument("--tls-key", default=None,
+                   help="PEM private key of --tls-cert (default: none, plaintext)")
     p.add_argument("--max-concurrent-rpcs", type=_int_at_least(1), default=1024,
                    help="RPCs in progress at once; more get RESOURCE_EXHAUSTED")
     p.add_argument("--port", type=_port, default=9000, help="port (0: any free port)")

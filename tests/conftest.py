@@ -32,12 +32,3 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
             if k == 0:
                 terminalreporter.write_line("  ".join("-" * w for w in widths))
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`): a module's tests
-    stay on one worker, so its module-scoped runs are made once; every test that compiles for
-    TPU shares one worker, so two processes never hold libtpu at once."""
-    for item in items:
-        group = "tpu" if item.get_closest_marker("tpu_aot") else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))

@@ -3,7 +3,7 @@ each resumed from the newest checkpoint; ends with a summary table."""
 
 from __future__ import annotations
 
-import tempfile
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -18,19 +18,18 @@ from jaxrl.train.checkpoint import CheckpointError, Checkpointer
 
 def check_run_dir(path) -> None:
     """One line naming the path and the problem when `path` (a run or checkpoint directory)
-    cannot be used: a file in the way (there or above it), no permission, a read-only disk."""
-    path = Path(path)
+    cannot be used: a file in the way (there or above it), no permission, a read-only disk.
+    Creates nothing: every input is checked before anything is written."""
+    path = Path(path).absolute()
     for p in (path, *path.parents):
-        if p.exists() and not p.is_dir():
-            raise UserError(f"run_dir {str(path)!r} cannot be used: {str(p)!r} is a file, not a "
-                            f"directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise UserError(f"run_dir {str(path)!r} cannot be used: "
-                        f"{e.strerror or e}") from None
+        if p.exists():
+            if not p.is_dir():
+                raise UserError(f"run_dir {str(path)!r} cannot be used: {str(p)!r} is a file, "
+                                f"not a directory")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise UserError(f"run_dir {str(path)!r} cannot be used: {str(p)!r} is not "
+                                f"writable")
+            return
 
 
 def run(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:

@@ -53,23 +53,3 @@ def test_unknown_implementation():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="attention='flash' is not one of"):
         attention(q, k, v, causal_mask(None, q.shape[1]), "flash")
-
-
-@pytest.mark.tpu_aot
-def test_splash_attention_compiles_for_tpu():
-    from sharding.aot import tpu_devices
-
-    devices = tpu_devices("v5e:2x2")
-    cfg = ModelConfig(vocab_size=256, embed_dim=256, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=128, mlp_dim=512, attention="splash",
-                      dtype="bfloat16")
-    graphdef, abstract = split_params(abstract_model(cfg))
-    on_chip = jax.sharding.SingleDeviceSharding(devices[0])
-    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_chip),
-                          abstract)
-    ids = jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=on_chip)
-    segments = jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=on_chip)
-    fn = jax.jit(lambda p, x, s: merge_params(graphdef, p)(x, segment_ids_BT=s))
-    compiled = fn.lower(params, ids, segments).compile()
-    assert "tpu_custom_call" in compiled.as_text()  # the Pallas kernel, not an XLA fallback
-    assert compiled.memory_analysis().temp_size_in_bytes > 0

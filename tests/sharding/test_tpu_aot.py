@@ -1,15 +1,23 @@
 """Ahead-of-time compiles for a v5e TPU slice with libtpu (no TPU): remat policies, pipeline
-schedules, optimizer offload, a 1B-parameter-class model and the `jaxrl compile` command.
+schedules, optimizer offload, a 1B-parameter-class model, the `jaxrl compile` command, and the
+Pallas kernels (splash attention, the engine's ragged paged attention).
 
 All in this one process: libtpu allows one process per machine."""
 
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxrl.config import load_run_config
+from jaxrl.models import ModelConfig, abstract_model, merge_params, split_params
 from jaxrl.run.compile import compile_generate_step, compile_train_step
+from serving.engine import Engine
+from sharding import mesh as shd
+from sharding.aot import tpu_devices
+from tests.serving.test_kernels import KERNEL_CFG, SIZES
 
 pytestmark = pytest.mark.tpu_aot
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,3 +99,34 @@ def test_compile_command_prints_memory_and_json(capsys):
     assert last["bubble_fraction"] == pytest.approx(0.2) and last["generate"]["fits"] is True
     assert main(["compile", "--topology", "v9:1x1"]) == 2
     assert "topology 'v9:1x1' is not of the form" in capsys.readouterr().err
+
+
+# -- Pallas kernels --------------------------------------------------------------------------------
+
+def test_splash_attention_compiles_for_tpu():
+    devices = tpu_devices("v5e:2x2")
+    cfg = ModelConfig(vocab_size=256, embed_dim=256, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=128, mlp_dim=512, attention="splash",
+                      dtype="bfloat16")
+    graphdef, abstract = split_params(abstract_model(cfg))
+    on_chip = jax.sharding.SingleDeviceSharding(devices[0])
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_chip),
+                          abstract)
+    ids = jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=on_chip)
+    segments = jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=on_chip)
+    fn = jax.jit(lambda p, x, s: merge_params(graphdef, p)(x, segment_ids_BT=s))
+    compiled = fn.lower(params, ids, segments).compile()
+    assert "tpu_custom_call" in compiled.as_text()  # the Pallas kernel, not an XLA fallback
+    assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+def test_ragged_paged_attention_compiles_into_the_decode_step_for_tpu():
+    mesh = shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), tpu_devices("v5e:2x2"))
+    engine = Engine(KERNEL_CFG, SIZES, mesh=mesh)
+    assert engine.pool_sharding.spec[3] == "tensor"     # 4 kv heads over 4 chips: shard_map
+    table = jax.ShapeDtypeStruct((8, SIZES.pages_per_sequence), jnp.int32,
+                                 sharding=shd.replicated(mesh))
+    compiled = Engine._generate_steps.lower(engine, engine.param_target,
+                                            engine.abstract_decode_state(), table, 1).compile()
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text and "ragged_paged_attention" in text
