@@ -1,14 +1,12 @@
-"""Attention paths: the XLA reference against jax.nn.dot_product_attention and a numpy loop;
-the TPU splash kernel compiled ahead of time for a real TPU topology."""
+"""Attention paths: the XLA reference against jax.nn.dot_product_attention and a numpy loop.
+(The TPU splash kernel's ahead-of-time compile is in tests/sharding/test_tpu_aot.py.)"""
 
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.models import ModelConfig, abstract_model, merge_params, split_params
 from jaxrl.models.layers import attention, causal_mask
 
 
