@@ -333,25 +333,23 @@ class Engine:
 
     @partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
     def _generate_steps(self, params, state: DecodeState, table_SW, steps: int):
-        def body(state, _):
-            state, tokens, logprobs = self._step(params, state, table_SW)
-            return state, (tokens, logprobs)
-
-        state, (tokens, logprobs) = jax.lax.scan(body, state, length=steps)
-        return state, tokens, logprobs
+        return self._scan_steps(params, state, table_SW, steps)
 
     @partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
     def _generate_rows(self, params, state: DecodeState, table_RW, slots_R, steps: int):
         per_slot = [f.name for f in dataclasses.fields(DecodeState) if f.name != "kv"]
         rows = dataclasses.replace(state, **{n: getattr(state, n)[slots_R] for n in per_slot})
-
-        def body(rows, _):
-            rows, tokens, logprobs = self._step(params, rows, table_RW)
-            return rows, (tokens, logprobs)
-
-        rows, (tokens, logprobs) = jax.lax.scan(body, rows, length=steps)
+        rows, tokens, logprobs = self._scan_steps(params, rows, table_RW, steps)
         state = dataclasses.replace(state, kv=rows.kv, **{
             n: getattr(state, n).at[slots_R].set(getattr(rows, n)) for n in per_slot})
+        return state, tokens, logprobs
+
+    def _scan_steps(self, params, state: DecodeState, table_SW, steps: int):
+        def body(state, _):
+            state, tokens, logprobs = self._step(params, state, table_SW)
+            return state, (tokens, logprobs)
+
+        state, (tokens, logprobs) = jax.lax.scan(body, state, length=steps)
         return state, tokens, logprobs
 
     def _step(self, params, state: DecodeState, table_SW):

@@ -187,11 +187,5 @@ class Scheduler:
             out[i, : min(len(pages), width)] = pages[:width]
         return out
 
-    def decode_table(self, width: int) -> np.ndarray:
-        rows = [[] for _ in range(self.num_slots)]
-        for slot, seq in self.running.items():
-            rows[slot] = seq.pages
-        return self.table(rows, width)
-
     def longest_running(self) -> int:
         return max((s.cached for s in self.running.values()), default=0)
