@@ -91,6 +91,8 @@ class Orchestrator:
         self._held = threading.Event()      # set by the loop once it honours the hold
         self._hold_lock = threading.Lock()
         self._stats = collections.Counter()
+        self._carried_tokens = 0            # tokens replayed from `carry`, never regenerated
+        self._carry_lock = threading.Lock()
         self.pauses_s: list[float] = []
         self.error: BaseException | None = None
 
@@ -156,22 +158,68 @@ class Orchestrator:
                                  f"{e.page_size} tokens at once; the pool has {pool.capacity}")
 
     def submit(self, prompt: Seq[int], sampling: SamplingParams = SamplingParams(), *,
-               predicted_len: float | None = None) -> RequestStream:
+               predicted_len: float | None = None,
+               carry: Seq[Sample] | None = None) -> RequestStream:
         """Queues a request; raises InvalidRequest or QueueFull at once rather than later.
-        `predicted_len`: its expected output length, for length-aware admission."""
+        `predicted_len`: its expected output length, for length-aware admission.
+        `carry`: the request's n samples as a previous run left them (`RequestStream.snapshot`
+        taken at a checkpoint): their tokens, log-probs and versions are replayed into the new
+        stream and each unfinished sample is recomputed from its prefix (one prefill, as after a
+        preemption) and decoded on from where it stopped, with the same random draws."""
         prompt = [int(t) for t in prompt]
         self.validate(prompt, sampling)
+        carried = self._carried(prompt, sampling, carry) if carry is not None else None
         if self._stop.is_set():
             raise QueueFull("the orchestrator is shutting down")
         stream = RequestStream(next(self._ids), sampling.n)
         if predicted_len is None and self.length_predictor is not None:
             predicted_len = self.length_predictor.predict(prompt)
-        if not self.scheduler.add(Request(prompt, sampling, stream, predicted_len),
-                                  self._max_queued):
+        request = Request(prompt, sampling, stream, predicted_len)
+        if carried is not None:
+            request.fresh = [i for i, seq in enumerate(carried) if seq is None]
+            request.carried = [seq for seq in carried if seq is not None]
+            for seq in request.carried:
+                seq.request = request
+                for event in zip(seq.tokens, seq.logprobs, seq.versions):
+                    stream.put(TokenEvent(seq.index, *event))
+                reason = self._stop_reason(seq)
+                if reason is not None:     # it had finished (the request is not shared yet)
+                    seq.finished, request.done[seq.index] = True, True
+                    stream.put(DoneEvent(seq.index, reason))
+            request.carried = [seq for seq in request.carried if not seq.finished]
+            with self._carry_lock:
+                self._carried_tokens += sum(len(seq.tokens) for seq in carried if seq)
+            if not request.fresh and not request.carried:
+                return stream              # every sample had finished
+        if not self.scheduler.add(request, self._max_queued):
             raise QueueFull(f"{self.scheduler.queued()} requests are queued (max_queued="
                             f"{self._max_queued})")
         self._wake.set()
         return stream
+
+    def _carried(self, prompt, sampling: SamplingParams, carry: Seq[Sample]
+                 ) -> list[Sequence | None]:
+        """Checks a carried request's samples; None for a sample with no token yet."""
+        if len(carry) != sampling.n:
+            raise InvalidRequest(f"carry holds {len(carry)} samples; the request has "
+                                 f"n={sampling.n}")
+        out = []
+        for i, s in enumerate(carry):
+            if not len(s.tokens) == len(s.logprobs) == len(s.versions):
+                raise InvalidRequest(f"carried sample {i} has {len(s.tokens)} tokens, "
+                                     f"{len(s.logprobs)} log-probs and {len(s.versions)} "
+                                     f"versions; they must match")
+            if len(s.tokens) > sampling.max_tokens:
+                raise InvalidRequest(f"carried sample {i} has {len(s.tokens)} tokens; "
+                                     f"max_tokens={sampling.max_tokens}")
+            bad = [t for t in s.tokens if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"carried sample {i}: token id {bad[0]} is outside the "
+                                     f"vocabulary [0, {self.vocab_size})")
+            out.append(Sequence(None, i, [int(t) for t in s.tokens],
+                                [float(x) for x in s.logprobs], [int(v) for v in s.versions])
+                       if s.tokens else None)
+        return out
 
     def generate(self, prompt: Seq[int], sampling: SamplingParams = SamplingParams()
                  ) -> list[Sample]:
@@ -218,6 +266,7 @@ class Orchestrator:
                 "held_tokens": s["held_tokens"],
                 "held_tokens_mean": s["held_tokens"] / max(s["busy_slot_steps"], 1),
                 "preemptions": sched.preemptions,
+                "carried_tokens": self._carried_tokens,
                 "updates": len(self.pauses_s), "update_pause_ms_max": 1e3 * max(pauses),
                 "update_pause_ms_mean": 1e3 * sum(pauses) / len(pauses)}
 
@@ -351,15 +400,22 @@ class Orchestrator:
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(version)
-        req.stream._events.put(TokenEvent(seq.index, token, logprob, version))
+        req.stream.put(TokenEvent(seq.index, token, logprob, version))
         self._stats["tokens"] += 1
-        s = req.sampling
+        reason = self._stop_reason(seq)
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        """Why `seq` ends after its last token, if it does."""
+        s, token = seq.request.sampling, seq.tokens[-1]
         if s.stop_at_eos and self.eos_id is not None and token == self.eos_id:
-            self._finish(seq, "eos")
-        elif token in s.stop_token_ids:
-            self._finish(seq, "stop")
-        elif len(seq.tokens) >= s.max_tokens or seq.total_len() >= self.engine.cfg.max_len:
-            self._finish(seq, "length")
+            return "eos"
+        if token in s.stop_token_ids:
+            return "stop"
+        if len(seq.tokens) >= s.max_tokens or seq.total_len() >= self.engine.cfg.max_len:
+            return "length"
+        return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.slot is not None:
@@ -372,7 +428,7 @@ class Orchestrator:
         if req.done[index]:
             return
         req.done[index] = True
-        req.stream._events.put(DoneEvent(index, reason))
+        req.stream.put(DoneEvent(index, reason))
         if all(req.done):
             self._stats["requests_done"] += 1
             if self.length_predictor is not None and reason in ("eos", "stop", "length"):

@@ -5,7 +5,9 @@ Each loop iteration the scheduler
 - plans one prefill call: the next chunk of every prompt being prefilled, then new admissions,
   until `prefill_budget` prompt tokens. A request is admitted only when its n slots and its
   prompt's pages are free, keeping one free page per running sequence in hand (a watermark
-  against immediate preemption). Preempted sequences are admitted before new requests;
+  against immediate preemption). Preempted sequences are admitted before new requests, and a
+  request carried over from a previous run (`Request.carried`) queues its started samples as
+  preempted ones;
 - gives every running sequence the pages the next `steps_per_dispatch` decode steps write.
   When the pool runs dry it preempts the youngest running sequence: its pages go back to the
   pool and it waits to be recomputed (prompt and tokens, as one more prefill), then decodes on
@@ -94,31 +96,38 @@ class Scheduler:
     def _admit(self) -> Prefill | None:
         """The next prefill to start, if its slots and pages are free."""
         watermark = len(self.running)
-        if self.resumes:
-            seq = self.resumes[0]
-            tokens = seq.request.prompt + seq.tokens[:-1]
-            pages = self.pool.pages_for(len(tokens))
-            if not self.free_slots or pages + watermark > self.pool.free:
-                return None
-            self.resumes.popleft()
-            return Prefill(tokens, self.pool.allocate(pages), [self.free_slots.popleft()],
-                           seq.request, resumed=seq)
-        with self._lock:
-            if not self.waiting:
-                return None
-            if self.longest_first:
-                request = max(self.waiting, key=lambda r: r.predicted_len or 0.0)
-            else:
-                request = self.waiting[0]
-            n, prompt = request.sampling.n, request.prompt
-            pages = self.pool.pages_for(len(prompt))
-            copies = (n - 1) if len(prompt) % self.pool.page_size else 0
-            if n > len(self.free_slots) or pages + copies + watermark > self.pool.free:
-                return None
-            self.waiting.remove(request)
-        return Prefill(list(prompt), self.pool.allocate(pages),
-                       [self.free_slots.popleft() for _ in range(n)], request,
-                       copy_pages=self.pool.allocate(copies))
+        while True:
+            if self.resumes:
+                seq = self.resumes[0]
+                tokens = seq.request.prompt + seq.tokens[:-1]
+                pages = self.pool.pages_for(len(tokens))
+                if not self.free_slots or pages + watermark > self.pool.free:
+                    return None
+                self.resumes.popleft()
+                return Prefill(tokens, self.pool.allocate(pages), [self.free_slots.popleft()],
+                               seq.request, resumed=seq)
+            with self._lock:
+                if not self.waiting:
+                    return None
+                if self.longest_first:
+                    request = max(self.waiting, key=lambda r: r.predicted_len or 0.0)
+                else:
+                    request = self.waiting[0]
+                if request.carried:   # its carried samples queue as preempted ones would
+                    self.resumes.extend(request.carried)
+                    request.carried = []
+                    if not request.fresh:
+                        self.waiting.remove(request)
+                    continue
+                n, prompt = len(request.fresh), request.prompt
+                pages = self.pool.pages_for(len(prompt))
+                copies = (n - 1) if len(prompt) % self.pool.page_size else 0
+                if n > len(self.free_slots) or pages + copies + watermark > self.pool.free:
+                    return None
+                self.waiting.remove(request)
+            return Prefill(list(prompt), self.pool.allocate(pages),
+                           [self.free_slots.popleft() for _ in range(n)], request,
+                           copy_pages=self.pool.allocate(copies))
 
     def prefilled(self, p: Prefill, tokens: int) -> bool:
         """`tokens` more of `p` are written; True when it is complete."""
@@ -133,7 +142,7 @@ class Scheduler:
             seqs = [p.resumed]
             p.resumed.pages = p.pages
         else:
-            seqs = [Sequence(p.request, i) for i in range(p.request.sampling.n)]
+            seqs = [Sequence(p.request, i) for i in p.request.fresh]
             seqs[0].pages = p.pages
             partial = len(p.tokens) % self.pool.page_size != 0
             full = p.pages[:-1] if partial else p.pages

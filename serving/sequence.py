@@ -21,9 +21,16 @@ class Request:
     predicted_len: float | None = None
     done: list[bool] = dataclasses.field(default_factory=list)
     longest: int = 0      # tokens of its longest finished sample
+    # Samples that start from the prompt's prefill (all n, unless some were carried over).
+    fresh: list[int] = dataclasses.field(default_factory=list)
+    # Samples carried over with tokens already generated (a resumed run's groups in flight):
+    # recomputed like preempted sequences, then decoded on from where they stopped.
+    carried: list["Sequence"] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         self.done = [False] * self.sampling.n
+        if not self.fresh and not self.carried:
+            self.fresh = list(range(self.sampling.n))
 
 
 @dataclasses.dataclass(eq=False)

@@ -39,6 +39,21 @@ class RequestStream:
         self.n = n
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()
+        self._so_far = [Sample() for _ in range(n)]   # every event put, for `snapshot`
+        self._lock = threading.Lock()
+
+    def put(self, event: TokenEvent | DoneEvent) -> None:
+        """The engine's side: one more event for the reader."""
+        with self._lock:
+            _apply(self._so_far[event.sample_index], event)
+            self._events.put(event)
+
+    def snapshot(self) -> list[Sample]:
+        """Each sample as generated so far, whether or not the reader has seen it yet: what a
+        checkpoint keeps of a request in flight (see Orchestrator.submit's `carry`)."""
+        with self._lock:
+            return [Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason)
+                    for s in self._so_far]
 
     def cancel(self) -> None:
         """The client is gone: its slots are freed at the next step."""
@@ -58,11 +73,14 @@ class RequestStream:
     def result(self) -> list[Sample]:
         samples = [Sample() for _ in range(self.n)]
         for e in self:
-            s = samples[e.sample_index]
-            if isinstance(e, TokenEvent):
-                s.tokens.append(e.token)
-                s.logprobs.append(e.logprob)
-                s.versions.append(e.version)
-            else:
-                s.finish_reason = e.reason
+            _apply(samples[e.sample_index], e)
         return samples
+
+
+def _apply(sample: Sample, event: TokenEvent | DoneEvent) -> None:
+    if isinstance(event, TokenEvent):
+        sample.tokens.append(event.token)
+        sample.logprobs.append(event.logprob)
+        sample.versions.append(event.version)
+    else:
+        sample.finish_reason = event.reason

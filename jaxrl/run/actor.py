@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from typing import Callable
@@ -24,15 +25,17 @@ from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.rl.advantages import group_advantages, keep_group
 from jaxrl.rl.config import RLConfig
 from jaxrl.rl.tasks.base import Problem, Task
-from serving.orchestrator import Orchestrator
+from serving.orchestrator import Orchestrator, RequestStream, Sample
 from serving.sampling import SamplingParams
 
 
 class Actor:
     def __init__(self, orchestrator: Orchestrator, task: Task, tokenizer: Tokenizer,
                  log: RolloutLog, cfg: RLConfig, *, seed: int, next_problem: int = 0,
-                 redo: tuple[int, ...] = (), stats: dict | None = None,
-                 warn: Callable[[str], None] = print):
+                 redo: tuple[int, ...] = (), carry: dict[int, list[Sample]] | None = None,
+                 stats: dict | None = None, warn: Callable[[str], None] = print):
+        """`redo`: the groups in flight when the run was saved, submitted first; `carry`: what
+        had been generated of them (see `snapshot`), continued rather than regenerated."""
         self.orchestrator = orchestrator
         self.task = task
         self.tokenizer = tokenizer
@@ -41,7 +44,9 @@ class Actor:
         self.seed = seed
         self.next_problem = next_problem
         self._redo = collections.deque(redo)   # groups in flight when the run was saved
+        self._carry = dict(carry or {})          # ... and their samples so far
         self._in_flight: dict[int, int] = {}     # problem index -> samples expected
+        self._streams: dict[int, RequestStream] = {}   # problem index -> its request
         self._lock = threading.Condition()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(cfg.prompts_per_step, cfg.slots // cfg.group_size) + 2,
@@ -81,10 +86,15 @@ class Actor:
                 return 0
             self._skipped_in_a_row = 0
             self._in_flight[index] = self.cfg.group_size
+            carry = self._carry.get(index)
         sampling = SamplingParams(max_tokens=self.cfg.max_new_tokens,
                                   temperature=self.cfg.temperature, n=self.cfg.group_size,
                                   seed=(self.seed * 1_000_003 + index) % 2**32)
-        stream = self.orchestrator.submit(prompt, sampling)
+        stream = self.orchestrator.submit(prompt, sampling, carry=carry)
+        with self._lock:
+            self._streams[index] = stream
+            if self._carry.pop(index, None) is not None:
+                self.stats["carried_tokens"] += sum(len(s.tokens) for s in carry)
         self._pool.submit(self._collect, index, problem, prompt, stream)
         return self.cfg.group_size
 
@@ -106,6 +116,7 @@ class Actor:
                 self.stats["samples"] += len(rollouts)
                 self.stats["groups"] += 1
                 del self._in_flight[index]
+                del self._streams[index]
             self._lock.notify_all()
 
     def _score(self, index, problem, prompt, samples) -> list[Rollout]:
@@ -205,12 +216,23 @@ class Actor:
     def snapshot(self, position: int) -> dict:
         """What a checkpoint needs to continue the same stream: the rollouts from `position`
         (generated, not yet trained on), the groups still being generated (redone first on
-        resume) and the next problem index, all taken at one instant."""
+        resume) with every token generated of them so far (`partial`: continued, not
+        regenerated), and the next problem index, all taken at one instant."""
         with self._lock:
+            partial = {**self._carry, **{i: s.snapshot() for i, s in self._streams.items()}}
             return {"position": position,
                     "rollouts": [r.to_json() for r in self.log.tail(position)],
                     "redo": sorted(self._in_flight) + list(self._redo),
+                    "partial": {str(i): [dataclasses.asdict(s) for s in samples]
+                                for i, samples in partial.items()
+                                if any(s.tokens for s in samples)},
                     "next_problem": self.next_problem, "stats": dict(self.stats)}
+
+    @staticmethod
+    def carry_from(data: dict) -> dict[int, list[Sample]]:
+        """A snapshot's `partial`, as the Actor's `carry` argument."""
+        return {int(i): [Sample(**s) for s in samples]
+                for i, samples in (data.get("partial") or {}).items()}
 
     def stop(self) -> None:
         self._stop.set()

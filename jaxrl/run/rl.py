@@ -195,7 +195,7 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
                              [Rollout.from_json(r) for r in data["rollouts"]])
     actor = Actor(orchestrator, task, tokenizer, rollout_log, rl, seed=cfg.train.seed,
                   next_problem=data["next_problem"], redo=tuple(data["redo"]),
-                  stats=data.get("stats"), warn=log)
+                  carry=Actor.carry_from(data), stats=data.get("stats"), warn=log)
     actor.notify_trained(data["position"])
     batch_sharding = shd.batch_sharding(mesh, 3, leading=1)
     trainer_step = [step]
@@ -234,6 +234,7 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
         f"{len(engine_devices)}; held-out accuracy {eval_before}")
 
     all_lags, rows = [], []
+    trained_total = data.get("trained", 0)
     engine_before, actor_before = orchestrator.metrics(), actor.stats.copy()
     t_start = t_prev = clock()
     if rl.mode in ("async", "partial"):
@@ -263,6 +264,7 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
             now = clock()
             engine_now = orchestrator.metrics()
             stats, lags = batch_stats(batch["rollouts"], step - 1)
+            trained_total += len(batch["rollouts"])
             # Reward and success of everything generated since the last step, before filters.
             # NaN (logged as null) when nothing finished since the last step.
             scored = actor.stats["scored"] - actor_before["scored"]
@@ -283,9 +285,8 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
                    "slots_busy_fraction": (engine_now["busy_slot_steps"] -
                                            engine_before["busy_slot_steps"])
                    / max(slot_steps * rl.slots, 1),
-                   "dropped_lag": lag_stats.total, **lag_stats.fractions(),
-                   "dropped_zero_advantage": actor.stats["dropped_zero_advantage"],
-                   "dropped_overlong": actor.stats["dropped_overlong"],
+                   **lag_stats.fractions(), **sample_counts(actor.stats, trained_total,
+                                                            lag_stats.total),
                    "microbatches": batch["microbatches"]}
             row["trained_tokens_per_s"] = row["trained_tokens"] / max(now - t_prev, 1e-9)
             row["held_tokens_mean"] = (engine_now["held_tokens"] - engine_before["held_tokens"]) \
@@ -302,7 +303,7 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
             progress.update(step, row)
             if step % cfg.checkpoint.every == 0 or step == end:
                 data = {**actor.snapshot(position), "iterator": batches.get_state(),
-                        "lag_stats": lag_stats.state(), "time_s": now,
+                        "lag_stats": lag_stats.state(), "trained": trained_total, "time_s": now,
                         "eval_before": eval_before}
                 ckpt.save(state, config_dict, data=data)
                 rollout_log.release(position)
@@ -330,6 +331,17 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     metrics_log.close()
     summary["plots"] = {k: str(v) for k, v in save_run_plots(run_dir, rows, all_lags).items()}
     return summary
+
+
+def sample_counts(actor_stats: dict, trained: int, dropped_lag: int) -> dict:
+    """Where every sample went, cumulative over the run (a resumed run continues the counts):
+    generated = dropped_zero_advantage + dropped_overlong + kept, and
+    kept = trained + dropped_lag + what waits in the rollout stream (a checkpoint's `rollouts`)."""
+    return {"samples_generated": actor_stats["scored"], "samples_kept": actor_stats["samples"],
+            "samples_trained": trained, "dropped_lag": dropped_lag,
+            "dropped_zero_advantage": actor_stats["dropped_zero_advantage"],
+            "dropped_overlong": actor_stats["dropped_overlong"],
+            "carried_tokens": actor_stats["carried_tokens"]}
 
 
 def length_quantiles(lengths: list[int]) -> dict:

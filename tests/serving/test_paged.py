@@ -8,10 +8,11 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from jaxrl.models.generate import greedy_generate
 from serving.engine import Engine, EngineConfig
-from serving.orchestrator import Orchestrator, Sample, TokenEvent
+from serving.orchestrator import InvalidRequest, Orchestrator, Sample, TokenEvent
 from serving.sampling import SamplingParams
 
 from tests.serving.common import CFG, ENGINE, contiguous_decode, prompts
@@ -148,3 +149,54 @@ def test_only_busy_slots_are_decoded(params, model):
         results = [s.result() for s in [o.submit(*r) for r in requests]]
     assert {1, 4, 16} <= {next(b for b in (1, 4, 16) if b >= n) for n in busy}
     _check_against_references(wide, {0: params}, requests, results, model)
+
+
+def test_carried_samples_continue_where_they_stopped(engine):
+    """A request resubmitted with what a previous run had generated (a checkpoint's groups in
+    flight) ends with exactly the samples of an uninterrupted run, and the engine generates
+    only the missing tokens: finished samples are replayed, cut ones recomputed from their
+    prefix and decoded on with the same draws, untouched ones start from the prompt."""
+    prompt = prompts(13, seed=11)[0]
+    sampling = SamplingParams(temperature=1.0, top_k=12, seed=5, max_tokens=30, n=4)
+    with Orchestrator(engine) as o:
+        whole = o.generate(prompt, sampling)
+    cut = [whole[0],                                               # finished
+           Sample(whole[1].tokens[:7], whole[1].logprobs[:7], whole[1].versions[:7]),
+           Sample(whole[2].tokens[:1], whole[2].logprobs[:1], whole[2].versions[:1]),
+           Sample()]                                               # not started
+    with Orchestrator(engine) as o:
+        resumed = o.submit(prompt, sampling, carry=cut).result()
+        metrics = o.metrics()
+    assert [s.tokens for s in resumed] == [s.tokens for s in whole]
+    for r, w in zip(resumed, whole):
+        np.testing.assert_allclose(r.logprobs, w.logprobs, atol=1e-5)
+        assert r.finish_reason == w.finish_reason
+    assert metrics["carried_tokens"] == 30 + 7 + 1
+    assert metrics["generated_tokens"] == sum(len(s.tokens) for s in whole) - (30 + 7 + 1)
+
+    # The same from a real snapshot: a run stopped while the group was being generated.
+    with Orchestrator(engine) as o:
+        stream = o.submit(prompt, sampling)
+        for _ in stream:
+            if sum(len(s.tokens) for s in stream.snapshot()) >= 20:
+                o.pause()           # no token after this until the loop stops
+                break
+    saved = stream.snapshot()
+    assert any(s.finish_reason == "shutdown" for s in saved)
+    with Orchestrator(engine) as o:
+        assert [s.tokens for s in o.submit(prompt, sampling, carry=saved).result()] == \
+            [s.tokens for s in whole]
+        assert o.metrics()["generated_tokens"] == sum(len(s.tokens) for s in whole) - \
+            sum(len(s.tokens) for s in saved)
+
+
+def test_bad_carry_is_refused(engine):
+    prompt, sampling = prompts(5, seed=3)[0], SamplingParams(max_tokens=8, n=2)
+    with Orchestrator(engine) as o:
+        for carry, message in [([Sample()], "carry holds 1 samples"),
+                               ([Sample([3, 4], [0.0]), Sample()], "2 tokens, 1 log-probs"),
+                               ([Sample([3] * 9, [0.0] * 9, [0] * 9), Sample()], "max_tokens=8"),
+                               ([Sample([99], [0.0], [0]), Sample()], "token id 99")]:
+            with pytest.raises(InvalidRequest, match=message):
+                o.submit(prompt, sampling, carry=carry)
+        assert o.metrics()["queued"] == 0

@@ -4,6 +4,7 @@ Pallas kernels (splash attention, the engine's ragged paged attention).
 
 All in this one process: libtpu allows one process per machine."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -25,7 +26,9 @@ DEMO, ONE_B = str(ROOT / "configs/demo_cpu.yaml"), str(ROOT / "configs/llama_1b_
 SEQ_64 = ["train.seq_len=64", "model.max_seq_len=64"]
 
 
+@functools.cache
 def compiled(config, *overrides, topology="v5e:2x4"):
+    """compile_train_step's report; each configuration is compiled once per session."""
     return compile_train_step(load_run_config(config, list(overrides)), topology)
 
 

@@ -1,0 +1,88 @@
+"""The actor across a restart: a checkpoint taken while groups are being generated keeps what
+they have generated so far, and a resumed actor continues those samples instead of
+regenerating them, ending with exactly the samples an uninterrupted run produces."""
+
+import json
+import time
+
+import pytest
+from flax import nnx
+
+from jaxrl.config import load_run_config
+from jaxrl.data.rollouts import RolloutLog
+from jaxrl.models import Transformer, split_params
+from jaxrl.run.actor import Actor
+from jaxrl.run.warmup import build_task, model_config
+from serving.engine import Engine, EngineConfig
+from serving.orchestrator import Orchestrator
+from serving.sampling import SamplingParams
+
+# An untrained model: samples of up to 24 tokens; no filter, so every sample reaches the log.
+CFG = load_run_config(None, ["model.num_layers=2", "model.embed_dim=32", "model.mlp_dim=64",
+                             "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
+                             "model.max_seq_len=40", "rl.group_size=4", "rl.slots=8",
+                             "rl.max_prompt_len=8", "rl.max_new_tokens=24",
+                             "rl.filter_zero_advantage=false", "rl.filter_overlong=false"])
+GROUP = CFG.rl.group_size
+
+
+@pytest.fixture(scope="module")
+def parts():
+    model_cfg = model_config(CFG)
+    task, tokenizer = build_task(CFG, model_cfg)
+    engine = Engine(model_cfg, EngineConfig(max_concurrent_decodes=8, max_len=33,
+                                            max_prefill_length=8, prefill_chunk=8,
+                                            page_size=4, steps_per_dispatch=2))
+    engine.load_params(split_params(Transformer(model_cfg, rngs=nnx.Rngs(0)))[1])
+    return engine, task, tokenizer
+
+
+def actor(orchestrator, task, tokenizer, log, **kwargs):
+    return Actor(orchestrator, task, tokenizer, log, CFG.rl, seed=3, warn=lambda _: None,
+                 **kwargs)
+
+
+def test_groups_in_flight_continue_after_a_restart(parts):
+    engine, task, tokenizer = parts
+    # The first run: two groups start, and the engine is stopped part-way through them.
+    with Orchestrator(engine, eos_id=tokenizer.eos_id) as o:
+        first = actor(o, task, tokenizer, RolloutLog())
+        o.pause()
+        first._submit_next()
+        first._submit_next()
+        o.resume()
+        while o.metrics()["generated_tokens"] < 2 * GROUP * 24 // 3:
+            time.sleep(0.01)
+        o.pause()
+        saved = json.loads(json.dumps(first.snapshot(0)))   # as a checkpoint stores it
+        first.stop()
+    carried = sum(len(s["tokens"]) for samples in saved["partial"].values() for s in samples)
+    assert saved["redo"] == [0, 1] and saved["next_problem"] == 2
+    assert 0 < carried
+
+    # What an uninterrupted run generates for the same two groups.
+    with Orchestrator(engine, eos_id=tokenizer.eos_id) as o:
+        bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+        expected = [[s.tokens for s in o.generate(
+            bos + tokenizer.encode(first.problem(i).prompt),
+            SamplingParams(max_tokens=24, temperature=1.0, n=GROUP,
+                           seed=(3 * 1_000_003 + i) % 2**32))] for i in (0, 1)]
+
+    # The resumed run redoes them first, from what the checkpoint kept.
+    log = RolloutLog()
+    with Orchestrator(engine, eos_id=tokenizer.eos_id) as o:
+        second = actor(o, task, tokenizer, log, redo=tuple(saved["redo"]),
+                       next_problem=saved["next_problem"], carry=Actor.carry_from(saved))
+        second.generate(2 * GROUP)
+        generated = o.metrics()["generated_tokens"]
+        second.stop()
+    rollouts = log.tail(0)
+    assert [[r.completion for r in rollouts if r.group == i] for i in (0, 1)] == expected
+    assert second.stats["carried_tokens"] == carried
+    total = sum(len(tokens) for group in expected for tokens in group)
+    assert 0 < carried < total and generated == total - carried   # nothing generated twice
+    # The carried tokens keep the log-probs and versions they were generated with.
+    for i, samples in saved["partial"].items():
+        mine = [r for r in rollouts if r.group == int(i)]
+        for s, r in zip(samples, mine):
+            assert r.logprobs[:len(s["tokens"])] == s["logprobs"]
