@@ -72,7 +72,7 @@ def _serve(args) -> None:
     serve(model_dir=args.model, checkpoint_dir=args.checkpoint, host=args.host, port=args.port,
           engine_config=engine_config, update_token=token, log=lambda m: print(m, flush=True),
           tls=tls, allow_remote=args.allow_remote,
-          max_concurrent_rpcs=args.max_concurrent_rpcs)
+          max_concurrent_rpcs=args.max_concurrent_rpcs, max_queued=args.max_queued)
 
 
 def _compile(args) -> None:
@@ -203,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEM private key of --tls-cert (default: none, plaintext)")
     p.add_argument("--max-concurrent-rpcs", type=_int_at_least(1), default=1024,
                    help="RPCs in progress at once; more get RESOURCE_EXHAUSTED")
+    p.add_argument("--max-queued", type=_int_at_least(1), default=1024,
+                   help="requests waiting for a decode slot; more get RESOURCE_EXHAUSTED")
     p.add_argument("--port", type=_port, default=9000, help="port (0: any free port)")
     p.add_argument("--slots", type=_int_at_least(1), default=32, help="concurrent decodes")
     p.add_argument("--max-len", type=_int_at_least(0), default=0,

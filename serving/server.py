@@ -172,13 +172,15 @@ class Server:
     """Both services on one port. `port=0` picks a free one (see `.port` after `start`).
 
     `tls`: (certificate chain, private key) as PEM bytes; without it the port is plaintext.
-    `max_concurrent_rpcs`: RPCs in progress at once; more get RESOURCE_EXHAUSTED at once.
+    `max_concurrent_rpcs`: RPCs in progress at once; more get RESOURCE_EXHAUSTED at once. Each
+    has a thread of its own (a sync gRPC server serves a stream on one thread throughout), so
+    no admitted stream waits for another to end.
     A non-loopback `host` is refused unless `allow_remote`, and then logs a warning (louder
     without TLS: the weight-update token would cross the network in clear)."""
 
     def __init__(self, orchestrator: Orchestrator, tokenizer: Tokenizer | None = None, *,
                  host: str = "127.0.0.1", port: int = 9000, update_token: str | None = None,
-                 max_workers: int = 256, max_concurrent_rpcs: int = 1024,
+                 max_concurrent_rpcs: int = 1024,
                  tls: tuple[bytes, bytes] | None = None, allow_remote: bool = False):
         if not is_loopback(host):
             if not allow_remote:
@@ -188,7 +190,7 @@ class Server:
                         "" if tls else " WITHOUT TLS: requests, outputs and the weight-update "
                         "token cross the network in clear (use --tls-cert/--tls-key)")
         self.orchestrator = orchestrator
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs),
                                    maximum_concurrent_rpcs=max_concurrent_rpcs,
                                    options=[("grpc.max_receive_message_length", 64 * 2**20)])
         js_grpc.add_OrchestratorServicer_to_server(

@@ -10,6 +10,7 @@ the worst case, and the step skips the empty ones (see `RLConfig.max_microbatche
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Any, Callable
 
@@ -68,19 +69,26 @@ class LagStats:
 
 class LagFilter(grain.transforms.Filter):
     """Keeps samples at most `max_lag` optimizer steps behind the trainer's weights (PipelineRL's
-    max lag), by the sample's lag as `rl.lag` defines it; counts what it drops."""
+    max lag), by the sample's lag as `rl.lag` defines it. Records (completion tokens, dropped)
+    of every sample it sees until `take`."""
 
-    def __init__(self, current_step: Callable[[], int], max_lag: int, stats: LagStats,
-                 lag: str = "newest"):
+    def __init__(self, current_step: Callable[[], int], max_lag: int, lag: str = "newest"):
         self.current_step = current_step
         self.max_lag = max_lag
-        self.stats = stats
         self.lag = lag
+        self._seen: collections.deque[tuple[int, bool]] = collections.deque()
 
     def filter(self, rollout: Rollout) -> bool:
         keep = sample_lag(rollout.versions, self.current_step(), self.lag) <= self.max_lag
-        self.stats.add(len(rollout.completion), dropped=not keep)
+        self._seen.append((len(rollout.completion), not keep))
         return keep
+
+    def take(self) -> list[tuple[int, bool]]:
+        """What it saw since the last call."""
+        out = []
+        while self._seen:
+            out.append(self._seen.popleft())
+        return out
 
 
 def sample_lag(versions: list[int], step: int, definition: str) -> float:
@@ -145,10 +153,22 @@ def rl_batches(log: RolloutLog, cfg: RLConfig, *, current_step: Callable[[], int
     through `put` (a sharded device_put onto the trainer mesh), prefetched in a thread, and
     the lag filter's statistics."""
     stats = LagStats(lag_state)  # a resumed run keeps counting
-    ds = RolloutSource(log, start).filter(LagFilter(current_step, cfg.max_lag, stats, cfg.lag))
+    lag_filter = LagFilter(current_step, cfg.max_lag, cfg.lag)
+    ds = RolloutSource(log, start).filter(lag_filter)
     ds = ds.batch(cfg.batch_size, drop_remainder=True, batch_fn=list)
-    ds = ds.map(lambda rollouts: pack(rollouts, cfg))
+    # The samples the filter saw while this batch was gathered go with it (batching and packing
+    # run in order, in one thread) ...
+    ds = ds.map(lambda rollouts: {**pack(rollouts, cfg), "lag_seen": lag_filter.take()})
     ds = ds.map(lambda b: {**b, "arrays": put(b["arrays"])})
     if cfg.prefetch:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cfg.prefetch)
-    return ds, stats
+    # ... and are counted when the trainer takes it (this map runs in the caller's thread), so
+    # the counts always match the stream position a checkpoint saves: none from prefetched
+    # batches, none counted twice after a resume.
+    return ds.map(lambda b: _counted(b, stats)), stats
+
+
+def _counted(batch: dict, stats: LagStats) -> dict:
+    for tokens, dropped in batch["lag_seen"]:
+        stats.add(tokens, dropped)
+    return batch

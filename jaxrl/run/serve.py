@@ -41,8 +41,9 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
           engine_config: Callable[[int], EngineConfig], update_token: str | None,
           log: Callable[[str], None] = print, ready: threading.Event | None = None,
           tls: tuple[bytes, bytes] | None = None, allow_remote: bool = False,
-          max_concurrent_rpcs: int = 1024) -> None:
-    """`engine_config(context)`: the engine's sizes, given the model's context length."""
+          max_concurrent_rpcs: int = 1024, max_queued: int = 1024) -> None:
+    """`engine_config(context)`: the engine's sizes, given the model's context length.
+    `max_queued`: requests waiting for a slot; more get RESOURCE_EXHAUSTED."""
     if not is_loopback(host) and not allow_remote:
         raise UserError(f"--host {host} is reachable from other machines; add --allow-remote "
                         f"to bind it (and --tls-cert/--tls-key, or the weight-update token "
@@ -58,7 +59,7 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
     engine = Engine(model.cfg, engine_cfg)
     engine.load_params(split_params(model)[1])
     del model   # the engine holds its own copy of the weights, in the serving dtype
-    orchestrator = Orchestrator(engine, eos_id=tokenizer.eos_id).start()
+    orchestrator = Orchestrator(engine, eos_id=tokenizer.eos_id, max_queued=max_queued).start()
     try:
         server = Server(orchestrator, tokenizer, host=host, port=port,
                         update_token=update_token, tls=tls, allow_remote=allow_remote,

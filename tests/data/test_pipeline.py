@@ -134,16 +134,16 @@ def test_pack_shortest_samples():
                                        ("newest", [True, True, False, True, True]),
                                        ("mean", [True, True, False, True, False])])
 def test_lag_filter_by_each_definition(lag, kept):
-    stats = LagStats()
-    keep = LagFilter(lambda: 5, max_lag=2, stats=stats, lag=lag).filter
+    lag_filter = LagFilter(lambda: 5, max_lag=2, lag=lag)
     rng = np.random.default_rng(0)
     samples = [make_rollout(rng, 0, 2, 1, versions=[3]),            # lag 2 by any measure
                make_rollout(rng, 1, 2, 2, versions=[5, 4]),
                make_rollout(rng, 2, 2, 1, versions=[2]),            # lag 3 by any measure
                make_rollout(rng, 3, 2, 3, versions=[5, 2, 5]),      # oldest 3, mean 1, newest 0
                make_rollout(rng, 4, 2, 5, versions=[1, 1, 1, 1, 5])]  # oldest 4, mean 3.2
-    assert [keep(r) for r in samples] == kept
-    assert stats.total == kept.count(False)
+    assert [lag_filter.filter(r) for r in samples] == kept
+    assert lag_filter.take() == [(len(r.completion), not k) for r, k in zip(samples, kept)]
+    assert lag_filter.take() == []
 
 
 def test_lag_stats_per_length_bucket_survive_a_checkpoint():
@@ -158,7 +158,7 @@ def test_lag_stats_per_length_bucket_survive_a_checkpoint():
 
 def test_pipeline_drops_stale_samples_and_keeps_order():
     rng = np.random.default_rng(0)
-    cfg = dataclasses.replace(CFG, max_lag=2, lag="oldest")
+    cfg = dataclasses.replace(CFG, max_lag=2, lag="oldest", prefetch=2)
     rollouts, kept = [], []
     for i in range(8 * cfg.batch_size):
         n = int(rng.integers(1, cfg.max_new_tokens + 1))
@@ -174,10 +174,19 @@ def test_pipeline_drops_stale_samples_and_keeps_order():
     log = RolloutLog()
     log.append(rollouts)
     log.close()
+    def dropped_before(batches_taken):
+        """Stale samples before the last one the first `batches_taken` batches hold."""
+        last = kept[batches_taken * cfg.batch_size - 1]
+        return sum(r not in kept for r in rollouts[:rollouts.index(last)])
+
     with batches_of(log, cfg, current_step=lambda: 5) as (it, dropped):
-        batches = list(it)
+        batches = [next(it)]
+        time.sleep(0.2)         # the prefetch thread runs ahead, filtering further
+        # Drops are counted with the batch that took them: none from batches not taken yet.
+        assert dropped.total == dropped_before(1)
+        batches += list(it)
     assert [r for b in batches for r in b["rollouts"]] == kept[:n_batches * cfg.batch_size]
-    assert dropped.total == len(rollouts) - len(kept)
+    assert dropped.total == dropped_before(n_batches)
 
 
 # --- 3. batching -------------------------------------------------------------------------------
