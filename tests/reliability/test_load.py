@@ -22,7 +22,7 @@ from serving.proto import jetstream_pb2_grpc as js_grpc
 
 pytestmark = pytest.mark.slow
 
-STREAMS, REQUESTS, MALFORMED, STORMS = 1000, 10_000, 0.1, 5
+STREAMS, REQUESTS, MALFORMED, STORMS = 1000, 10_000, 0.1, 3
 
 
 def _text(text, max_tokens=3):

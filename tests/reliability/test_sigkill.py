@@ -1,6 +1,7 @@
 """`jaxrl train` killed with SIGKILL at moments drawn at random (seeded) during the warm-up, while
 a checkpoint is being written and during RL, and started again with the same command each time,
-against the same run uninterrupted:
+against the same run uninterrupted (which is also the end-to-end check of `jaxrl train` on a
+(fsdp=4, tensor=2) mesh and of `jaxrl eval` on its checkpoint):
 - the run finishes;
 - metrics.jsonl holds the same rows (every step exactly once, evaluations included);
 - the warm-up's losses are bit-identical;
@@ -31,7 +32,8 @@ ARGS = ["--config", str(ROOT / "configs/demo_cpu.yaml"), "model.embed_dim=32",
         "model.num_layers=2", "model.mlp_dim=64", f"train.steps={WARMUP}",
         "train.batch_size=16", "train.log_every=4", "train.eval_problems=16",
         "checkpoint.every=4", f"rl.steps={RL}", "rl.prompts_per_step=2", "rl.group_size=4",
-        "rl.slots=8", "rl.microbatch_rows=8", "log.progress=false"]
+        "rl.slots=8", "rl.microbatch_rows=8", "log.progress=false", "mesh.fsdp=4",
+        "mesh.tensor=2"]
 
 
 def launch(run_dir: Path) -> subprocess.Popen:
@@ -59,11 +61,12 @@ def writing_checkpoint(run_dir: Path) -> bool:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(uninterrupted run_dir, killed run_dir, the kills as (moment, step when killed))."""
+    """(uninterrupted run_dir, killed run_dir, the kills as (moment, step when killed), the
+    uninterrupted run's output)."""
     straight = tmp_path_factory.mktemp("straight") / "run"
     proc = launch(straight)
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out[-3000:]
+    printed, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, printed[-3000:]
 
     rng = random.Random(20261123)
     warmup_at, rl_at = rng.randint(6, WARMUP - 2), rng.randint(WARMUP + 2, WARMUP + RL - 2)
@@ -85,11 +88,46 @@ def runs(tmp_path_factory):
     proc = launch(killed)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-3000:]
-    return straight, killed, kills
+    return straight, killed, kills, printed
+
+
+def test_train_prints_its_mesh_and_phases_and_writes_plots(runs):
+    straight, _, _, printed = runs
+    assert "mesh {'data': 1, 'stage': 1, 'fsdp': 4, 'tensor': 2}" in printed
+    assert f"RL (async, colocated, loss tis): steps {WARMUP}..{WARMUP + RL}" in printed
+    assert "held-out accuracy" in printed and "before RL" in printed
+    rows = read_metrics(straight)
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, WARMUP + RL + 1))
+    assert {"reward", "lag_mean", "ess", "entropy", "update_pause_ms"} <= set(rows[-2])
+    assert (straight / "plots" / "reward.png").stat().st_size > 0
+
+
+def test_eval_scores_the_checkpoint_as_the_cacheless_path_does(runs):
+    """`jaxrl eval` decodes with the serving engine; greedy decoding by full recompute (the old
+    evaluator) gives the same completions and so the same accuracy."""
+    from jaxrl.models.generate import greedy_generate
+    from jaxrl.run.evaluate import greedy_completions, local_engine
+    from jaxrl.run.warmup import restore_for_eval
+
+    checkpoints = runs[0] / "checkpoints"
+    out = subprocess.run([sys.executable, "-m", "jaxrl.cli", "eval", "--checkpoint",
+                          str(checkpoints), "--problems", "8"], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    model, task, tokenizer, _ = restore_for_eval(checkpoints)
+    problems = task.held_out(8)
+    prompts = [[tokenizer.bos_id] + tokenizer.encode(p.prompt) for p in problems]
+    reference = greedy_generate(model, prompts, 8, tokenizer.eos_id)
+    with local_engine(model, tokenizer.eos_id, max(map(len, prompts)), 8) as orchestrator:
+        assert greedy_completions(orchestrator, prompts, 8) == reference
+    accuracy = sum(task.score(p, tokenizer.decode(ids)) >= 1
+                   for p, ids in zip(problems, reference)) / len(problems)
+    assert out.stdout.startswith(f"step {WARMUP + RL}: held-out accuracy {accuracy:.1%} on 8 "
+                                 f"problems")
 
 
 def test_killed_run_finishes_with_the_same_metrics(runs):
-    straight, killed, kills = runs
+    straight, killed, kills, _ = runs
     assert [name for name, _ in kills] == ["warm-up", "checkpoint write", "RL"], kills
     want, got = read_metrics(straight), read_metrics(killed)
     # The same rows in the same order: a step's row, an evaluation's row, once each. (Which
@@ -105,7 +143,7 @@ def test_killed_run_finishes_with_the_same_metrics(runs):
 
 
 def test_every_checkpoint_left_restores_with_plain_orbax(runs):
-    straight, killed, _ = runs
+    straight, killed, _, _ = runs
     directory = killed / "checkpoints"
     script = textwrap.dedent(f"""
         import sys
@@ -128,7 +166,7 @@ def test_every_checkpoint_left_restores_with_plain_orbax(runs):
 
 
 def test_sample_counters_balance(runs):
-    _, killed, _ = runs
+    _, killed, _, _ = runs
     ckpt = Checkpointer(killed / "checkpoints")
     data = ckpt.saved_data(WARMUP + RL)
     ckpt.close()

@@ -63,10 +63,9 @@ def assert_close(got, want, rel=1e-5):
 LAYOUTS = [(2, 4, {}), (4, 8, {}), (2, 8, {"fsdp": 2, "tensor": 2}), (4, 4, {"fsdp": 2}),
            (4, 8, {"tensor": 2})]
 SCHEDULES = {"gpipe": 1, "circular": 2, "1f1b": 1}     # schedule: repeats
-# Each schedule on three layouts (every layout is used, and each schedule meets 2 and 4 stages,
-# fsdp and tensor): a compile costs ~20 s on 2 CPU cores, so not all fifteen pairs.
-CASES = [("gpipe", 0), ("gpipe", 3), ("gpipe", 4), ("circular", 1), ("circular", 2),
-         ("circular", 3), ("1f1b", 0), ("1f1b", 2), ("1f1b", 4)]
+# Each schedule on two layouts, every layout used, each schedule meeting 2 and 4 stages: a
+# compile costs ~20 s on 2 CPU cores, so not all fifteen pairs.
+CASES = [("gpipe", 0), ("gpipe", 4), ("circular", 1), ("circular", 2), ("1f1b", 2), ("1f1b", 3)]
 
 
 def _case_id(case):
