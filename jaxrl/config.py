@@ -72,6 +72,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                               + ", ".join(repr(a) for a in args))
         return value
     if origin is tuple:
+        if isinstance(value, str) and args[0] is str:   # "a,b" from the command line
+            value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}={value!r}: expected a list")
         elem = args[0]
@@ -169,7 +171,8 @@ from jaxrl.rl.config import RLConfig  # noqa: E402
 from jaxrl.rl.tasks.arithmetic import ArithmeticConfig  # noqa: E402
 from jaxrl.rl.tasks.countdown import CountdownConfig  # noqa: E402
 from jaxrl.rl.tasks.math import MathConfig  # noqa: E402
-from jaxrl.train.config import CheckpointConfig, OptimConfig, TrainConfig  # noqa: E402
+from jaxrl.optim_config import OptimConfig  # noqa: E402
+from jaxrl.train.config import CheckpointConfig, TrainConfig  # noqa: E402
 from sharding.mesh import MeshConfig  # noqa: E402
 from sharding.pipeline import PipelineConfig  # noqa: E402
 

@@ -1,12 +1,38 @@
-"""Client helpers for the Generation service: push weights, generate with logprobs."""
+"""The client side of the Generation service: a `jaxrl serve` process as a `Generation`
+(serving/generation.py), plus the weight-piece stream on its own.
+
+A group is one `Generate` stream, read by a thread of its own into a `RequestStream`, so the
+caller sees exactly what an in-process orchestrator gives: token events with log-probs and
+versions, then one done event per sample. When the connection fails (server killed, network
+gone, deadline passed) the samples not finished end with reason "lost" and the stream's snapshot
+keeps every token received, so the group can continue on another server (`carry`). A request
+the server refuses ends with reason "refused" and the server's message in `stream.error`.
+"""
 
 from __future__ import annotations
 
+import itertools
+import json
+import threading
+import time
+from typing import Sequence
+
+import grpc
 import jax
 import numpy as np
 
+from serving.orchestrator import UpdateResult
 from serving.proto import generation_pb2 as gen_pb2
 from serving.proto import generation_pb2_grpc as gen_grpc
+from serving.sampling import SamplingParams
+from serving.stream import DoneEvent, RequestStream, Sample, TokenEvent
+from serving.weight_stream import StaleVersion
+from sharding.reshard import WeightUpdateError
+
+MAX_MESSAGE = 64 * 2**20
+_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.OUT_OF_RANGE)
 
 
 def weight_pieces(params, version: int, piece_bytes: int = 1 << 20):
@@ -26,3 +52,120 @@ def push_weights(channel, params, version: int, token: str, timeout: float = 600
     stub = gen_grpc.GenerationStub(channel)
     return stub.UpdateWeights(weight_pieces(params, version), timeout=timeout,
                               metadata=[("authorization", f"Bearer {token}")])
+
+
+def open_channel(address: str, *, tls_ca: bytes | None = None) -> grpc.Channel:
+    """A channel to `address` (host:port); over TLS when `tls_ca` (PEM roots) is given."""
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE),
+               ("grpc.max_send_message_length", MAX_MESSAGE)]
+    if tls_ca is not None:
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca), options)
+    return grpc.insecure_channel(address, options)
+
+
+class RemoteStream(RequestStream):
+    """A RequestStream fed from a Generate call; cancelling it cancels the call."""
+
+    def __init__(self, request_id: int, n: int):
+        super().__init__(request_id, n)
+        self.call = None
+
+    def cancel(self) -> None:
+        super().cancel()
+        if self.call is not None:
+            self.call.cancel()
+
+
+class RemoteGeneration:
+    """A `jaxrl serve` process at `address`, as a Generation.
+
+    `token`: the server's weight-update token (needed by `update_params`).
+    `rpc_timeout_s`: the deadline of metrics calls (a hung server fails them)."""
+
+    def __init__(self, address: str, *, token: str | None = None, tls_ca: bytes | None = None,
+                 rpc_timeout_s: float = 10.0):
+        self.address = address
+        self._token = token
+        self._channel = open_channel(address, tls_ca=tls_ca)
+        self._stub = gen_grpc.GenerationStub(self._channel)
+        self._rpc_timeout_s = rpc_timeout_s
+        self._ids = itertools.count()
+
+    def __repr__(self) -> str:
+        return f"RemoteGeneration({self.address!r})"
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # -- Generation ------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], sampling: SamplingParams, *,
+               predicted_len: float | None = None,
+               carry: Sequence[Sample] | None = None) -> RemoteStream:
+        """Opens the group's Generate stream and returns at once; `predicted_len` is not sent
+        (the server predicts lengths itself)."""
+        request = gen_pb2.GenerateRequest(
+            token_ids=gen_pb2.TokenIds(ids=[int(t) for t in prompt]),
+            sampling=gen_pb2.SamplingOptions(
+                max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed, n=sampling.n,
+                stop_token_ids=list(sampling.stop_token_ids),
+                ignore_eos=not sampling.stop_at_eos),
+            carry=[gen_pb2.CarriedSample(token_ids=s.tokens, logprobs=s.logprobs,
+                                         versions=s.versions) for s in carry or ()])
+        stream = RemoteStream(next(self._ids), sampling.n)
+        stream.call = self._stub.Generate(request)
+        threading.Thread(target=self._read, args=(stream,), daemon=True,
+                         name=f"generate-{self.address}").start()
+        return stream
+
+    @staticmethod
+    def _read(stream: RemoteStream) -> None:
+        try:
+            for r in stream.call:
+                if r.finish_reason:
+                    stream.put(DoneEvent(r.sample_index, r.finish_reason))
+                for token, logprob, version in zip(r.token_ids, r.logprobs, r.versions):
+                    stream.put(TokenEvent(r.sample_index, token, logprob, version))
+            reason = "lost"        # the call ended with samples still open
+        except grpc.RpcError as e:
+            code = e.code()
+            stream.error = f"{code.name}: {e.details()}"
+            reason = ("cancelled" if stream.cancelled else
+                      "refused" if code in _REFUSED else "lost")
+        stream.end(reason)
+
+    def update_params(self, params, version: int, timeout: float | None = None) -> UpdateResult:
+        """Streams `params` as weights `version`. Raises StaleVersion (the server already has
+        this version or a newer one), WeightUpdateError (refused: shapes, dtypes, token),
+        TimeoutError (the deadline passed: the server keeps its old weights) or ConnectionError
+        (the server cannot be reached)."""
+        t0 = time.perf_counter()
+        try:
+            reply = self._stub.UpdateWeights(
+                weight_pieces(params, version), timeout=timeout,
+                metadata=[("authorization", f"Bearer {self._token or ''}")])
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details()
+            where = f"weights version {version} to {self.address}"
+            if code == grpc.StatusCode.FAILED_PRECONDITION and "not newer" in (details or ""):
+                raise StaleVersion(f"{where}: {details}") from None
+            if code in _REFUSED:
+                raise WeightUpdateError(f"{where} refused: {details}") from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError(f"{where}: not done within {timeout} s") from None
+            raise ConnectionError(f"{where}: {code.name}: {details}") from None
+        return UpdateResult(reply.version, time.perf_counter() - t0, reply.pause_ms / 1e3)
+
+    def metrics(self, timeout: float | None = None) -> dict:
+        """The server's counters. Raises ConnectionError if it does not answer within
+        `timeout` (default `rpc_timeout_s`)."""
+        try:
+            reply = self._stub.GetMetrics(gen_pb2.MetricsRequest(),
+                                          timeout=timeout or self._rpc_timeout_s)
+        except grpc.RpcError as e:
+            raise ConnectionError(f"{self.address}: {e.code().name}: {e.details()}") from None
+        return json.loads(reply.json)
+
+    @property
+    def newest_version(self) -> int:
+        return int(self.metrics()["version"])

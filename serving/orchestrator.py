@@ -256,7 +256,10 @@ class Orchestrator:
         s, sched = self._stats, self.scheduler
         steps = max(s["steps"], 1)
         pauses = self.pauses_s or [0.0]
-        return {"version": self.engine.version, "steps": s["steps"],
+        return {"version": self.engine.version, "slots": sched.num_slots,
+                "max_len": self.engine.cfg.max_len, "max_prefill_length":
+                self.engine.cfg.max_prefill_length, "vocab_size": self.vocab_size,
+                "eos_id": self.eos_id, "steps": s["steps"],
                 "busy_slot_steps": s["busy_slot_steps"],
                 "generated_tokens": s["tokens"], "requests_done": s["requests_done"],
                 "prefill_chunks": s["prefill_chunks"], "prefill_tokens": s["prefill_tokens"],

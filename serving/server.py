@@ -16,7 +16,7 @@ from concurrent import futures
 import grpc
 
 from jaxrl.models.tokenizer import Tokenizer
-from serving.orchestrator import DoneEvent, InvalidRequest, Orchestrator, QueueFull
+from serving.orchestrator import DoneEvent, InvalidRequest, Orchestrator, QueueFull, Sample
 from serving.proto import generation_pb2 as gen_pb2
 from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.proto import jetstream_pb2 as js_pb2
@@ -27,11 +27,11 @@ from sharding.reshard import WeightUpdateError
 
 log = logging.getLogger("jaxrl.serve")
 
-def _submit(orchestrator: Orchestrator, context, prompt, sampling_fn):
+def _submit(orchestrator: Orchestrator, context, prompt, sampling_fn, carry=None):
     """Validates and queues; aborts the RPC with the right status on bad input."""
     try:
         sampling = sampling_fn()
-        stream = orchestrator.submit(prompt, sampling)
+        stream = orchestrator.submit(prompt, sampling, carry=carry)
     except (InvalidRequest, ValueError) as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except QueueFull as e:
@@ -119,7 +119,9 @@ class GenerationService(gen_grpc.GenerationServicer):
         stream, sampling = _submit(self.orchestrator, context, prompt, lambda: SamplingParams(
             max_tokens=o.max_tokens, temperature=o.temperature, top_k=o.top_k,
             top_p=o.top_p if 0 < o.top_p < 1 else 1.0, seed=o.seed, n=o.n or 1,
-            stop_token_ids=tuple(o.stop_token_ids), stop_at_eos=not o.ignore_eos))
+            stop_token_ids=tuple(o.stop_token_ids), stop_at_eos=not o.ignore_eos),
+            carry=[Sample(list(c.token_ids), list(c.logprobs), list(c.versions))
+                   for c in request.carry] or None)
         detok = _Detokenizer(self.tokenizer, sampling.n)
         for event in stream:
             if isinstance(event, DoneEvent):

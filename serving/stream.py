@@ -20,7 +20,13 @@ class TokenEvent:
 @dataclasses.dataclass(frozen=True)
 class DoneEvent:
     sample_index: int
-    reason: str   # eos | stop | length | cancelled | shutdown | error
+    # eos | stop | length: finished. cancelled: the caller let go. shutdown | error: the engine
+    # stopped. lost: the connection to a remote engine failed. refused: a remote engine said
+    # the request is bad (see RequestStream.error).
+    reason: str
+
+
+FINISHED = ("eos", "stop", "length")   # the reasons of a sample that is complete
 
 
 @dataclasses.dataclass
@@ -41,12 +47,20 @@ class RequestStream:
         self._cancelled = threading.Event()
         self._so_far = [Sample() for _ in range(n)]   # every event put, for `snapshot`
         self._lock = threading.Lock()
+        self.error: str | None = None    # why the samples ended lost or refused, if they did
 
     def put(self, event: TokenEvent | DoneEvent) -> None:
         """The engine's side: one more event for the reader."""
         with self._lock:
             _apply(self._so_far[event.sample_index], event)
             self._events.put(event)
+
+    def end(self, reason: str) -> None:
+        """Ends every sample not done yet with `reason` (the engine behind it is gone)."""
+        with self._lock:
+            open_ = [i for i, s in enumerate(self._so_far) if s.finish_reason is None]
+        for i in open_:
+            self.put(DoneEvent(i, reason))
 
     def snapshot(self) -> list[Sample]:
         """Each sample as generated so far, whether or not the reader has seen it yet: what a

@@ -6,7 +6,38 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jaxrl.train.config import OptimConfig
+from jaxrl.optim_config import OptimConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """Where rollouts are generated: this process's engine (no servers: `rl.placement` says on
+    which devices), or the `jaxrl serve` processes listed (jaxrl/run/fleet.py)."""
+
+    # host:port of each generation server, e.g. "127.0.0.1:9001,127.0.0.1:9002"; empty: local.
+    servers: tuple[str, ...] = ()
+    # The servers' weight-update token: read from this file, else from $JAXRL_UPDATE_TOKEN.
+    token_file: str = ""
+    tls_ca: str = ""                 # PEM root certificates: talk TLS to the servers
+    push_deadline_s: float = 60.0    # a weight push not done by then fails (member set aside)
+    heartbeat_s: float = 5.0         # how often each server is asked for its counters ...
+    heartbeat_timeout_s: float = 10.0  # ... and how long it may take to answer
+    wait_s: float = 600.0            # the run fails if no server can take work for this long
+
+    def __post_init__(self):
+        for name in ("push_deadline_s", "heartbeat_s", "heartbeat_timeout_s", "wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rl.generation.{name}={getattr(self, name)} must be > 0")
+        for address in self.servers:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"rl.generation.servers: {address!r} is not host:port")
+        if len(set(self.servers)) != len(self.servers):
+            raise ValueError(f"rl.generation.servers lists a server twice: {self.servers}")
+
+    @property
+    def remote(self) -> bool:
+        return bool(self.servers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +95,7 @@ class RLConfig:
     eval_every: int = 0             # held-out evaluation every N RL steps; 0: start and end
     # RL's own optimizer, fresh at the start of RL: warm-up and cosine decay over rl.steps.
     optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=50)
+    generation: GenerationConfig = GenerationConfig()
 
     def __post_init__(self):
         for name in ("prompts_per_step", "max_prompt_len", "max_new_tokens", "slots",
@@ -88,6 +120,10 @@ class RLConfig:
                              f"rl.clip_high={self.clip_high} > 0")
         if self.kl_coef < 0:
             raise ValueError(f"rl.kl_coef={self.kl_coef} must be >= 0")
+        if self.generation.remote and self.mode == "partial":
+            raise ValueError("rl.mode=partial pauses the engine while the trainer steps, which "
+                             "only an in-process engine can do; with rl.generation.servers use "
+                             "rl.mode=async or rl.mode=sync")
         if self.sample_len > self.pack_len:
             raise ValueError(f"rl.pack_len={self.pack_len} cannot hold one sample of "
                              f"rl.max_prompt_len + rl.max_new_tokens = {self.sample_len} tokens")

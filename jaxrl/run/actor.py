@@ -1,5 +1,5 @@
-"""The actor: turns problems into scored groups of rollouts on the rollout log, through the
-serving orchestrator.
+"""The actor: turns problems into scored groups of rollouts on the rollout log, through any
+Generation (serving/generation.py): this process's orchestrator or the rollout fleet.
 
 A problem is a pure function of (seed, index), so the stream of problems is resumable by index
 alone. Each group is one request with n = group_size samples (one prefill); when it finishes it
@@ -25,18 +25,19 @@ from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.rl.advantages import group_advantages, keep_group
 from jaxrl.rl.config import RLConfig
 from jaxrl.rl.tasks.base import Problem, Task
-from serving.orchestrator import Orchestrator, RequestStream, Sample
+from serving.generation import Generation
+from serving.stream import FINISHED, Sample
 from serving.sampling import SamplingParams
 
 
 class Actor:
-    def __init__(self, orchestrator: Orchestrator, task: Task, tokenizer: Tokenizer,
+    def __init__(self, generation: Generation, task: Task, tokenizer: Tokenizer,
                  log: RolloutLog, cfg: RLConfig, *, seed: int, next_problem: int = 0,
                  redo: tuple[int, ...] = (), carry: dict[int, list[Sample]] | None = None,
                  stats: dict | None = None, warn: Callable[[str], None] = print):
         """`redo`: the groups in flight when the run was saved, submitted first; `carry`: what
         had been generated of them (see `snapshot`), continued rather than regenerated."""
-        self.orchestrator = orchestrator
+        self.generation = generation
         self.task = task
         self.tokenizer = tokenizer
         self.log = log
@@ -46,7 +47,7 @@ class Actor:
         self._redo = collections.deque(redo)   # groups in flight when the run was saved
         self._carry = dict(carry or {})          # ... and their samples so far
         self._in_flight: dict[int, int] = {}     # problem index -> samples expected
-        self._streams: dict[int, RequestStream] = {}   # problem index -> its request
+        self._streams: dict[int, object] = {}   # problem index -> its request's stream
         self._lock = threading.Condition()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(cfg.prompts_per_step, cfg.slots // cfg.group_size) + 2,
@@ -90,7 +91,7 @@ class Actor:
         sampling = SamplingParams(max_tokens=self.cfg.max_new_tokens,
                                   temperature=self.cfg.temperature, n=self.cfg.group_size,
                                   seed=(self.seed * 1_000_003 + index) % 2**32)
-        stream = self.orchestrator.submit(prompt, sampling, carry=carry)
+        stream = self.generation.submit(prompt, sampling, carry=carry)
         with self._lock:
             self._streams[index] = stream
             if self._carry.pop(index, None) is not None:
@@ -103,7 +104,7 @@ class Actor:
         try:
             samples = stream.result()
             # A group cut short by shutdown stays in flight: a resumed run redoes it.
-            complete = all(s.finish_reason in ("eos", "stop", "length") for s in samples)
+            complete = all(s.finish_reason in FINISHED for s in samples)
             if complete:
                 rollouts = self._score(index, problem, prompt, samples)
         except BaseException as e:

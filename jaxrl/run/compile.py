@@ -28,7 +28,7 @@ def compile_generate_step(cfg: RunConfig, topology: str) -> dict:
     the engine sized as `jaxrl train` sizes it for RL (rl.slots, rl.max_prompt_len +
     rl.max_new_tokens), its weights over all the slice's chips (tensor axis), and every slot's
     page table as wide as the longest sequence (the step's worst case)."""
-    from jaxrl.run.rl import engine_config
+    from jaxrl.run.generation import engine_config
     from serving.engine import Engine
 
     devices = tpu_devices(topology)

@@ -57,7 +57,9 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
         raise UserError(f"--max-len {engine_cfg.max_len} exceeds the model's max_seq_len "
                         f"{model.cfg.max_seq_len}")
     engine = Engine(model.cfg, engine_cfg)
-    engine.load_params(split_params(model)[1])
+    # Version -1: the weights it was started with, no trainer's; a trainer's first push (any
+    # version >= 0) replaces them.
+    engine.load_params(split_params(model)[1], version=-1)
     del model   # the engine holds its own copy of the weights, in the serving dtype
     orchestrator = Orchestrator(engine, eos_id=tokenizer.eos_id, max_queued=max_queued).start()
     try:

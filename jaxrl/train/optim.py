@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from jaxrl.train.config import OptimConfig
+from jaxrl.optim_config import OptimConfig
 
 # Parameters excluded from weight decay (norm scales and biases), by their last path element.
 _NO_DECAY = ("norm", "bias")

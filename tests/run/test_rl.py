@@ -19,7 +19,7 @@ import pytest
 
 from jaxrl.config import ConfigError, load_run_config
 from jaxrl.data.rollouts import Rollout
-from jaxrl.run import job, rl
+from jaxrl.run import generation, job, rl_metrics, rl_trainer
 from jaxrl.run.actor import Actor
 from jaxrl.run.metrics import read_metrics
 from jaxrl.train.checkpoint import Checkpointer
@@ -91,7 +91,7 @@ def async_run(warm, tmp_path_factory):
     out = {"cfg": cfg, "run_dir": run_dir, "trained": {"a": {}, "b": {}},
            "submitted": {"a": [], "b": []}, "lines": []}
     current = ["a"]
-    batch_stats, problem = rl.batch_stats, Actor.problem
+    batch_stats, problem = rl_metrics.batch_stats, Actor.problem
 
     def record_batch(rollouts, step):   # once per optimizer step, after it trained
         out["trained"][current[0]][step + 1] = list(rollouts)
@@ -104,7 +104,7 @@ def async_run(warm, tmp_path_factory):
         return problem(self, index)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rl, "batch_stats", record_batch)
+        mp.setattr(rl_metrics, "batch_stats", record_batch)
         mp.setattr(Actor, "problem", record_problem)
         with pytest.raises(Interrupted):
             job.run(cfg, log=quiet)
@@ -126,20 +126,20 @@ def sync_split_run(warm, tmp_path_factory):
     and the device sets of the trainer state the loop checkpoints."""
     engines, saved = [], []
 
-    class RecordingEngine(rl.Engine):
+    class RecordingEngine(generation.Engine):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             engines.append(self)
 
-    class RecordingCheckpointer(rl.Checkpointer):
+    class RecordingCheckpointer(rl_trainer.Checkpointer):
         def save(self, state, *args, **kwargs):
             saved.append(jax.tree.map(lambda a: frozenset(a.sharding.device_set), state))
             return super().save(state, *args, **kwargs)
 
     run_dir = rl_run_dir(warm, tmp_path_factory.mktemp("sync_split"))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rl, "Engine", RecordingEngine)
-        mp.setattr(rl, "Checkpointer", RecordingCheckpointer)
+        mp.setattr(generation, "Engine", RecordingEngine)
+        mp.setattr(rl_trainer, "Checkpointer", RecordingCheckpointer)
         summary = job.run(config(run_dir, "rl.mode=sync", "rl.placement=split",
                                  "rl.engine_devices=4"), log=quiet)
     return {"run_dir": run_dir, "summary": summary, "engines": engines, "saved": saved}
@@ -150,7 +150,7 @@ def partial_run(warm, tmp_path_factory):
     """Sync with partial rollouts, colocated. Records the engine's generated-token count when
     each pause returned and when the matching resume was called, and what every step trained."""
     holds, trained = [], {}
-    pause, resume, batch_stats = Orchestrator.pause, Orchestrator.resume, rl.batch_stats
+    pause, resume, batch_stats = Orchestrator.pause, Orchestrator.resume, rl_metrics.batch_stats
 
     def record_pause(self, *args, **kwargs):
         pause(self, *args, **kwargs)
@@ -168,7 +168,7 @@ def partial_run(warm, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Orchestrator, "pause", record_pause)
         mp.setattr(Orchestrator, "resume", record_resume)
-        mp.setattr(rl, "batch_stats", record_batch)
+        mp.setattr(rl_metrics, "batch_stats", record_batch)
         job.run(config(run_dir, "rl.mode=partial"), log=quiet)
     return {"run_dir": run_dir, "holds": holds, "trained": trained}
 

@@ -70,7 +70,7 @@ def test_unknown_policy_is_refused_at_config_time():
 
 
 def test_optimizer_offload_keeps_the_state_on_host_and_gives_the_same_steps(setup):
-    from jaxrl.train.config import OptimConfig
+    from jaxrl.optim_config import OptimConfig
     from jaxrl.train.optim import make_optimizer
     from jaxrl.train.step import init_state, jit_train_step, state_shardings
     from sharding import mesh as shd

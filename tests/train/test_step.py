@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.models import ModelConfig, abstract_model, split_params
-from jaxrl.train.config import OptimConfig
+from jaxrl.optim_config import OptimConfig
 from jaxrl.train.optim import lr_schedule, make_optimizer
 from jaxrl.train.step import (init_state, jit_train_step, loss_and_grads, split_microbatches,
                               state_shardings)

@@ -1,0 +1,255 @@
+"""The rollout fleet: any number of generation engines (serving/generation.py: this process's
+orchestrator, `jaxrl serve` processes) behind one `submit`, so the actor neither knows nor cares
+where a group is generated.
+
+- Dispatch by load: each group goes to the ready member with the fewest samples outstanding per
+  slot (ties: the one that waited longest).
+- A member is ready when it answers and serves the newest weights published when it (re)joined;
+  the weight publisher (jaxrl/run/publisher.py) brings it there.
+- A member that fails (its stream is lost, a heartbeat passes its deadline, a weight push fails)
+  is set aside: each of its unfinished groups continues on another ready member from the tokens
+  it had reached (`carry`), with the same random draws, so nothing generated is lost or
+  generated twice. Remote members are heartbeaten while set aside and rejoin once they answer
+  and have the current weights.
+- With no ready member for `wait_s` the run fails with the members' last errors, rather than
+  hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable, Sequence
+
+from serving.generation import Generation
+from serving.orchestrator import QueueFull
+from serving.sampling import SamplingParams
+from serving.stream import FINISHED, RequestStream, Sample
+
+
+class NoGeneration(RuntimeError):
+    """No member of the fleet could take work for `wait_s` seconds."""
+
+
+@dataclasses.dataclass(eq=False)
+class Member:
+    name: str
+    generation: Generation
+    slots: int
+    remote: bool
+    version: int = -1               # the newest weights it is known to serve
+    alive: bool = True              # answers (set aside on a failure until it answers again)
+    joined: bool = False            # reached the weights published when it came (back)
+    outstanding: int = 0            # samples submitted to it and not finished
+    last_used: float = 0.0
+    why_down: str | None = None
+    failures: int = 0
+    last_metrics: dict = dataclasses.field(default_factory=dict)
+    streams: set = dataclasses.field(default_factory=set)   # its groups in progress
+
+    @property
+    def ready(self) -> bool:
+        return self.alive and self.joined
+
+
+class Fleet:
+    def __init__(self, members: Sequence[Member], *, eos_id: int | None,
+                 heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 10.0,
+                 wait_s: float = 600.0, warn: Callable[[str], None] = print):
+        if not members:
+            raise ValueError("a fleet needs at least one generation member")
+        self.members = list(members)
+        self.eos_id = eos_id
+        self.wait_s = wait_s
+        self._warn = warn
+        self._heartbeat = (heartbeat_s, heartbeat_timeout_s)
+        self._lock = threading.Condition()
+        self._closed = threading.Event()
+        self.latest_version = max(m.version for m in self.members)
+        self.stats = {"failovers": 0, "groups_moved": 0, "members_set_aside": 0}
+        self._monitor = None
+        if any(m.remote for m in self.members):
+            self._monitor = threading.Thread(target=self._watch, name="fleet-heartbeat",
+                                             daemon=True)
+            self._monitor.start()
+
+    # -- dispatch --------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], sampling: SamplingParams, *,
+               predicted_len: float | None = None,
+               carry: Sequence[Sample] | None = None) -> "FleetStream":
+        """Places the group on the least-loaded ready member (waiting up to `wait_s` for one)."""
+        return FleetStream(self, list(prompt), sampling, predicted_len, carry)
+
+    def _place(self, prompt, sampling, predicted_len, carry) -> tuple[Member, RequestStream]:
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            with self._lock:
+                ready = [m for m in self.members if m.ready]
+                if self._closed.is_set():
+                    raise QueueFull("the fleet is closed")
+                if not ready:
+                    if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())) \
+                            and time.monotonic() >= deadline:
+                        raise NoGeneration(self._no_member_message())
+                    continue
+                member = min(ready, key=lambda m: (m.outstanding / m.slots, m.last_used))
+                member.outstanding += sampling.n
+                member.last_used = time.monotonic()
+            try:
+                stream = member.generation.submit(prompt, sampling,
+                                                  predicted_len=predicted_len, carry=carry)
+            except QueueFull:
+                self._release(member, sampling.n)
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)     # its queue is full: wait for one to drain
+            except BaseException:
+                self._release(member, sampling.n)
+                raise
+            with self._lock:
+                member.streams.add(stream)
+                gone = not member.alive     # set aside while we submitted: move it at once
+            if gone:
+                stream.cancel()
+            return member, stream
+
+    def _release(self, member: Member, n: int, stream: RequestStream | None = None) -> None:
+        with self._lock:
+            member.outstanding -= n
+            member.streams.discard(stream)
+            self._lock.notify_all()
+
+    def _no_member_message(self) -> str:
+        states = "; ".join(f"{m.name}: {'ready' if m.ready else m.why_down or 'joining'}"
+                           for m in self.members)
+        return f"no generation member could take work for {self.wait_s:.0f} s ({states})"
+
+    # -- membership ------------------------------------------------------------------------------
+    def set_aside(self, member: Member, why: str) -> None:
+        """`member` failed: no new work goes to it, and its groups move to the others."""
+        with self._lock:
+            if not member.alive:
+                return
+            member.alive, member.joined, member.why_down = False, False, why
+            member.failures += 1
+            self.stats["members_set_aside"] += 1
+            streams = list(member.streams)
+            self._lock.notify_all()
+        for stream in streams:     # a hung member never ends them: end them here
+            stream.cancel()
+        self._warn(f"generation: {member.name} set aside ({why}); its groups continue on "
+                   f"the other members")
+
+    def advanced(self, member: Member, version: int) -> None:
+        """The publisher brought `member` to weights `version`."""
+        with self._lock:
+            member.version = max(member.version, version)
+            if member.alive and not member.joined and member.version >= self.latest_version:
+                member.joined = True
+                if member.failures:
+                    self._warn(f"generation: {member.name} rejoined at version {version}")
+            self._lock.notify_all()
+
+    def published(self, version: int) -> None:
+        with self._lock:
+            self.latest_version = max(self.latest_version, version)
+
+    def _watch(self) -> None:
+        """Heartbeats the remote members: one that does not answer within the timeout is set
+        aside; one set aside that answers again may rejoin (once it has the weights)."""
+        every, timeout = self._heartbeat
+        while not self._closed.wait(every):
+            for m in [m for m in self.members if m.remote]:
+                try:
+                    m.last_metrics = m.generation.metrics(timeout=timeout)
+                except ConnectionError as e:
+                    self.set_aside(m, f"no heartbeat: {e}")
+                    continue
+                with self._lock:
+                    if not m.alive:    # back: it rejoins once it has the newest weights
+                        m.alive, m.why_down = True, None
+                        m.version = int(m.last_metrics.get("version", -1))
+                        m.slots = int(m.last_metrics.get("slots", m.slots))
+                        m.joined = m.version >= self.latest_version
+                        self._lock.notify_all()
+
+    def wait_ready(self, version: int, timeout: float) -> list[Member]:
+        """Waits until every alive member serves `version` or newer; those that do not within
+        `timeout` are set aside. Returns the members serving it."""
+        with self._lock:
+            self._lock.wait_for(lambda: all(m.version >= version for m in self.members
+                                            if m.alive), timeout=timeout)
+            late = [m for m in self.members if m.alive and m.version < version]
+        for m in late:
+            self.set_aside(m, f"still at version {m.version} {timeout:.0f} s after version "
+                              f"{version} was published")
+        with self._lock:
+            return [m for m in self.members if m.ready and m.version >= version]
+
+    # -- counters --------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """The members' counters summed (a member that does not answer counts with the last
+        it said), with `slot_steps` = sum of steps x slots for the busy fraction."""
+        total: dict = {"slot_steps": 0}
+        for m in self.members:
+            if not m.remote:
+                m.last_metrics = m.generation.metrics()
+            elif m.alive:
+                try:
+                    m.last_metrics = m.generation.metrics()
+                except ConnectionError:
+                    pass
+            for key in ("steps", "busy_slot_steps", "generated_tokens", "held_tokens",
+                        "carried_tokens", "preemptions", "requests_done"):
+                total[key] = total.get(key, 0) + m.last_metrics.get(key, 0)
+            total["slot_steps"] += m.last_metrics.get("steps", 0) * m.slots
+        with self._lock:
+            total["members_ready"] = sum(m.ready for m in self.members)
+            total.update(self.stats)
+        return total
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            self._lock.notify_all()
+        if self._monitor is not None:
+            self._monitor.join(timeout=30)
+
+
+class FleetStream:
+    """A group placed on the fleet. `result()` follows it across members: when its member is
+    lost, the group continues on another from where it got."""
+
+    def __init__(self, fleet: Fleet, prompt, sampling: SamplingParams, predicted_len, carry):
+        self._fleet = fleet
+        self._args = (prompt, sampling, predicted_len)
+        self._cancelled = False
+        self.member, self._stream = fleet._place(prompt, sampling, predicted_len, carry)
+
+    def result(self) -> list[Sample]:
+        fleet = self._fleet
+        while True:
+            samples = self._stream.result()
+            fleet._release(self.member, len(samples), self._stream)
+            reasons = {s.finish_reason for s in samples}
+            if reasons <= set(FINISHED) or self._cancelled or fleet._closed.is_set():
+                return samples
+            if "refused" in reasons:
+                raise RuntimeError(f"generation: {self.member.name} refused a group: "
+                                   f"{self._stream.error}")
+            if self.member.remote:
+                fleet.set_aside(self.member, self._stream.error or "its stream ended early")
+            elif self.member.alive:      # the in-process engine stopped: nothing to wait for
+                return samples
+            carry = self._stream.snapshot()
+            with fleet._lock:
+                fleet.stats["groups_moved"] += 1
+            self.member, self._stream = fleet._place(*self._args, carry)
+
+    def snapshot(self) -> list[Sample]:
+        return self._stream.snapshot()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._stream.cancel()

@@ -1,0 +1,145 @@
+"""Where an RL run generates, from its config: this process's engine on some of its devices
+(`rl.placement`), or the `jaxrl serve` processes of `rl.generation.servers`; either way a
+rollout fleet (jaxrl/run/fleet.py) and its weight publisher (jaxrl/run/publisher.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Callable
+
+import jax
+
+from jaxrl.config import ConfigError, RunConfig
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.tokenizer import Tokenizer
+from jaxrl.run.fleet import Fleet, Member
+from jaxrl.run.publisher import WeightPublisher
+from serving.client import RemoteGeneration
+from serving.engine import Engine, EngineConfig
+from serving.orchestrator import Orchestrator
+from sharding import mesh as shd
+
+
+def placement(cfg: RunConfig, devices=None):
+    """(trainer devices, engine devices); no engine devices when generation is remote."""
+    devices = list(devices if devices is not None else jax.devices())
+    if cfg.rl.generation.remote:
+        return devices, []
+    if cfg.rl.placement == "colocated":
+        return devices, devices
+    k = cfg.rl.engine_devices
+    if k >= len(devices):
+        raise ConfigError(f"rl.placement=split with rl.engine_devices={k} leaves no device to "
+                          f"train on ({len(devices)} devices)")
+    return devices[:-k], devices[-k:]
+
+
+def engine_config(cfg: RunConfig, model_cfg: ModelConfig) -> EngineConfig:
+    rl = cfg.rl
+    if rl.sample_len > model_cfg.max_seq_len:
+        raise ConfigError(f"rl.max_prompt_len + rl.max_new_tokens = {rl.sample_len} exceeds "
+                          f"the model's max_seq_len={model_cfg.max_seq_len}")
+    chunk = max(8, min(2 ** math.ceil(math.log2(rl.max_prompt_len)), 512))
+    return EngineConfig(max_concurrent_decodes=rl.slots, max_len=rl.sample_len + 1,
+                        max_prefill_length=rl.max_prompt_len, prefill_chunk=chunk,
+                        prefill_budget=max(64, chunk), dtype=model_cfg.dtype,
+                        attention=rl.engine_attention)
+
+
+@dataclasses.dataclass
+class Generation:
+    """The run's fleet and publisher, and its in-process orchestrator if it has one."""
+    fleet: Fleet
+    publisher: WeightPublisher
+    local: Orchestrator | None
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.fleet.close()
+        if self.local is not None:
+            self.local.stop()
+        for m in self.fleet.members:
+            if m.remote:
+                m.generation.close()
+
+
+def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, version: int,
+          engine_devices, log: Callable[[str], None]) -> Generation:
+    """Starts generation serving `params` as weights `version`. Remote servers are brought to
+    them before they take work; those that cannot be reached yet join when they answer."""
+    g = cfg.rl.generation
+    if not g.remote:
+        engine = Engine(model_cfg, engine_config(cfg, model_cfg),
+                        mesh=shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), engine_devices))
+        engine.load_params(params, version=version)
+        local = Orchestrator(engine, eos_id=tokenizer.eos_id,
+                             max_queued=4 * cfg.rl.batch_size,
+                             longest_first=cfg.rl.admission == "longest_first").start()
+        members = [Member("local", local, cfg.rl.slots, remote=False, version=version,
+                          joined=True)]
+        fleet = Fleet(members, eos_id=tokenizer.eos_id, wait_s=g.wait_s, warn=log)
+        return Generation(fleet, WeightPublisher(fleet, warn=log), local)
+    token, tls_ca = update_token(g.token_file), _read(g.tls_ca, "rl.generation.tls_ca")
+    members = []
+    for address in g.servers:
+        remote = RemoteGeneration(address, token=token, tls_ca=tls_ca,
+                                  rpc_timeout_s=g.heartbeat_timeout_s)
+        member = Member(address, remote, slots=cfg.rl.group_size, remote=True, alive=False,
+                        why_down="not reached yet")
+        try:
+            member.last_metrics = remote.metrics()
+        except ConnectionError as e:
+            log(f"generation: {address} does not answer yet ({e}); it joins when it does")
+        else:
+            check_server(cfg, tokenizer, address, member.last_metrics)
+            member.alive, member.why_down = True, None
+            member.version = int(member.last_metrics["version"])
+            member.slots = int(member.last_metrics["slots"])
+        members.append(member)
+    fleet = Fleet(members, eos_id=tokenizer.eos_id, heartbeat_s=g.heartbeat_s,
+                  heartbeat_timeout_s=g.heartbeat_timeout_s, wait_s=g.wait_s, warn=log)
+    publisher = WeightPublisher(fleet, deadline_s=g.push_deadline_s,
+                                wire_dtype=model_cfg.dtype, warn=log)
+    publisher.publish(params, version)
+    return Generation(fleet, publisher, None)
+
+
+def check_server(cfg: RunConfig, tokenizer: Tokenizer, address: str, metrics: dict) -> None:
+    """A server that cannot serve this run's groups is a configuration error, said up front."""
+    rl = cfg.rl
+    wants = {"eos_id": tokenizer.eos_id, "vocab_size": cfg.model.vocab_size}
+    for key, value in wants.items():
+        if metrics.get(key) != value:
+            raise ConfigError(f"generation server {address} has {key}={metrics.get(key)}; "
+                              f"this run needs {value} (is it serving the same model?)")
+    if metrics["max_len"] < rl.sample_len + 1 or metrics["max_prefill_length"] < rl.max_prompt_len:
+        raise ConfigError(f"generation server {address} takes prompts of up to "
+                          f"{metrics['max_prefill_length']} tokens and sequences of up to "
+                          f"{metrics['max_len']}; this run needs {rl.max_prompt_len} and "
+                          f"{rl.sample_len + 1} (jaxrl serve --max-prefill-length, --max-len)")
+    if metrics["slots"] < rl.group_size:
+        raise ConfigError(f"generation server {address} has {metrics['slots']} slots; a group "
+                          f"needs rl.group_size={rl.group_size}")
+
+
+def update_token(path: str) -> str | None:
+    """The servers' weight-update token: from `path`, else $JAXRL_UPDATE_TOKEN."""
+    if path:
+        token = _read(path, "rl.generation.token_file").decode().strip()
+        if not token:
+            raise ConfigError(f"rl.generation.token_file {path!r} is empty")
+        return token
+    return os.environ.get("JAXRL_UPDATE_TOKEN") or None
+
+
+def _read(path: str, key: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{key} {path!r}: {(e.strerror or str(e)).lower()}") from None

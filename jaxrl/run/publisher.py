@@ -1,0 +1,154 @@
+"""The weight publisher: brings every member of the rollout fleet (jaxrl/run/fleet.py) to the
+trainer's newest weights, without letting a slow or dead member hold the trainer up.
+
+- In-process members get each version at once, device to device (the orchestrator swaps it in
+  between two decode steps); `publish` returns when they serve it, as before the fleet existed.
+- Remote members get it from a thread each, streamed in pieces with a deadline
+  (`deadline_s`). `publish` itself only starts a device-side copy in the serving dtype (the
+  trainer's buffers are donated to its next step) and returns: the trainer never waits for a
+  remote push. A member still pushing when newer weights arrive gets the newest next (versions
+  in between are skipped, never sent out of order).
+- A push that fails or passes its deadline leaves that member on its old weights: it is set
+  aside (its groups move to the others) and, once it answers heartbeats again, pushed the newest
+  weights before it takes work. A refusal (wrong shapes, wrong token) is a configuration error:
+  the member stays aside and the reason is logged.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.run.fleet import Fleet, Member
+from serving.weight_stream import StaleVersion
+from sharding.reshard import WeightUpdateError
+
+
+class WeightPublisher:
+    def __init__(self, fleet: Fleet, *, deadline_s: float = 60.0, wire_dtype=None,
+                 warn: Callable[[str], None] = print):
+        self.fleet = fleet
+        self.deadline_s = deadline_s
+        self.wire_dtype = wire_dtype
+        self._warn = warn
+        self._latest: tuple[int, object] | None = None    # (version, device copy)
+        self._host: tuple[int, object] | None = None      # (version, numpy tree), shared
+        self._host_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self.stats = {"pushes": 0, "push_failures": 0, "push_timeouts": 0, "push_bytes": 0,
+                      "push_s": 0.0, "update_pause_ms_max": 0.0}
+        self.errors: dict[str, str] = {}
+        self._threads = [threading.Thread(target=self._serve, args=(m,), daemon=True,
+                                          name=f"publish-{m.name}")
+                         for m in fleet.members if m.remote]
+        for t in self._threads:
+            t.start()
+
+    def publish(self, params, version: int) -> dict:
+        """Makes `params` weights `version` everywhere: in-process members before returning,
+        remote members in the background. Returns the in-process swap's timings."""
+        timings = {"update_pause_ms": 0.0, "update_transfer_ms": 0.0}
+        remote = any(m.remote for m in self.fleet.members)
+        if remote:
+            copy = jax.tree.map(self._wire_copy, params)
+        self.fleet.published(version)
+        for m in self.fleet.members:
+            if not m.remote:
+                result = m.generation.update_params(params, version)
+                timings = {"update_pause_ms": 1e3 * result.pause_s,
+                           "update_transfer_ms": 1e3 * result.transfer_s}
+                self.fleet.advanced(m, version)
+        if remote:
+            with self.fleet._lock:
+                self._latest = (version, copy)
+                self.fleet._lock.notify_all()
+        return timings
+
+    def _wire_copy(self, x):
+        """A new device buffer (the trainer donates its own to the next step), in the serving
+        dtype: the server would cast to it anyway, so fewer bytes cross the wire."""
+        dtype = jnp.dtype(self.wire_dtype or x.dtype)
+        return jnp.copy(x) if x.dtype == dtype else x.astype(dtype)
+
+    def wait(self, version: int) -> list[Member]:
+        """Sync modes: returns once every member still up serves `version`; members that do
+        not within the push deadline are set aside (their work goes to the others)."""
+        return self.fleet.wait_ready(version, self.deadline_s + 5.0)
+
+    def _host_copy(self, version: int, params):
+        """The numpy tree of `version`, fetched once however many members need it."""
+        with self._host_lock:
+            if self._host is None or self._host[0] != version:
+                self._host = (version, jax.tree.map(np.asarray, jax.device_get(params)))
+            return self._host[1]
+
+    def _serve(self, m: Member) -> None:
+        fleet, backoff = self.fleet, 0.0
+        while not self._closed.is_set():
+            with fleet._lock:
+                fleet._lock.wait_for(lambda: self._closed.is_set() or (
+                    m.alive and self._latest is not None and m.version < self._latest[0]
+                    and m.name not in self.errors), timeout=1.0)
+                job = self._latest
+                if self._closed.is_set() or job is None or not m.alive \
+                        or m.version >= job[0] or m.name in self.errors:
+                    continue
+            version, params = job
+            try:
+                host = self._host_copy(version, params)
+                t0 = time.perf_counter()
+                result = m.generation.update_params(host, version, timeout=self.deadline_s)
+                seconds = time.perf_counter() - t0
+            except StaleVersion:
+                served = self._served_version(m)
+                if served is not None and served >= version:
+                    fleet.advanced(m, served)
+                continue
+            except (TimeoutError, ConnectionError) as e:
+                self._count("push_timeouts" if isinstance(e, TimeoutError) else "push_failures")
+                fleet.set_aside(m, f"weight push failed: {e}")
+                backoff = min(max(2 * backoff, 0.5), 30.0)
+                self._closed.wait(backoff)
+                continue
+            except WeightUpdateError as e:
+                self._count("push_failures")
+                self.errors[m.name] = str(e)
+                fleet.set_aside(m, f"weights refused: {e}")
+                continue
+            backoff = 0.0
+            with self._lock:
+                s = self.stats
+                s["pushes"] += 1
+                s["push_bytes"] += sum(a.nbytes for a in jax.tree.leaves(host))
+                s["push_s"] += seconds
+                s["update_pause_ms_max"] = max(s["update_pause_ms_max"], 1e3 * result.pause_s)
+            fleet.advanced(m, version)
+
+    def _served_version(self, m: Member) -> int | None:
+        try:
+            return m.generation.newest_version
+        except ConnectionError:
+            return None
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.stats[key] += 1
+
+    def metrics(self) -> dict:
+        with self._lock:
+            s = dict(self.stats)
+        s["push_bytes_per_s"] = s["push_bytes"] / s["push_s"] if s["push_s"] else 0.0
+        return s
+
+    def close(self) -> None:
+        self._closed.set()
+        with self.fleet._lock:
+            self.fleet._lock.notify_all()
+        for t in self._threads:
+            t.join(timeout=self.deadline_s + 5)

@@ -1,0 +1,39 @@
+"""Generation behind one interface, in-process or remote.
+
+The actor and the weight publisher talk to generation through these four operations only, so a
+rollout does not depend on where it was generated:
+
+- `submit(prompt, sampling, *, carry=None, predicted_len=None) -> RequestStream`: one group (n
+  samples of one prompt); every token arrives with its log-prob and its weights version.
+  `carry`: the group as far as another engine got (`RequestStream.snapshot`), continued here.
+- `update_params(params, version, timeout=None) -> UpdateResult`: new weights, swapped in between
+  two decode steps once complete and checked; versions only go up (StaleVersion otherwise).
+- `metrics() -> dict`: serving counters; `version` and `slots` among them.
+- `newest_version`: the newest weights version served or accepted.
+
+Implementations: `serving.orchestrator.Orchestrator` (this process's devices) and
+`serving.client.RemoteGeneration` (a `jaxrl serve` process over gRPC).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+from serving.orchestrator import UpdateResult
+from serving.sampling import SamplingParams
+from serving.stream import RequestStream, Sample
+
+
+@runtime_checkable
+class Generation(Protocol):
+    def submit(self, prompt: Sequence[int], sampling: SamplingParams, *,
+               predicted_len: float | None = None,
+               carry: Sequence[Sample] | None = None) -> RequestStream: ...
+
+    def update_params(self, params, version: int,
+                      timeout: float | None = None) -> UpdateResult: ...
+
+    def metrics(self) -> dict: ...
+
+    @property
+    def newest_version(self) -> int: ...
