@@ -80,13 +80,16 @@ def warm_checkpoint(args, work: Path) -> Path:
     return base
 
 
-def run_variant(base: Path, work: Path, name: str, args) -> dict:
+def run_variant(base: Path, work: Path, name: str, args, extra: tuple[str, ...] = ()) -> dict:
+    """RL from the warm-up checkpoint `base` with variant `name`'s overrides (VARIANTS, or
+    `extra` for a variant of the caller's own)."""
     run_dir = work / name.replace("+", "_")
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.copytree(base, run_dir / "checkpoints")
     cfg = load_run_config(args.config, [
         f"run_dir={run_dir}", f"rl.steps={args.rl_steps}", "train.eval_problems=0",
-        "log.progress=false", f"checkpoint.every={10**9}", *args.overrides, *VARIANTS[name]])
+        "log.progress=false", f"checkpoint.every={10**9}", *args.overrides, *VARIANTS.get(name, ()),
+        *extra])
     summary = rl_run.reinforce(cfg, log=lambda m: None)
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     rows = [r for r in rows if "success_rate" in r][1:]  # the first step includes compilation

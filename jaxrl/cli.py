@@ -15,9 +15,15 @@ def _train(args) -> None:
     from jaxrl.config import load_run_config
 
     cfg = load_run_config(args.config, args.overrides)  # before the heavy imports: errors fast
+    from jaxrl.run import distributed
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     from jaxrl.run.job import print_summary, run
 
-    print_summary(run(cfg, log=lambda m: print(m, flush=True)))
+    leader = distributed.is_leader()     # process 0 speaks for all of them
+    summary = run(cfg, log=lambda m: print(m, flush=True) if leader else None)
+    if leader:
+        print_summary(summary)
 
 
 def _eval(args) -> None:
@@ -72,7 +78,8 @@ def _serve(args) -> None:
     serve(model_dir=args.model, checkpoint_dir=args.checkpoint, host=args.host, port=args.port,
           engine_config=engine_config, update_token=token, log=lambda m: print(m, flush=True),
           tls=tls, allow_remote=args.allow_remote,
-          max_concurrent_rpcs=args.max_concurrent_rpcs, max_queued=args.max_queued)
+          max_concurrent_rpcs=args.max_concurrent_rpcs, max_queued=args.max_queued,
+          tensor=args.tensor, replicas=args.replicas)
 
 
 def _compile(args) -> None:
@@ -173,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("train", "train a model: supervised warm-up, then RL (async or sync)")
     config_arguments(p, "train.steps=100")
+    hosts = p.add_argument_group(
+        "several hosts (jax.distributed; detected on TPU slices, SLURM and GKE without these)")
+    hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="process 0's address, the same for every process")
+    hosts.add_argument("--num-processes", type=_int_at_least(1), default=None,
+                       help="processes in the run (one per host)")
+    hosts.add_argument("--process-id", type=_int_at_least(0), default=None,
+                       help="this process's index, 0 .. num-processes - 1")
     p.set_defaults(run=_train)
 
     p = command("eval", "held-out accuracy of a checkpoint written by `jaxrl train`")
@@ -206,7 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=_int_at_least(1), default=1024,
                    help="requests waiting for a decode slot; more get RESOURCE_EXHAUSTED")
     p.add_argument("--port", type=_port, default=9000, help="port (0: any free port)")
-    p.add_argument("--slots", type=_int_at_least(1), default=32, help="concurrent decodes")
+    p.add_argument("--slots", type=_int_at_least(1), default=32,
+                   help="concurrent decodes (per replica)")
+    p.add_argument("--tensor", type=_int_at_least(1), default=1,
+                   help="devices each replica's engine is tensor-parallel over (must divide "
+                        "the model's KV heads)")
+    p.add_argument("--replicas", type=_int_at_least(1), default=1,
+                   help="data-parallel engines, each on --tensor devices of its own; groups go "
+                        "to the least loaded")
     p.add_argument("--max-len", type=_int_at_least(0), default=0,
                    help="longest sequence, prompt + generated tokens (0: the model's context); "
                         "KV memory is taken page by page as sequences grow, not reserved")

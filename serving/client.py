@@ -35,7 +35,7 @@ _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
             grpc.StatusCode.OUT_OF_RANGE)
 
 
-def weight_pieces(params, version: int, piece_bytes: int = 1 << 20):
+def weight_pieces(params, version: int, piece_bytes: int = 1 << 20, *, resume: bool = False):
     """`WeightPiece` messages for a nested dict of arrays, each at most `piece_bytes` of data."""
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = "/".join(str(getattr(k, "key", k)) for k in path)
@@ -44,7 +44,7 @@ def weight_pieces(params, version: int, piece_bytes: int = 1 << 20):
         for offset in range(0, max(len(data), 1), piece_bytes):
             yield gen_pb2.WeightPiece(version=version, name=name, shape=a.shape,
                                       dtype=a.dtype.name, offset=offset,
-                                      data=data[offset: offset + piece_bytes])
+                                      data=data[offset: offset + piece_bytes], resume=resume)
 
 
 def push_weights(channel, params, version: int, token: str, timeout: float = 600.0):
@@ -134,15 +134,16 @@ class RemoteGeneration:
                       "refused" if code in _REFUSED else "lost")
         stream.end(reason)
 
-    def update_params(self, params, version: int, timeout: float | None = None) -> UpdateResult:
+    def update_params(self, params, version: int, timeout: float | None = None, *,
+                      resume: bool = False) -> UpdateResult:
         """Streams `params` as weights `version`. Raises StaleVersion (the server already has
-        this version or a newer one), WeightUpdateError (refused: shapes, dtypes, token),
-        TimeoutError (the deadline passed: the server keeps its old weights) or ConnectionError
-        (the server cannot be reached)."""
+        this version or a newer one, and not `resume`), WeightUpdateError (refused: shapes,
+        dtypes, token), TimeoutError (the deadline passed: the server keeps its old weights) or
+        ConnectionError (the server cannot be reached)."""
         t0 = time.perf_counter()
         try:
             reply = self._stub.UpdateWeights(
-                weight_pieces(params, version), timeout=timeout,
+                weight_pieces(params, version, resume=resume), timeout=timeout,
                 metadata=[("authorization", f"Bearer {self._token or ''}")])
         except grpc.RpcError as e:
             code, details = e.code(), e.details()

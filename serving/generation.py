@@ -7,7 +7,8 @@ rollout does not depend on where it was generated:
   samples of one prompt); every token arrives with its log-prob and its weights version.
   `carry`: the group as far as another engine got (`RequestStream.snapshot`), continued here.
 - `update_params(params, version, timeout=None) -> UpdateResult`: new weights, swapped in between
-  two decode steps once complete and checked; versions only go up (StaleVersion otherwise).
+  two decode steps once complete and checked; versions only go up (StaleVersion otherwise),
+  except with `resume` (a trainer resumed from a checkpoint brings the engine back to it).
 - `metrics() -> dict`: serving counters; `version` and `slots` among them.
 - `newest_version`: the newest weights version served or accepted.
 
@@ -30,8 +31,8 @@ class Generation(Protocol):
                predicted_len: float | None = None,
                carry: Sequence[Sample] | None = None) -> RequestStream: ...
 
-    def update_params(self, params, version: int,
-                      timeout: float | None = None) -> UpdateResult: ...
+    def update_params(self, params, version: int, timeout: float | None = None, *,
+                      resume: bool = False) -> UpdateResult: ...
 
     def metrics(self) -> dict: ...
 

@@ -228,17 +228,19 @@ class Orchestrator:
     @property
     def newest_version(self) -> int:
         """The newest weights version served or accepted to be: an update must be newer."""
-        return max(self._accepted_version, self.engine.version)
+        return self._accepted_version
 
-    def update_params(self, params, version: int, timeout: float | None = None) -> UpdateResult:
+    def update_params(self, params, version: int, timeout: float | None = None, *,
+                      resume: bool = False) -> UpdateResult:
         """Checks and moves `params` to the engine (in this thread, beside decoding), then has
         the loop swap them in between two decode steps. Raises WeightUpdateError, leaving the
         old weights serving, if the update is bad, and StaleVersion if `version` is not newer
-        than every version served or accepted before it (versions never go back)."""
+        than every version served or accepted before it (versions never go back), unless
+        `resume`: a trainer resumed from a checkpoint restarts the sequence at its version."""
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("the orchestrator is not running: call start() first")
         with self._update_lock:
-            if version <= self.newest_version:
+            if version <= self.newest_version and not resume:
                 raise StaleVersion(f"weight update version {version} is not newer than the "
                                    f"served version {self.newest_version}")
             t0 = time.perf_counter()

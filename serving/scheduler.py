@@ -59,6 +59,14 @@ class Scheduler:
         with self._lock:
             return len(self.waiting)
 
+    def load(self) -> float:
+        """Sequences wanting a slot (running, being prefilled, preempted, waiting) per slot: how
+        full this engine is, for a dispatcher choosing between engines."""
+        with self._lock:
+            waiting = sum(r.sampling.n for r in self.waiting)
+        busy = len(self.running) + sum(len(p.slots) for p in list(self.prefilling))
+        return (busy + len(self.resumes) + waiting) / self.num_slots
+
     def take_cancelled(self) -> list[Request]:
         """Removes queued requests whose client went away."""
         with self._lock:

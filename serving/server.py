@@ -22,7 +22,7 @@ from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.proto import jetstream_pb2 as js_pb2
 from serving.proto import jetstream_pb2_grpc as js_grpc
 from serving.sampling import SamplingParams
-from serving.weight_stream import StaleVersion, assemble_weights, tensor_names
+from serving.weight_stream import StaleVersion, WeightAssembler, tensor_names
 from sharding.reshard import WeightUpdateError
 
 log = logging.getLogger("jaxrl.serve")
@@ -144,9 +144,11 @@ class GenerationService(gen_grpc.GenerationServicer):
                           "weight updates need 'authorization: Bearer <token>' metadata with "
                           "the server's update token")
         try:
-            version, params = assemble_weights(request_iterator, self._shapes,
-                                               self.orchestrator.newest_version)
-            result = self.orchestrator.update_params(params, version)
+            assembler = WeightAssembler(self._shapes, self.orchestrator.newest_version)
+            for piece in request_iterator:
+                assembler.add(piece)
+            version, params = assembler.finish()
+            result = self.orchestrator.update_params(params, version, resume=assembler.resume)
         except StaleVersion as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (WeightUpdateError, ValueError) as e:

@@ -2,7 +2,8 @@
 bytes), assembled into a tree only once every check has passed.
 
 Checks, each before anything that depends on it:
-- the version is the same on every piece and newer than the one served;
+- the version is the same on every piece and newer than the one served (unless every piece says
+  `resume`: a trainer resumed from a checkpoint restarts the sequence at its own version);
 - a tensor's name is one of the served model's, its declared shape is that parameter's shape
   and its dtype a floating wire dtype: all before its buffer is allocated, so a hostile shape
   allocates nothing;
@@ -83,10 +84,11 @@ class WeightAssembler:
         self.shapes = shapes
         self.current_version = current_version
         self.version: int | None = None
+        self.resume = False
         self.tensors: dict[str, _Tensor] = {}
 
     def add(self, piece) -> None:
-        self._check_version(piece.version)
+        self._check_version(piece.version, getattr(piece, "resume", False))
         shape, dtype = tuple(piece.shape), piece.dtype
         tensor = self.tensors.get(piece.name)
         if tensor is None:
@@ -106,15 +108,18 @@ class WeightAssembler:
                                     f"{dtype}, an earlier one {tensor.shape} {tensor.dtype}")
         tensor.write(piece.offset, piece.data)
 
-    def _check_version(self, version: int) -> None:
+    def _check_version(self, version: int, resume: bool) -> None:
         if self.version is None:
-            if version <= self.current_version:
+            if version <= self.current_version and not resume:
                 raise StaleVersion(f"weight update version {version} is not newer than the "
                                    f"served version {self.current_version}")
-            self.version = version
-        elif version != self.version:
+            if version < 0:
+                raise WeightUpdateError(f"weight update version {version} must be >= 0")
+            self.version, self.resume = version, resume
+        elif version != self.version or resume != self.resume:
             raise WeightUpdateError(f"weight update: pieces of one update carry versions "
-                                    f"{self.version} and {version}")
+                                    f"{self.version} and {version} (resume {self.resume} and "
+                                    f"{resume})")
 
     def finish(self) -> tuple[int, dict]:
         if self.version is None:

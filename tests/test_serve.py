@@ -99,3 +99,65 @@ def test_a_thousand_tokens_through_jaxrl_serve_equal_transformers_generate(tmp_p
             proc.communicate(timeout=60)
         finally:
             proc.kill()
+
+
+def _serve(folder, *flags, devices=4):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return subprocess.Popen([sys.executable, "-m", "jaxrl.cli", "serve", "--model", str(folder),
+                             "--port", "0", "--max-prefill-length", "16", "--page-size", "8",
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+
+
+@pytest.mark.slow
+def test_serve_on_a_mesh_equals_transformers_generate(tmp_path):
+    """`jaxrl serve --tensor 2 --replicas 2` on 4 CPU devices: the Hugging Face folder is loaded
+    straight onto replica 0's mesh, groups spread over both replicas, and every greedy output
+    equals Hugging Face's `generate`. A tensor axis that does not divide the KV heads is refused
+    with the choices that do."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=128,
+                                      initializer_range=0.3)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    hf.generation_config.eos_token_id = None
+    hf.save_pretrained(tmp_path)
+    _word_tokenizer(tmp_path, 40)
+    prompts = [[1, 4 + i, 9, 30 - i, 7] for i in range(6)]
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=40,
+                            do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+    refused = _serve(tmp_path, "--tensor", "4")
+    out, _ = refused.communicate(timeout=300)
+    assert refused.returncode != 0
+    assert "--tensor 4 does not divide the model's 2 KV heads" in out, out[-2000:]
+    assert "Use --tensor in [1, 2]" in out
+
+    proc = _serve(tmp_path, "--tensor", "2", "--replicas", "2", "--slots", "2")
+    try:
+        line = ""
+        for line in proc.stdout:
+            if "ready on" in line:
+                break
+        assert "2 replica(s) x tensor 2; 4 slots" in line, line + proc.stdout.read()[-2000:]
+        address = line.split("ready on ")[1].split(": ")[0]
+        with grpc.insecure_channel(address) as channel:
+            stub = gen_grpc.GenerationStub(channel)
+            calls = [stub.Generate(gen.GenerateRequest(
+                token_ids=gen.TokenIds(ids=p), sampling=gen.SamplingOptions(
+                    max_tokens=40, temperature=0.0, ignore_eos=True)), timeout=300)
+                for p in prompts]
+            got = [[r.token_ids[0] for r in call if r.token_ids] for call in calls]
+            metrics = json.loads(stub.GetMetrics(gen.MetricsRequest()).json)
+        assert got == want
+        assert metrics["replicas"] == 2 and metrics["requests_done"] == len(prompts)
+        assert min(metrics["replica_requests_done"]) > 0      # both replicas served
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            proc.kill()

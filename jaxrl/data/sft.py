@@ -31,10 +31,17 @@ def encode_example(task: Task, tokenizer: Tokenizer, rng: np.random.Generator,
 
 
 def sft_dataset(task: Task, tokenizer: Tokenizer, *, batch_size: int, seq_len: int,
-                seed: int) -> grain.MapDataset:
-    """`dataset[k]` is global batch k: arrays `[batch_size, seq_len]`."""
+                seed: int, rows=None) -> grain.MapDataset:
+    """`dataset[k]` is global batch k: arrays `[batch_size, seq_len]`, example k*batch_size + i
+    in row i. `rows`: only those rows of each batch, in that order (one process's share of the
+    global batch: the others are never built)."""
+    rows = np.arange(batch_size) if rows is None else np.asarray(rows).ravel()
 
     def make(index: int):
         return encode_example(task, tokenizer, np.random.default_rng((seed, index)), seq_len)
 
-    return grain.MapDataset.range(2**62).map(make).batch(batch_size, drop_remainder=True)
+    def batch(k: int):
+        examples = [make(k * batch_size + int(r)) for r in rows]
+        return {key: np.stack([e[key] for e in examples]) for key in examples[0]}
+
+    return grain.MapDataset.range(2**62).map(batch)

@@ -5,7 +5,9 @@ where a group is generated.
 - Dispatch by load: each group goes to the ready member with the fewest samples outstanding per
   slot (ties: the one that waited longest).
 - A member is ready when it answers and serves the newest weights published when it (re)joined;
-  the weight publisher (jaxrl/run/publisher.py) brings it there.
+  the weight publisher (jaxrl/run/publisher.py) brings it there. Only weights this trainer gave
+  it count: a server's start-up weights, or a newer version left by a trainer that crashed and
+  resumed from an older checkpoint, are replaced first.
 - A member that fails (its stream is lost, a heartbeat passes its deadline, a weight push fails)
   is set aside: each of its unfinished groups continues on another ready member from the tokens
   it had reached (`carry`), with the same random draws, so nothing generated is lost or
@@ -38,7 +40,9 @@ class Member:
     generation: Generation
     slots: int
     remote: bool
-    version: int = -1               # the newest weights it is known to serve
+    # The version of this trainer's weights it serves; None until it has been given them (a
+    # server's own start-up weights, or a version from before a trainer restart, do not count).
+    version: int | None = None
     alive: bool = True              # answers (set aside on a failure until it answers again)
     joined: bool = False            # reached the weights published when it came (back)
     outstanding: int = 0            # samples submitted to it and not finished
@@ -66,7 +70,8 @@ class Fleet:
         self._heartbeat = (heartbeat_s, heartbeat_timeout_s)
         self._lock = threading.Condition()
         self._closed = threading.Event()
-        self.latest_version = max(m.version for m in self.members)
+        self.latest_version = max((m.version for m in self.members if m.version is not None),
+                                  default=-1)
         self.stats = {"failovers": 0, "groups_moved": 0, "members_set_aside": 0}
         self._monitor = None
         if any(m.remote for m in self.members):
@@ -144,7 +149,7 @@ class Fleet:
     def advanced(self, member: Member, version: int) -> None:
         """The publisher brought `member` to weights `version`."""
         with self._lock:
-            member.version = max(member.version, version)
+            member.version = version
             if member.alive and not member.joined and member.version >= self.latest_version:
                 member.joined = True
                 if member.failures:
@@ -152,8 +157,9 @@ class Fleet:
             self._lock.notify_all()
 
     def published(self, version: int) -> None:
+        """The trainer's newest version (lower than before only when it resumed)."""
         with self._lock:
-            self.latest_version = max(self.latest_version, version)
+            self.latest_version = version
 
     def _watch(self) -> None:
         """Heartbeats the remote members: one that does not answer within the timeout is set
@@ -169,23 +175,28 @@ class Fleet:
                 with self._lock:
                     if not m.alive:    # back: it rejoins once it has the newest weights
                         m.alive, m.why_down = True, None
-                        m.version = int(m.last_metrics.get("version", -1))
                         m.slots = int(m.last_metrics.get("slots", m.slots))
-                        m.joined = m.version >= self.latest_version
+                        if m.last_metrics.get("version") != m.version:
+                            m.version = None       # restarted, or changed by someone else
+                        m.joined = m.version is not None and m.version >= self.latest_version
                         self._lock.notify_all()
 
     def wait_ready(self, version: int, timeout: float) -> list[Member]:
         """Waits until every alive member serves `version` or newer; those that do not within
         `timeout` are set aside. Returns the members serving it."""
         with self._lock:
-            self._lock.wait_for(lambda: all(m.version >= version for m in self.members
-                                            if m.alive), timeout=timeout)
-            late = [m for m in self.members if m.alive and m.version < version]
+            self._lock.wait_for(lambda: not any(self._behind(m, version) for m in self.members),
+                                timeout=timeout)
+            late = [m for m in self.members if self._behind(m, version)]
         for m in late:
             self.set_aside(m, f"still at version {m.version} {timeout:.0f} s after version "
                               f"{version} was published")
         with self._lock:
-            return [m for m in self.members if m.ready and m.version >= version]
+            return [m for m in self.members if m.ready and not self._behind(m, version)]
+
+    @staticmethod
+    def _behind(m: Member, version: int) -> bool:
+        return m.alive and (m.version is None or m.version < version)
 
     # -- counters --------------------------------------------------------------------------------
     def metrics(self) -> dict:

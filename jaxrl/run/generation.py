@@ -97,7 +97,6 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
         else:
             check_server(cfg, tokenizer, address, member.last_metrics)
             member.alive, member.why_down = True, None
-            member.version = int(member.last_metrics["version"])
             member.slots = int(member.last_metrics["slots"])
         members.append(member)
     fleet = Fleet(members, eos_id=tokenizer.eos_id, heartbeat_s=g.heartbeat_s,

@@ -148,3 +148,22 @@ def _start_wandb(project: str, run_dir: Path, config: dict | None, name: str | N
         raise UserError(f"log.wandb=true: Weights & Biases did not start ({e}); log in with "
                         f"`wandb login`, set WANDB_MODE=offline, or set log.wandb=false") from None
     return run, wandb.Histogram
+
+
+class NoMetrics:
+    """What a process other than the first logs: nothing (process 0 writes the run's metrics)."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def histogram(self, step: int, name: str, values: Sequence[float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def open_metrics(run_dir, **kwargs) -> MetricsLogger | NoMetrics:
+    """A MetricsLogger on process 0 (the only one on a single host), NoMetrics elsewhere."""
+    import jax
+    return MetricsLogger(run_dir, **kwargs) if jax.process_index() == 0 else NoMetrics()

@@ -8,6 +8,8 @@ trainer's newest weights, without letting a slow or dead member hold the trainer
   trainer's buffers are donated to its next step) and returns: the trainer never waits for a
   remote push. A member still pushing when newer weights arrive gets the newest next (versions
   in between are skipped, never sent out of order).
+- A member's first push from this trainer says `resume`: it replaces whatever the server had,
+  even a newer version left by this run before it crashed and resumed from an older checkpoint.
 - A push that fails or passes its deadline leaves that member on its old weights: it is set
   aside (its groups move to the others) and, once it answers heartbeats again, pushed the newest
   weights before it takes work. A refusal (wrong shapes, wrong token) is a configuration error:
@@ -92,23 +94,21 @@ class WeightPublisher:
         fleet, backoff = self.fleet, 0.0
         while not self._closed.is_set():
             with fleet._lock:
-                fleet._lock.wait_for(lambda: self._closed.is_set() or (
-                    m.alive and self._latest is not None and m.version < self._latest[0]
-                    and m.name not in self.errors), timeout=1.0)
+                fleet._lock.wait_for(lambda: self._closed.is_set() or self._due(m), timeout=1.0)
                 job = self._latest
-                if self._closed.is_set() or job is None or not m.alive \
-                        or m.version >= job[0] or m.name in self.errors:
+                if self._closed.is_set() or not self._due(m):
                     continue
+                resume = m.version is None   # first weights from this trainer: any version
             version, params = job
             try:
                 host = self._host_copy(version, params)
                 t0 = time.perf_counter()
-                result = m.generation.update_params(host, version, timeout=self.deadline_s)
+                result = m.generation.update_params(host, version, timeout=self.deadline_s,
+                                                    resume=resume)
                 seconds = time.perf_counter() - t0
-            except StaleVersion:
-                served = self._served_version(m)
-                if served is not None and served >= version:
-                    fleet.advanced(m, served)
+            except StaleVersion:     # someone else pushed it newer weights: replace them
+                with fleet._lock:
+                    m.version = None
                 continue
             except (TimeoutError, ConnectionError) as e:
                 self._count("push_timeouts" if isinstance(e, TimeoutError) else "push_failures")
@@ -130,11 +130,10 @@ class WeightPublisher:
                 s["update_pause_ms_max"] = max(s["update_pause_ms_max"], 1e3 * result.pause_s)
             fleet.advanced(m, version)
 
-    def _served_version(self, m: Member) -> int | None:
-        try:
-            return m.generation.newest_version
-        except ConnectionError:
-            return None
+    def _due(self, m: Member) -> bool:
+        """Whether `m` should be pushed the latest weights now (under the fleet's lock)."""
+        return (m.alive and self._latest is not None and m.name not in self.errors
+                and (m.version is None or m.version < self._latest[0]))
 
     def _count(self, key: str) -> None:
         with self._lock:

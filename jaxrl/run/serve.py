@@ -9,23 +9,29 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+import jax
 from flax import nnx
 
 from jaxrl.config import RunConfig
 from jaxrl.errors import UserError
-from jaxrl.models import Transformer, from_hf, split_params
+from jaxrl.models import Transformer, from_hf, load_hf_config, split_params
 from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer
 from jaxrl.rl.tasks.arithmetic import ArithmeticTask
 from jaxrl.train.checkpoint import has_checkpoint
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
+from serving.replicas import Replicas
 from serving.server import Server, is_loopback
+from sharding.mesh import MeshConfig, make_mesh
 
 
-def load_model(model_dir: str | None, checkpoint_dir: str | Path, log: Callable[[str], None]):
-    """(model, tokenizer, description)."""
+def load_model(model_dir: str | None, checkpoint_dir: str | Path, log: Callable[[str], None],
+               place: Callable | None = None):
+    """(model, tokenizer, description). `place(model_cfg)`: the shardings (and dtype) to load a
+    Hugging Face folder's tensors straight into: (dtype, pure dict of shardings)."""
     if model_dir:
-        model = from_hf(model_dir)
+        dtype, shardings = place(load_hf_config(model_dir)) if place else ("float32", None)
+        model = from_hf(model_dir, dtype, shardings=shardings)
         return model, HFTokenizer(model_dir), f"{model.cfg.family} from {model_dir}"
     if has_checkpoint(checkpoint_dir):
         from jaxrl.run.warmup import restore_for_eval
@@ -37,31 +43,77 @@ def load_model(model_dir: str | None, checkpoint_dir: str | Path, log: Callable[
     return model, CharTokenizer(ArithmeticTask.alphabet), "the demo model (random weights)"
 
 
+def serving_meshes(tensor: int, replicas: int, devices=None) -> list:
+    """One mesh of `tensor` devices per replica, from this process's devices in order."""
+    devices = list(devices if devices is not None else jax.local_devices())
+    if tensor * replicas > len(devices):
+        raise UserError(f"--tensor {tensor} x --replicas {replicas} needs {tensor * replicas} "
+                        f"devices; this process has {len(devices)}")
+    return [make_mesh(MeshConfig(fsdp=1, tensor=tensor), devices[i * tensor:(i + 1) * tensor])
+            for i in range(replicas)]
+
+
+def check_tensor(model_cfg, tensor: int, devices: int) -> None:
+    """Refuses a tensor axis that does not divide the KV heads: the KV cache, the engine's
+    largest buffer, would then be held whole on every device of the replica."""
+    kv = model_cfg.num_kv_heads
+    if kv % tensor or model_cfg.num_heads % tensor:
+        fits = [t for t in range(1, devices + 1) if kv % t == 0 and model_cfg.num_heads % t == 0]
+        raise UserError(f"--tensor {tensor} does not divide the model's {kv} KV heads (and "
+                        f"{model_cfg.num_heads} query heads): every device would hold the whole "
+                        f"KV cache. Use --tensor in {fits} and --replicas for the other "
+                        f"devices (e.g. --tensor {max(fits)} --replicas "
+                        f"{max(devices // max(fits), 1)})")
+
+
 def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
           engine_config: Callable[[int], EngineConfig], update_token: str | None,
           log: Callable[[str], None] = print, ready: threading.Event | None = None,
           tls: tuple[bytes, bytes] | None = None, allow_remote: bool = False,
-          max_concurrent_rpcs: int = 1024, max_queued: int = 1024) -> None:
+          max_concurrent_rpcs: int = 1024, max_queued: int = 1024, tensor: int = 1,
+          replicas: int = 1) -> None:
     """`engine_config(context)`: the engine's sizes, given the model's context length.
-    `max_queued`: requests waiting for a slot; more get RESOURCE_EXHAUSTED."""
+    `max_queued`: requests waiting for a slot; more get RESOURCE_EXHAUSTED.
+    `tensor`, `replicas`: `replicas` engines, each tensor-parallel over `tensor` devices."""
     if not is_loopback(host) and not allow_remote:
         raise UserError(f"--host {host} is reachable from other machines; add --allow-remote "
                         f"to bind it (and --tls-cert/--tls-key, or the weight-update token "
                         f"crosses the network in clear)")
-    model, tokenizer, what = load_model(model_dir, checkpoint_dir, log)
+    meshes = serving_meshes(tensor, replicas)
+
+    def first_engine(model_cfg) -> Engine:
+        check_tensor(model_cfg, tensor, tensor * replicas)
+        engine_cfg = engine_config(model_cfg.max_seq_len)
+        if engine_cfg.max_len > model_cfg.max_seq_len:
+            raise UserError(f"--max-len {engine_cfg.max_len} exceeds the model's max_seq_len "
+                            f"{model_cfg.max_seq_len}")
+        return Engine(model_cfg, engine_cfg, mesh=meshes[0])
+
+    engines: list[Engine] = []
+
+    def place(model_cfg):     # a Hugging Face folder loads straight onto replica 0's mesh
+        engines.append(first_engine(model_cfg))
+        return engines[0].cfg.dtype, jax.tree.map(lambda a: a.sharding,
+                                                  engines[0].param_target)
+
+    model, tokenizer, what = load_model(model_dir, checkpoint_dir, log, place)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise UserError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
                         f"{model.cfg.vocab_size}")
-    engine_cfg = engine_config(model.cfg.max_seq_len)
-    if engine_cfg.max_len > model.cfg.max_seq_len:
-        raise UserError(f"--max-len {engine_cfg.max_len} exceeds the model's max_seq_len "
-                        f"{model.cfg.max_seq_len}")
-    engine = Engine(model.cfg, engine_cfg)
-    # Version -1: the weights it was started with, no trainer's; a trainer's first push (any
-    # version >= 0) replaces them.
-    engine.load_params(split_params(model)[1], version=-1)
-    del model   # the engine holds its own copy of the weights, in the serving dtype
-    orchestrator = Orchestrator(engine, eos_id=tokenizer.eos_id, max_queued=max_queued).start()
+    if not engines:
+        engines.append(first_engine(model.cfg))
+    engine_cfg = engines[0].cfg
+    engines += [Engine(model.cfg, engine_cfg, mesh=mesh) for mesh in meshes[1:]]
+    params = split_params(model)[1]
+    del model   # each engine holds its own copy of the weights, in the serving dtype
+    for engine in engines:
+        # Version -1: the weights it was started with, no trainer's; a trainer's first push
+        # (any version >= 0) replaces them.
+        engine.load_params(params, version=-1)
+    del params
+    orchestrators = [Orchestrator(e, eos_id=tokenizer.eos_id, max_queued=max_queued)
+                     for e in engines]
+    orchestrator = (orchestrators[0] if replicas == 1 else Replicas(orchestrators)).start()
     try:
         server = Server(orchestrator, tokenizer, host=host, port=port,
                         update_token=update_token, tls=tls, allow_remote=allow_remote,
@@ -72,10 +124,11 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    log(f"jaxrl serve: ready on {server.address}{' (TLS)' if tls else ''}: {what}; "
-        f"{engine_cfg.max_concurrent_decodes} "
-        f"slots, max_len {engine_cfg.max_len}, {engine.num_pages - 1} KV pages of "
-        f"{engine_cfg.page_size} tokens; weight updates "
+    layout = f"; {replicas} replica(s) x tensor {tensor}" if tensor * replicas > 1 else ""
+    log(f"jaxrl serve: ready on {server.address}{' (TLS)' if tls else ''}: {what}{layout}; "
+        f"{engine_cfg.max_concurrent_decodes * replicas} "
+        f"slots, max_len {engine_cfg.max_len}, {engines[0].num_pages - 1} KV pages of "
+        f"{engine_cfg.page_size} tokens{' per replica' if replicas > 1 else ''}; weight updates "
         f"{'enabled' if update_token else 'disabled (no update token)'}")
     if ready is not None:
         ready.set()

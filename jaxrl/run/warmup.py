@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 import jax
+import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig, from_dict, to_dict
 from jaxrl.data.sft import sft_dataset
@@ -22,12 +23,13 @@ from jaxrl.rl.tasks.countdown import CountdownTask
 from jaxrl.rl.tasks.base import Task
 from jaxrl.rl.tasks.math import MathTask
 from jaxrl.run.evaluate import evaluate_model
-from jaxrl.run.metrics import MetricsLogger
+from jaxrl.run.distributed import is_leader
+from jaxrl.run.metrics import open_metrics
 from jaxrl.train.checkpoint import CheckpointError, Checkpointer
 from jaxrl.train.objectives import SupervisedLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
-from jaxrl.train.step import (abstract_state, init_state, jit_train_step, split_microbatches,
-                              state_shardings)
+from jaxrl.train.step import abstract_state, init_state, jit_train_step, state_shardings
+from sharding.hosts import fully_addressable, global_batch, local_box
 from sharding.mesh import batch_sharding, data_parallel_size, make_mesh
 
 
@@ -96,8 +98,15 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     task, tokenizer = build_task(cfg, model_cfg)
     mesh = make_mesh(cfg.mesh)
     _check_batch(cfg, mesh)
-    dataset = sft_dataset(task, tokenizer, batch_size=cfg.train.batch_size,
-                          seq_len=cfg.train.seq_len, seed=cfg.train.seed)
+    # This process builds only the rows of each batch its devices hold (all of them on one
+    # host): batch rows laid out as the step takes them, [microbatch, row], cut to its box.
+    t = cfg.train
+    batch_shard = batch_sharding(mesh, 3, leading=1)
+    shape = (t.microbatches, t.batch_size // t.microbatches, t.seq_len)
+    box = local_box(batch_shard, shape)
+    rows = np.arange(t.batch_size).reshape(shape[:2])[box[:2]]
+    dataset = sft_dataset(task, tokenizer, batch_size=t.batch_size, seq_len=t.seq_len,
+                          seed=t.seed, rows=rows)
     dataset[0]  # fails here, naming the example, if train.seq_len is too short
 
     tx = make_optimizer(cfg.optim, cfg.train.steps)
@@ -123,24 +132,25 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     step_fn = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(cfg.optim, cfg.train.steps),
                              remat=cfg.train.remat, pipeline=cfg.sharding.pipeline,
                              objective=SupervisedLoss(cfg.train.logits_chunk))
-    batch_shard = batch_sharding(mesh, 3, leading=1)
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_dict = to_dict(cfg)
-    (run_dir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    if is_leader():
+        (run_dir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
     first = int(state["step"])
     log(f"model: {model_cfg.family}, {model_cfg.num_params() / 1e6:.2f}M parameters; mesh "
         f"{dict(mesh.shape)}; steps {first}..{cfg.train.steps}")
     pending, last_metrics, start = [], {}, time.perf_counter()
-    metrics_log = MetricsLogger(run_dir, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
-                                config=config_dict, name="warm-up", phase="warm-up",
+    metrics_log = open_metrics(run_dir, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
+                               config=config_dict, name="warm-up", phase="warm-up",
                                 # rows a crashed run logged past its checkpoint; never RL's
-                                resume_step=first if first < cfg.train.steps else None)
+                               resume_step=first if first < cfg.train.steps else None)
     try:
         for step in range(first, cfg.train.steps):
-            batch = split_microbatches(dataset[step], cfg.train.microbatches)
-            state, metrics = step_fn(state, jax.device_put(batch, batch_shard))
+            local = {k: v.reshape(*rows.shape, *v.shape[1:]) for k, v in dataset[step].items()}
+            state, metrics = step_fn(state, global_batch(local, batch_shard,
+                                                         dict.fromkeys(local, shape)))
             pending.append((step + 1, metrics))
             done = step + 1 == cfg.train.steps
             print_now = (step + 1) % cfg.train.log_every == 0 or done
@@ -165,7 +175,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
                "samples_per_s": steps_run * cfg.train.batch_size / seconds if steps_run else 0.0,
                "seconds": seconds}
     if cfg.train.eval_problems and evaluate_at_end:
-        model = merge_params(graphdef, state["params"])
+        model = merge_params(graphdef, fully_addressable(state["params"]))
         summary["eval"] = evaluate_model(model, task, tokenizer, cfg.train.eval_problems,
                                          max_new_tokens=cfg.rl.max_new_tokens)
     ckpt.close()

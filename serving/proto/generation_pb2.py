@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eserving/proto/generation.proto\x12\rjaxrl.serving\"\x9d\x01\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\r\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"\xb8\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.jaxrl.serving.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.jaxrl.serving.SamplingOptions\x12+\n\x05\x63\x61rry\x18\x04 \x03(\x0b\x32\x1c.jaxrl.serving.CarriedSampleB\x08\n\x06prompt\"F\n\rCarriedSample\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x03\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x84\x01\n\x10GenerateResponse\x12\x14\n\x0csample_index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x10\n\x08versions\x18\x04 \x03(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\"h\n\x0bWeightPiece\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"O\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0btransfer_ms\x18\x02 \x01(\x01\x12\x10\n\x08pause_ms\x18\x03 \x01(\x01\"\x10\n\x0eMetricsRequest\"\x1f\n\x0fMetricsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\x83\x02\n\nGeneration\x12O\n\x08Generate\x12\x1e.jaxrl.serving.GenerateRequest\x1a\x1f.jaxrl.serving.GenerateResponse\"\x00\x30\x01\x12U\n\rUpdateWeights\x12\x1a.jaxrl.serving.WeightPiece\x1a$.jaxrl.serving.UpdateWeightsResponse\"\x00(\x01\x12M\n\nGetMetrics\x12\x1d.jaxrl.serving.MetricsRequest\x1a\x1e.jaxrl.serving.MetricsResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eserving/proto/generation.proto\x12\rjaxrl.serving\"\x9d\x01\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\r\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"\xb8\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.jaxrl.serving.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.jaxrl.serving.SamplingOptions\x12+\n\x05\x63\x61rry\x18\x04 \x03(\x0b\x32\x1c.jaxrl.serving.CarriedSampleB\x08\n\x06prompt\"F\n\rCarriedSample\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x03\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x84\x01\n\x10GenerateResponse\x12\x14\n\x0csample_index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x10\n\x08versions\x18\x04 \x03(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\"x\n\x0bWeightPiece\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0e\n\x06resume\x18\x07 \x01(\x08\"O\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0btransfer_ms\x18\x02 \x01(\x01\x12\x10\n\x08pause_ms\x18\x03 \x01(\x01\"\x10\n\x0eMetricsRequest\"\x1f\n\x0fMetricsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\x83\x02\n\nGeneration\x12O\n\x08Generate\x12\x1e.jaxrl.serving.GenerateRequest\x1a\x1f.jaxrl.serving.GenerateResponse\"\x00\x30\x01\x12U\n\rUpdateWeights\x12\x1a.jaxrl.serving.WeightPiece\x1a$.jaxrl.serving.UpdateWeightsResponse\"\x00(\x01\x12M\n\nGetMetrics\x12\x1d.jaxrl.serving.MetricsRequest\x1a\x1e.jaxrl.serving.MetricsResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,13 +42,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=494
   _globals['_GENERATERESPONSE']._serialized_end=626
   _globals['_WEIGHTPIECE']._serialized_start=628
-  _globals['_WEIGHTPIECE']._serialized_end=732
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=734
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=813
-  _globals['_METRICSREQUEST']._serialized_start=815
-  _globals['_METRICSREQUEST']._serialized_end=831
-  _globals['_METRICSRESPONSE']._serialized_start=833
-  _globals['_METRICSRESPONSE']._serialized_end=864
-  _globals['_GENERATION']._serialized_start=867
-  _globals['_GENERATION']._serialized_end=1126
+  _globals['_WEIGHTPIECE']._serialized_end=748
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=750
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=829
+  _globals['_METRICSREQUEST']._serialized_start=831
+  _globals['_METRICSREQUEST']._serialized_end=847
+  _globals['_METRICSRESPONSE']._serialized_start=849
+  _globals['_METRICSRESPONSE']._serialized_end=880
+  _globals['_GENERATION']._serialized_start=883
+  _globals['_GENERATION']._serialized_end=1142
 # @@protoc_insertion_point(module_scope)

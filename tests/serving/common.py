@@ -1,6 +1,11 @@
 """Shared by the serving tests: a tiny model config, an engine config, prompts."""
 
+import contextlib
+import threading
+from concurrent import futures
 from functools import partial
+
+import grpc
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +14,7 @@ import numpy as np
 from jaxrl.models import ModelConfig, merge_params
 from jaxrl.models.kv_cache import ContiguousKV
 from serving.engine import EngineConfig
+from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.sampling import sample, slot_keys
 
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -55,3 +61,35 @@ def contiguous_decode(graphdef, params, prompt, sampling, index, versions):
             logprobs.append(float(logprob[0]))
             fed.append(tokens[-1])
     return tokens, logprobs
+
+
+class _Hung(gen_grpc.GenerationServicer):
+    """Accepts every call and never answers (until released)."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def UpdateWeights(self, request_iterator, context):
+        self.release.wait(60)
+
+    def GetMetrics(self, request, context):
+        self.release.wait(60)
+
+    def Generate(self, request, context):
+        self.release.wait(60)
+        return iter(())
+
+
+@contextlib.contextmanager
+def hung_generation_server():
+    """The address of a gRPC server that accepts Generation calls and never answers them."""
+    servicer = _Hung()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    gen_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        servicer.release.set()
+        server.stop(0)

@@ -30,3 +30,39 @@ def test_tensor_parallel_serving_equals_one_device(params, orchestrator):
             for a, b in zip(got, want):
                 assert a.tokens == b.tokens
                 np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_replicas_serve_as_one_engine_and_update_together(params, orchestrator):
+    """Two replicas, each tensor-parallel over 2 devices: groups go to both, every output
+    equals the one-device engine's, an update reaches both, a refused one changes neither."""
+    import jax.numpy as jnp
+    import pytest
+
+    from serving.replicas import Replicas
+    from sharding.reshard import WeightUpdateError
+
+    engines = []
+    for devices in (jax.devices()[4:6], jax.devices()[6:8]):
+        e = Engine(CFG, ENGINE, mesh=make_mesh(MeshConfig(fsdp=1, tensor=2), devices))
+        e.load_params(params)
+        engines.append(e)
+    replicas = Replicas([Orchestrator(e) for e in engines]).start()
+    try:
+        ps = prompts(5, 9, 14, 20, seed=3)
+        sampling = SamplingParams(temperature=0.9, seed=2, n=2, max_tokens=12)
+        streams = [replicas.submit(p, sampling) for p in ps]
+        for p, stream in zip(ps, streams):
+            want = orchestrator.generate(p, sampling)
+            for a, b in zip(stream.result(), want):
+                assert a.tokens == b.tokens
+        assert min(replicas.metrics()["replica_requests_done"]) > 0
+        version = replicas.newest_version + 1
+        replicas.update_params(params, version)
+        assert [e.version for e in engines] == [version, version]
+        bad = jax.tree.map(lambda a: jnp.full(a.shape, jnp.nan, a.dtype), params)
+        with pytest.raises(WeightUpdateError):
+            replicas.update_params(bad, version + 1)
+        assert [e.version for e in engines] == [version, version]
+        assert replicas.newest_version == version
+    finally:
+        replicas.stop()

@@ -99,3 +99,18 @@ def test_versions_must_be_one_per_update_and_newer_than_the_served_one():
              current_version=7, error=StaleVersion)
     _refused(pieces(version=0), "version 0 is not newer than the served version 7",
              current_version=7, error=StaleVersion)
+
+
+def test_a_resume_update_may_go_back_and_says_so_on_every_piece():
+    """A trainer resumed from a checkpoint brings a server back to its own, older version."""
+    stream = list(weight_pieces(PARAMS, 3, piece_bytes=40, resume=True))
+    assembler = WeightAssembler(SHAPES, current_version=9)
+    for p in stream:
+        assembler.add(p)
+    version, tree = assembler.finish()
+    assert (version, assembler.resume) == (3, True)
+    np.testing.assert_array_equal(tree["embed"], PARAMS["embed"])
+    mixed = stream[:1] + pieces(version=3)[1:]
+    _refused(mixed, r"resume True and False", current_version=2)
+    _refused(list(weight_pieces(PARAMS, -2, resume=True)), "version -2 must be >= 0",
+             current_version=9)

@@ -1,0 +1,319 @@
+"""A discrete-event simulation of RL on a 128-accelerator cluster: conventional sync RL, sync with
+partial rollouts, PipelineRL-style async, and async with StreamRL-style length-aware admission.
+Speedups over sync and accelerator utilisation side by side, with the papers' reported figures.
+
+Assumptions (each a flag; the defaults describe a 7B-class model on H100s):
+- Generation instances hold the whole model on one accelerator each and decode all their
+  sequences together, one token per sequence per step. A decode step is memory-bound: it reads
+  the weights once and every held token's KV once, at `--hbm-gbps` x `--hbm-efficiency`; an
+  instance holds at most `--slots` sequences (KV capacity is not modelled beyond that). Prefill
+  is compute-bound at `--mfu` of `--peak-tflops` (2 x params FLOPs per prompt token).
+- Training costs 6 x params FLOPs per token (prompt and completion) at `--mfu`, spread evenly
+  over the trainer's accelerators; a step trains exactly `--batch` samples.
+- Output lengths are log-normal (`--median-len`, `--sigma`), clipped at `--max-len`: most
+  samples short, a few percent at the limit.
+- sync: all accelerators generate a step's batch (prompts spread evenly), wait for its longest
+  sample, then all train, then the new weights are loaded (`--reload-s`).
+- partial: as sync, but generation keeps every slot full and stops as soon as `--batch`
+  samples are done; unfinished samples keep their tokens and resume after the train phase.
+- async (PipelineRL): `--gen-fraction` of the accelerators (by default the split that gives the
+  most samples/s, as a deployment would be sized) generate without stopping, the rest
+  train as soon as a batch is done; new weights reach the generators in flight (a
+  `--swap-ms` pause per update); samples more than `--max-lag` steps old are dropped.
+- async+length: async, admitting the longest predicted request first on each instance
+  (StreamRL's skewness-aware scheduling; the prediction is the true length times log-normal
+  noise of `--predict-sigma`), so the tail starts early.
+Measured figures (e.g. this project's decode step on an accelerator) enter through the flags;
+none of the defaults was measured here, and the result is a model, not a measurement.
+
+    jaxrl bench simulate [--accelerators 128 --steps 40 ...]
+    (or: .venv/bin/python bench/simulate.py ...)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import json
+import math
+
+import numpy as np
+
+PAPERS = {"PipelineRL (async vs conventional, 128 H100)": "~2x",
+          "StreamRL (disaggregated, skewness-aware)": "up to 2.66x",
+          "AReaL (fully async)": "up to 2.77x",
+          "verl fully-async": "2.35-2.67x"}
+
+
+@dataclasses.dataclass
+class Cluster:
+    accelerators: int
+    params_b: float          # billions of parameters
+    kv_kib_per_token: float
+    hbm_gbps: float
+    hbm_efficiency: float
+    peak_tflops: float
+    mfu: float
+    slots: int
+    prompt_len: int
+    swap_ms: float
+    reload_s: float
+
+    @property
+    def weight_bytes(self) -> float:
+        return 2 * self.params_b * 1e9       # bf16
+
+    def decode_step_s(self, held_tokens: float) -> float:
+        bytes_read = self.weight_bytes + held_tokens * self.kv_kib_per_token * 1024
+        return bytes_read / (self.hbm_gbps * 1e9 * self.hbm_efficiency)
+
+    def prefill_s(self, tokens: int) -> float:
+        return 2 * self.params_b * 1e9 * tokens / (self.peak_tflops * 1e12 * self.mfu)
+
+    def train_s(self, tokens: float, accelerators: int) -> float:
+        return 6 * self.params_b * 1e9 * tokens / (self.peak_tflops * 1e12 * self.mfu
+                                                   * accelerators)
+
+
+class Instance:
+    """One generation accelerator: its running sequences advance one token per decode step."""
+
+    def __init__(self, index: int, cluster: Cluster):
+        self.index, self.c = index, cluster
+        self.running: list[tuple[int, int]] = []   # heap of (finish step, sample id)
+        self.step = 0                                # decode steps run so far
+        self.admit_sum = 0                           # sum of admission steps of `running`
+        self.time = 0.0                              # when `step` was reached
+        self.busy_s = 0.0                            # time with at least one sequence
+        self.tokens = 0
+
+    def held(self) -> float:
+        b = len(self.running)
+        return b * self.c.prompt_len + b * self.step - self.admit_sum
+
+    def next_finish(self) -> float:
+        if not self.running:
+            return math.inf
+        steps = self.running[0][0] - self.step
+        b = len(self.running)
+        mid_held = self.held() + b * steps / 2
+        return self.time + steps * self.c.decode_step_s(mid_held)
+
+    def advance(self, until: float) -> None:
+        """Runs decode steps up to time `until` (never past the next finish)."""
+        if not self.running or until <= self.time:
+            self.time = max(self.time, until)
+            return
+        step_s = self.c.decode_step_s(self.held() + len(self.running) / 2)
+        steps = min(int((until - self.time) / step_s + 1e-9), self.running[0][0] - self.step)
+        self.busy_s += until - self.time
+        self.tokens += steps * len(self.running)
+        self.step += steps
+        self.time = until
+
+    def admit(self, sample: int, length: int, done_tokens: int = 0) -> None:
+        """Starts `sample` with `length` output tokens, `done_tokens` of them already made."""
+        self.time += self.c.prefill_s(self.c.prompt_len + done_tokens)
+        start = self.step - done_tokens
+        heapq.heappush(self.running, (start + length, sample))
+        self.admit_sum += start
+
+    def pop_finished(self) -> list[int]:
+        out = []
+        while self.running and self.running[0][0] <= self.step:
+            finish, sample = heapq.heappop(self.running)
+            self.admit_sum -= finish - LENGTHS[sample]
+            out.append(sample)
+        return out
+
+
+LENGTHS: dict[int, int] = {}
+
+
+def draw_lengths(rng, n: int, args) -> np.ndarray:
+    x = rng.lognormal(math.log(args.median_len), args.sigma, n)
+    return np.clip(np.round(x), 1, args.max_len).astype(int)
+
+
+def simulate(mode: str, args, cluster: Cluster, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    LENGTHS.clear()
+    total = args.batch * (args.steps + args.max_lag + 4) * 2
+    lengths = draw_lengths(rng, total, args)
+    noise = rng.lognormal(0.0, args.predict_sigma, total)
+    LENGTHS.update(enumerate(lengths.tolist()))
+    if mode in ("sync", "partial"):
+        return _sync(mode, args, cluster)
+    if args.gen_fraction:
+        return _async(mode, args, cluster, lengths * noise,
+                      max(1, round(cluster.accelerators * args.gen_fraction)))
+    # Sized as a deployment would be: the split of generating and training accelerators that
+    # gives the most samples/s, in steps of 1/16.
+    splits = sorted({max(1, min(cluster.accelerators - 1, round(cluster.accelerators * k / 16)))
+                     for k in range(1, 16)})
+    return max((_async(mode, args, cluster, lengths * noise, n) for n in splits),
+               key=lambda r: r["samples_per_s"])
+
+
+def _sync(mode: str, args, c: Cluster) -> dict:
+    """All accelerators generate, then all train. partial: generation stops at the batch's
+    last sample instead of the longest admitted one; the rest keep their KV through the train
+    phase (the engine pauses) and continue after it."""
+    n = c.accelerators
+    gens = [Instance(i, c) for i in range(n)]
+    t, next_sample, gen_busy, train_busy = 0.0, 0, 0.0, 0.0
+    backlog: list[int] = []          # partial: admitted next step before new samples
+    for _ in range(args.steps):
+        for g in gens:
+            g.time = max(g.time, t)
+        want = args.batch if mode == "sync" else n * c.slots - sum(len(g.running) for g in gens)
+        pending = backlog[::-1]
+        backlog = []
+        while len(pending) < want:
+            pending.insert(0, next_sample)
+            next_sample += 1
+        for g in gens:
+            while len(g.running) < c.slots and pending:
+                s = pending.pop()
+                g.admit(s, LENGTHS[s])
+        finished, trained_tokens = 0, 0
+        while finished < args.batch:
+            g = min(gens, key=Instance.next_finish)
+            g.advance(g.next_finish())
+            for s in g.pop_finished():
+                finished += 1
+                trained_tokens += c.prompt_len + LENGTHS[s]
+                if pending:
+                    s = pending.pop()
+                    g.admit(s, LENGTHS[s])
+        if mode == "partial":      # everyone stops when the batch is complete
+            gen_end = max(g.time for g in gens)
+            for g in gens:
+                g.advance(gen_end)
+            backlog = pending[::-1]
+        else:                      # sync: every admitted sample finishes first
+            for g in gens:
+                while g.running:
+                    g.advance(g.next_finish())
+                    g.pop_finished()
+            gen_end = max(g.time for g in gens)
+        train = c.train_s(trained_tokens, n)
+        t = gen_end + train + c.reload_s
+        train_busy += train * n
+    gen_busy = sum(g.busy_s for g in gens)
+    return _result(mode, args.steps * args.batch, t, gen_busy, train_busy, n, n, 0)
+
+
+def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> dict:
+    """`n_gen` accelerators generate without stopping; the rest train whenever a batch is
+    ready. Events in time order: a sample finishing on an instance, the trainer finishing."""
+    n_train = c.accelerators - n_gen
+    gens = [Instance(i, c) for i in range(n_gen)]
+    longest_first = mode == "async+length"
+    waiting: list = []                 # heap of (priority, sample)
+    started: dict[int, int] = {}       # sample -> weights version when it started
+    done: list[int] = []               # finished, not yet trained
+    next_sample, version, dropped = 0, 0, 0
+    trainer_free, training, train_busy = math.inf, False, 0.0
+
+    def admit(g: Instance) -> None:
+        nonlocal next_sample
+        while len(waiting) < 2 * c.slots:
+            heapq.heappush(waiting, (-predicted[next_sample] if longest_first else next_sample,
+                                     next_sample))
+            next_sample += 1
+        s = heapq.heappop(waiting)[1]
+        started[s] = version
+        g.admit(s, LENGTHS[s])
+
+    def train_if_ready(now: float) -> None:
+        nonlocal trainer_free, training, train_busy
+        if not training and len(done) >= args.batch:
+            batch = done[:args.batch]
+            del done[:args.batch]
+            seconds = c.train_s(sum(c.prompt_len + LENGTHS[s] for s in batch), n_train)
+            trainer_free, training = now + seconds, True
+            train_busy += seconds
+
+    for g in gens:
+        while len(g.running) < c.slots:
+            admit(g)
+    while version < args.steps:
+        g = min(gens, key=Instance.next_finish)
+        when = g.next_finish()
+        if training and trainer_free <= when:        # new weights, swapped in flight
+            version, training = version + 1, False
+            for other in gens:
+                other.time += c.swap_ms / 1e3
+            train_if_ready(trainer_free)
+            continue
+        g.advance(when)
+        for s in g.pop_finished():
+            if version - started.pop(s) > args.max_lag:
+                dropped += 1
+            else:
+                done.append(s)
+            admit(g)
+        train_if_ready(when)
+    gen_busy = sum(g.busy_s for g in gens)
+    return _result(mode, args.steps * args.batch, trainer_free, gen_busy, train_busy * n_train,
+                   n_gen, n_train, dropped)
+
+
+def _result(mode, trained, seconds, gen_busy, train_busy, n_gen, n_train, dropped) -> dict:
+    return {"mode": mode, "seconds": seconds, "samples_per_s": trained / seconds,
+            "generation_busy": gen_busy / (n_gen * seconds),
+            "trainer_busy": train_busy / (n_train * seconds) if n_train else 0.0,
+            "accelerators_generating": n_gen, "accelerators_training": n_train,
+            "dropped_stale": dropped}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--accelerators", type=int, default=128)
+    p.add_argument("--params-b", type=float, default=7.0, help="model size, billions")
+    p.add_argument("--kv-kib-per-token", type=float, default=56.0,
+                   help="KV cache per token (Qwen2.5-7B: 28 layers x 4 KV heads x 128 x 2 x bf16)")
+    p.add_argument("--hbm-gbps", type=float, default=3350.0, help="H100 SXM HBM3")
+    p.add_argument("--hbm-efficiency", type=float, default=0.7)
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="H100 dense bf16")
+    p.add_argument("--mfu", type=float, default=0.4)
+    p.add_argument("--slots", type=int, default=128, help="sequences per generation instance")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--median-len", type=float, default=1500.0)
+    p.add_argument("--sigma", type=float, default=1.0, help="log-normal spread of lengths")
+    p.add_argument("--max-len", type=int, default=16384)
+    p.add_argument("--batch", type=int, default=8192, help="samples per optimizer step")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--gen-fraction", type=float, default=0.0,
+                   help="async: share of accelerators that generate (0: the best split)")
+    p.add_argument("--max-lag", type=int, default=8)
+    p.add_argument("--swap-ms", type=float, default=10.0, help="async: pause per update")
+    p.add_argument("--reload-s", type=float, default=5.0,
+                   help="sync: time to load new weights into the engines")
+    p.add_argument("--predict-sigma", type=float, default=0.5,
+                   help="async+length: log-normal noise of the length prediction")
+    args = p.parse_args(argv)
+    cluster = Cluster(args.accelerators, args.params_b, args.kv_kib_per_token, args.hbm_gbps,
+                      args.hbm_efficiency, args.peak_tflops, args.mfu, args.slots,
+                      args.prompt_len, args.swap_ms, args.reload_s)
+    results = [simulate(mode, args, cluster) for mode in
+               ("sync", "partial", "async", "async+length")]
+    base = results[0]["samples_per_s"]
+    print(f"{'mode':<14} {'samples/s':>10} {'vs sync':>8} {'gen busy':>9} {'train busy':>11} "
+          f"{'gen/train accel.':>17} {'dropped':>8}")
+    for r in results:
+        print(f"{r['mode']:<14} {r['samples_per_s']:>10.1f} {r['samples_per_s'] / base:>7.2f}x "
+              f"{r['generation_busy']:>9.2f} {r['trainer_busy']:>11.2f} "
+              f"{r['accelerators_generating']:>8}/{r['accelerators_training']:<8} "
+              f"{r['dropped_stale']:>8}")
+    print("reported by the papers (their clusters and workloads, not this model):")
+    for name, figure in PAPERS.items():
+        print(f"  {name}: {figure}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Data-parallel replicas of the engine behind one Generation (serving/generation.py): `jaxrl
+serve --replicas R --tensor T` runs R orchestrators, each over its own T devices (tensor
+parallel within a replica), and the gRPC services see one engine.
+
+- A group goes to the replica with the least load (sequences wanting a slot, per slot).
+- A weight update is checked and moved to every replica beside decoding, then each swaps it in
+  between two of its decode steps; every replica serves the same versions, in order (one update
+  at a time; a refused update changes no replica).
+- Counters are summed over the replicas.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Sequence
+
+from serving.orchestrator import Orchestrator, UpdateResult
+from serving.sampling import SamplingParams
+from serving.stream import RequestStream, Sample
+
+_SUMMED = ("steps", "busy_slot_steps", "generated_tokens", "requests_done", "prefill_chunks",
+           "prefill_tokens", "queued", "slots", "pages_total", "pages_free", "held_tokens",
+           "preemptions", "carried_tokens", "updates")
+
+
+class Replicas:
+    def __init__(self, replicas: Sequence[Orchestrator]):
+        if not replicas:
+            raise ValueError("Replicas needs at least one orchestrator")
+        self.replicas = list(replicas)
+        self.engine = self.replicas[0].engine     # the served model (names and shapes)
+        self.eos_id = self.replicas[0].eos_id
+        self._update_lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(len(self.replicas),
+                                                           thread_name_prefix="replica-update")
+
+    def start(self) -> "Replicas":
+        for o in self.replicas:
+            o.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for o in self.replicas:
+            o.stop(timeout)
+        self._pool.shutdown(wait=False)
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((o.error for o in self.replicas if o.error is not None), None)
+
+    @property
+    def newest_version(self) -> int:
+        return self.replicas[0].newest_version
+
+    def submit(self, prompt: Sequence[int], sampling: SamplingParams, *,
+               predicted_len: float | None = None,
+               carry: Sequence[Sample] | None = None) -> RequestStream:
+        replica = min(self.replicas, key=lambda o: o.scheduler.load())
+        return replica.submit(prompt, sampling, predicted_len=predicted_len, carry=carry)
+
+    def update_params(self, params, version: int, timeout: float | None = None, *,
+                      resume: bool = False) -> UpdateResult:
+        """Every replica gets `params` as `version`. The checks (version, shapes, dtypes,
+        finite) run on the first replica before any other is touched, so a refused update
+        leaves every replica as it was."""
+        with self._update_lock:
+            first = self.replicas[0].update_params(params, version, timeout, resume=resume)
+            rest = [self._pool.submit(o.update_params, params, version, timeout, resume=resume)
+                    for o in self.replicas[1:]]
+            results = [first] + [f.result() for f in rest]
+        return UpdateResult(version, max(r.transfer_s for r in results),
+                            max(r.pause_s for r in results))
+
+    def metrics(self) -> dict:
+        each = [o.metrics() for o in self.replicas]
+        out = dict(each[0])
+        for key in _SUMMED:
+            out[key] = sum(m[key] for m in each)
+        steps = max(sum(m["steps"] * m["slots"] for m in each), 1)
+        out["slots_busy_fraction"] = out["busy_slot_steps"] / steps
+        out["held_tokens_mean"] = out["held_tokens"] / max(out["busy_slot_steps"], 1)
+        out["update_pause_ms_max"] = max(m["update_pause_ms_max"] for m in each)
+        out["replicas"] = len(each)
+        out["replica_requests_done"] = [m["requests_done"] for m in each]
+        return out

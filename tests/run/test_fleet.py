@@ -1,0 +1,291 @@
+"""The rollout fleet (jaxrl/run/fleet.py) and the weight publisher (jaxrl/run/publisher.py):
+dispatch by load, a lost member's groups continued elsewhere from their tokens (against an
+uninterrupted run), members set aside and brought back to the newest weights, pushes that pass
+their deadline, and a fleet with no member left failing instead of hanging."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.models import Transformer, split_params
+from jaxrl.run.fleet import Fleet, Member, NoGeneration
+from jaxrl.run.publisher import WeightPublisher
+from serving.client import RemoteGeneration
+from serving.engine import Engine
+from serving.orchestrator import Orchestrator, UpdateResult
+from serving.sampling import SamplingParams
+from serving.server import Server
+from serving.stream import RequestStream, Sample, TokenEvent
+
+from tests.serving.common import CFG, ENGINE, hung_generation_server, prompts
+
+
+class FakeGeneration:
+    """A Generation whose streams the test drives by hand."""
+
+    def __init__(self, version=0):
+        self.submitted = []          # (prompt, sampling, carry, stream)
+        self.pushed = []             # versions received
+        self.version = version
+        self.down = False            # metrics and pushes fail while set
+        self.push_error = None
+
+    def submit(self, prompt, sampling, *, predicted_len=None, carry=None):
+        stream = RequestStream(len(self.submitted), sampling.n)
+        self.submitted.append((list(prompt), sampling, carry, stream))
+        return stream
+
+    def update_params(self, params, version, timeout=None, *, resume=False):
+        if self.push_error is not None:
+            raise self.push_error
+        self.pushed.append(version)
+        self.version = version
+        return UpdateResult(version, 0.0, 0.0)
+
+    def metrics(self, timeout=None):
+        if self.down:
+            raise ConnectionError("UNAVAILABLE: it is down")
+        return {"version": self.version, "slots": 4}
+
+    @property
+    def newest_version(self):
+        return self.version
+
+
+def member(name, gen, slots=4, remote=True, version=0):
+    return Member(name, gen, slots, remote=remote, version=version, joined=True)
+
+
+def finish(stream, tokens=(5, 6)):
+    for i in range(stream.n):
+        for t in tokens:
+            stream.put(TokenEvent(i, t, -0.5, 0))
+    stream.end("length")
+
+
+SAMPLING = SamplingParams(max_tokens=8, temperature=1.0, seed=1, n=2)
+
+
+def test_groups_go_where_there_is_room():
+    """Slots 4 and 12: eight groups of two split 4:12 samples, and a member whose groups
+    finish takes the next ones."""
+    small, big = FakeGeneration(), FakeGeneration()
+    fleet = Fleet([member("small", small, 4, remote=False),
+                   member("big", big, 12, remote=False)], eos_id=1)
+    streams = [fleet.submit([3], SAMPLING) for _ in range(8)]
+    assert (len(small.submitted), len(big.submitted)) == (2, 6)
+    for s in streams:
+        if s.member.name == "big":
+            finish(s._stream)
+            s.result()
+    more = [fleet.submit([3], SAMPLING) for _ in range(3)]
+    assert [s.member.name for s in more] == ["big"] * 3
+    fleet.close()
+
+
+def test_a_lost_group_continues_elsewhere_from_its_tokens():
+    a, b = FakeGeneration(), FakeGeneration()
+    warnings = []
+    fleet = Fleet([member("a", a), member("b", b)], eos_id=1, heartbeat_s=30,
+                  warn=warnings.append)
+    stream = fleet.submit([3, 4], SAMPLING)
+    assert stream.member.name == "a"
+    first = a.submitted[0][3]
+    first.put(TokenEvent(0, 7, -0.1, 0))
+    first.put(TokenEvent(0, 8, -0.2, 0))
+    first.put(TokenEvent(1, 9, -0.3, 0))
+    first.error = "UNAVAILABLE: connection reset"
+    first.end("lost")
+    done = {}
+    reader = threading.Thread(target=lambda: done.update(samples=stream.result()))
+    reader.start()
+    deadline = time.monotonic() + 30
+    while not b.submitted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    prompt, sampling, carry, second = b.submitted[0]
+    assert (prompt, sampling) == ([3, 4], SAMPLING)
+    assert [(s.tokens, s.logprobs, s.versions) for s in carry] == [
+        ([7, 8], [-0.1, -0.2], [0, 0]), ([9], [-0.3], [0])]
+    finish(second, tokens=(1,))
+    reader.join(30)
+    assert [s.finish_reason for s in done["samples"]] == ["length", "length"]
+    assert not fleet.members[0].alive and fleet.members[1].ready
+    assert fleet.stats["groups_moved"] == 1
+    assert "a set aside (UNAVAILABLE: connection reset)" in warnings[0]
+    fleet.close()
+
+
+def test_a_member_back_from_failure_gets_the_newest_weights_before_work():
+    """a fails; v6 is published while it is away; it answers again at v5, is pushed v6 and only
+    then takes groups again."""
+    a, b = FakeGeneration(), FakeGeneration()
+    fleet = Fleet([member("a", a), member("b", b)], eos_id=1, heartbeat_s=0.05,
+                  warn=lambda _: None)
+    publisher = WeightPublisher(fleet, deadline_s=5, warn=lambda _: None)
+    params = {"w": np.ones(3, np.float32)}
+    publisher.publish(params, 5)
+    wait_for(lambda: a.pushed == [5] and b.pushed == [5])
+    a.down = True
+    wait_for(lambda: not fleet.members[0].alive)
+    publisher.publish(params, 6)
+    wait_for(lambda: b.pushed == [5, 6])
+    assert [fleet.submit([3], SAMPLING).member.name for _ in range(3)] == ["b"] * 3
+    a.down = False
+    wait_for(lambda: fleet.members[0].ready)
+    assert a.pushed == [5, 6]          # pushed v6 before it was ready again
+    assert fleet.submit([3], SAMPLING).member.name == "a"
+    publisher.close()
+    fleet.close()
+
+
+def test_a_failed_push_sets_the_member_aside_and_is_counted():
+    a, b = FakeGeneration(), FakeGeneration()
+    a.push_error = TimeoutError("weights version 1 to a: not done within 5 s")
+    fleet = Fleet([member("a", a), member("b", b)], eos_id=1, heartbeat_s=30,
+                  warn=lambda _: None)
+    publisher = WeightPublisher(fleet, deadline_s=5, warn=lambda _: None)
+    publisher.publish({"w": np.ones(3, np.float32)}, 1)
+    assert [m.name for m in publisher.wait(1)] == ["b"]
+    assert publisher.metrics()["push_timeouts"] == 1
+    assert "not done within 5 s" in fleet.members[0].why_down
+    publisher.close()
+    fleet.close()
+
+
+def test_a_hung_server_push_times_out_within_its_deadline():
+    """A real gRPC server that accepts the weight stream and never answers: the push ends at
+    its deadline, the member is set aside, the other keeps the run going, the metric says so."""
+    good = FakeGeneration()
+    with hung_generation_server() as address:
+        hung = RemoteGeneration(address, token="t", rpc_timeout_s=60)
+        fleet = Fleet([member("hung", hung), member("good", good)], eos_id=1,
+                      heartbeat_s=60, warn=lambda _: None)
+        publisher = WeightPublisher(fleet, deadline_s=0.5, warn=lambda _: None)
+        t0 = time.monotonic()
+        publisher.publish({"w": np.ones(3, np.float32)}, 1)
+        assert [m.name for m in publisher.wait(1)] == ["good"]
+        assert publisher.metrics()["push_timeouts"] == 1
+        assert time.monotonic() - t0 < 30      # the deadline (0.5 s) ended it, not a hang
+        assert fleet.submit([3], SAMPLING).member.name == "good"
+        publisher.close()
+        fleet.close()
+        hung.close()
+
+
+def test_no_member_left_fails_instead_of_hanging():
+    a = FakeGeneration()
+    fleet = Fleet([member("a", a)], eos_id=1, heartbeat_s=30, wait_s=0.2,
+                  warn=lambda _: None)
+    fleet.set_aside(fleet.members[0], "gone for the test")
+    with pytest.raises(NoGeneration, match="a: gone for the test"):
+        fleet.submit([3], SAMPLING)
+    fleet.close()
+
+
+def wait_for(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+# -- a real server lost mid-group ------------------------------------------------------------------
+
+class StallingOrchestrator(Orchestrator):
+    """Stops its engine loop (inside `_push`) after `after` tokens: the server then dies with
+    exactly that much of the group generated."""
+
+    def __init__(self, *args, after: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.after, self.pushed = after, 0
+        self.stalled, self.release = threading.Event(), threading.Event()
+
+    def _push(self, seq, token, logprob, version):
+        if self.pushed == self.after:
+            self.stalled.set()
+            self.release.wait(60)
+            return
+        self.pushed += 1
+        super()._push(seq, token, logprob, version)
+
+
+def test_a_killed_server_s_group_ends_as_if_uninterrupted():
+    """Server a stops after 17 tokens of a sampled group of 3; the fleet continues the group on
+    server b from those tokens. The samples equal an uninterrupted run's, token for token, and
+    b generates only what a had not."""
+    params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
+
+    def engine():
+        e = Engine(CFG, ENGINE)
+        e.load_params(params)
+        return e
+
+    stalling = StallingOrchestrator(engine(), eos_id=1, after=17).start()
+    a = Server(stalling, port=0).start()
+    b = Server(Orchestrator(engine(), eos_id=1).start(), port=0).start()
+    prompt = prompts(6, seed=9)[0]
+    sampling = SamplingParams(max_tokens=40, temperature=0.9, seed=5, n=3, stop_at_eos=False)
+    with Orchestrator(engine(), eos_id=1) as reference:
+        want = reference.submit(prompt, sampling).result()
+    ra, rb = RemoteGeneration(a.address), RemoteGeneration(b.address)
+    fleet = Fleet([member("a", ra), member("b", rb)], eos_id=1, heartbeat_s=60,
+                  warn=lambda _: None)
+    stream = fleet.submit(prompt, sampling)
+    assert stream.member.name == "a"
+    assert stalling.stalled.wait(60)
+    wait_for(lambda: sum(len(s.tokens) for s in stream.snapshot()) == 17)
+    a._server.stop(0)                       # the server goes; its engine is stuck
+    got = stream.result()
+    stalling.release.set()
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    assert [s.logprobs for s in got] == [s.logprobs for s in want]
+    assert fleet.stats["groups_moved"] == 1 and stream.member.name == "b"
+    assert b.orchestrator.metrics()["generated_tokens"] == 3 * 40 - 17
+    fleet.close()
+    for r in (ra, rb):
+        r.close()
+    b.stop(0)
+    stalling.stop()
+
+
+def test_sample_snapshot_is_a_copy():
+    """What a checkpoint keeps of a fleet group does not change as the group goes on."""
+    a = FakeGeneration()
+    fleet = Fleet([member("a", a, remote=False)], eos_id=1)
+    stream = fleet.submit([3], SAMPLING)
+    a.submitted[0][3].put(TokenEvent(0, 4, -1.0, 0))
+    snap = stream.snapshot()
+    a.submitted[0][3].put(TokenEvent(0, 5, -1.0, 0))
+    assert snap == [Sample([4], [-1.0], [0]), Sample()]
+    fleet.close()
+
+
+def test_a_resumed_trainer_brings_a_server_back_to_its_version():
+    """A server left at version 7 by a trainer that then crashed; the trainer resumes from its
+    checkpoint at 5: the server is given version 5 (a `resume` push) before it takes work, and
+    its tokens then carry version 5."""
+    params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
+    engine = Engine(CFG, ENGINE)
+    engine.load_params(params, version=-1)
+    server = Server(Orchestrator(engine, eos_id=1).start(), port=0, update_token="t").start()
+    before = RemoteGeneration(server.address, token="t")
+    before.update_params(params, 7, timeout=60)
+    before.close()
+    remote = RemoteGeneration(server.address, token="t")
+    fleet = Fleet([Member("s", remote, 4, remote=True)], eos_id=1, heartbeat_s=60,
+                  warn=lambda _: None)
+    assert not fleet.members[0].ready          # version 7 is not this trainer's
+    publisher = WeightPublisher(fleet, deadline_s=60, warn=lambda _: None)
+    publisher.publish(params, 5)
+    assert [m.name for m in publisher.wait(5)] == ["s"]
+    assert remote.newest_version == 5
+    samples = fleet.submit([3, 4], SamplingParams(max_tokens=3, temperature=0.0,
+                                                  stop_at_eos=False)).result()
+    assert samples[0].versions == [5, 5, 5]
+    publisher.close()
+    fleet.close()
+    remote.close()
+    server.stop(0)

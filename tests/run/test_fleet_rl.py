@@ -1,0 +1,146 @@
+"""RL with generation in other processes: the trainer (this process, through `jaxrl.run.job.run`
+as `jaxrl train` runs it) and two `jaxrl serve` subprocesses serving the warm-up's checkpoint.
+One server is SIGKILLed part-way through the run and started again a few steps later.
+
+Checked: the reward rises as in-process (tests/run/test_rl.py); every group is trained exactly
+once and no finished sample is lost (the counters balance); the killed server's groups moved to
+the other; the restarted server rejoined with the trainer's weights and served again; every
+trained token carries a log-prob and a version of the trainer's weights (none from a server's
+own start-up weights)."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from jaxrl.run import job, rl_metrics
+from jaxrl.train.checkpoint import Checkpointer
+from serving.client import RemoteGeneration
+
+from tests.run.test_rl import RL_STEPS, WARMUP, config, quiet, rl_rows, rl_run_dir
+
+pytestmark = pytest.mark.slow
+
+KILL_AT, RESTART_AT = WARMUP + 8, WARMUP + 14
+TOKEN = "fleet-test-token"
+
+
+def start_server(checkpoint, token_file, port=0):
+    """A `jaxrl serve` subprocess; (process, address) once it is ready."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxrl.cli", "serve", "--checkpoint", str(checkpoint),
+         "--port", str(port), "--slots", "16", "--max-len", "13", "--max-prefill-length", "8",
+         "--prefill-chunk", "8", "--page-size", "4", "--update-token-file", str(token_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        if "ready on" in line:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep it drained
+            return proc, line.split("ready on ")[1].split(": ")[0]
+    raise AssertionError("jaxrl serve did not start:\n" + "".join(output)[-3000:])
+
+
+@pytest.fixture(scope="module")
+def fleet_run(tmp_path_factory):
+    warm_dir = tmp_path_factory.mktemp("fleet_warmup")
+    job.run(config(warm_dir, "rl.steps=0"), log=quiet)
+    token_file = warm_dir / "token"
+    token_file.write_text(TOKEN)
+    servers = [start_server(warm_dir / "checkpoints", token_file) for _ in range(2)]
+    addresses = [address for _, address in servers]
+    run_dir = rl_run_dir(warm_dir / "checkpoints", tmp_path_factory.mktemp("fleet"))
+    cfg = config(run_dir, "rl.mode=async", f"rl.generation.servers={','.join(addresses)}",
+                 f"rl.generation.token_file={token_file}", "rl.generation.heartbeat_s=0.5",
+                 "rl.generation.heartbeat_timeout_s=10", "rl.max_lag=1000")
+    trained, events, lines = {}, {}, []
+    batch_stats = rl_metrics.batch_stats
+
+    def record(rollouts, step):     # once per optimizer step, in the trainer's thread
+        trained[step + 1] = list(rollouts)
+        if step + 1 == KILL_AT:
+            servers[1][0].send_signal(signal.SIGKILL)
+            servers[1][0].wait(30)
+        if step + 1 == RESTART_AT:  # comes back on its port, in the background
+            port = int(addresses[1].rsplit(":", 1)[1])
+
+            def restart():
+                servers[1] = start_server(warm_dir / "checkpoints", token_file, port)
+                events["restarted"] = True
+            threading.Thread(target=restart, daemon=True).start()
+        return batch_stats(rollouts, step)
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rl_metrics, "batch_stats", record)
+            job.run(cfg, log=lines.append)
+        after = {}
+        for address in addresses:
+            remote = RemoteGeneration(address, rpc_timeout_s=30)
+            after[address] = remote.metrics()
+            remote.close()
+    finally:
+        for proc, _ in servers:
+            proc.kill()
+            proc.wait(60)
+    ckpt = Checkpointer(run_dir / "checkpoints")
+    final = ckpt.saved_data(WARMUP + RL_STEPS)
+    ckpt.close()
+    return {"run_dir": run_dir, "trained": trained, "events": events, "after": after,
+            "addresses": addresses, "final": final, "lines": lines}
+
+
+def test_reward_rises_with_remote_generation(fleet_run, report_table):
+    """The same margin as in-process (tests/run/test_rl.py: +0.05 over 8 steps each end)."""
+    rows = rl_rows(fleet_run["run_dir"])
+    assert [r["step"] for r in rows] == list(range(WARMUP + 1, WARMUP + RL_STEPS + 1))
+    rewards = np.asarray([r["reward"] for r in rows if r["reward"] is not None])
+    first, last = rewards[:8].mean(), rewards[-8:].mean()
+    report_table("RL on arithmetic (tiny model): mean reward of the first and last steps",
+                 ("run", "steps", "first 8", "last 8"),
+                 ("2 jaxrl serve, one killed", len(rows), f"{first:.3f}", f"{last:.3f}"))
+    assert last > first + 0.05, rewards.round(2).tolist()
+
+
+def test_every_group_is_trained_once_and_nothing_finished_is_lost(fleet_run):
+    per_group = {}
+    for step, rollouts in fleet_run["trained"].items():
+        for r in rollouts:
+            per_group.setdefault(r.group, []).append(step)
+    counts = {g: len(steps) for g, steps in per_group.items()}
+    assert max(counts.values()) == 8, counts             # never a sample twice
+    # Every group trained whole, but the one the last batch cut (its rest waits on the log).
+    assert sum(c != 8 for c in counts.values()) <= 1, counts
+    rows = rl_rows(fleet_run["run_dir"])
+    last, final = rows[-1], fleet_run["final"]
+    assert last["dropped_lag"] == 0
+    assert last["samples_kept"] == last["samples_trained"] + len(final["rollouts"])
+    assert last["samples_trained"] == sum(counts.values())
+
+
+def test_the_killed_server_s_work_moved_and_it_rejoined(fleet_run):
+    rows = {r["step"]: r for r in rl_rows(fleet_run["run_dir"])}
+    assert rows[KILL_AT - 1]["members_ready"] == 2
+    assert min(r["members_ready"] for s, r in rows.items() if s > KILL_AT) == 1
+    assert rows[WARMUP + RL_STEPS]["members_ready"] == 2
+    assert rows[WARMUP + RL_STEPS]["members_set_aside"] >= 1
+    assert rows[WARMUP + RL_STEPS]["groups_moved"] >= 1
+    assert any("set aside" in line for line in fleet_run["lines"])
+    assert any("rejoined" in line for line in fleet_run["lines"])
+    restarted = fleet_run["after"][fleet_run["addresses"][1]]
+    assert fleet_run["events"]["restarted"]
+    assert restarted["version"] > RESTART_AT and restarted["requests_done"] > 0
+
+
+def test_every_trained_token_has_the_trainer_s_log_prob_and_version(fleet_run):
+    for step, rollouts in fleet_run["trained"].items():
+        for r in rollouts:
+            assert len(r.completion) == len(r.logprobs) == len(r.versions) > 0
+            assert all(np.isfinite(r.logprobs)) and max(r.logprobs) <= 0
+            assert WARMUP <= min(r.versions) and max(r.versions) < step
+            assert r.versions == sorted(r.versions)

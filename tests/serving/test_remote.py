@@ -1,0 +1,129 @@
+"""Generation over gRPC (serving/client.py's RemoteGeneration against serving/server.py) against
+this process's orchestrator on the same weights: the same tokens, log-probs and versions; a
+group carried in continues exactly; refusals, stale versions, bad tokens and deadlines come back
+as the errors the Generation interface names."""
+
+import pytest
+
+from serving.client import RemoteGeneration
+from serving.engine import Engine
+from serving.generation import Generation
+from serving.orchestrator import Orchestrator
+from serving.sampling import SamplingParams
+from serving.server import Server
+from serving.stream import Sample
+from serving.weight_stream import StaleVersion
+from sharding.reshard import WeightUpdateError
+
+from tests.serving.common import CFG, ENGINE, hung_generation_server, prompts
+
+TOKEN = "secret"
+
+
+@pytest.fixture(scope="module")
+def server(params):
+    engine = Engine(CFG, ENGINE)
+    engine.load_params(params)
+    s = Server(Orchestrator(engine, eos_id=1).start(), port=0, update_token=TOKEN).start()
+    yield s
+    s.stop(0)
+
+
+@pytest.fixture(scope="module")
+def remote(server):
+    r = RemoteGeneration(server.address, token=TOKEN)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def local(params):
+    engine = Engine(CFG, ENGINE)
+    engine.load_params(params)
+    with Orchestrator(engine, eos_id=1) as o:
+        yield o
+
+
+def test_both_implement_the_interface(remote, local):
+    assert isinstance(remote, Generation) and isinstance(local, Generation)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.75])
+def test_remote_equals_local(remote, local, temperature):
+    """Groups of 3 over prompts of several lengths, greedy and sampled (the draws are keyed by
+    seed, sample and position): token for token, log-probs bit for bit, versions too."""
+    for i, prompt in enumerate(prompts(3, 9, 21, seed=4)):
+        sampling = SamplingParams(max_tokens=24, temperature=temperature, seed=11 + i, n=3)
+        streams = [local.submit(prompt, sampling), remote.submit(prompt, sampling)]
+        want, got = (s.result() for s in streams)
+        assert [s.tokens for s in got] == [s.tokens for s in want]
+        assert [s.logprobs for s in got] == [s.logprobs for s in want]
+        assert [s.versions for s in got] == [s.versions for s in want]
+        assert [s.finish_reason for s in got] == [s.finish_reason for s in want]
+
+
+def test_carried_group_continues_remotely(remote, local, server):
+    """A group cut part-way (one sample with no token, one finished, one cut) sent with its
+    carry ends with the uninterrupted run's samples; the server generates only the rest."""
+    prompt = prompts(7, seed=5)[0]
+    sampling = SamplingParams(max_tokens=30, temperature=0.9, seed=3, n=3, stop_at_eos=False)
+    full = local.submit(prompt, sampling).result()
+    cut = [Sample(), full[1], Sample(full[2].tokens[:13], full[2].logprobs[:13],
+                                     full[2].versions[:13])]
+    before = server.orchestrator.metrics()["generated_tokens"]
+    got = remote.submit(prompt, sampling, carry=cut).result()
+    assert [s.tokens for s in got] == [s.tokens for s in full]
+    assert [s.logprobs for s in got] == [s.logprobs for s in full]
+    generated = server.orchestrator.metrics()["generated_tokens"] - before
+    assert generated == 3 * 30 - 30 - 13
+
+
+def test_refused_request_ends_refused_with_the_reason(remote):
+    stream = remote.submit([3, 99], SamplingParams(max_tokens=4))
+    [sample] = stream.result()
+    assert sample.finish_reason == "refused" and sample.tokens == []
+    assert "token id 99 is outside the vocabulary" in stream.error
+
+
+def test_weight_updates_over_the_interface(remote, server, params):
+    version = remote.newest_version + 1
+    result = remote.update_params(params, version, timeout=30)
+    assert result.version == version == remote.newest_version
+    with pytest.raises(StaleVersion, match="not newer"):
+        remote.update_params(params, version, timeout=30)
+    wrong = RemoteGeneration(server.address, token="not-it")
+    with pytest.raises(WeightUpdateError, match="refused"):
+        wrong.update_params(params, version + 1, timeout=30)
+    wrong.close()
+    assert remote.newest_version == version
+
+
+@pytest.fixture
+def hung_server():
+    with hung_generation_server() as address:
+        yield address
+
+
+def test_a_hung_server_fails_by_deadline(hung_server, params):
+    address = hung_server
+    remote = RemoteGeneration(address, token=TOKEN, rpc_timeout_s=0.5)
+    with pytest.raises(ConnectionError, match="DEADLINE_EXCEEDED"):
+        remote.metrics()
+    with pytest.raises(TimeoutError, match="not done within 0.5 s"):
+        remote.update_params(params, 3, timeout=0.5)
+    stream = remote.submit([3, 4], SamplingParams(max_tokens=2))
+    stream.cancel()
+    assert [s.finish_reason for s in stream.result()] == ["cancelled"]
+    remote.close()
+
+
+def test_an_unreachable_server_is_a_connection_error(params):
+    remote = RemoteGeneration("127.0.0.1:1", token=TOKEN, rpc_timeout_s=2)
+    with pytest.raises(ConnectionError):
+        remote.metrics()
+    with pytest.raises(ConnectionError):
+        remote.update_params(params, 3, timeout=2)
+    stream = remote.submit([3, 4], SamplingParams(max_tokens=2))
+    [sample] = stream.result()
+    assert sample.finish_reason == "lost" and "UNAVAILABLE" in stream.error
+    remote.close()
