@@ -128,6 +128,29 @@ class Instance:
         return out
 
 
+class Finishes:
+    """The instances' next finish times, earliest first (a heap, updated lazily)."""
+
+    def __init__(self, gens: list[Instance]):
+        self.gens = gens
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        self.stamps = [0] * len(self.gens)
+        self.heap = [(g.next_finish(), 0, g.index) for g in self.gens]
+        heapq.heapify(self.heap)
+
+    def update(self, g: Instance) -> None:
+        self.stamps[g.index] += 1
+        heapq.heappush(self.heap, (g.next_finish(), self.stamps[g.index], g.index))
+
+    def first(self) -> tuple[Instance, float]:
+        while self.heap[0][1] != self.stamps[self.heap[0][2]]:
+            heapq.heappop(self.heap)
+        when, _, index = self.heap[0]
+        return self.gens[index], when
+
+
 LENGTHS: dict[int, int] = {}
 
 
@@ -178,15 +201,17 @@ def _sync(mode: str, args, c: Cluster) -> dict:
                 s = pending.pop()
                 g.admit(s, LENGTHS[s])
         finished, trained_tokens = 0, 0
+        finishes = Finishes(gens)
         while finished < args.batch:
-            g = min(gens, key=Instance.next_finish)
-            g.advance(g.next_finish())
+            g, when = finishes.first()
+            g.advance(when)
             for s in g.pop_finished():
                 finished += 1
                 trained_tokens += c.prompt_len + LENGTHS[s]
                 if pending:
                     s = pending.pop()
                     g.admit(s, LENGTHS[s])
+            finishes.update(g)
         if mode == "partial":      # everyone stops when the batch is complete
             gen_end = max(g.time for g in gens)
             for g in gens:
@@ -239,13 +264,14 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
     for g in gens:
         while len(g.running) < c.slots:
             admit(g)
+    finishes = Finishes(gens)
     while version < args.steps:
-        g = min(gens, key=Instance.next_finish)
-        when = g.next_finish()
+        g, when = finishes.first()
         if training and trainer_free <= when:        # new weights, swapped in flight
             version, training = version + 1, False
             for other in gens:
                 other.time += c.swap_ms / 1e3
+            finishes.rebuild()
             train_if_ready(trainer_free)
             continue
         g.advance(when)
@@ -255,6 +281,7 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
             else:
                 done.append(s)
             admit(g)
+        finishes.update(g)
         train_if_ready(when)
     gen_busy = sum(g.busy_s for g in gens)
     return _result(mode, args.steps * args.batch, trainer_free, gen_busy, train_busy * n_train,

@@ -51,6 +51,7 @@ class Member:
     failures: int = 0
     last_metrics: dict = dataclasses.field(default_factory=dict)
     streams: set = dataclasses.field(default_factory=set)   # its groups in progress
+    counted: dict = dataclasses.field(default_factory=dict)  # counters before a restart
 
     @property
     def ready(self) -> bool:
@@ -72,7 +73,7 @@ class Fleet:
         self._closed = threading.Event()
         self.latest_version = max((m.version for m in self.members if m.version is not None),
                                   default=-1)
-        self.stats = {"failovers": 0, "groups_moved": 0, "members_set_aside": 0}
+        self.stats = {"groups_moved": 0, "members_set_aside": 0}
         self._monitor = None
         if any(m.remote for m in self.members):
             self._monitor = threading.Thread(target=self._watch, name="fleet-heartbeat",
@@ -109,6 +110,7 @@ class Fleet:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.05)     # its queue is full: wait for one to drain
+                continue
             except BaseException:
                 self._release(member, sampling.n)
                 raise
@@ -168,7 +170,7 @@ class Fleet:
         while not self._closed.wait(every):
             for m in [m for m in self.members if m.remote]:
                 try:
-                    m.last_metrics = m.generation.metrics(timeout=timeout)
+                    self._record(m, m.generation.metrics(timeout=timeout))
                 except ConnectionError as e:
                     self.set_aside(m, f"no heartbeat: {e}")
                     continue
@@ -199,23 +201,36 @@ class Fleet:
         return m.alive and (m.version is None or m.version < version)
 
     # -- counters --------------------------------------------------------------------------------
+    _COUNTERS = ("steps", "busy_slot_steps", "generated_tokens", "held_tokens", "carried_tokens",
+                 "preemptions", "requests_done")
+
+    def _record(self, m: Member, fresh: dict) -> None:
+        """Keeps `m`'s newest counters; a counter that went down means the server restarted,
+        so what it had counted before is kept as a base (the fleet's totals never go back)."""
+        with self._lock:
+            for key in self._COUNTERS:
+                if fresh.get(key, 0) < m.last_metrics.get(key, 0):
+                    m.counted[key] = m.counted.get(key, 0) + m.last_metrics[key]
+            m.last_metrics = fresh
+
     def metrics(self) -> dict:
-        """The members' counters summed (a member that does not answer counts with the last
-        it said), with `slot_steps` = sum of steps x slots for the busy fraction."""
-        total: dict = {"slot_steps": 0}
+        """The members' counters summed over the run (a member that does not answer within 2 s
+        counts with the last it said), with `slot_steps` = sum of steps x slots."""
         for m in self.members:
-            if not m.remote:
-                m.last_metrics = m.generation.metrics()
-            elif m.alive:
+            if not m.remote or m.alive:
                 try:
-                    m.last_metrics = m.generation.metrics()
+                    self._record(m, m.generation.metrics() if not m.remote else
+                                 m.generation.metrics(timeout=2.0))
                 except ConnectionError:
                     pass
-            for key in ("steps", "busy_slot_steps", "generated_tokens", "held_tokens",
-                        "carried_tokens", "preemptions", "requests_done"):
-                total[key] = total.get(key, 0) + m.last_metrics.get(key, 0)
-            total["slot_steps"] += m.last_metrics.get("steps", 0) * m.slots
+        total: dict = dict.fromkeys(self._COUNTERS, 0)
+        total["slot_steps"] = 0
         with self._lock:
+            for m in self.members:
+                for key in self._COUNTERS:
+                    total[key] += m.counted.get(key, 0) + m.last_metrics.get(key, 0)
+                steps = m.counted.get("steps", 0) + m.last_metrics.get("steps", 0)
+                total["slot_steps"] += steps * m.slots
             total["members_ready"] = sum(m.ready for m in self.members)
             total.update(self.stats)
         return total

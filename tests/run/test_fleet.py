@@ -214,8 +214,8 @@ class StallingOrchestrator(Orchestrator):
 
 def test_a_killed_server_s_group_ends_as_if_uninterrupted():
     """Server a stops after 17 tokens of a sampled group of 3; the fleet continues the group on
-    server b from those tokens. The samples equal an uninterrupted run's, token for token, and
-    b generates only what a had not."""
+    server b from those tokens. The samples equal an uninterrupted run's, token for token (log-
+    probs within 1e-5), and b generates only what a had not."""
     params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
 
     def engine():
@@ -241,7 +241,8 @@ def test_a_killed_server_s_group_ends_as_if_uninterrupted():
     got = stream.result()
     stalling.release.set()
     assert [s.tokens for s in got] == [s.tokens for s in want]
-    assert [s.logprobs for s in got] == [s.logprobs for s in want]
+    for x, y in zip(got, want):   # past the cut, from a recomputed prefix: float rounding
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
     assert fleet.stats["groups_moved"] == 1 and stream.member.name == "b"
     assert b.orchestrator.metrics()["generated_tokens"] == 3 * 40 - 17
     fleet.close()

@@ -84,11 +84,18 @@ def test_the_two_process_checkpoint_restores_in_one_process_with_plain_orbax(run
         import numpy as np
         import orbax.checkpoint as ocp
         out = {}
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         for name in ("one", "two"):
             manager = ocp.CheckpointManager(sys.argv[1 if name == "one" else 2])
             step = manager.latest_step()
+            # Saved on 8 devices of 2 processes: restored onto this process's one device,
+            # shapes and dtypes from the checkpoint's own metadata.
+            path = f"{sys.argv[1 if name == 'one' else 2]}/{step}/params"
+            meta = ocp.StandardCheckpointer().metadata(path).item_metadata
+            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
+                                                                 sharding=device), meta)
             params = manager.restore(step, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore())).params
+                params=ocp.args.StandardRestore(target))).params
             leaves = {"/".join(str(k) for k in path): np.asarray(v)
                       for path, v in jax.tree_util.tree_flatten_with_path(params)[0]}
             out[name] = {"steps": manager.all_steps(), "leaves": {k: v.tolist()
