@@ -183,11 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     hosts = p.add_argument_group(
         "several hosts (jax.distributed; detected on TPU slices, SLURM and GKE without these)")
     hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                       help="process 0's address, the same for every process")
+                       help="process 0's address, the same for every process (default: none: "
+                            "one process, or the cluster's own when detected)")
     hosts.add_argument("--num-processes", type=_int_at_least(1), default=None,
-                       help="processes in the run (one per host)")
+                       help="processes in the run, one per host (default: none)")
     hosts.add_argument("--process-id", type=_int_at_least(0), default=None,
-                       help="this process's index, 0 .. num-processes - 1")
+                       help="this process's index, 0 .. num-processes - 1 (default: none)")
     p.set_defaults(run=_train)
 
     p = command("eval", "held-out accuracy of a checkpoint written by `jaxrl train`")
