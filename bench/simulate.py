@@ -105,8 +105,11 @@ class Instance:
         if not self.running or until <= self.time:
             self.time = max(self.time, until)
             return
-        step_s = self.c.decode_step_s(self.held() + len(self.running) / 2)
-        steps = min(int((until - self.time) / step_s + 1e-9), self.running[0][0] - self.step)
+        to_finish = self.running[0][0] - self.step
+        # The step time next_finish assumed (the held tokens at the interval's midpoint), so
+        # that advancing to the next finish lands exactly on it.
+        step_s = self.c.decode_step_s(self.held() + len(self.running) * to_finish / 2)
+        steps = min(int((until - self.time) / step_s + 1e-6), to_finish)
         self.busy_s += until - self.time
         self.tokens += steps * len(self.running)
         self.step += steps
@@ -151,7 +154,7 @@ class Finishes:
         return self.gens[index], when
 
 
-LENGTHS: dict[int, int] = {}
+LENGTHS = np.zeros(0, int)      # output length of every sample, by sample id
 
 
 def draw_lengths(rng, n: int, args) -> np.ndarray:
@@ -160,12 +163,13 @@ def draw_lengths(rng, n: int, args) -> np.ndarray:
 
 
 def simulate(mode: str, args, cluster: Cluster, seed: int = 0) -> dict:
+    global LENGTHS
     rng = np.random.default_rng(seed)
-    LENGTHS.clear()
-    total = args.batch * (args.steps + args.max_lag + 4) * 2
+    # Enough for a generation pool that outruns its trainer by far (its stale samples dropped).
+    total = args.batch * (args.steps + args.max_lag + 4) * 16
     lengths = draw_lengths(rng, total, args)
     noise = rng.lognormal(0.0, args.predict_sigma, total)
-    LENGTHS.update(enumerate(lengths.tolist()))
+    LENGTHS = lengths
     if mode in ("sync", "partial"):
         return _sync(mode, args, cluster)
     if args.gen_fraction:

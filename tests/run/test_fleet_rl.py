@@ -70,12 +70,14 @@ def fleet_run(tmp_path_factory):
         servers[1] = start_server(warm_dir / "checkpoints", token_file, port)
         events["restarted"] = True
 
+    restarting = threading.Thread(target=restart, daemon=True)
+
     def record(rollouts, step):     # once per optimizer step, in the trainer's thread
         trained[step + 1] = list(rollouts)
         if step + 1 == KILL_AT:
             servers[1][0].send_signal(signal.SIGKILL)
             servers[1][0].wait(30)
-            threading.Thread(target=restart, daemon=True).start()
+            restarting.start()
         if step + 1 == REJOINED_BY:
             deadline = time.monotonic() + 300
             while not any("rejoined" in line for line in lines):
@@ -93,6 +95,8 @@ def fleet_run(tmp_path_factory):
             after[address] = remote.metrics()
             remote.close()
     finally:
+        if restarting.is_alive():    # never leave a server behind, even one still starting
+            restarting.join(300)
         for proc, _ in servers:
             proc.kill()
             proc.wait(60)
