@@ -53,6 +53,7 @@ class _Update:
     version: int
     applied: threading.Event = dataclasses.field(default_factory=threading.Event)
     pause_s: float = 0.0
+    retired: object = None      # the weights it replaced, freed off the decode path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +253,7 @@ class Orchestrator:
         self._wake.set()
         if not update.applied.wait(timeout):
             raise TimeoutError(f"weight update {version} not applied within {timeout} s")
+        update.retired = None       # the replaced weights are freed here, beside decoding
         return UpdateResult(version, transfer, update.pause_s)
 
     def metrics(self) -> dict:
@@ -308,8 +310,13 @@ class Orchestrator:
         while not self._updates.empty():
             update = self._updates.get()
             t0 = time.perf_counter()
+            # The old weights are released by the caller's thread (update_params), not here:
+            # freeing a model's buffers takes time that grows with its size, and decoding would
+            # wait for it.
+            update.retired = self.engine.params
             self.engine.update_params(update.params, update.version, prepared=True)
             update.pause_s = time.perf_counter() - t0
+            update.params = None
             self.pauses_s.append(update.pause_s)
             update.applied.set()
 
