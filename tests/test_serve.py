@@ -1,11 +1,13 @@
 """`jaxrl serve --model HF_DIR` loads a Hugging Face folder with its tokenizer and generates as
 Hugging Face does."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 
 import grpc
 import numpy as np
@@ -73,41 +75,45 @@ def test_a_thousand_tokens_through_jaxrl_serve_equal_transformers_generate(tmp_p
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=1000,
                            do_sample=False)[0, len(prompt):].tolist()
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxrl.cli", "serve", "--model", str(tmp_path),
-                             "--port", "0", "--slots", "2", "--max-prefill-length", "16",
-                             "--page-size", "16"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = ""
-        for line in proc.stdout:
-            if "ready on" in line:
-                break
-        assert "max_len 1100" in line, line + proc.stderr.read()[-2000:]
-        address = line.split("ready on ")[1].split(": ")[0]
+    with _jaxrl_serve(tmp_path, "--slots", "2", "--max-prefill-length", "16",
+                      "--page-size", "16") as (line, address):
+        assert "max_len 1100" in line, line
         with grpc.insecure_channel(address) as channel:
             out = list(gen_grpc.GenerationStub(channel).Generate(gen.GenerateRequest(
                 token_ids=gen.TokenIds(ids=prompt),
                 sampling=gen.SamplingOptions(max_tokens=1000, temperature=0.0, ignore_eos=True)),
                 timeout=300))
-        got = [r.token_ids[0] for r in out if r.token_ids]
-        assert out[-1].finish_reason == "length"
-        assert got == want
+    got = [r.token_ids[0] for r in out if r.token_ids]
+    assert out[-1].finish_reason == "length"
+    assert got == want
+
+
+@contextlib.contextmanager
+def _jaxrl_serve(folder, *flags, devices=None):
+    """A `jaxrl serve --model folder` subprocess, ready: (its ready line, its address). Stopped
+    with SIGTERM afterwards."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    proc = subprocess.Popen([sys.executable, "-m", "jaxrl.cli", "serve", "--model", str(folder),
+                             "--port", "0", *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        output = []
+        for line in proc.stdout:
+            output.append(line)
+            if "ready on" in line:
+                break
+        else:
+            raise AssertionError("jaxrl serve did not start:\n" + "".join(output)[-3000:])
+        threading.Thread(target=proc.stdout.read, daemon=True).start()   # keep it drained
+        yield line, line.split("ready on ")[1].split(": ")[0]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.communicate(timeout=60)
+            proc.wait(timeout=60)
         finally:
             proc.kill()
-
-
-def _serve(folder, *flags, devices=4):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    return subprocess.Popen([sys.executable, "-m", "jaxrl.cli", "serve", "--model", str(folder),
-                             "--port", "0", "--max-prefill-length", "16", "--page-size", "8",
-                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
 
 
 @pytest.mark.slow
@@ -129,14 +135,9 @@ def test_serve_on_a_mesh_equals_transformers_generate(tmp_path):
         want = [hf.generate(torch.tensor([p]), max_new_tokens=40,
                             do_sample=False)[0, len(p):].tolist() for p in prompts]
 
-    proc = _serve(tmp_path, "--tensor", "2", "--replicas", "2", "--slots", "2")
-    try:
-        line = ""
-        for line in proc.stdout:
-            if "ready on" in line:
-                break
-        assert "2 replica(s) x tensor 2; 4 slots" in line, line + proc.stdout.read()[-2000:]
-        address = line.split("ready on ")[1].split(": ")[0]
+    with _jaxrl_serve(tmp_path, "--max-prefill-length", "16", "--page-size", "8", "--tensor",
+                      "2", "--replicas", "2", "--slots", "2", devices=4) as (line, address):
+        assert "2 replica(s) x tensor 2; 4 slots" in line, line
         with grpc.insecure_channel(address) as channel:
             stub = gen_grpc.GenerationStub(channel)
             calls = [stub.Generate(gen.GenerateRequest(
@@ -145,15 +146,9 @@ def test_serve_on_a_mesh_equals_transformers_generate(tmp_path):
                 for p in prompts]
             got = [[r.token_ids[0] for r in call if r.token_ids] for call in calls]
             metrics = json.loads(stub.GetMetrics(gen.MetricsRequest()).json)
-        assert got == want
-        assert metrics["replicas"] == 2 and metrics["requests_done"] == len(prompts)
-        assert min(metrics["replica_requests_done"]) > 0      # both replicas served
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=60)
-        finally:
-            proc.kill()
+    assert got == want
+    assert metrics["replicas"] == 2 and metrics["requests_done"] == len(prompts)
+    assert min(metrics["replica_requests_done"]) > 0      # both replicas served
 
 
 def test_a_tensor_axis_that_does_not_divide_the_kv_heads_is_refused():
