@@ -272,8 +272,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv=None) -> argparse.Namespace:
+    """The command line, parsed. Overrides may also follow the flags (`jaxrl train --config C
+    --process-id 1 rl.steps=4`), which argparse alone refuses once it has passed the
+    positionals."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all(
+            "=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         return args.run(args) or 0
     except UserError as e:

@@ -24,14 +24,16 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from jaxrl.errors import UserError
 from serving.generation import Generation
 from serving.orchestrator import QueueFull
 from serving.sampling import SamplingParams
 from serving.stream import FINISHED, RequestStream, Sample
 
 
-class NoGeneration(RuntimeError):
-    """No member of the fleet could take work for `wait_s` seconds."""
+class NoGeneration(UserError):
+    """No member of the fleet could take work for `wait_s` seconds (the servers given are not
+    serving): one line naming each server's last error."""
 
 
 @dataclasses.dataclass(eq=False)

@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 from typing import Callable
 
-import jax
 import rich.console
 import rich.table
 
@@ -44,10 +43,6 @@ def run(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
             f"{str(ckpt.path)!r} already holds checkpoints up to step {latest}; set "
             f"checkpoint.resume=true to continue that run, or choose a new checkpoint.dir")
     end = cfg.train.steps + cfg.rl.steps
-    if cfg.rl.steps and jax.process_count() > 1:
-        raise UserError(f"RL across {jax.process_count()} processes is not built yet (the "
-                        f"warm-up is): run it with rl.steps=0 on every host, then RL in one "
-                        f"process from its checkpoint")
     if cfg.rl.steps:
         rl.check_config(cfg)
     if latest is not None and latest >= end:

@@ -76,6 +76,8 @@ class WeightPublisher:
         """A new device buffer (the trainer donates its own to the next step), in the serving
         dtype: the server would cast to it anyway, so fewer bytes cross the wire."""
         dtype = jnp.dtype(self.wire_dtype or x.dtype)
+        if isinstance(x, np.ndarray):    # gathered from several trainer processes: a copy
+            return x.astype(dtype, copy=False)
         return jnp.copy(x) if x.dtype == dtype else x.astype(dtype)
 
     def wait(self, version: int) -> list[Member]:

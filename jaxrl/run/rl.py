@@ -25,11 +25,13 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig, to_dict
-from jaxrl.data.pipeline import rl_batches
+from jaxrl.errors import UserError
+from jaxrl.data.pipeline import pack, rl_batches
 from jaxrl.data.rollouts import Rollout, RolloutLog, source_position
 from jaxrl.run import generation
 from jaxrl.run.actor import Actor
 from jaxrl.run.evaluate import evaluate
+from jaxrl.run.lockstep import Lockstep
 from jaxrl.run.metrics import MetricsLogger
 from jaxrl.run.plots import save_run_plots
 from jaxrl.run.progress import Progress
@@ -42,6 +44,10 @@ from sharding import mesh as shd
 def check_config(cfg: RunConfig) -> None:
     """Everything about the RL config that can be wrong, checked before any training (the
     warm-up included) starts."""
+    if jax.process_count() > 1 and not cfg.rl.generation.remote:
+        raise ConfigError(f"RL across {jax.process_count()} processes generates on `jaxrl "
+                          f"serve` processes: set rl.generation.servers (process 0 drives "
+                          f"them; an in-process engine would sit on one host's devices)")
     trainer_devices, _ = generation.placement(cfg)
     check_rl_config(cfg, shd.make_mesh(cfg.mesh, trainer_devices))
     generation.engine_config(cfg, model_config(cfg))
@@ -69,21 +75,68 @@ class _Clock:
         self._paused += seconds
 
 
-def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
+def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict | None:
     """Runs (or resumes) the RL phase: optimizer steps train.steps .. train.steps + rl.steps.
-    Needs a checkpoint at train.steps or later in the checkpoint directory (the warm-up's)."""
-    rl, first_rl = cfg.rl, cfg.train.steps
-    end = first_rl + rl.steps
+    Needs a checkpoint at train.steps or later in the checkpoint directory (the warm-up's).
+    On several processes (jaxrl/run/lockstep.py) process 0 leads and returns the summary; the
+    others train beside it and return None."""
     model_cfg = model_config(cfg)
-    task, tokenizer = build_task(cfg, model_cfg)
     trainer_devices, engine_devices = generation.placement(cfg)
     mesh = shd.make_mesh(cfg.mesh, trainer_devices)
     check_rl_config(cfg, mesh)
-    if not rl.generation.remote:
+    if not cfg.rl.generation.remote:
         generation.engine_config(cfg, model_cfg)
     trainer = RLTrainer(cfg, model_cfg, mesh, log)
+    lockstep = Lockstep()
+    if lockstep.processes == 1:
+        weights = lambda: trainer.params      # noqa: E731
+    else:     # process 0 pushes the weights: every process helps gather them
+        weights = lambda: trainer.gathered_params(model_cfg.dtype)   # noqa: E731
+    with lockstep.collective():
+        first_weights = weights()
+    if not lockstep.leader:
+        return _follow(cfg, trainer, lockstep, weights)
+    try:
+        return _lead(cfg, model_cfg, trainer, lockstep, weights, first_weights,
+                     engine_devices, log)
+    except BaseException:
+        lockstep.abort()
+        raise
+
+
+def _saves(cfg: RunConfig, step: int) -> bool:
+    return step % cfg.checkpoint.every == 0 or step == cfg.train.steps + cfg.rl.steps
+
+
+def _follow(cfg: RunConfig, trainer: RLTrainer, lockstep: Lockstep, weights) -> None:
+    """A process other than 0: the same collectives as process 0's loop, in the same order,
+    on the batches it shares."""
+    end, config_dict = cfg.train.steps + cfg.rl.steps, to_dict(cfg)
+    like = pack([], cfg.rl)["arrays"]
+    try:
+        while trainer.step < end:
+            arrays = lockstep.share(None, like)
+            with lockstep.collective():
+                trainer.train(arrays)
+                weights()
+            if _saves(cfg, trainer.step):
+                lockstep.sync()
+                with lockstep.collective():
+                    trainer.save(config_dict, {})    # process 0 writes the data item
+    finally:
+        trainer.close()
+
+
+def _lead(cfg: RunConfig, model_cfg, trainer: RLTrainer, lockstep: Lockstep, weights,
+          first_weights, engine_devices, log: Callable[[str], None]) -> dict:
+    """Process 0 (the only one on a single host): the actor, the fleet, the rollout pipeline,
+    evaluation and metrics, and the trainer's steps."""
+    rl, first_rl = cfg.rl, cfg.train.steps
+    end = first_rl + rl.steps
+    mesh, multi = trainer.mesh, lockstep.processes > 1
+    task, tokenizer = build_task(cfg, model_cfg)
     step = trainer.step
-    gen = generation.start(cfg, model_cfg, tokenizer, trainer.params, step, engine_devices, log)
+    gen = generation.start(cfg, model_cfg, tokenizer, first_weights, step, engine_devices, log)
     fleet, publisher = gen.fleet, gen.publisher
     data = trainer.data or {"position": 0, "rollouts": [], "redo": [], "next_problem": 0,
                             "iterator": None, "time_s": 0.0, "eval_before": None}
@@ -94,10 +147,12 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
                   carry=Actor.carry_from(data), stats=data.get("stats"), warn=log)
     actor.notify_trained(data["position"])
     trainer_step = [step]
+    # One process: batches go onto the trainer's devices in the pipeline's thread. Several:
+    # they stay in host memory, are shared, and each process puts its own rows (trainer.train).
     dataset, lag_stats = rl_batches(
         rollout_log, rl, current_step=lambda: trainer_step[0],
-        put=lambda a: jax.device_put(a, trainer.batch_sharding), start=data["position"],
-        lag_state=data.get("lag_stats"))
+        put=(lambda a: a) if multi else (lambda a: jax.device_put(a, trainer.batch_sharding)),
+        start=data["position"], lag_state=data.get("lag_stats"))
     batches = iter(dataset)
     if data["iterator"] is not None:
         batches.set_state(data["iterator"])
@@ -125,9 +180,10 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
         metrics_log.log(step, {"eval_accuracy": eval_before, "time_s": clock()})
     where = (f"{len(fleet.members)} server(s) {', '.join(rl.generation.servers)}"
              if rl.generation.remote else f"an engine on {len(engine_devices)} device(s)")
+    processes = f" in {lockstep.processes} processes" if multi else ""
     log(f"RL ({rl.mode}, {'remote' if rl.generation.remote else rl.placement}, loss {rl.loss}):"
         f" steps {step}..{end}; {rl.prompts_per_step} prompts x {rl.group_size} samples per "
-        f"step; trainer on {len(trainer_devices)} device(s) {dict(mesh.shape)}, generation on "
+        f"step; trainer on {mesh.size} device(s){processes} {dict(mesh.shape)}, generation on "
         f"{where}; held-out accuracy {eval_before}")
 
     all_lags, rows = [], []
@@ -145,14 +201,17 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
                 actor.generate(max(0, rl.batch_size - (rollout_log.end - trained)))
             t0 = time.perf_counter()
             batch = _next_batch(batches, actor)
+            arrays = lockstep.share(lambda: batch["arrays"], None)
             wait_s = time.perf_counter() - t0
             if rl.mode == "partial":
                 gen.local.pause()
             t0 = time.perf_counter()
-            train_metrics = trainer.train(batch["arrays"])
+            with lockstep.collective():
+                train_metrics = trainer.train(arrays)
+                published = weights()
             step_s = time.perf_counter() - t0
             step = trainer_step[0] = trainer.step
-            update = publisher.publish(trainer.params, step)
+            update = publisher.publish(published, step)
             if rl.mode == "partial":
                 gen.local.resume()
             position = source_position(batches.get_state())
@@ -169,14 +228,19 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
             metrics_log.histogram(step, "completion_len", lengths)
             rows.append({"step": step, **row})
             progress.update(step, row)
-            if step % cfg.checkpoint.every == 0 or step == end:
-                trainer.save(config_dict, {
-                    **actor.snapshot(position), "iterator": batches.get_state(),
-                    "lag_stats": lag_stats.state(), "trained": recorder.trained,
-                    "time_s": now, "eval_before": eval_before})
+            if _saves(cfg, step):
+                lockstep.sync()
+                with lockstep.collective():
+                    trainer.save(config_dict, {
+                        **actor.snapshot(position), "iterator": batches.get_state(),
+                        "lag_stats": lag_stats.state(), "trained": recorder.trained,
+                        "time_s": now, "eval_before": eval_before})
                 rollout_log.release(position)
         if cfg.train.eval_problems:
             final_eval = held_out()
+    except BaseException:
+        lockstep.abort()     # before the clean-up below: the others may wait at a share
+        raise
     finally:
         progress.close()
         actor.stop()
@@ -205,6 +269,8 @@ def _next_batch(batches, actor: Actor) -> dict:
     try:
         return next(batches)
     except StopIteration:
+        if isinstance(actor.error, UserError):     # e.g. no server answers: one line
+            raise actor.error from None
         raise RuntimeError("the rollout stream ended early") from actor.error
 
 

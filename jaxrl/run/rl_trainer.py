@@ -16,6 +16,7 @@ from jaxrl.train.objectives import PolicyGradientLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
 from jaxrl.train.step import (abstract_state, init_state, make_train_step,
                               optimizer_on_device, state_shardings)
+from sharding import hosts
 from sharding import mesh as shd
 
 
@@ -55,6 +56,7 @@ class RLTrainer:
             in_shardings=(shardings, self.batch_sharding),
             out_shardings=(shardings, shd.replicated(mesh)), donate_argnums=0)
         self.step = int(self.state["step"])
+        self._cast = None
 
     def _restore_or_init(self, cfg: RunConfig, model_cfg, tx, shardings, log):
         rl, first_rl, ckpt = cfg.rl, cfg.train.steps, self.ckpt
@@ -105,10 +107,24 @@ class RLTrainer:
         return self.state["params"]
 
     def train(self, arrays) -> dict:
-        """One optimizer step on a batch's arrays; its metrics (host floats)."""
+        """One optimizer step on a batch's arrays; its metrics (host floats). On several
+        processes the arrays are the whole batch in host memory, the same on each: every
+        process puts only its own rows on its devices."""
+        if jax.process_count() > 1:
+            sharding = self.batch_sharding
+            arrays = hosts.global_batch(
+                {k: v[hosts.local_box(sharding, v.shape)] for k, v in arrays.items()},
+                sharding, {k: v.shape for k, v in arrays.items()})
         self.state, metrics = jax.block_until_ready(self._step_fn(self.state, arrays))
         self.step += 1
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def gathered_params(self, dtype) -> dict:
+        """On several processes (a collective: all of them call it): the parameters whole, in
+        `dtype`, in host memory, for process 0 to push to the generation servers."""
+        if self._cast is None:
+            self._cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p))
+        return hosts.fully_addressable(self._cast(self.params))
 
     def save(self, config: dict, data: dict) -> None:
         self.ckpt.save(self.state, config, data=data)

@@ -3,6 +3,7 @@ this process's orchestrator on the same weights: the same tokens, log-probs and 
 group carried in continues exactly; refusals, stale versions, bad tokens and deadlines come back
 as the errors the Generation interface names."""
 
+import numpy as np
 import pytest
 
 from serving.client import RemoteGeneration
@@ -73,7 +74,11 @@ def test_carried_group_continues_remotely(remote, local, server):
     before = server.orchestrator.metrics()["generated_tokens"]
     got = remote.submit(prompt, sampling, carry=cut).result()
     assert [s.tokens for s in got] == [s.tokens for s in full]
-    assert [s.logprobs for s in got] == [s.logprobs for s in full]
+    # Not bit for bit: the cut sample's re-prefilled prefix makes the batch's longest length,
+    # hence the decode attention's length bucket, differ from the uninterrupted run's, and the
+    # reduction over a longer (masked) span rounds differently (~1e-7).
+    for g, f in zip(got, full):
+        np.testing.assert_allclose(g.logprobs, f.logprobs, rtol=1e-5, atol=1e-6)
     generated = server.orchestrator.metrics()["generated_tokens"] - before
     assert generated == 3 * 30 - 30 - 13
 
