@@ -59,9 +59,10 @@ def fleet_run(tmp_path_factory):
     servers = [start_server(warm_dir / "checkpoints", token_file) for _ in range(2)]
     addresses = [address for _, address in servers]
     run_dir = rl_run_dir(warm_dir / "checkpoints", tmp_path_factory.mktemp("fleet"))
-    cfg = config(run_dir, "rl.mode=async", f"rl.generation.servers={','.join(addresses)}",
-                 f"rl.generation.token_file={token_file}", "rl.generation.heartbeat_s=0.5",
-                 "rl.generation.heartbeat_timeout_s=10", "rl.max_lag=1000")
+    cfg_overrides = ("rl.mode=async", f"rl.generation.servers={','.join(addresses)}",
+                     f"rl.generation.token_file={token_file}", "rl.generation.heartbeat_s=0.5",
+                     "rl.generation.heartbeat_timeout_s=10", "rl.max_lag=1000")
+    cfg = config(run_dir, *cfg_overrides)
     trained, events, lines = {}, {}, []
     batch_stats = rl_metrics.batch_stats
 
@@ -89,11 +90,17 @@ def fleet_run(tmp_path_factory):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(rl_metrics, "batch_stats", record)
             job.run(cfg, log=lines.append)
-        after = {}
-        for address in addresses:
-            remote = RemoteGeneration(address, rpc_timeout_s=30)
-            after[address] = remote.metrics()
-            remote.close()
+        after = _versions(addresses)
+        # A trainer that resumes from an older checkpoint than the servers' weights (as one
+        # that crashed after pushing newer ones): the warm-up's, at WARMUP, for 2 steps.
+        resumed_dir = rl_run_dir(warm_dir / "checkpoints", tmp_path_factory.mktemp("resumed"))
+        resumed = {}
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rl_metrics, "batch_stats",
+                       lambda rollouts, step: (resumed.setdefault(step + 1, list(rollouts)),
+                                               batch_stats(rollouts, step))[1])
+            job.run(config(resumed_dir, *cfg_overrides, "rl.steps=2"), log=quiet)
+        after_resume = _versions(addresses)
     finally:
         if restarting.is_alive():    # never leave a server behind, even one still starting
             restarting.join(300)
@@ -104,7 +111,18 @@ def fleet_run(tmp_path_factory):
     final = ckpt.saved_data(WARMUP + RL_STEPS)
     ckpt.close()
     return {"run_dir": run_dir, "trained": trained, "events": events, "after": after,
-            "addresses": addresses, "final": final, "lines": lines}
+            "addresses": addresses, "final": final, "lines": lines, "resumed": resumed,
+            "after_resume": after_resume}
+
+
+def _versions(addresses) -> dict:
+    """Each server's metrics (its version, requests done)."""
+    out = {}
+    for address in addresses:
+        remote = RemoteGeneration(address, rpc_timeout_s=30)
+        out[address] = remote.metrics()
+        remote.close()
+    return out
 
 
 def test_reward_rises_with_remote_generation(fleet_run, report_table):
@@ -157,3 +175,16 @@ def test_every_trained_token_has_the_trainer_s_log_prob_and_version(fleet_run):
             assert all(np.isfinite(r.logprobs)) and max(r.logprobs) <= 0
             assert WARMUP <= min(r.versions) and max(r.versions) < step
             assert r.versions == sorted(r.versions)
+
+
+def test_a_trainer_resumed_from_older_weights_brings_every_server_back(fleet_run):
+    """The servers serve step WARMUP + RL_STEPS's weights; a trainer resumed from the warm-up's
+    checkpoint (step WARMUP) pushes its own first, marked `resume`: each server goes back to
+    them, and every sample trained carries only the resumed trainer's versions."""
+    before = {a: m["version"] for a, m in fleet_run["after"].items()}
+    assert min(before.values()) >= WARMUP + 20
+    assert sorted(fleet_run["resumed"]) == [WARMUP + 1, WARMUP + 2]
+    for step, rollouts in fleet_run["resumed"].items():
+        assert all(WARMUP <= min(r.versions) and max(r.versions) < step for r in rollouts)
+    after = {a: m["version"] for a, m in fleet_run["after_resume"].items()}
+    assert all(WARMUP <= v <= WARMUP + 2 for v in after.values()), (before, after)
