@@ -5,9 +5,11 @@
    `jaxrl serve` processes on this machine (rl.generation.servers), each server with half the
    slots. Prints samples/s as a ratio, the weight pushes' bytes/s and each server's decode pause
    per update (its engine loop held to swap the weights in).
-2. Weight pushes to a server that is decoding, over loopback gRPC, for models of growing size:
-   bytes/s of the whole update (stream, checks, assembly, transfer beside decoding) and the
-   decode pause, which should not grow with the model.
+2. Weight pushes to a server that is decoding, over loopback, for models of growing size, by
+   both paths in turn: the gRPC stream (the default) and the server pulling them over
+   jax.experimental.transfer (rl.generation.transfer=jax). Bytes/s of the whole update
+   (transfer, checks, assembly beside decoding) and the decode pause, which should not grow
+   with the model.
 
     jaxrl bench fleet --rl-steps 60 [--warmup-dir runs/demo/checkpoints]
     (or: .venv/bin/python bench/fleet.py ...)
@@ -105,7 +107,9 @@ def fleet_vs_local(args, work: Path) -> dict:
 
 def push_rate(embed: int, layers: int, pushes: int) -> dict:
     """Pushes `pushes` updates of a model of this size to an in-process server over loopback
-    while it decodes greedy requests; bytes/s and the server's decode pause."""
+    while it decodes greedy requests, by each path: streamed over gRPC, and pulled by the server
+    over jax.experimental.transfer (serving/transfer.py). Bytes/s and the decode pause of each,
+    the two paths taking turns so that both see the same machine."""
     cfg = ModelConfig(vocab_size=1024, embed_dim=embed, num_layers=layers, num_heads=8,
                       num_kv_heads=4, head_dim=embed // 8, mlp_dim=4 * embed, max_seq_len=128)
     params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1]
@@ -114,31 +118,43 @@ def push_rate(embed: int, layers: int, pushes: int) -> dict:
     engine.load_params(params, version=-1)
     server = Server(Orchestrator(engine, eos_id=None).start(), port=0,
                     update_token=TOKEN).start()
-    remote = RemoteGeneration(server.address, token=TOKEN)
+    paths = {"grpc": RemoteGeneration(server.address, token=TOKEN),
+             "transfer": RemoteGeneration(server.address, token=TOKEN,
+                                          transfer_host="127.0.0.1")}
     busy = threading.Event()
 
     def decode():                   # keep the server generating throughout
         while not busy.is_set():
-            remote.submit([1, 2, 3], SamplingParams(max_tokens=100, temperature=0.0)).result()
+            paths["grpc"].submit([1, 2, 3], SamplingParams(max_tokens=100,
+                                                           temperature=0.0)).result()
 
     thread = threading.Thread(target=decode, daemon=True)
     thread.start()
-    host = {k: np.asarray(v) for k, v in _flat(params).items()}
-    nbytes = sum(a.nbytes for a in host.values())
-    remote.update_params(params, 0, timeout=600)    # the first compiles the cast
-    seconds, pauses = [], []
-    for version in range(1, pushes + 1):
-        t0 = time.perf_counter()
-        result = remote.update_params(params, version, timeout=600)
-        seconds.append(time.perf_counter() - t0)
-        pauses.append(1e3 * result.pause_s)
+    nbytes = sum(np.asarray(a).nbytes for a in _flat(params).values())
+    version = 0
+    for remote in paths.values():   # the first of each compiles the cast
+        remote.update_params(params, version, timeout=600)
+        version += 1
+    seconds = {name: [] for name in paths}
+    pauses = {name: [] for name in paths}
+    for _ in range(pushes):
+        for name, remote in paths.items():
+            t0 = time.perf_counter()
+            result = remote.update_params(params, version, timeout=600)
+            seconds[name].append(time.perf_counter() - t0)
+            pauses[name].append(1e3 * result.pause_s)
+            version += 1
     busy.set()
     thread.join(60)
-    remote.close()
+    for remote in paths.values():
+        remote.close()
     server.stop(0)
-    return {"params_M": nbytes / 4 / 1e6, "bytes": nbytes,
-            "bytes_per_s": nbytes / float(np.median(seconds)),
-            "pause_ms_median": float(np.median(pauses)), "pause_ms_max": float(max(pauses))}
+    out = {"params_M": nbytes / 4 / 1e6, "bytes": nbytes}
+    for name in paths:
+        out[name] = {"bytes_per_s": nbytes / float(np.median(seconds[name])),
+                     "pause_ms_median": float(np.median(pauses[name])),
+                     "pause_ms_max": float(max(pauses[name]))}
+    return out
 
 
 def _flat(params, prefix=""):
@@ -171,10 +187,13 @@ def main(argv=None) -> None:
         embed, layers = map(int, size.split("x"))
         r = push_rate(embed, layers, args.pushes)
         out["pushes"].append(r)
+        g, t = r["grpc"], r["transfer"]
         print(f"push of {r['params_M']:.1f}M float32 parameters ({r['bytes'] / 1e6:.0f} MB) to a "
-              f"decoding server over loopback: {r['bytes_per_s'] / 1e9:.3f} GB/s; decode pause "
-              f"median {r['pause_ms_median']:.3f} ms, max {r['pause_ms_max']:.3f} ms",
-              flush=True)
+              f"decoding server over loopback: gRPC stream {g['bytes_per_s'] / 1e9:.3f} GB/s, "
+              f"jax transfer pull {t['bytes_per_s'] / 1e9:.3f} GB/s "
+              f"({t['bytes_per_s'] / g['bytes_per_s']:.1f}x); decode pause median "
+              f"{g['pause_ms_median']:.3f} / {t['pause_ms_median']:.3f} ms, max "
+              f"{g['pause_ms_max']:.3f} / {t['pause_ms_max']:.3f} ms", flush=True)
     print(json.dumps(out))
 
 

@@ -287,6 +287,9 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from jaxrl.platform import choose_platforms
+
+    choose_platforms()      # before JAX is imported: no TPU backend on a machine without TPU
     args = parse(argv)
     try:
         return args.run(args) or 0

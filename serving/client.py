@@ -38,13 +38,18 @@ _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 def weight_pieces(params, version: int, piece_bytes: int = 1 << 20, *, resume: bool = False):
     """`WeightPiece` messages for a nested dict of arrays, each at most `piece_bytes` of data."""
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        name = _name(path)
         a = np.ascontiguousarray(jax.device_get(x))
         data = a.tobytes()
         for offset in range(0, max(len(data), 1), piece_bytes):
             yield gen_pb2.WeightPiece(version=version, name=name, shape=a.shape,
                                       dtype=a.dtype.name, offset=offset,
                                       data=data[offset: offset + piece_bytes], resume=resume)
+
+
+def _name(path) -> str:
+    """A parameter's path as the wire names it, e.g. "layers/q_proj"."""
+    return "/".join(str(getattr(k, "key", k)) for k in path)
 
 
 def push_weights(channel, params, version: int, token: str, timeout: float = 600.0):
@@ -80,11 +85,15 @@ class RemoteGeneration:
     """A `jaxrl serve` process at `address`, as a Generation.
 
     `token`: the server's weight-update token (needed by `update_params`).
-    `rpc_timeout_s`: the deadline of metrics calls (a hung server fails them)."""
+    `rpc_timeout_s`: the deadline of metrics calls (a hung server fails them).
+    `transfer_host`: send weights device to device (serving/transfer.py: the server pulls them
+    from a jax.experimental.transfer server of this process bound to this host) instead of
+    streaming them in pieces (None, the default)."""
 
     def __init__(self, address: str, *, token: str | None = None, tls_ca: bytes | None = None,
-                 rpc_timeout_s: float = 10.0):
+                 rpc_timeout_s: float = 10.0, transfer_host: str | None = None):
         self.address = address
+        self.transfer_host = transfer_host
         self._token = token
         self._channel = open_channel(address, tls_ca=tls_ca)
         self._stub = gen_grpc.GenerationStub(self._channel)
@@ -141,10 +150,16 @@ class RemoteGeneration:
         dtypes, token), TimeoutError (the deadline passed: the server keeps its old weights) or
         ConnectionError (the server cannot be reached)."""
         t0 = time.perf_counter()
+        metadata = [("authorization", f"Bearer {self._token or ''}")]
         try:
-            reply = self._stub.UpdateWeights(
-                weight_pieces(params, version, resume=resume), timeout=timeout,
-                metadata=[("authorization", f"Bearer {self._token or ''}")])
+            if self.transfer_host is None:
+                reply = self._stub.UpdateWeights(
+                    weight_pieces(params, version, resume=resume), timeout=timeout,
+                    metadata=metadata)
+            else:
+                reply = self._stub.PullWeights(
+                    self._offer(params, version, resume, timeout), timeout=timeout,
+                    metadata=metadata)
         except grpc.RpcError as e:
             code, details = e.code(), e.details()
             where = f"weights version {version} to {self.address}"
@@ -156,6 +171,18 @@ class RemoteGeneration:
                 raise TimeoutError(f"{where}: not done within {timeout} s") from None
             raise ConnectionError(f"{where}: {code.name}: {details}") from None
         return UpdateResult(reply.version, time.perf_counter() - t0, reply.pause_ms / 1e3)
+
+    def _offer(self, params, version: int, resume: bool, timeout: float | None):
+        """Offers `params` on this process's transfer server; the request that pulls them."""
+        from serving.transfer import Endpoint
+
+        named = {_name(path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+        endpoint = Endpoint.get(host=self.transfer_host)
+        uuid = endpoint.offer(named, deadline_s=timeout or 600.0)
+        return gen_pb2.PullRequest(
+            version=version, resume=resume, address=endpoint.address, uuid=uuid,
+            tensors=[gen_pb2.TensorSpec(name=n, shape=list(x.shape), dtype=np.dtype(x.dtype).name)
+                     for n, x in named.items()])
 
     def metrics(self, timeout: float | None = None) -> dict:
         """The server's counters. Raises ConnectionError if it does not answer within

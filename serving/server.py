@@ -14,6 +14,7 @@ import logging
 from concurrent import futures
 
 import grpc
+import jax
 
 from jaxrl.models.tokenizer import Tokenizer
 from serving.orchestrator import DoneEvent, InvalidRequest, Orchestrator, QueueFull, Sample
@@ -22,7 +23,8 @@ from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.proto import jetstream_pb2 as js_pb2
 from serving.proto import jetstream_pb2_grpc as js_grpc
 from serving.sampling import SamplingParams
-from serving.weight_stream import StaleVersion, WeightAssembler, tensor_names
+from serving.transfer import as_tree, check_specs
+from serving.weight_stream import StaleVersion, WeightAssembler, check_version, tensor_names
 from sharding.reshard import WeightUpdateError
 
 log = logging.getLogger("jaxrl.serve")
@@ -105,10 +107,11 @@ class JetStreamService(js_grpc.OrchestratorServicer):
 
 class GenerationService(gen_grpc.GenerationServicer):
     def __init__(self, orchestrator: Orchestrator, tokenizer: Tokenizer | None,
-                 update_token: str | None):
+                 update_token: str | None, transfer_host: str = "127.0.0.1"):
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.update_token = update_token
+        self.transfer_host = transfer_host     # where weight pulls leave from
         self._shapes = tensor_names(orchestrator.engine.param_target)
 
     def Generate(self, request, context):
@@ -133,7 +136,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                     logprobs=[event.logprob], versions=[event.version],
                     text=detok.add(event.sample_index, event.token))
 
-    def UpdateWeights(self, request_iterator, context):
+    def _authorize(self, context) -> None:
         if not self.update_token:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "weight updates are disabled: the server was started without an "
@@ -143,6 +146,9 @@ class GenerationService(gen_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "weight updates need 'authorization: Bearer <token>' metadata with "
                           "the server's update token")
+
+    def UpdateWeights(self, request_iterator, context):
+        self._authorize(context)
         try:
             assembler = WeightAssembler(self._shapes, self.orchestrator.newest_version)
             for piece in request_iterator:
@@ -153,7 +159,45 @@ class GenerationService(gen_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (WeightUpdateError, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        log.info("weights version %d in: transfer %.1f ms, pause %.3f ms", version,
+        return self._updated(version, result, "streamed")
+
+    def PullWeights(self, request, context):
+        """The device-to-device path (serving/transfer.py): every check first, then the pull."""
+        self._authorize(context)
+        specs = [(t.name, tuple(t.shape), t.dtype) for t in request.tensors]
+        try:
+            check_version(request.version, request.resume, self.orchestrator.newest_version)
+            check_specs(specs, self._shapes)
+        except StaleVersion as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except WeightUpdateError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            named = self._endpoint().pull(request.address, request.uuid, specs,
+                                          context.time_remaining())
+        except Exception as e:      # the offer is gone, the trainer unreachable, the deadline
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"weight pull from {request.address} failed: {e}")
+        try:
+            result = self.orchestrator.update_params(as_tree(named), request.version,
+                                                     resume=request.resume)
+        except StaleVersion as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except (WeightUpdateError, ValueError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return self._updated(request.version, result, "pulled")
+
+    def _endpoint(self):
+        """This server's transfer endpoint, on its engine's first device, started on first use."""
+        from serving.transfer import Endpoint
+
+        device = jax.tree.leaves(self.orchestrator.engine.param_target)[0].sharding
+        return Endpoint.get(sorted(device.device_set, key=lambda d: d.id)[0],
+                            host=self.transfer_host)
+
+    @staticmethod
+    def _updated(version: int, result, how: str):
+        log.info("weights version %d %s: transfer %.1f ms, pause %.3f ms", version, how,
                  1e3 * result.transfer_s, 1e3 * result.pause_s)
         return gen_pb2.UpdateWeightsResponse(version=version, transfer_ms=1e3 * result.transfer_s,
                                              pause_ms=1e3 * result.pause_s)
@@ -200,7 +244,8 @@ class Server:
         js_grpc.add_OrchestratorServicer_to_server(
             JetStreamService(orchestrator, tokenizer), self._server)
         gen_grpc.add_GenerationServicer_to_server(
-            GenerationService(orchestrator, tokenizer, update_token), self._server)
+            GenerationService(orchestrator, tokenizer, update_token, transfer_host=host),
+            self._server)
         self.address = f"{host}:{port}"
         if tls is not None:
             credentials = grpc.ssl_server_credentials([(tls[1], tls[0])])

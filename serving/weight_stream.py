@@ -33,6 +33,16 @@ class StaleVersion(WeightUpdateError):
     """An update whose version is not newer than the one served."""
 
 
+def check_version(version: int, resume: bool, current: int) -> None:
+    """An update's version: newer than the one served, unless it says `resume` (a trainer
+    resumed from an older checkpoint), and never negative."""
+    if version <= current and not resume:
+        raise StaleVersion(f"weight update version {version} is not newer than the served "
+                           f"version {current}")
+    if version < 0:
+        raise WeightUpdateError(f"weight update version {version} must be >= 0")
+
+
 def tensor_names(target) -> dict[str, tuple[int, ...]]:
     """{"layers/q_proj": shape, ...} of a tree of arrays or ShapeDtypeStructs."""
     return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(x.shape)
@@ -110,11 +120,7 @@ class WeightAssembler:
 
     def _check_version(self, version: int, resume: bool) -> None:
         if self.version is None:
-            if version <= self.current_version and not resume:
-                raise StaleVersion(f"weight update version {version} is not newer than the "
-                                   f"served version {self.current_version}")
-            if version < 0:
-                raise WeightUpdateError(f"weight update version {version} must be >= 0")
+            check_version(version, resume, self.current_version)
             self.version, self.resume = version, resume
         elif version != self.version or resume != self.resume:
             raise WeightUpdateError(f"weight update: pieces of one update carry versions "

@@ -23,6 +23,12 @@ class GenerationConfig:
     heartbeat_s: float = 5.0         # how often each server is asked for its counters ...
     heartbeat_timeout_s: float = 10.0  # ... and how long it may take to answer
     wait_s: float = 600.0            # the run fails if no server can take work for this long
+    # How weights reach the servers: grpc (streamed in pieces over their gRPC port: the portable
+    # default) or jax (each server pulls them device to device from a jax.experimental.transfer
+    # server of the trainer's process 0, bound to transfer_host, which the servers must reach;
+    # it has no authentication of its own: a trusted network only). serving/transfer.py.
+    transfer: Literal["grpc", "jax"] = "grpc"
+    transfer_host: str = "127.0.0.1"
 
     def __post_init__(self):
         for name in ("push_deadline_s", "heartbeat_s", "heartbeat_timeout_s", "wait_s"):

@@ -87,7 +87,8 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
     members = []
     for address in g.servers:
         remote = RemoteGeneration(address, token=token, tls_ca=tls_ca,
-                                  rpc_timeout_s=g.heartbeat_timeout_s)
+                                  rpc_timeout_s=g.heartbeat_timeout_s,
+                                  transfer_host=g.transfer_host if g.transfer == "jax" else None)
         member = Member(address, remote, slots=cfg.rl.group_size, remote=True, alive=False,
                         why_down="not reached yet")
         try:

@@ -4,7 +4,8 @@ trainer's newest weights, without letting a slow or dead member hold the trainer
 - In-process members get each version at once, device to device (the orchestrator swaps it in
   between two decode steps); `publish` returns when they serve it, as before the fleet existed.
 - Remote members get it from a thread each, streamed in pieces with a deadline
-  (`deadline_s`). `publish` itself only starts a device-side copy in the serving dtype (the
+  (`deadline_s`), or, with rl.generation.transfer=jax, pulled by the server from the device
+  copy (serving/transfer.py). `publish` itself only starts a device-side copy in the serving dtype (the
   trainer's buffers are donated to its next step) and returns: the trainer never waits for a
   remote push. A member still pushing when newer weights arrive gets the newest next (versions
   in between are skipped, never sent out of order).
@@ -102,10 +103,11 @@ class WeightPublisher:
                     continue
                 resume = m.version is None   # first weights from this trainer: any version
             version, params = job
-            try:
-                host = self._host_copy(version, params)
+            try:    # a server that pulls takes the device copy; a stream, host memory
+                pulls = getattr(m.generation, "transfer_host", None) is not None
+                payload = params if pulls else self._host_copy(version, params)
                 t0 = time.perf_counter()
-                result = m.generation.update_params(host, version, timeout=self.deadline_s,
+                result = m.generation.update_params(payload, version, timeout=self.deadline_s,
                                                     resume=resume)
                 seconds = time.perf_counter() - t0
             except StaleVersion:     # someone else pushed it newer weights: replace them
@@ -127,7 +129,7 @@ class WeightPublisher:
             with self._lock:
                 s = self.stats
                 s["pushes"] += 1
-                s["push_bytes"] += sum(a.nbytes for a in jax.tree.leaves(host))
+                s["push_bytes"] += sum(a.nbytes for a in jax.tree.leaves(payload))
                 s["push_s"] += seconds
                 s["update_pause_ms_max"] = max(s["update_pause_ms_max"], 1e3 * result.pause_s)
             fleet.advanced(m, version)

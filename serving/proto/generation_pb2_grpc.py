@@ -49,6 +49,11 @@ class GenerationStub:
                 request_serializer=serving_dot_proto_dot_generation__pb2.MetricsRequest.SerializeToString,
                 response_deserializer=serving_dot_proto_dot_generation__pb2.MetricsResponse.FromString,
                 _registered_method=True)
+        self.PullWeights = channel.unary_unary(
+                '/jaxrl.serving.Generation/PullWeights',
+                request_serializer=serving_dot_proto_dot_generation__pb2.PullRequest.SerializeToString,
+                response_deserializer=serving_dot_proto_dot_generation__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -76,6 +81,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullWeights(self, request, context):
+        """The device-to-device path: the trainer offers its weights on a jax.experimental.transfer
+        server and the server pulls them straight into its device memory. Checked as UpdateWeights
+        is (token, version, every tensor's name, shape and dtype) before anything is pulled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetMetrics,
                     request_deserializer=serving_dot_proto_dot_generation__pb2.MetricsRequest.FromString,
                     response_serializer=serving_dot_proto_dot_generation__pb2.MetricsResponse.SerializeToString,
+            ),
+            'PullWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullWeights,
+                    request_deserializer=serving_dot_proto_dot_generation__pb2.PullRequest.FromString,
+                    response_serializer=serving_dot_proto_dot_generation__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +195,33 @@ class Generation:
             '/jaxrl.serving.Generation/GetMetrics',
             serving_dot_proto_dot_generation__pb2.MetricsRequest.SerializeToString,
             serving_dot_proto_dot_generation__pb2.MetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxrl.serving.Generation/PullWeights',
+            serving_dot_proto_dot_generation__pb2.PullRequest.SerializeToString,
+            serving_dot_proto_dot_generation__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,8 @@ built only its own rows of every batch; the checkpoint the two wrote together re
 process with plain Orbax.
 
 Then RL on from that checkpoint, still in two processes, generating on a `jaxrl serve`
-subprocess: process 0 leads (actor, pushes, metrics), process 1 trains beside it; and a process
+subprocess that pulls each version's weights from process 0 over jax.experimental.transfer:
+process 0 leads (actor, pushes, metrics), process 1 trains beside it; and a process
 0 that cannot reach its fleet stops process 1 with it instead of leaving it waiting."""
 
 import json
@@ -35,6 +36,8 @@ ARGS = ["--config", str(ROOT / "configs/demo_cpu.yaml"), "model.embed_dim=32",
 
 RL = ["rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=4", "rl.slots=16",
       "rl.microbatch_rows=8", "checkpoint.resume=true", "rl.generation.heartbeat_s=0.5"]
+# The RL run sends its weights device to device (serving/transfer.py), the fleet test streams.
+RL_TRANSFER = ["rl.generation.transfer=jax"]
 
 
 def free_port() -> int:
@@ -147,7 +150,7 @@ def rl_run(runs, tmp_path_factory):
     try:
         address = _ready(server)
         outputs = [finish(p) for p in two_processes(
-            run_dir, *RL, f"rl.generation.servers={address}",
+            run_dir, *RL, *RL_TRANSFER, f"rl.generation.servers={address}",
             f"rl.generation.token_file={token}")]
         from serving.client import RemoteGeneration
         remote = RemoteGeneration(address, rpc_timeout_s=30)
@@ -180,8 +183,10 @@ def test_rl_in_two_processes_with_a_generation_server(rl_run):
     assert [r["step"] for r in rows] == [7, 8, 9, 10]        # written once, by process 0
     assert [r["samples_trained"] for r in rows] == [16, 32, 48, 64]
     assert all(np.isfinite(r["loss"]) for r in rows), rows
-    # Weights gathered from both processes reached the server (its first were step 6's).
+    # Weights gathered from both processes reached the server, pulled device to device (its
+    # first were step 6's); no pull failed.
     assert rl_run["served"]["version"] >= 7, rl_run["served"]
+    assert rows[-1]["pushes"] >= 2 and rows[-1]["push_failures"] == 0, rows[-1]
     # Both processes wrote the checkpoints; process 0 wrote the rollout stream's state.
     from jaxrl.train.checkpoint import Checkpointer
     ckpt = Checkpointer(rl_run["run_dir"] / "checkpoints")

@@ -132,3 +132,46 @@ def test_an_unreachable_server_is_a_connection_error(params):
     [sample] = stream.result()
     assert sample.finish_reason == "lost" and "UNAVAILABLE" in stream.error
     remote.close()
+
+
+def test_weights_pulled_device_to_device_are_served(server, params):
+    """The jax.experimental.transfer path (serving/transfer.py): other weights pulled by the
+    server then generate exactly what a local engine holding them generates, at their version;
+    the original weights pulled back (resume) serve as before."""
+    import jax
+    other = jax.tree.map(lambda x: x * 1.5 + 0.01, params)
+    puller = RemoteGeneration(server.address, token=TOKEN, transfer_host="127.0.0.1")
+    version = puller.newest_version + 1
+    result = puller.update_params(other, version, timeout=60)
+    assert result.version == version == puller.newest_version
+    engine = Engine(CFG, ENGINE)
+    engine.load_params(other, version=version)
+    sampling = SamplingParams(max_tokens=16, temperature=0.0, n=2)
+    with Orchestrator(engine, eos_id=1) as want:
+        for prompt in prompts(5, 11, seed=8):
+            expected = want.submit(prompt, sampling).result()
+            got = puller.submit(prompt, sampling).result()
+            assert [s.tokens for s in got] == [s.tokens for s in expected]
+            assert {v for s in got for v in s.versions} == {version}
+    assert puller.update_params(params, 0, timeout=60, resume=True).version == 0
+    puller.close()
+
+
+def test_a_pull_that_does_not_fit_is_refused_before_anything_moves(server, params):
+    import jax
+    puller = RemoteGeneration(server.address, token=TOKEN, transfer_host="127.0.0.1")
+    version = puller.newest_version
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    (path, first), = flat[:1]
+    wrong = jax.tree_util.tree_unflatten(jax.tree.structure(params),
+                                         [first[..., :1]] + [x for _, x in flat[1:]])
+    with pytest.raises(WeightUpdateError, match=r"has shape .* the served model needs"):
+        puller.update_params(wrong, version + 1, timeout=30)
+    with pytest.raises(StaleVersion, match="not newer"):
+        puller.update_params(params, version, timeout=30)
+    stranger = RemoteGeneration(server.address, token="not-it", transfer_host="127.0.0.1")
+    with pytest.raises(WeightUpdateError, match="refused"):
+        stranger.update_params(params, version + 1, timeout=30)
+    stranger.close()
+    assert puller.newest_version == version
+    puller.close()

@@ -133,3 +133,41 @@ def test_ragged_paged_attention_compiles_into_the_decode_step_for_tpu():
                                             engine.abstract_decode_state(), table, 1).compile()
     text = compiled.as_text()
     assert "tpu_custom_call" in text and "ragged_paged_attention" in text
+
+
+def test_a_process_without_jax_platforms_leaves_libtpu_to_the_tpu_compile(tmp_path):
+    """`jaxrl serve` started without JAX_PLATFORMS on this TPU-less machine (libtpu installed):
+    it never loads libtpu (its memory map shows none) nor says anything about it, and a TPU
+    compile in this process goes on beside it."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    import numpy as np
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxrl.cli", "serve", "--port", "0",
+                             "--checkpoint", str(tmp_path / "none"), "--slots", "2",
+                             "--max-len", "48"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    try:
+        output = []
+        for line in proc.stdout:
+            output.append(line)
+            if "ready on" in line:
+                break
+        assert "ready on" in output[-1], "".join(output)[-3000:]
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "libtpu" not in maps
+        assert not any("libtpu" in line.lower() or "tpu" in line.split() for line in output)
+        devices = np.asarray(tpu_devices("v5e:2x2")).reshape(4)
+        sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("x",)),
+                                              jax.sharding.PartitionSpec("x"))
+        arg = jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=sharding)
+        compiled_fn = jax.jit(lambda x: jnp.sin(x) * 2).lower(arg).compile()
+        assert compiled_fn.memory_analysis() is not None
+    finally:
+        proc.kill()
+        proc.wait(60)
