@@ -3,7 +3,8 @@
 1. The demo run (configs/demo_cpu.yaml, async) from one warm-up checkpoint with the same sample
    budget, one after the other: the trainer with its engine in-process, then the trainer and two
    `jaxrl serve` processes on this machine (rl.generation.servers), each server with half the
-   slots. Prints samples/s as a ratio, the weight pushes' bytes/s and each server's decode pause
+   slots, first streaming the weights over gRPC, then with the servers pulling them
+   (rl.generation.transfer=jax). Prints samples/s as a ratio, the weight pushes' bytes/s and each server's decode pause
    per update (its engine loop held to swap the weights in).
 2. Weight pushes to a server that is decoding, over loopback, for models of growing size, by
    both paths in turn: the gRPC stream (the default) and the server pulling them over
@@ -72,10 +73,12 @@ def fleet_vs_local(args, work: Path) -> dict:
     cfg = load_run_config(args.config, args.overrides)
     servers = [start_server(base, token_file, cfg) for _ in range(2)]
     try:
-        results["2 servers"] = compare.run_variant(
-            base, work, "2 servers", args,
-            ("rl.mode=async", "rl.generation.servers=" + ",".join(a for _, a in servers),
-             f"rl.generation.token_file={token_file}"))
+        fleet = ("rl.mode=async", "rl.generation.servers=" + ",".join(a for _, a in servers),
+                 f"rl.generation.token_file={token_file}")
+        results["2 servers"] = compare.run_variant(base, work, "2 servers", args, fleet)
+        # The same servers again (the run's first push says `resume`), pulling the weights.
+        results["2 servers, pulled"] = compare.run_variant(
+            base, work, "2 servers, pulled", args, (*fleet, "rl.generation.transfer=jax"))
         pauses = []
         for _, address in servers:
             remote = RemoteGeneration(address)
@@ -89,15 +92,21 @@ def fleet_vs_local(args, work: Path) -> dict:
     compare.report(results, args.save)
     rows = results["2 servers"]["rows"]
     local_rows = results["in-process"]["rows"]
+    pulled = results["2 servers, pulled"]["rows"]
     out = {"samples_per_s_ratio": results["2 servers"]["samples_per_s"]
            / results["in-process"]["samples_per_s"],
+           "pulled_samples_per_s_ratio": results["2 servers, pulled"]["samples_per_s"]
+           / results["in-process"]["samples_per_s"],
            "push_bytes_per_s": rows[-1]["push_bytes_per_s"],
+           "pull_bytes_per_s": pulled[-1]["push_bytes_per_s"],
            "pushes": rows[-1]["pushes"], "push_timeouts": rows[-1]["push_timeouts"],
            "server_pause_ms": [{"updates": u, "mean": mean, "max": mx} for u, mean, mx in pauses],
            "in_process_pause_ms_mean": float(np.mean([r["update_pause_ms"]
                                                       for r in local_rows]))}
-    print(f"2 jaxrl serve processes vs in-process: samples/s {out['samples_per_s_ratio']:.2f}x; "
+    print(f"2 jaxrl serve processes vs in-process: samples/s {out['samples_per_s_ratio']:.2f}x "
+          f"(weights pulled: {out['pulled_samples_per_s_ratio']:.2f}x); "
           f"weight pushes {out['pushes']:.0f} at {out['push_bytes_per_s'] / 1e6:.1f} MB/s "
+          f"(pulled: {out['pull_bytes_per_s'] / 1e6:.1f} MB/s) "
           f"({out['push_timeouts']:.0f} timed out); decode pause per update "
           + ", ".join(f"server {i}: mean {p['mean']:.2f} ms, max {p['max']:.2f} ms over "
                       f"{p['updates']} updates" for i, p in enumerate(out["server_pause_ms"]))

@@ -232,6 +232,26 @@ class RunConfig:
                     f"pipeline set sharding.pipeline.microbatches instead")
             if self.hf_path is None:  # otherwise the layers come from config.json: checked then
                 self.check_pipeline(self.model.num_layers)
+        if self.model.attention == "splash":
+            self.check_splash(self.model.head_dim)
+
+    def check_splash(self, head_dim: int) -> None:
+        """ConfigError naming every shape the splash kernel cannot take, with the nearest valid
+        values (the sequence lengths the run trains on, and head_dim)."""
+        from jaxrl.models.layers import splash_problems
+
+        lengths = {}
+        if self.train.steps:
+            lengths["train.seq_len"] = self.train.seq_len
+        if self.rl.steps:
+            lengths["rl.pack_len"] = self.rl.pack_len
+        problems = splash_problems(lengths, head_dim)
+        if self.sharding.pipeline.enabled:
+            problems.append(f"model.attention=splash inside a pipeline (sharding.pipeline."
+                            f"stages={self.sharding.pipeline.stages}) is not supported yet: "
+                            f"use model.attention=xla there")
+        if problems:
+            raise ConfigError("model.attention=splash: " + "; ".join(problems))
 
     def check_pipeline(self, num_layers: int) -> None:
         """ConfigError unless the pipeline divides the layers and the warm-up and RL batches."""

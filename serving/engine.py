@@ -287,8 +287,10 @@ class Engine:
 
         With `slots` (R of them, table_SW then [R, W] in the same order), only those slots are
         decoded: their rows are gathered into a batch of S/16, S/4 or S rows (S slots; always S
-        when S <= 8), padded with other slots, which must be idle. A long tail with few busy
-        slots then costs those rows, not every slot. Returns tokens and logprobs [K, R]."""
+        when S <= 8), padded with rows of other slots that read and write only the null page and
+        whose state is left as it was (another batch of the same step may be decoding them). A
+        long tail with few busy slots then costs those rows, not every slot. Returns tokens and
+        logprobs [K, R]."""
         table = np.asarray(table_SW, np.int32)
         if slots is None:
             return self._generate_steps(params, state, table, steps)
@@ -298,7 +300,8 @@ class Engine:
         idle = [s for s in range(self.cfg.max_concurrent_decodes) if s not in taken]
         padded = np.asarray(slots + idle[: rows - len(slots)], np.int32)
         table = np.concatenate([table, np.zeros((rows - len(slots), table.shape[1]), np.int32)])
-        state, tokens, logprobs = self._generate_rows(params, state, table, padded, steps)
+        real = np.arange(rows) < len(slots)
+        state, tokens, logprobs = self._generate_rows(params, state, table, padded, real, steps)
         return state, tokens[:, : len(slots)], logprobs[:, : len(slots)]
 
     # -- compiled programs ---------------------------------------------------------------------
@@ -335,13 +338,20 @@ class Engine:
     def _generate_steps(self, params, state: DecodeState, table_SW, steps: int):
         return self._scan_steps(params, state, table_SW, steps)
 
-    @partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
-    def _generate_rows(self, params, state: DecodeState, table_RW, slots_R, steps: int):
+    @partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
+    def _generate_rows(self, params, state: DecodeState, table_RW, slots_R, real_R, steps: int):
         per_slot = [f.name for f in dataclasses.fields(DecodeState) if f.name != "kv"]
-        rows = dataclasses.replace(state, **{n: getattr(state, n)[slots_R] for n in per_slot})
+        before = {n: getattr(state, n)[slots_R] for n in per_slot}
+        rows = dataclasses.replace(state, **before)
         rows, tokens, logprobs = self._scan_steps(params, rows, table_RW, steps)
+
+        def kept(name):   # padding rows keep their slots' state: only the real rows advance
+            new, old = getattr(rows, name), before[name]
+            real = real_R.reshape(real_R.shape + (1,) * (new.ndim - 1))
+            return jnp.where(real, new, old)
+
         state = dataclasses.replace(state, kv=rows.kv, **{
-            n: getattr(state, n).at[slots_R].set(getattr(rows, n)) for n in per_slot})
+            n: getattr(state, n).at[slots_R].set(kept(n)) for n in per_slot})
         return state, tokens, logprobs
 
     def _scan_steps(self, params, state: DecodeState, table_SW, steps: int):

@@ -21,7 +21,12 @@ from jaxrl.data.rollouts import Rollout, RolloutLog, RolloutSource
 from jaxrl.rl.config import RLConfig
 
 # Arrays of a packed microbatch, all [rows, pack_len].
-FEATURES = ("input_ids", "targets", "loss_mask", "behaviour_logp", "advantages")
+# `oldest_version`: for each completion token, the oldest weights version behind it (its own
+# and every earlier token's; with in-flight updates a token's context was computed partly by
+# older weights); -1 elsewhere. Where it equals the trainer's version the sampler's and the
+# trainer's log-probs should agree up to numerics: the train step measures that gap.
+FEATURES = ("input_ids", "targets", "loss_mask", "behaviour_logp", "advantages",
+            "oldest_version")
 
 
 def length_bucket(tokens: int) -> int:
@@ -112,9 +117,12 @@ def features(rollout: Rollout) -> dict[str, np.ndarray]:
     behaviour = np.zeros(len(tokens) - 1, np.float32)
     behaviour[n_prompt - 1:] = rollout.logprobs
     assert len(rollout.logprobs) == n_completion == len(rollout.versions)
+    oldest = np.full(len(tokens) - 1, -1, np.int32)
+    oldest[n_prompt - 1:] = np.minimum.accumulate(np.asarray(rollout.versions, np.int64))
     return {"input_ids": tokens[:-1], "targets": tokens[1:],
             "loss_mask": completion.astype(np.float32), "behaviour_logp": behaviour,
-            "advantages": np.where(completion, rollout.advantage, 0.0).astype(np.float32)}
+            "advantages": np.where(completion, rollout.advantage, 0.0).astype(np.float32),
+            "oldest_version": oldest}
 
 
 def pack(rollouts: list[Rollout], cfg: RLConfig) -> dict[str, Any]:
@@ -130,7 +138,7 @@ def pack(rollouts: list[Rollout], cfg: RLConfig) -> dict[str, Any]:
     if len(rows) > rows_total:  # cannot happen: see RLConfig.max_microbatches
         raise AssertionError(f"{len(rollouts)} samples packed into {len(rows)} rows, more "
                              f"than the {rows_total} reserved")
-    int_features = ("input_ids", "targets")
+    int_features = ("input_ids", "targets", "oldest_version")
     arrays = {k: np.zeros((rows_total, cfg.pack_len),
                           np.int32 if k in int_features else np.float32) for k in FEATURES}
     arrays["segment_ids"] = np.zeros((rows_total, cfg.pack_len), np.int32)

@@ -11,6 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.models.config import ModelConfig
 
@@ -95,24 +96,77 @@ def _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS):
     return out.reshape(b, t, n, h)
 
 
+# Splash attention's smallest blocks: sequences must be whole blocks, head_dim whole lanes.
+SPLASH_BLOCK, SPLASH_HEAD_DIM = 128, 128
+
+
 def _attention_splash(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT):
-    """Pallas splash attention (TPU). Needs T a multiple of 128 and head_dim a multiple of 128."""
+    """Pallas splash attention (TPU): causal, within segments when packed, GQA without copying
+    K/V (one MQA kernel per key/value head serves its R = N/G query heads).
+
+    Under a mesh (the train step sets it, `jax.sharding.use_abstract_mesh`) the kernel runs in
+    `shard_map`, since Mosaic kernels cannot be partitioned automatically: rows over the batch
+    axes (data, fsdp), key/value heads and their query heads over `tensor`. On anything but TPU
+    it runs in Pallas interpret mode (slow; for checking it against the XLA path)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     b, t, n, h = q_BTNH.shape
     g = k_BSGH.shape[2]
-    mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(n)])
-    kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1)
-    q = jnp.swapaxes(q_BTNH, 1, 2) / math.sqrt(h)
-    k = jnp.repeat(jnp.swapaxes(k_BSGH, 1, 2), n // g, axis=1)
-    v = jnp.repeat(jnp.swapaxes(v_BSGH, 1, 2), n // g, axis=1)
-    if segment_ids_BT is None:
-        out = jax.vmap(kernel)(q, k, v)
-    else:
-        segs = sk.SegmentIds(q=segment_ids_BT, kv=segment_ids_BT)
-        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=s))(q, k, v, segs)
-    return jnp.swapaxes(out, 1, 2)
+    mesh = jax.sharding.get_abstract_mesh()
+    platform = mesh.abstract_device.platform if not mesh.empty else jax.default_backend()
+    batch_axes = tuple(a for a in ("data", "fsdp") if not mesh.empty
+                       and a in mesh.axis_names and mesh.shape[a] > 1)
+    head_axis = ("tensor" if not mesh.empty and "tensor" in mesh.axis_names
+                 and mesh.shape["tensor"] > 1 else None)
+    r = n // g
+    block = min(SPLASH_BLOCK, t)     # below a block only in interpret mode (tests)
+    kernel = sk.make_splash_mqa(
+        sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(r)]), head_shards=1,
+        q_seq_shards=1, interpret=platform != "tpu",
+        block_sizes=sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                                  block_q_dkv=block, block_kv_dkv=block,
+                                  block_kv_dkv_compute=block, block_q_dq=block,
+                                  block_kv_dq=block))
+
+    def local(q_BGRTH, k_BGSH, v_BGSH, seg_BT):
+        def one(q_RTH, k_SH, v_SH, seg_T):
+            segs = None if segment_ids_BT is None else sk.SegmentIds(q=seg_T, kv=seg_T)
+            return kernel(q_RTH, k_SH, v_SH, segment_ids=segs)
+        per_head = jax.vmap(one, in_axes=(0, 0, 0, None))          # over key/value heads
+        return jax.vmap(per_head, in_axes=(0, 0, 0, 0))(q_BGRTH, k_BGSH, v_BGSH, seg_BT)
+
+    q_BGRTH = (q_BTNH / math.sqrt(h)).reshape(b, t, g, r, h).transpose(0, 2, 3, 1, 4)
+    k_BGSH, v_BGSH = (jnp.swapaxes(x, 1, 2) for x in (k_BSGH, v_BSGH))
+    seg_BT = (segment_ids_BT if segment_ids_BT is not None
+              else jnp.ones((b, t), jnp.int32)).astype(jnp.int32)
+    if batch_axes or head_axis:
+        rows = batch_axes or None
+        spec = P(rows, head_axis)
+        local = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(rows)),
+                              out_specs=spec, check_vma=False)
+    out_BGRTH = local(q_BGRTH, k_BGSH, v_BGSH, seg_BT)
+    return out_BGRTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def splash_problems(seq_lens: dict[str, int], head_dim: int) -> list[str]:
+    """What keeps the splash kernel from these shapes, one message each with the nearest valid
+    values (empty: they fit). `seq_lens` names each sequence length by its config key."""
+    out = []
+    for key, length in seq_lens.items():
+        if length % SPLASH_BLOCK:
+            below = max(length // SPLASH_BLOCK * SPLASH_BLOCK, SPLASH_BLOCK)
+            above = -(-length // SPLASH_BLOCK) * SPLASH_BLOCK
+            out.append(f"{key}={length} is not a multiple of splash attention's "
+                       f"{SPLASH_BLOCK}-token block (nearest: "
+                       + (f"{below} or {above})" if below != above else f"{above})"))
+    if head_dim % SPLASH_HEAD_DIM:
+        below = max(head_dim // SPLASH_HEAD_DIM * SPLASH_HEAD_DIM, SPLASH_HEAD_DIM)
+        above = -(-head_dim // SPLASH_HEAD_DIM) * SPLASH_HEAD_DIM
+        out.append(f"model.head_dim={head_dim} is not a multiple of {SPLASH_HEAD_DIM} (a TPU "
+                   f"vector register's lanes; nearest: "
+                   + (f"{below} or {above})" if below != above else f"{above})"))
+    return out
 
 
 def swiglu(x_BTD, gate_DF, up_DF, down_FD):

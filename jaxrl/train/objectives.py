@@ -103,6 +103,9 @@ class PolicyGradientLoss:
             kl_coef=self.kl_coef, max_segments=self.max_segments)
         mask_BT = mb["loss_mask"].astype(jnp.float32)
         stats = {**stats, "entropy_sum": jnp.sum(jax.lax.stop_gradient(entropy_BT) * mask_BT)}
+        if "on_policy" in mb:
+            stats.update(logprob_parity(jax.lax.stop_gradient(logp_BT), mb["behaviour_logp"],
+                                        mb["on_policy"]))
         return loss_sum, weight, stats
 
     def summarize(self, stats):
@@ -115,4 +118,32 @@ class PolicyGradientLoss:
                                              stats["tokens"]),
                 "kl_new_old": stats["kl_new_old_sum"] / tokens,
                 "kl_ref": stats["kl_ref_sum"] / tokens,
-                "entropy": stats["entropy_sum"] / tokens}
+                "entropy": stats["entropy_sum"] / tokens,
+                **summarize_parity(stats)}
+
+
+def logprob_parity(logp_BT, behaviour_BT, on_policy_BT) -> dict:
+    """Sums (and the largest gap) of the trainer's log-prob minus the sampler's over the tokens
+    whose whole context (prompt, earlier tokens, the token itself) the weights the trainer holds
+    computed (`on_policy`, lag 0), where the two should agree up to numerics (dtypes, cached
+    against full attention, kernels). A token sampled after an in-flight update is left out:
+    its earlier keys and values came from older weights, a real difference, not numerics."""
+    d_BT = (logp_BT - behaviour_BT) * on_policy_BT
+    counted = on_policy_BT > 0
+    # k3 estimate of KL(sampler || trainer) per token: r - 1 - log r, r = pi / mu; >= 0.
+    k3_BT = jnp.where(counted, jnp.expm1(d_BT) - d_BT, 0.0)
+    return {"parity_tokens": jnp.sum(on_policy_BT), "parity_diff_sum": jnp.sum(d_BT),
+            "parity_kl_sum": jnp.sum(k3_BT),
+            "parity_abs_diff_max": jnp.max(jnp.where(counted, jnp.abs(d_BT), -jnp.inf))}
+
+
+def summarize_parity(stats) -> dict:
+    """The per-step parity metrics (NaN, logged as null, when no token had lag 0)."""
+    if "parity_tokens" not in stats:
+        return {}
+    n = stats["parity_tokens"]
+    some = n > 0
+    mean = lambda key: jnp.where(some, stats[key] / jnp.maximum(n, 1.0), jnp.nan)  # noqa: E731
+    return {"logprob_parity_tokens": n, "logprob_diff_mean": mean("parity_diff_sum"),
+            "logprob_abs_diff_max": jnp.where(some, stats["parity_abs_diff_max"], jnp.nan),
+            "logprob_kl": mean("parity_kl_sum")}

@@ -165,6 +165,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
     `state_shardings(offload_optimizer=True)`); the step's out_shardings send it back."""
 
     def step(state, batch):
+        if "oldest_version" in batch:   # RL: tokens whose whole context these weights made
+            batch = {**batch, "on_policy": ((batch["oldest_version"] == state["step"])
+                                            & (batch["loss_mask"] > 0)).astype(jnp.float32)}
         loss, grads, aux = loss_and_grads(graphdef, state["params"], batch, objective,
                                           state.get("ref_params"), remat, pipeline, mesh)
         opt_state = state["opt_state"]

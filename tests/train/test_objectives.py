@@ -66,3 +66,27 @@ def test_chunked_loss_and_gradients_equal_unchunked(model, objective):
     np.testing.assert_allclose(chunked, whole, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_whole)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7 * float(jnp.abs(b).max()))
+
+
+def test_logprob_parity_counts_only_lag_zero_tokens():
+    """The sampler/trainer gap against numpy: mean and largest |trainer - sampler| and the k3
+    KL estimate over the tokens marked on-policy; none marked gives NaN (logged as null)."""
+    from jaxrl.train.objectives import logprob_parity, summarize_parity
+
+    rng = np.random.default_rng(3)
+    trainer = rng.normal(-2, 0.5, (3, 7)).astype(np.float32)
+    sampler = (trainer + rng.normal(0, 1e-3, (3, 7))).astype(np.float32)
+    on = (rng.random((3, 7)) < 0.5).astype(np.float32)
+    on[0, 0], on[1, 1] = 1.0, 0.0
+    sampler[1, 1] = trainer[1, 1] + 5.0          # a large gap on a token that is not lag 0
+    got = {k: float(v) for k, v in summarize_parity(
+        logprob_parity(jnp.asarray(trainer), jnp.asarray(sampler), jnp.asarray(on))).items()}
+    d = (trainer - sampler)[on > 0].astype(np.float64)
+    assert got["logprob_parity_tokens"] == on.sum()
+    np.testing.assert_allclose(got["logprob_diff_mean"], d.mean(), rtol=1e-4, atol=1e-8)
+    np.testing.assert_allclose(got["logprob_abs_diff_max"], np.abs(d).max(), rtol=1e-5)
+    np.testing.assert_allclose(got["logprob_kl"], np.mean(np.expm1(d) - d), rtol=1e-2,
+                               atol=1e-10)
+    none = summarize_parity(logprob_parity(jnp.asarray(trainer), jnp.asarray(sampler),
+                                           jnp.zeros((3, 7))))
+    assert np.isnan(float(none["logprob_diff_mean"])) and float(none["logprob_parity_tokens"]) == 0
