@@ -233,11 +233,11 @@ class RunConfig:
             if self.hf_path is None:  # otherwise the layers come from config.json: checked then
                 self.check_pipeline(self.model.num_layers)
         if self.model.attention == "splash":
-            self.check_splash(self.model.head_dim)
+            self.check_splash()
 
-    def check_splash(self, head_dim: int) -> None:
-        """ConfigError naming every shape the splash kernel cannot take, with the nearest valid
-        values (the sequence lengths the run trains on, and head_dim)."""
+    def check_splash(self) -> None:
+        """ConfigError naming every sequence length the splash kernel cannot take (those the run
+        trains on), with the nearest valid values."""
         from jaxrl.models.layers import splash_problems
 
         lengths = {}
@@ -245,7 +245,7 @@ class RunConfig:
             lengths["train.seq_len"] = self.train.seq_len
         if self.rl.steps:
             lengths["rl.pack_len"] = self.rl.pack_len
-        problems = splash_problems(lengths, head_dim)
+        problems = splash_problems(lengths)
         if self.sharding.pipeline.enabled:
             problems.append(f"model.attention=splash inside a pipeline (sharding.pipeline."
                             f"stages={self.sharding.pipeline.stages}) is not supported yet: "

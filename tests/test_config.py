@@ -57,3 +57,17 @@ def test_missing_config_file(tmp_path):
 def test_parse_overrides_nests():
     assert parse_overrides(["a.b.c=1", "a.d=x", "e=true"]) == {
         "a": {"b": {"c": 1}, "d": "x"}, "e": True}
+
+
+def test_splash_attention_asks_for_whole_blocks_naming_the_nearest():
+    from jaxrl.config import ConfigError, load_run_config
+
+    with pytest.raises(ConfigError, match=r"train.seq_len=200 is not a multiple of splash "
+                                          r"attention's 128-token block \(nearest: 128 or 256\)"):
+        load_run_config(None, ["model.attention=splash", "train.seq_len=200",
+                               "model.max_seq_len=256"])
+    with pytest.raises(ConfigError, match=r"rl.pack_len=60 .* \(nearest: 128\)"):
+        load_run_config(None, ["model.attention=splash", "train.seq_len=128", "rl.steps=5",
+                               "rl.pack_len=60", "model.max_seq_len=256"])
+    load_run_config(None, ["model.attention=splash", "train.seq_len=256",
+                           "model.max_seq_len=256"])

@@ -96,8 +96,9 @@ def _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS):
     return out.reshape(b, t, n, h)
 
 
-# Splash attention's smallest blocks: sequences must be whole blocks, head_dim whole lanes.
-SPLASH_BLOCK, SPLASH_HEAD_DIM = 128, 128
+# Splash attention's smallest block: sequences must be whole blocks (head_dim is a block's whole
+# last dimension, so any size compiles; 128 fills a TPU register's lanes).
+SPLASH_BLOCK = 128
 
 
 def _attention_splash(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT):
@@ -149,7 +150,7 @@ def _attention_splash(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT):
     return out_BGRTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-def splash_problems(seq_lens: dict[str, int], head_dim: int) -> list[str]:
+def splash_problems(seq_lens: dict[str, int]) -> list[str]:
     """What keeps the splash kernel from these shapes, one message each with the nearest valid
     values (empty: they fit). `seq_lens` names each sequence length by its config key."""
     out = []
@@ -160,12 +161,6 @@ def splash_problems(seq_lens: dict[str, int], head_dim: int) -> list[str]:
             out.append(f"{key}={length} is not a multiple of splash attention's "
                        f"{SPLASH_BLOCK}-token block (nearest: "
                        + (f"{below} or {above})" if below != above else f"{above})"))
-    if head_dim % SPLASH_HEAD_DIM:
-        below = max(head_dim // SPLASH_HEAD_DIM * SPLASH_HEAD_DIM, SPLASH_HEAD_DIM)
-        above = -(-head_dim // SPLASH_HEAD_DIM) * SPLASH_HEAD_DIM
-        out.append(f"model.head_dim={head_dim} is not a multiple of {SPLASH_HEAD_DIM} (a TPU "
-                   f"vector register's lanes; nearest: "
-                   + (f"{below} or {above})" if below != above else f"{above})"))
     return out
 
 

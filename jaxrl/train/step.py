@@ -10,6 +10,8 @@ the whole global batch, so the accumulated gradient equals the one-shot gradient
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Callable
 
 import jax
@@ -168,8 +170,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
         if "oldest_version" in batch:   # RL: tokens whose whole context these weights made
             batch = {**batch, "on_policy": ((batch["oldest_version"] == state["step"])
                                             & (batch["loss_mask"] > 0)).astype(jnp.float32)}
-        loss, grads, aux = loss_and_grads(graphdef, state["params"], batch, objective,
-                                          state.get("ref_params"), remat, pipeline, mesh)
+        # Splash attention runs in shard_map over the mesh it finds in this context.
+        context = (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None
+                   and merge_params(graphdef, state["params"]).cfg.attention == "splash"
+                   else contextlib.nullcontext())
+        with context:
+            loss, grads, aux = loss_and_grads(graphdef, state["params"], batch, objective,
+                                              state.get("ref_params"), remat, pipeline, mesh)
         opt_state = state["opt_state"]
         if opt_device is not None:
             opt_state = jax.device_put(opt_state, opt_device)

@@ -106,19 +106,28 @@ def test_compile_command_prints_memory_and_json(capsys):
 
 # -- Pallas kernels --------------------------------------------------------------------------------
 
-def test_splash_attention_compiles_for_tpu():
-    devices = tpu_devices("v5e:2x2")
-    cfg = ModelConfig(vocab_size=256, embed_dim=256, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=128, mlp_dim=512, attention="splash",
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
+def test_splash_attention_compiles_for_tpu_on_a_sharded_mesh(topology):
+    """Rows over fsdp, key/value heads over tensor: the kernel runs inside shard_map (Mosaic
+    kernels cannot be partitioned automatically), 4 query heads on 2 key/value heads without
+    repeating K/V."""
+    mesh = shd.make_mesh(shd.MeshConfig(fsdp=2, tensor=2), tpu_devices(topology))
+    cfg = ModelConfig(vocab_size=256, embed_dim=256, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=128, mlp_dim=512, attention="splash",
                       dtype="bfloat16")
     graphdef, abstract = split_params(abstract_model(cfg))
-    on_chip = jax.sharding.SingleDeviceSharding(devices[0])
-    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_chip),
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
                           abstract)
-    ids = jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=on_chip)
-    segments = jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=on_chip)
-    fn = jax.jit(lambda p, x, s: merge_params(graphdef, p)(x, segment_ids_BT=s))
-    compiled = fn.lower(params, ids, segments).compile()
+    ids = jax.ShapeDtypeStruct((4, 256), jnp.int32, sharding=rows)
+    segments = jax.ShapeDtypeStruct((4, 256), jnp.int32, sharding=rows)
+
+    def forward(p, x, s):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return merge_params(graphdef, p)(x, segment_ids_BT=s)
+
+    compiled = jax.jit(forward).lower(params, ids, segments).compile()
     assert "tpu_custom_call" in compiled.as_text()  # the Pallas kernel, not an XLA fallback
     assert compiled.memory_analysis().temp_size_in_bytes > 0
 
