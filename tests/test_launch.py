@@ -39,7 +39,12 @@ def test_the_slurm_script_starts_servers_on_the_spare_nodes_and_the_trainer_on_t
     bin_dir, log = tmp_path / "bin", tmp_path / "srun.log"
     bin_dir.mkdir()
     _stand_in(bin_dir / "scontrol", 'printf "%s\\n" ' + " ".join(NODES) + "\n")
-    _stand_in(bin_dir / "srun", f'printf "%q " "$@" >> {log}; echo >> {log}\n')
+    # Each srun appends its command line as one write. The trainer's srun stands in for a long
+    # run: it waits (bounded) for the servers' lines, since the script kills them when it ends.
+    _stand_in(bin_dir / "srun", f'line=$(printf "%q " "$@"); echo "$line" >> {log}\n'
+              f'if [[ " $* " == *" train "* ]]; then\n'
+              f'  for _ in $(seq 100); do (( $(grep -c " serve " {log}) >= 3 )) && break; sleep 0.1; done\n'
+              f'fi\n')
     run_dir = tmp_path / "run"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "x",
            "SLURM_JOB_NAME": "jaxrl-rl", "SLURM_JOB_ID": "7", "TRAIN_NODES": "2",
