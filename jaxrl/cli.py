@@ -58,7 +58,8 @@ def _serve(args) -> None:
                                 max_prefill_length=args.max_prefill_length,
                                 prefill_chunk=args.prefill_chunk, dtype=args.dtype,
                                 page_size=args.page_size, num_pages=args.num_pages,
-                                memory_fraction=args.memory_fraction)
+                                memory_fraction=args.memory_fraction,
+                                attention=args.attention)
         except ValueError as e:  # name the flags the user gave, not EngineConfig's fields
             raise UserError(re.sub(r"\b(\w+)=", lambda m: f"{_SERVE_NAMES[m[1]]} "
                                    if m[1] in _SERVE_NAMES else m[0], str(e))) from None
@@ -241,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-fraction", type=float, default=0.0,
                    help="GPU/TPU: size the KV pool to this fraction of the device memory free "
                         "after the weights are loaded")
+    p.add_argument("--attention", default="reference", choices=["reference", "pallas"],
+                   help="decode attention over the KV pages: reference (XLA, every backend) or "
+                        "pallas (the Pallas paged-attention kernel: TPU)")
     p.add_argument("--max-prefill-length", type=_int_at_least(1), default=32,
                    help="longest prompt")
     p.add_argument("--prefill-chunk", type=_int_at_least(1), default=16,

@@ -81,8 +81,9 @@ class EngineConfig:
     # loaded (vLLM's gpu_memory_utilization, applied to what is left). 0: unused.
     memory_fraction: float = 0.0
     # Attention over the pages (serving/paged_kv.py). reference: gather + XLA attention, runs
-    # everywhere; ragged: decode through the Pallas TPU ragged paged attention kernel (TPU only,
-    # head_dim a multiple of 128; compiled, not yet checked on a TPU).
+    # everywhere; pallas: decode through the Pallas paged-attention kernel (serving/
+    # paged_attention.py), compiled by Mosaic on TPU, run in Pallas's interpreter on CPU (to
+    # check it: far too slow to serve with); refused on GPU, where reference is the path.
     attention: str = "reference"
 
     def __post_init__(self):
@@ -141,12 +142,8 @@ class Engine:
             cfg.max_concurrent_decodes * cfg.pages_per_sequence + 1)
         c = self.model_cfg
         platform = self.mesh.devices.flat[0].platform
-        if cfg.attention == "ragged" and c.head_dim % 128:
-            raise ValueError(f"attention='ragged' needs head_dim a multiple of 128 (the TPU "
-                             f"lane width); the model has head_dim={c.head_dim}: use "
-                             f"attention='reference'")
-        if cfg.attention == "ragged" and platform != "tpu":
-            raise ValueError(f"attention='ragged' is the Pallas TPU kernel; on {platform} use "
+        if cfg.attention == "pallas" and platform not in ("tpu", "cpu"):
+            raise ValueError(f"attention='pallas' is a TPU (Mosaic) kernel; on {platform} use "
                              f"attention='reference'")
         self.pool_shape = (c.num_layers, self.num_pages, cfg.page_size, 2 * c.num_kv_heads,
                            c.head_dim)
@@ -180,7 +177,8 @@ class Engine:
 
     def _cache(self, state: "DecodeState", table) -> PagedKV:
         spec = tuple(self.pool_sharding.spec) + (None,) * 5
-        return PagedKV(state.kv, table, self.cfg.attention, self.mesh, spec[3])
+        return PagedKV(state.kv, table, self.cfg.attention, self.mesh, spec[3],
+                       interpret=self.mesh.devices.flat[0].platform != "tpu")
 
     # -- JetStream Engine API ------------------------------------------------------------------
     @property

@@ -17,13 +17,11 @@ a decode step costs what the batch holds, not what the longest possible sequence
 
 Attention implementations (`impl`):
 - reference: gather the row's pages and attend with XLA; runs everywhere.
-- ragged: decode steps (one token per row) through the Pallas TPU kernel
-  `ragged_paged_attention`, which streams each row's pages from HBM up to its length; under a
-  mesh it runs in `shard_map` over the kv-head axis. Prefill chunks (compute-bound) keep the
-  reference path. TPU only, head_dim a multiple of 128. It compiles ahead of time for TPU
-  slices (tests/serving/test_kernels.py) but has not been checked numerically: Pallas's TPU
-  interpret mode cannot run it on CPU (JAX 0.10.2: it reshapes a VMEM ref), and no TPU was
-  available, so it is not the default.
+- pallas: decode steps (one token per row) through serving/paged_attention.py, a Pallas kernel
+  that streams each row's pages from the pool up to its length; under a mesh it runs in
+  `shard_map` over the kv-head axis. Prefill chunks (compute-bound) keep the reference path.
+  Compiled by Mosaic on TPU; elsewhere it runs in Pallas's TPU interpreter (`interpret`), which
+  is how it is checked against the reference on CPU, and is far too slow to serve with.
 
 Shape letters as in jaxrl/models; P pool pages, W table width (pages per row), K page size.
 """
@@ -38,9 +36,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.models import layers as ops
+from serving.paged_attention import paged_decode_attention
 
 NULL_PAGE = 0
-IMPLEMENTATIONS = ("reference", "ragged")
+IMPLEMENTATIONS = ("reference", "pallas")
 
 
 def _static(default=None):
@@ -56,8 +55,9 @@ class PagedKV:
     kv: jax.Array       # [L, P, K, 2G, H]
     table: jax.Array    # int32 [B, W]
     impl: str = _static("reference")
-    mesh: Mesh | None = _static()          # ragged under a mesh: the pool's mesh ...
+    mesh: Mesh | None = _static()          # pallas under a mesh: the pool's mesh ...
     head_axis: str | None = _static()      # ... and the axis its kv heads are sharded over
+    interpret: bool = _static(False)       # pallas off TPU: Pallas's TPU interpreter
 
     @property
     def page_size(self) -> int:
@@ -95,35 +95,23 @@ class PagedKV:
         return ops.attention(q_BTNH, kv_BSCH[:, :, 0::2], kv_BSCH[:, :, 1::2], mask_BTS, "xla")
 
     def _attend_kernel(self, layer, q_B1NH, positions_B1):
-        """One query per row through Pallas's ragged paged attention: row b attends to its
-        first positions_B1[b] + 1 tokens, read page by page from the pool."""
-        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
-            ragged_paged_attention)
+        """One query per row through the Pallas kernel: row b attends to its first
+        positions_B1[b] + 1 tokens, read page by page from the pool."""
+        lengths_B = positions_B1[:, 0] + 1
 
-        b, _, _, h = q_B1NH.shape
-        lengths_B = (positions_B1[:, 0] + 1).astype(jnp.int32)
-        cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32)
-        num_seqs = jnp.asarray([b], jnp.int32)
-
-        # Block sizes chosen here: the kernel's tuned table looks up the TPU of the process,
-        # which compiling ahead of time for a slice does not have. About 256 keys per block.
-        blocks = {"num_kv_pages_per_block": min(self.table.shape[1],
-                                                max(256 // self.page_size, 1)),
-                  "num_queries_per_block": min(b, 32)}
-
-        def kernel(q_BNH, kv_PKCH, lengths_B, table_BW, cu_q_lens, num_seqs):
-            return ragged_paged_attention(q_BNH, kv_PKCH, lengths_B, table_BW, cu_q_lens,
-                                          num_seqs, sm_scale=1 / math.sqrt(h), **blocks)
+        def kernel(q_BNH, kv, layer, lengths_B, table_BW):
+            return paged_decode_attention(q_BNH, kv, layer, lengths_B, table_BW,
+                                          interpret=self.interpret)
 
         if self.mesh is not None and self.head_axis is not None:
             heads, rep = PartitionSpec(None, self.head_axis), PartitionSpec()
             kernel = jax.shard_map(
                 kernel, mesh=self.mesh, check_vma=False,
-                in_specs=(heads, PartitionSpec(None, None, self.head_axis), rep, rep, rep, rep),
+                in_specs=(heads, PartitionSpec(None, None, None, self.head_axis), rep, rep, rep),
                 out_specs=heads)
-        args = (q_B1NH[:, 0].astype(self.kv.dtype), self.kv[layer], lengths_B,
-                self.table.astype(jnp.int32), cu_q_lens, num_seqs)
-        return kernel(*args).astype(q_B1NH.dtype)[:, None]
+        out = kernel(q_B1NH[:, 0].astype(self.kv.dtype), self.kv, jnp.asarray(layer, jnp.int32),
+                     lengths_B.astype(jnp.int32), self.table.astype(jnp.int32))
+        return out.astype(q_B1NH.dtype)[:, None]
 
 
 def interleave(k_BTGH, v_BTGH):

@@ -71,9 +71,9 @@ class RLConfig:
     # skewness-aware dispatch: predicted-long groups first, so the tail starts early; the
     # prediction is learned online from finished groups, serving/length_predictor.py).
     admission: Literal["fifo", "longest_first"] = "fifo"
-    # The engine's attention over its KV pages: reference (gather + XLA, everywhere) or ragged
-    # (the Pallas TPU ragged paged attention kernel for decode; TPU only). serving/paged_kv.py.
-    engine_attention: Literal["reference", "ragged"] = "reference"
+    # The engine's attention over its KV pages: reference (gather + XLA, everywhere) or pallas
+    # (the Pallas paged-attention kernel for decode: TPU; interpreted on CPU). serving/paged_kv.py.
+    engine_attention: Literal["reference", "pallas"] = "reference"
     # Policy loss: tis = truncated importance sampling REINFORCE (PipelineRL's default),
     # ppo = PPO-clip, gspo = GSPO (sequence-level ratio).
     loss: Literal["tis", "ppo", "gspo"] = "tis"

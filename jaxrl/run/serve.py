@@ -87,7 +87,10 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
         if engine_cfg.max_len > model_cfg.max_seq_len:
             raise UserError(f"--max-len {engine_cfg.max_len} exceeds the model's max_seq_len "
                             f"{model_cfg.max_seq_len}")
-        return Engine(model_cfg, engine_cfg, mesh=meshes[0])
+        try:
+            return Engine(model_cfg, engine_cfg, mesh=meshes[0])
+        except ValueError as e:     # e.g. --attention pallas on a GPU
+            raise UserError(str(e).replace("attention=", "--attention ")) from None
 
     engines: list[Engine] = []
 

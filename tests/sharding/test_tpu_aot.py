@@ -1,6 +1,6 @@
 """Ahead-of-time compiles for a v5e TPU slice with libtpu (no TPU): remat policies, pipeline
 schedules, optimizer offload, a 1B-parameter-class model, the `jaxrl compile` command, and the
-Pallas kernels (splash attention, the engine's ragged paged attention).
+Pallas kernels (splash attention, the engine's paged decode attention).
 
 All in this one process: libtpu allows one process per machine."""
 
@@ -15,10 +15,9 @@ import pytest
 from jaxrl.config import load_run_config
 from jaxrl.models import ModelConfig, abstract_model, merge_params, split_params
 from jaxrl.run.compile import compile_generate_step, compile_train_step
-from serving.engine import Engine
+from serving.engine import Engine, EngineConfig
 from sharding import mesh as shd
 from sharding.aot import tpu_devices
-from tests.serving.test_kernels import KERNEL_CFG, SIZES
 
 pytestmark = pytest.mark.tpu_aot
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,16 +131,27 @@ def test_splash_attention_compiles_for_tpu_on_a_sharded_mesh(topology):
     assert compiled.memory_analysis().temp_size_in_bytes > 0
 
 
-def test_ragged_paged_attention_compiles_into_the_decode_step_for_tpu():
-    mesh = shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), tpu_devices("v5e:2x2"))
-    engine = Engine(KERNEL_CFG, SIZES, mesh=mesh)
-    assert engine.pool_sharding.spec[3] == "tensor"     # 4 kv heads over 4 chips: shard_map
-    table = jax.ShapeDtypeStruct((8, SIZES.pages_per_sequence), jnp.int32,
+# Llama-like heads (head_dim 128, GQA 2:1) in bfloat16, pages of 16 tokens.
+KERNEL_CFG = ModelConfig(vocab_size=256, embed_dim=512, num_layers=2, num_heads=8,
+                         num_kv_heads=4, head_dim=128, mlp_dim=1024)
+KERNEL_ENGINE = EngineConfig(max_concurrent_decodes=8, max_len=512, max_prefill_length=64,
+                             prefill_chunk=64, page_size=16, dtype="bfloat16", attention="pallas")
+
+
+@pytest.mark.parametrize("topology,tensor", [("v5e:2x2", 4), ("v5p:2x2x1", 2)])
+def test_paged_attention_compiles_into_the_decode_step_for_tpu(topology, tensor):
+    """The engine's decode steps with the Pallas paged-attention kernel, kv heads sharded over
+    the tensor axis (the kernel in shard_map), compiled by Mosaic for the slice."""
+    devices = tpu_devices(topology)
+    mesh = shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=tensor), devices[:tensor])
+    engine = Engine(KERNEL_CFG, KERNEL_ENGINE, mesh=mesh)
+    assert engine.pool_sharding.spec[3] == "tensor"
+    table = jax.ShapeDtypeStruct((8, KERNEL_ENGINE.pages_per_sequence), jnp.int32,
                                  sharding=shd.replicated(mesh))
     compiled = Engine._generate_steps.lower(engine, engine.param_target,
                                             engine.abstract_decode_state(), table, 1).compile()
     text = compiled.as_text()
-    assert "tpu_custom_call" in text and "ragged_paged_attention" in text
+    assert "tpu_custom_call" in text and "_kernel" in text
 
 
 def test_a_process_without_jax_platforms_leaves_libtpu_to_the_tpu_compile(tmp_path):
