@@ -178,7 +178,7 @@ from sharding.pipeline import PipelineConfig  # noqa: E402
 
 # Model fields that are runtime choices, allowed next to `hf_path` (the rest come from its
 # config.json).
-RUNTIME_MODEL_KEYS = ("dtype", "param_dtype", "attention")
+RUNTIME_MODEL_KEYS = ("dtype", "param_dtype", "attention", "max_segments")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +234,24 @@ class RunConfig:
                 self.check_pipeline(self.model.num_layers)
         if self.model.attention == "splash":
             self.check_splash()
+        if self.model.attention == "cudnn":
+            self.check_cudnn()
+
+    def check_cudnn(self) -> None:
+        """ConfigError for what cuDNN's flash attention cannot take: float32, head_dim past 256
+        or not a multiple of 8, more packed segments than model.max_segments."""
+        m, problems = self.model, []
+        if m.dtype == "float32":
+            problems.append("model.dtype=float32 (it computes in bfloat16 or float16: set "
+                            "model.dtype=bfloat16, the master weights stay float32)")
+        if m.head_dim > 256 or m.head_dim % 8:
+            problems.append(f"model.head_dim={m.head_dim} (a multiple of 8, at most 256)")
+        if self.rl.steps and self.rl.max_segments > m.max_segments:
+            problems.append(f"rl.max_segments={self.rl.max_segments} above model.max_segments="
+                            f"{m.max_segments} (raise model.max_segments or lower "
+                            f"rl.max_segments)")
+        if problems:
+            raise ConfigError("model.attention=cudnn: " + "; ".join(problems))
 
     def check_splash(self) -> None:
         """ConfigError naming every sequence length the splash kernel cannot take (those the run

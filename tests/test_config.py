@@ -71,3 +71,16 @@ def test_splash_attention_asks_for_whole_blocks_naming_the_nearest():
                                "rl.pack_len=60", "model.max_seq_len=256"])
     load_run_config(None, ["model.attention=splash", "train.seq_len=256",
                            "model.max_seq_len=256"])
+
+
+def test_cudnn_attention_refuses_what_the_kernel_cannot_take():
+    from jaxrl.config import ConfigError, load_run_config
+
+    with pytest.raises(ConfigError, match=r"model.attention=cudnn: model.dtype=float32 .*; "
+                                          r"model.head_dim=12 \(a multiple of 8, at most 256\); "
+                                          r"rl.max_segments=32 above model.max_segments=16"):
+        load_run_config(None, ["model.attention=cudnn", "model.head_dim=12", "rl.steps=5",
+                               "rl.max_segments=32"])
+    cfg = load_run_config(None, ["model.attention=cudnn", "model.dtype=bfloat16", "rl.steps=5",
+                                 "rl.max_segments=32", "model.max_segments=32"])
+    assert cfg.model.max_segments == 32

@@ -46,13 +46,17 @@ class ModelConfig:
     eos_token_id: int | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"        # compute
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # master weights
-    # xla: reference einsum path, runs everywhere; cudnn: fused kernel on NVIDIA GPUs via
-    # jax.nn.dot_product_attention; splash: the Pallas splash-attention kernel on TPU.
+    # xla: reference einsum path, runs everywhere; cudnn: cuDNN's fused flash attention on
+    # NVIDIA GPUs (bfloat16/float16; packed rows as per-segment lengths and offsets); splash:
+    # the Pallas splash-attention kernel on TPU.
     attention: Literal["xla", "cudnn", "splash"] = "xla"
+    # cudnn: the most packed segments a row may hold (its ragged layout is sized by it, and its
+    # softmax statistics grow with it); rl.max_segments must not exceed it.
+    max_segments: int = 16
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "mlp_dim", "max_seq_len"):
+                     "head_dim", "mlp_dim", "max_seq_len", "max_segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
         if self.num_heads % self.num_kv_heads:

@@ -70,15 +70,14 @@ def causal_mask(segment_ids_BT=None, length: int | None = None):
     return same & jnp.tril(jnp.ones((1, t, t), dtype=bool))
 
 
-def attention(q_BTNH, k_BSGH, v_BSGH, mask_BTS, impl: str = "xla", segment_ids_BT=None):
-    """Grouped-query attention. `mask_BTS` is True where a query may attend to a key."""
+def attention(q_BTNH, k_BSGH, v_BSGH, mask_BTS, impl: str = "xla", segment_ids_BT=None,
+              max_segments: int = 16):
+    """Grouped-query attention. `mask_BTS` is True where a query may attend to a key (the xla
+    path; the fused kernels take `segment_ids_BT`, cudnn at most `max_segments` a row)."""
     if impl == "xla":
         return _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS)
     if impl == "cudnn":
-        # cuDNN's fused kernel is causal by itself; segment masks go in as an explicit mask.
-        mask = None if segment_ids_BT is None else mask_BTS[:, None]
-        return jax.nn.dot_product_attention(q_BTNH, k_BSGH, v_BSGH, mask=mask,
-                                            is_causal=True, implementation="cudnn")
+        return _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments)
     if impl == "splash":
         return _attention_splash(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT)
     raise ValueError(f"attention={impl!r} is not one of 'xla', 'cudnn', 'splash'")
@@ -94,6 +93,42 @@ def _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS):
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGH.dtype)
     out = jnp.einsum("bgrts,bsgh->btgrh", probs, v_BSGH)
     return out.reshape(b, t, n, h)
+
+
+def segment_layout(segment_ids_BT, max_segments: int):
+    """Packed rows as cuDNN's ragged layout takes them: (lengths [B, M], offsets [B, M + 1]),
+    segment s of a row being ids s + 1, contiguous and in order from position 0 (how the
+    packers lay rows out; padding, id 0, at the end belongs to no segment). Offsets are the
+    segments' first positions; entries past a row's last segment are -1 (the layout of
+    jax._src.cudnn.fused_attention_stablehlo.dot_product_attention's q_offsets). Counted by a
+    scatter, O(B x T), not by comparing ids pairwise."""
+    b = segment_ids_BT.shape[0]
+    counts_BM1 = jax.vmap(lambda row: jnp.zeros(max_segments + 1, jnp.int32)
+                          .at[row].add(1, mode="drop"))(segment_ids_BT)
+    lengths_BM = counts_BM1[:, 1:]
+    present_BM = lengths_BM > 0
+    starts_BM = jnp.cumsum(lengths_BM, axis=1) - lengths_BM
+    offsets_BM1 = jnp.concatenate([jnp.where(present_BM, starts_BM, -1),
+                                   jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    return jnp.where(present_BM, lengths_BM, -1), offsets_BM1
+
+
+def _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments: int):
+    """cuDNN's fused flash attention (NVIDIA GPUs, bfloat16/float16): causal, GQA natively (K/V
+    keep their G heads), and packed rows as cuDNN's ragged layout (per-segment lengths and
+    offsets; jax.nn.dot_product_attention takes no segments), so no [T, T] mask or bias is
+    built. At most `max_segments` segments a row (model.max_segments; the config checks the
+    packers against it): cuDNN's softmax statistics are [B x max_segments, N, T] floats."""
+    if segment_ids_BT is None:
+        return jax.nn.dot_product_attention(q_BTNH, k_BSGH, v_BSGH, is_causal=True,
+                                            implementation="cudnn")
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    lengths_BM, offsets_BM1 = segment_layout(segment_ids_BT, max_segments)
+    return cudnn.dot_product_attention(
+        q_BTNH, k_BSGH, v_BSGH, q_seqlen=lengths_BM, kv_seqlen=lengths_BM,
+        q_offsets=offsets_BM1, kv_offsets=offsets_BM1, scale=1 / math.sqrt(q_BTNH.shape[-1]),
+        mask_type=cudnn.MaskType.PADDING_CAUSAL)
 
 
 # Splash attention's smallest block: sequences must be whole blocks (head_dim is a block's whole

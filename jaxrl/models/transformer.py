@@ -86,7 +86,8 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
     q_BTNH = checkpoint_name(q_BTNH, "query_proj")
     k_BTGH = checkpoint_name(k_BTGH, "key_proj")
     v_BTGH = checkpoint_name(v_BTGH, "value_proj")
-    a_BTNH = ops.attention(q_BTNH, k_BTGH, v_BTGH, mask_BTS, cfg.attention, segment_ids_BT)
+    a_BTNH = ops.attention(q_BTNH, k_BTGH, v_BTGH, mask_BTS, cfg.attention, segment_ids_BT,
+                           cfg.max_segments)
     a_BTNH = checkpoint_name(a_BTNH, "attention_out")
     return _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH)
 

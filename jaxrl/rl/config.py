@@ -78,6 +78,12 @@ class RLConfig:
     # ppo = PPO-clip, gspo = GSPO (sequence-level ratio).
     loss: Literal["tis", "ppo", "gspo"] = "tis"
     tis_cap: float = 2.0            # tis: importance weight min(pi/mu, tis_cap)
+    # The behaviour log-prob mu of a token the trainer's own weights generated (lag 0): engine
+    # (what the sampler reported: the ratio then also corrects sampler/trainer numerics, as in
+    # truncated importance sampling) or trainer (its own recomputation, as verl recomputes
+    # old log-probs: ratio exactly 1 on those tokens, the numeric gap ignored; no extra pass,
+    # since the step's loss computes them anyway). Tokens of older weights keep the engine's.
+    behaviour_logprobs: Literal["engine", "trainer"] = "engine"
     clip_low: float = 0.2           # ppo/gspo: ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2
     kl_coef: float = 0.0            # k3 KL penalty to the frozen warm-up model; 0: none

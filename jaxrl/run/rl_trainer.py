@@ -25,7 +25,8 @@ def make_objective(cfg: RunConfig) -> PolicyGradientLoss:
     return PolicyGradientLoss(kind=rl.loss, temperature=rl.temperature, tis_cap=rl.tis_cap,
                               clip_low=rl.clip_low, clip_high=rl.clip_high,
                               kl_coef=rl.kl_coef, max_segments=rl.max_segments,
-                              logits_chunk=cfg.train.logits_chunk)
+                              logits_chunk=cfg.train.logits_chunk,
+                              behaviour=rl.behaviour_logprobs)
 
 
 class RLTrainer:

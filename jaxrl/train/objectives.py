@@ -61,6 +61,7 @@ class SupervisedLoss:
     """Mean negative log-likelihood of the masked target tokens."""
 
     logits_chunk: int = 512   # positions whose logits exist at once (token_logp); 0: all
+    behaviour: str = "engine"  # trainer: mu of lag-0 tokens is the trainer's own log-prob
 
     def __call__(self, model, mb, ref_model=None, stack_fn=None):
         logp_BT, _, correct_BT = token_logp(model, mb, stack_fn=stack_fn,
@@ -88,6 +89,7 @@ class PolicyGradientLoss:
     kl_coef: float = 0.0
     max_segments: int = 16
     logits_chunk: int = 512   # positions whose logits exist at once (token_logp); 0: all
+    behaviour: str = "engine"  # trainer: mu of lag-0 tokens is the trainer's own log-prob
 
     def __call__(self, model, mb, ref_model=None, stack_fn=None):
         logp_BT, entropy_BT, _ = token_logp(model, mb, self.temperature, stack_fn,
@@ -96,8 +98,12 @@ class PolicyGradientLoss:
         if ref_model is not None:
             ref_logp_BT = jax.lax.stop_gradient(
                 token_logp(ref_model, mb, self.temperature, chunk=self.logits_chunk)[0])
+        behaviour_BT = mb["behaviour_logp"]
+        if self.behaviour == "trainer" and "on_policy" in mb:
+            behaviour_BT = jnp.where(mb["on_policy"] > 0, jax.lax.stop_gradient(logp_BT),
+                                     behaviour_BT)
         loss_sum, weight, stats = policy_loss(
-            logp_BT, mb["behaviour_logp"], mb["advantages"], mb["loss_mask"],
+            logp_BT, behaviour_BT, mb["advantages"], mb["loss_mask"],
             mb["segment_ids"], kind=self.kind, clip_low=self.clip_low,
             clip_high=self.clip_high, tis_cap=self.tis_cap, ref_logp_BT=ref_logp_BT,
             kl_coef=self.kl_coef, max_segments=self.max_segments)

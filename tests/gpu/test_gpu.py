@@ -70,7 +70,7 @@ def test_logits_on_gpu_equal_the_cpu_float32_reference():
     np.testing.assert_allclose(got, want, atol=2e-3, rtol=2e-3)   # TF32 matmuls on GPU
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])    # cuDNN's flash attention
 def test_cudnn_attention_equals_xla_on_packed_rows(dtype):
     from jaxrl.models import layers as ops
 
@@ -89,7 +89,7 @@ def test_cudnn_attention_equals_xla_on_packed_rows(dtype):
     results = {impl: jax.jit(jax.value_and_grad(lambda *a, impl=impl: loss(impl, *a),
                                                 argnums=(0, 1, 2), has_aux=True))(q, k, v)
                for impl in ("xla", "cudnn")}
-    tol = 2e-2 if dtype == "bfloat16" else 2e-3
+    tol = 2e-2 if dtype == "bfloat16" else 4e-3
     (_, out), grads = results["cudnn"]
     (_, ref), ref_grads = results["xla"]
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),

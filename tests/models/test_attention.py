@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl.models.layers import attention, causal_mask
+from jaxrl.models.layers import attention, causal_mask, segment_layout
 
 
 def _qkv(b=2, t=6, n=4, g=2, h=8, seed=0):
@@ -91,3 +91,54 @@ def test_splash_in_shard_map_equals_xla_values_and_gradients():
     np.testing.assert_allclose(results["splash"][0], results["xla"][0], atol=2e-5, rtol=1e-4)
     for got, want in zip(results["splash"][1], results["xla"][1]):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def test_segment_layout_gives_each_packed_segments_length_and_start():
+    rng = np.random.default_rng(4)
+    rows = []
+    for _ in range(6):
+        lengths = rng.integers(1, 9, rng.integers(1, 6))
+        row = np.repeat(np.arange(1, len(lengths) + 1), lengths)[:32]
+        rows.append(np.pad(row, (0, 32 - len(row))))          # padding: id 0, at the end
+    segments = np.stack(rows).astype(np.int32)
+    got_lengths, got_offsets = map(np.asarray, segment_layout(segments, 8))
+    for row, lengths, offsets in zip(segments, got_lengths, got_offsets):
+        ids = [s for s in np.unique(row) if s]
+        want = [int(np.sum(row == s)) for s in ids]
+        assert lengths.tolist() == want + [-1] * (8 - len(ids))
+        assert offsets.tolist() == [int(np.argmax(row == s)) for s in ids] + [-1] * (9 - len(ids))
+
+
+def test_cudnn_path_lowers_to_the_fused_kernel_without_a_t_by_t_mask(monkeypatch):
+    """Lowered for CUDA on this GPU-less machine (cuDNN's version and compute-capability probes
+    stood in for an H100's): forward and backward are cuDNN's flash attention with the padding-
+    causal mask over per-segment lengths and offsets, and no [T, T] array appears anywhere in
+    the program (no mask, no bias). Its numbers are checked on a GPU (tests/gpu)."""
+    import re
+
+    import jax.numpy as jnp
+    from jax import export
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: False)
+    b, t, n, g, h = 2, 384, 4, 2, 64
+
+    def loss(q, k, v, segments):
+        out = attention(q, k, v, causal_mask(segments), "cudnn", segments, max_segments=8)
+        return jnp.sum(out.astype(jnp.float32))
+
+    spec = jax.ShapeDtypeStruct
+    args = (spec((b, t, n, h), jnp.bfloat16), spec((b, t, g, h), jnp.bfloat16),
+            spec((b, t, g, h), jnp.bfloat16), spec((b, t), jnp.int32))
+    targets = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+    exported = export.export(
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=("cuda",),
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(c) for c in targets])(*args)
+    module = exported.mlir_module()
+    assert set(re.findall(r"custom_call @(__cudnn\S+)\(", module)) == set(targets)
+    assert "PADDING_CAUSAL" in module.replace("\\22", "")
+    shapes = set(re.findall(r"tensor<([0-9x]+)x(?:[a-z]+\d*)>", module))
+    assert not [s for s in shapes if f"{t}x{t}" in s], sorted(shapes)
+    assert f"tensor<{b}x{8 + 1}xi32>" in module                  # the segments' offsets

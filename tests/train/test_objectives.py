@@ -90,3 +90,32 @@ def test_logprob_parity_counts_only_lag_zero_tokens():
     none = summarize_parity(logprob_parity(jnp.asarray(trainer), jnp.asarray(sampler),
                                            jnp.zeros((3, 7))))
     assert np.isnan(float(none["logprob_diff_mean"])) and float(none["logprob_parity_tokens"]) == 0
+
+
+@pytest.mark.parametrize("kind", ["tis", "ppo"])
+def test_trainer_behaviour_logprobs_replace_the_engines_on_lag_zero_tokens(model, kind):
+    """rl.behaviour_logprobs=trainer: on lag-0 tokens mu is the trainer's own log-prob (ratio 1,
+    whatever the engine reported); the other tokens keep the engine's. The loss and gradients
+    equal the engine setting given the trainer's log-probs as the engine's on those tokens."""
+    graphdef, params = split_params(model)
+    mb = _batch(2)
+    on = (np.random.default_rng(5).random((B, T)) < 0.5) & (mb["loss_mask"] > 0)
+    mb["on_policy"] = on.astype(np.float32)
+    logp = np.asarray(token_logp(model, mb, 1.0)[0])
+    faithful = {**mb, "behaviour_logp": np.where(on, logp, mb["behaviour_logp"])}
+
+    def loss(params, batch, behaviour):
+        obj = PolicyGradientLoss(kind=kind, behaviour=behaviour)
+        loss_sum, weight, stats = obj(merge_params(graphdef, params), batch)
+        return loss_sum / weight, stats
+
+    (got, stats), g_got = jax.value_and_grad(loss, has_aux=True)(params, mb, "trainer")
+    (want, _), g_want = jax.value_and_grad(loss, has_aux=True)(params, faithful, "engine")
+    (engine, _), _ = jax.value_and_grad(loss, has_aux=True)(params, mb, "engine")
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert abs(float(engine) - float(got)) > 1e-3      # the engine's mu did matter
+    for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * float(jnp.abs(b).max()))
+    # The parity metric still compares against what the engine reported.
+    assert float(stats["parity_diff_sum"]) == pytest.approx(
+        float(np.sum((logp - mb["behaviour_logp"]) * on)), rel=1e-5)
