@@ -1,0 +1,241 @@
+"""GPU campaign: train-step MFU, decode against the HBM roofline, update pause, remat, RL modes.
+
+One command, one JSON file, for a ~0.5B and a ~1.5B bfloat16 model (Qwen2.5 shapes, random
+weights), each figure against a ceiling measured in the same run:
+- peak: bf16 matmul TFLOP/s of a large square matmul; copy: device copy GB/s (read + write);
+- train: MFU of the supervised train step at `--tokens` tokens (model FLOPs: 6 x matmul
+  parameters x tokens + causal attention, 6 x L x T x N x H per token), with remat=none and
+  remat=offload: step time and the compiled program's device temp bytes;
+- decode: tokens/s of the engine's decode step at `--slots` slots holding `--held` tokens each,
+  against the roofline = slots / (bytes of the weights + the KV held, over the copy bandwidth);
+- update: the in-flight weight swap's decode pause against one device copy of the weights;
+- rl: async against sync RL steps/s on this one device (colocated), the demo task at the
+  0.5B shape.
+
+    jaxrl bench gpu --out gpu_campaign.json            (about 8 minutes on one H100)
+    jaxrl bench gpu --smoke                            (tiny shapes: the script itself, on CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import _rl_compare as compare
+from flax import nnx
+
+from jaxrl.models import ModelConfig, Transformer, abstract_model, split_params
+from jaxrl.optim_config import OptimConfig
+from jaxrl.train.optim import make_optimizer
+from jaxrl.train.step import init_state, jit_train_step, state_shardings
+from serving.engine import Engine, EngineConfig
+from serving.orchestrator import Orchestrator
+from serving.sampling import SamplingParams
+from sharding import mesh as shd
+
+QWEN = dict(vocab_size=151936, num_kv_heads=2, qkv_bias=True, tie_embeddings=True,
+            max_seq_len=8192, dtype="bfloat16", param_dtype="float32")
+SHAPES = {
+    "0.5b": ModelConfig(embed_dim=896, num_layers=24, num_heads=14, head_dim=64, mlp_dim=4864,
+                        **QWEN),
+    "1.5b": ModelConfig(embed_dim=1536, num_layers=28, num_heads=12, head_dim=128,
+                        mlp_dim=8960, **QWEN),
+    "smoke": ModelConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, mlp_dim=128, max_seq_len=1024,
+                         dtype="bfloat16", param_dtype="float32"),
+}
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of `fn()` (blocked on), after one call to compile and warm up."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ceilings(n: int, copy_bytes: int) -> dict:
+    """Measured bf16 matmul FLOP/s (n x n x n) and device copy bytes/s (read + write)."""
+    a = jnp.ones((n, n), jnp.bfloat16)
+    matmul = jax.jit(lambda a: a @ a)
+    flops = 2 * n**3 / timed(lambda: matmul(a), 10)
+    x = jnp.ones((copy_bytes // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda x: x + jnp.bfloat16(1))
+    bandwidth = 2 * copy_bytes / timed(lambda: copy(x), 10)
+    return {"peak_bf16_flops": flops, "copy_bytes_per_s": bandwidth}
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in matmuls per token: the layers and the LM head."""
+    d, n, g, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    layer = d * n * h * 2 + d * g * h * 2 + 3 * d * f
+    return cfg.num_layers * layer + d * cfg.vocab_size
+
+
+def train_flops(cfg: ModelConfig, rows: int, seq: int) -> float:
+    tokens = rows * seq
+    attention = 6 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim   # causal: half of 12
+    return tokens * (6 * matmul_params(cfg) + attention)
+
+
+def train(cfg: ModelConfig, tokens: int, seq: int, remat: str, peak: float) -> dict:
+    mesh = shd.make_mesh(shd.MeshConfig(fsdp=1), jax.devices()[:1])
+    tx = make_optimizer(OptimConfig(lr=1e-4, warmup_steps=1), 100)
+    shardings = state_shardings(cfg, tx, mesh)
+    graphdef, _ = split_params(abstract_model(cfg))
+    state = init_state(cfg, tx, shardings, seed=0)
+    step = jit_train_step(graphdef, tx, shardings, mesh, remat=remat)
+    rows = tokens // seq
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, (1, rows, seq + 1)).astype(np.int32)
+    batch = {"input_ids": ids[..., :-1], "targets": ids[..., 1:],
+             "loss_mask": np.ones((1, rows, seq), np.float32)}
+    temp = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+    holder = [state]
+
+    def one():
+        holder[0], metrics = step(holder[0], batch)
+        return metrics
+    seconds = timed(one, 5)
+    flops = train_flops(cfg, rows, seq)
+    return {"remat": remat, "tokens": rows * seq, "step_s": seconds,
+            "tflops": flops / seconds / 1e12, "mfu": flops / seconds / peak,
+            "device_temp_bytes": int(temp)}
+
+
+def engine_for(cfg: ModelConfig, slots: int, max_len: int) -> Engine:
+    engine = Engine(cfg, EngineConfig(max_concurrent_decodes=slots, max_len=max_len,
+                                      max_prefill_length=64, prefill_chunk=64, page_size=16,
+                                      dtype="bfloat16"))
+    engine.load_params(split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
+    return engine
+
+
+def decode(engine: Engine, held: int, steps: int, bandwidth: float) -> dict:
+    """Per-step time of `steps` decode steps with every slot at `held` tokens."""
+    cfg, s = engine.model_cfg, engine.cfg.max_concurrent_decodes
+    width = engine.cfg.table_width(held + steps)
+    table = 1 + np.arange(s * width, dtype=np.int32).reshape(s, width) % (engine.num_pages - 1)
+    greedy = [SamplingParams(temperature=0.0)] * s
+    state = [engine.init_decode_state()]
+
+    def rewind():
+        state[0] = engine.insert(state[0], list(range(s)), [held] * s, [3] * s, [1] * s,
+                                 greedy, [0] * s)
+
+    def run():
+        rewind()
+        state[0], tokens, _ = engine.generate_steps(engine.params, state[0], table, steps)
+        return tokens
+    per_step = timed(run, 5) / steps      # the rewind is a few scatters: counted, small
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.params))
+    kv = s * (held + steps / 2) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    roofline = s / ((weights + kv) / bandwidth)
+    return {"slots": s, "held": held, "step_ms": per_step * 1e3, "tokens_per_s": s / per_step,
+            "roofline_tokens_per_s": roofline, "fraction_of_roofline": s / per_step / roofline,
+            "weight_bytes": weights, "kv_bytes": int(kv)}
+
+
+def update_pause(engine: Engine, prompt_len: int) -> dict:
+    """The decode pause of in-flight updates while every slot decodes, against one device copy
+    of the weights."""
+    params = engine.params
+    copy = jax.jit(lambda p: jax.tree.map(lambda x: x + 0, p))
+    one_copy = timed(lambda: copy(params), 5)
+    max_tokens = engine.cfg.max_len - prompt_len - 1
+    sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=0)
+    with Orchestrator(engine) as o:
+        streams = [o.submit(list(range(3, 3 + prompt_len)), sampling)
+                   for _ in range(engine.cfg.max_concurrent_decodes)]
+        while o.metrics()["steps"] < 8:      # every slot decoding
+            time.sleep(0.01)
+        pauses = [o.update_params(copy(params), version).pause_s * 1e3
+                  for version in range(1, 6)]
+        for stream in streams:
+            stream.cancel()
+    pause = float(np.median(pauses))
+    return {"update_pause_ms": pause, "update_pause_ms_max": max(pauses),
+            "one_copy_ms": one_copy * 1e3, "pause_vs_copy": pause / (one_copy * 1e3)}
+
+
+def rl_modes(shape: str, steps: int) -> dict:
+    """Async against sync RL steps/s, colocated on this device, from one short warm-up."""
+    cfg = SHAPES[shape]
+    model = [f"model.embed_dim={cfg.embed_dim}", f"model.num_layers={cfg.num_layers}",
+             f"model.num_heads={cfg.num_heads}", f"model.num_kv_heads={cfg.num_kv_heads}",
+             f"model.head_dim={cfg.head_dim}", f"model.mlp_dim={cfg.mlp_dim}",
+             "model.dtype=bfloat16", "train.steps=2"]
+    args = argparse.Namespace(config=str(DEMO_CONFIG), rl_steps=steps, target=1.0, window=2,
+                              warmup_dir=None, overrides=model)
+    work = Path(tempfile.mkdtemp(prefix="jaxrl-gpu-"))
+    try:
+        base = compare.warm_checkpoint(args, work)
+        out = {name: compare.run_variant(base, work, name, args) for name in ("sync", "async")}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rate = {name: (len(r["rows"]) - 1) / r["seconds"] for name, r in out.items()}
+    return {"sync_steps_per_s": rate["sync"], "async_steps_per_s": rate["async"],
+            "async_vs_sync": rate["async"] / rate["sync"]}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["0.5b", "1.5b"], choices=list(SHAPES))
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per train step")
+    p.add_argument("--seq", type=int, default=4096, help="train sequence length")
+    p.add_argument("--slots", type=int, default=64, help="decode batch")
+    p.add_argument("--held", type=int, default=1024, help="tokens each slot holds")
+    p.add_argument("--rl-steps", type=int, default=20)
+    p.add_argument("--out", default="gpu_campaign.json")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes and sizes: checks the script, anywhere")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.models, args.tokens, args.seq, args.slots, args.held, args.rl_steps = (
+            ["smoke"], 256, 128, 4, 64, 3)
+    device = jax.devices()[0]
+    out = {"device": device.device_kind, "platform": device.platform, "models": {}}
+    t0 = time.perf_counter()
+    out.update(ceilings(*((256, 1 << 22) if args.smoke else (8192, 1 << 30))))
+    print(f"{device.device_kind}: bf16 matmul {out['peak_bf16_flops'] / 1e12:.0f} TFLOP/s, "
+          f"copy {out['copy_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
+    for name in args.models:
+        cfg = SHAPES[name]
+        row = {"train": [train(cfg, args.tokens, args.seq, remat, out["peak_bf16_flops"])
+                         for remat in ("none", "offload")]}
+        none, offload = row["train"]
+        row["offload_vs_none_time"] = offload["step_s"] / none["step_s"]
+        row["offload_vs_none_temp"] = offload["device_temp_bytes"] / none["device_temp_bytes"]
+        engine = engine_for(cfg, args.slots, args.held + 128)
+        row["decode"] = decode(engine, args.held, 16, out["copy_bytes_per_s"])
+        row["update"] = update_pause(engine, 16)
+        del engine
+        out["models"][name] = row
+        print(f"{name}: MFU {none['mfu']:.1%} (offload {offload['mfu']:.1%}, temp "
+              f"{row['offload_vs_none_temp']:.2f}x); decode {row['decode']['tokens_per_s']:.0f} "
+              f"tok/s = {row['decode']['fraction_of_roofline']:.1%} of roofline; update pause "
+              f"{row['update']['update_pause_ms']:.2f} ms = {row['update']['pause_vs_copy']:.2f}x "
+              f"one copy", flush=True)
+    out["rl"] = rl_modes(args.models[0], args.rl_steps)
+    print(f"RL on one device: async {out['rl']['async_vs_sync']:.2f}x sync steps/s")
+    out["seconds"] = time.perf_counter() - t0
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out} ({out['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
