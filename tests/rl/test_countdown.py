@@ -19,7 +19,10 @@ def test_scores():
     assert task.score(p, p.answer) == 1.0
     assert task.score(p, "00101100,00101011,00101000") == 0.5 * 2 / 4    # two right, then wrong
     assert task.score(p, "") == 0.0
-    assert task.score(p, p.answer + ",00101000") == 0.5                 # did not stop
+    # Did not stop: every number past the end costs as much as a wrong one (RL on a reward
+    # that paid 0.5 for any run-on answer learnt never to stop).
+    assert task.score(p, p.answer + ",00101000") == 0.5 * 4 / 5
+    assert task.score(p, p.answer + ",00101000" * 4) == 0.5 * 4 / 8
     exact = CountdownTask(CountdownConfig(partial_credit=False))
     assert exact.score(p, "00101100,00101011,00101000") == 0.0
 

@@ -38,7 +38,8 @@ class CountdownConfig:
     warmup_max_steps: int = 24      # the supervised warm-up only sees n up to this
     held_out_percent: int = 5       # share of (a, n) pairs reserved for evaluation
     # Reward for a wrong answer: half the share of the expected numbers written correctly
-    # before the first mistake (a dense signal on long answers); false: 0.
+    # before the first mistake, over the expected or the written count, whichever is larger (a
+    # dense signal on long answers that never pays for writing past the end); false: 0.
     partial_credit: bool = True
 
     def __post_init__(self):
@@ -121,4 +122,4 @@ class CountdownTask:
             if e != w:
                 break
             correct += 1
-        return 0.5 * correct / len(expected)
+        return 0.5 * correct / max(len(expected), len(written))
