@@ -80,7 +80,7 @@ def _serve(args) -> None:
           engine_config=engine_config, update_token=token, log=lambda m: print(m, flush=True),
           tls=tls, allow_remote=args.allow_remote,
           max_concurrent_rpcs=args.max_concurrent_rpcs, max_queued=args.max_queued,
-          tensor=args.tensor, replicas=args.replicas)
+          tensor=args.tensor, replicas=args.replicas, http_port=args.http_port)
 
 
 def _compile(args) -> None:
@@ -251,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill chunk size")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="serving dtype of weights and KV cache")
+    p.add_argument("--http-port", type=_int_at_least(0), default=None,
+                   help="also serve the OpenAI-compatible API (/v1/completions, "
+                        "/v1/chat/completions) on this port (0: any free port)")
     p.add_argument("--update-token-file", default=None,
                    help="file holding the shared secret for weight updates (default: the "
                         "JAXRL_UPDATE_TOKEN environment variable; with neither, updates are "

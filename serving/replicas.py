@@ -53,6 +53,9 @@ class Replicas:
     def newest_version(self) -> int:
         return self.replicas[0].newest_version
 
+    def validate(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
+        self.replicas[0].validate(prompt, sampling)     # every replica has the same limits
+
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, *,
                predicted_len: float | None = None,
                carry: Sequence[Sample] | None = None) -> RequestStream:

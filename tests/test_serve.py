@@ -11,6 +11,7 @@ import threading
 
 import grpc
 import numpy as np
+import openai
 import pytest
 import torch
 import transformers
@@ -18,6 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jaxrl.models import split_params
 from jaxrl.models.generate import greedy_generate
+from jaxrl.models.tokenizer import HFTokenizer
 from jaxrl.run.serve import load_model
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
@@ -76,7 +78,7 @@ def test_a_thousand_tokens_through_jaxrl_serve_equal_transformers_generate(tmp_p
                            do_sample=False)[0, len(prompt):].tolist()
 
     with _jaxrl_serve(tmp_path, "--slots", "2", "--max-prefill-length", "16",
-                      "--page-size", "16") as (line, address):
+                      "--page-size", "16") as (line, address, _):
         assert "max_len 1100" in line, line
         with grpc.insecure_channel(address) as channel:
             out = list(gen_grpc.GenerationStub(channel).Generate(gen.GenerateRequest(
@@ -90,8 +92,8 @@ def test_a_thousand_tokens_through_jaxrl_serve_equal_transformers_generate(tmp_p
 
 @contextlib.contextmanager
 def _jaxrl_serve(folder, *flags, devices=None):
-    """A `jaxrl serve --model folder` subprocess, ready: (its ready line, its address). Stopped
-    with SIGTERM afterwards."""
+    """A `jaxrl serve --model folder` subprocess, ready: (its ready line, its address, every
+    line it printed up to then). Stopped with SIGTERM afterwards."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     if devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -107,7 +109,7 @@ def _jaxrl_serve(folder, *flags, devices=None):
         else:
             raise AssertionError("jaxrl serve did not start:\n" + "".join(output)[-3000:])
         threading.Thread(target=proc.stdout.read, daemon=True).start()   # keep it drained
-        yield line, line.split("ready on ")[1].split(": ")[0]
+        yield line, line.split("ready on ")[1].split(": ")[0], output
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -118,9 +120,9 @@ def _jaxrl_serve(folder, *flags, devices=None):
 
 @pytest.mark.slow
 def test_serve_on_a_mesh_equals_transformers_generate(tmp_path):
-    """`jaxrl serve --tensor 2 --replicas 2` on 4 CPU devices: the Hugging Face folder is loaded
-    straight onto replica 0's mesh, groups spread over both replicas, and every greedy output
-    equals Hugging Face's `generate`."""
+    """`jaxrl serve --tensor 2 --replicas 2 --http-port 0` on 4 CPU devices: the Hugging Face
+    folder is loaded straight onto replica 0's mesh, groups spread over both replicas, and every
+    greedy output equals Hugging Face's `generate`, through gRPC and through the OpenAI API."""
     torch.manual_seed(1)
     config = transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -136,7 +138,8 @@ def test_serve_on_a_mesh_equals_transformers_generate(tmp_path):
                             do_sample=False)[0, len(p):].tolist() for p in prompts]
 
     with _jaxrl_serve(tmp_path, "--max-prefill-length", "16", "--page-size", "8", "--tensor",
-                      "2", "--replicas", "2", "--slots", "2", devices=4) as (line, address):
+                      "2", "--replicas", "2", "--slots", "2", "--http-port", "0",
+                      devices=4) as (line, address, output):
         assert "2 replica(s) x tensor 2; 4 slots" in line, line
         with grpc.insecure_channel(address) as channel:
             stub = gen_grpc.GenerationStub(channel)
@@ -146,6 +149,16 @@ def test_serve_on_a_mesh_equals_transformers_generate(tmp_path):
                 for p in prompts]
             got = [[r.token_ids[0] for r in call if r.token_ids] for call in calls]
             metrics = json.loads(stub.GetMetrics(gen.MetricsRequest()).json)
+        http = next(x for x in output if "OpenAI-compatible API on" in x)
+        client = openai.OpenAI(base_url=http.split(" on ")[1].split()[0], api_key="unused",
+                               max_retries=0)
+        tokenizer = HFTokenizer(tmp_path)
+        for p, w in zip(prompts[:2], want):
+            choice = client.completions.create(model=tmp_path.name, prompt=p, max_tokens=40,
+                                               temperature=0).choices[0]
+            ends = w.index(2) + 1 if 2 in w else len(w)        # the server stops at EOS
+            assert choice.text == tokenizer.decode(w[:ends])
+            assert choice.finish_reason == ("stop" if 2 in w else "length")
     assert got == want
     assert metrics["replicas"] == 2 and metrics["requests_done"] == len(prompts)
     assert min(metrics["replica_requests_done"]) > 0      # both replicas served

@@ -65,6 +65,19 @@ class HFTokenizer:
                 tok = tok.get("content")
             return None if tok is None else self._tok.token_to_id(tok)
 
+        def text(name):
+            tok = config.get(name)
+            return tok.get("content") if isinstance(tok, dict) else tok
+
+        self.bos_token, self.eos_token = text("bos_token"), text("eos_token")
+        # The Jinja chat template (OpenAI-style chat requests render through it); older
+        # folders keep it in chat_template.jinja beside the config.
+        template = config.get("chat_template")
+        if isinstance(template, list):     # named templates: the default one
+            template = next((t.get("template") for t in template
+                             if t.get("name") == "default"), None)
+        jinja = file.parent / "chat_template.jinja"
+        self.chat_template = template or (jinja.read_text() if jinja.is_file() else None)
         self.bos_id = special("bos_token")
         self.eos_id = special("eos_token")
         pad = special("pad_token")

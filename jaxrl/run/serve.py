@@ -71,8 +71,9 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
           log: Callable[[str], None] = print, ready: threading.Event | None = None,
           tls: tuple[bytes, bytes] | None = None, allow_remote: bool = False,
           max_concurrent_rpcs: int = 1024, max_queued: int = 1024, tensor: int = 1,
-          replicas: int = 1) -> None:
+          replicas: int = 1, http_port: int | None = None) -> None:
     """`engine_config(context)`: the engine's sizes, given the model's context length.
+    `http_port`: also serve the OpenAI-compatible HTTP API (serving/openai_api.py) there.
     `max_queued`: requests waiting for a slot; more get RESOURCE_EXHAUSTED.
     `tensor`, `replicas`: `replicas` engines, each tensor-parallel over `tensor` devices."""
     if not is_loopback(host) and not allow_remote:
@@ -124,6 +125,20 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
     except (OSError, RuntimeError) as e:
         orchestrator.stop()
         raise UserError(f"cannot listen on {host}:{port}: {e}") from e
+    http = None
+    if http_port is not None:
+        from serving.openai_api import OpenAIApp, start_http
+
+        name = Path(model_dir).name if model_dir else "jaxrl-demo"
+        app = OpenAIApp(orchestrator, tokenizer, name, engine_cfg.max_len).app
+        try:
+            http, bound = start_http(app, host, http_port)
+        except (OSError, RuntimeError) as e:
+            server.stop(grace=0)
+            orchestrator.stop()
+            raise UserError(f"cannot listen on {host}:{http_port} (--http-port): {e}") from e
+        log(f"jaxrl serve: OpenAI-compatible API on http://{host}:{bound}/v1 (model {name!r}; "
+            f"plain HTTP{', reachable from other machines' if not is_loopback(host) else ''})")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -137,6 +152,8 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
         ready.set()
     stop.wait()
     log("jaxrl serve: shutting down")
+    if http is not None:
+        http.should_exit = True
     server.stop(grace=5.0)
     log("jaxrl serve: stopped")
 

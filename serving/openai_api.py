@@ -1,0 +1,350 @@
+"""An OpenAI-compatible HTTP endpoint over a generation service (an Orchestrator or Replicas):
+`/v1/completions`, `/v1/chat/completions` (the model's chat template), `/v1/models`, streaming as
+server-sent events, and OpenAI's error shape (HTTP 400 for a bad request), so that any client
+written for OpenAI's API (the `openai` package, LangChain, smolagents, curl) drives the engine.
+
+Served by `jaxrl serve --http-port N` beside the gRPC services, on the same engines and the
+same weights (in-flight updates included). Every sampled token's log-prob is the engine's own,
+the one RL trains with; only the sampled token's is known, so `logprobs` above 1 (completions)
+and `top_logprobs` above 0 (chat) are refused rather than answered with fewer.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+import uuid
+from typing import Any, Iterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from serving.orchestrator import InvalidRequest, QueueFull
+from serving.sampling import SamplingParams
+from serving.stream import TokenEvent
+
+# engine finish reasons -> OpenAI's; anything else means the engine failed the request
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind,
+                                       "param": self.param, "code": None}},
+                            status_code=self.status)
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share (vLLM's `top_k` included)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    n: int = Field(1, ge=1, le=64)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**32)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+def render_chat(template: str, messages: list[dict], tokenizer) -> str:
+    """The conversation as the model's Hugging Face chat template writes it, ending with the
+    assistant's turn opened (add_generation_prompt), in a sandboxed Jinja environment."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise OpenAIError(400, f"the chat template refused the messages: {message}", "messages")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(
+        messages=messages, add_generation_prompt=True,
+        bos_token=getattr(tokenizer, "bos_token", "") or "",
+        eos_token=getattr(tokenizer, "eos_token", "") or "")
+
+
+class _Choice:
+    """One sample as the client sees it: text decoded so far, cut at a stop string."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.tokens, self.logprobs, self.text, self.sent = [], [], "", 0
+        self.finish: str | None = None
+
+    def add(self, token: int, logprob: float) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.text = self.tokenizer.decode(self.tokens)
+        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.finish = self.text[:cut], "stop"
+
+    def delta(self, final: bool) -> str:
+        """Text not sent yet; while running, held back where a stop string or a multi-byte
+        character might still be forming."""
+        end = len(self.text)
+        if not final:
+            end -= max((len(s) - 1 for s in self.stops), default=0)
+            while end > self.sent and self.text[end - 1] == "\ufffd":
+                end -= 1
+        out = self.text[self.sent:max(end, self.sent)]
+        self.sent += len(out)
+        return out
+
+    def token_texts(self) -> list[str]:
+        return [self.tokenizer.decode([t]) for t in self.tokens]
+
+
+class OpenAIApp:
+    """The FastAPI app (`.app`) over `generation` (submit, validate) and its tokenizer."""
+
+    def __init__(self, generation, tokenizer, model_name: str, max_len: int):
+        self.generation, self.tokenizer = generation, tokenizer
+        self.model_name, self.max_len = model_name, max_len
+        self.app = app = FastAPI(title="jaxrl", docs_url=None, redoc_url=None)
+        app.add_exception_handler(OpenAIError, lambda _, e: e.response())
+        app.add_exception_handler(RequestValidationError, _validation_error)
+        app.get("/v1/models")(self.models)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat)
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                            "created": 0, "owned_by": "jaxrl"}]}
+
+    # -- endpoints (plain functions: FastAPI runs them in its thread pool, as they wait on the
+    # engine's streams) ---------------------------------------------------------------------
+    def completions(self, body: CompletionRequest):
+        if body.echo:
+            raise OpenAIError(400, "echo=true is not supported", "echo")
+        if body.logprobs is not None and body.logprobs > 1:
+            raise OpenAIError(400, f"logprobs={body.logprobs}: only the sampled token's "
+                              f"log-prob is known (use 0 or 1)", "logprobs")
+        prompts = self._prompts(body.prompt)
+        return self._respond(body, prompts, body.max_tokens, "text_completion",
+                             logprobs=body.logprobs is not None)
+
+    def chat(self, body: ChatRequest):
+        if body.top_logprobs:
+            raise OpenAIError(400, f"top_logprobs={body.top_logprobs}: only the sampled "
+                              f"token's log-prob is known (use 0)", "top_logprobs")
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise OpenAIError(400, f"model {self.model_name!r} has no chat template (its "
+                              f"tokenizer_config.json names none): use /v1/completions",
+                              "messages")
+        text = render_chat(template, [m.model_dump(exclude_none=True) for m in body.messages],
+                           self.tokenizer)
+        limit = body.max_completion_tokens or body.max_tokens
+        return self._respond(body, [self.tokenizer.encode(text)], limit, "chat.completion",
+                             logprobs=body.logprobs)
+
+    # -- shared --------------------------------------------------------------------------------
+    def _prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if prompt and all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        if not prompt:
+            raise OpenAIError(400, "prompt is empty", "prompt")
+        out = []
+        for p in prompt:
+            try:
+                ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            except ValueError as e:
+                raise OpenAIError(400, f"prompt: {e}", "prompt") from None
+            if not ids:
+                raise OpenAIError(400, "a prompt has no tokens", "prompt")
+            out.append(ids)
+        return out
+
+    def _submit(self, body, prompts, max_tokens):
+        """One stream per prompt (each with body.n samples), all validated before any runs."""
+        seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise OpenAIError(400, f"stop={body.stop!r}: up to 4 non-empty strings", "stop")
+        samplings = []
+        for ids in prompts:
+            limit = max_tokens or max(self.max_len - len(ids), 1)
+            try:
+                sampling = SamplingParams(max_tokens=limit, temperature=body.temperature,
+                                          top_p=body.top_p, top_k=body.top_k, seed=seed,
+                                          n=body.n)
+                self.generation.validate(ids, sampling)
+            except (ValueError, InvalidRequest) as e:
+                raise OpenAIError(400, str(e), "max_tokens" if "max_tokens" in str(e)
+                                  else "prompt") from None
+            samplings.append(sampling)
+        try:
+            streams = [self.generation.submit(ids, s) for ids, s in zip(prompts, samplings)]
+        except QueueFull as e:
+            raise OpenAIError(429, str(e), kind="rate_limit_error") from None
+        return streams, stops
+
+    def _respond(self, body, prompts, max_tokens, kind: str, logprobs: bool):
+        streams, stops = self._submit(body, prompts, max_tokens)
+        meta = {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-"
+                      f"{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": body.model or self.model_name}
+        usage_prompt = sum(len(p) for p in prompts) * body.n
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            events = self._sse(streams, stops, body.n, kind, meta, logprobs,
+                               usage_prompt if usage else None)
+            return StreamingResponse(events, media_type="text/event-stream")
+        choices = [_Choice(self.tokenizer, stops) for _ in range(len(streams) * body.n)]
+        for _ in _events(streams, choices, body.n):
+            pass
+        out = [_choice_json(kind, i, c, logprobs, final=True) for i, c in enumerate(choices)]
+        completion = sum(len(c.tokens) for c in choices)
+        return {**meta, "object": kind, "choices": out,
+                "usage": {"prompt_tokens": usage_prompt, "completion_tokens": completion,
+                          "total_tokens": usage_prompt + completion}}
+
+    def _sse(self, streams, stops, n, kind, meta, logprobs, usage_prompt) -> Iterator[str]:
+        chunk_kind = "chat.completion.chunk" if kind.startswith("chat") else kind
+        choices = [_Choice(self.tokenizer, stops) for _ in range(len(streams) * n)]
+        sent = [0] * len(choices)
+
+        def chunk(payload):
+            return f"data: {json.dumps({**meta, 'object': chunk_kind, **payload})}\n\n"
+
+        try:
+            if kind.startswith("chat"):
+                yield chunk({"choices": [{"index": i, "delta": {"role": "assistant",
+                                                                "content": ""},
+                                          "logprobs": None, "finish_reason": None}
+                                         for i in range(len(choices))]})
+            for i in _events(streams, choices, n):
+                c = choices[i]
+                text = c.delta(final=c.finish is not None)
+                if text or c.finish is not None:
+                    piece = _choice_json(kind, i, c, logprobs, final=False, text=text,
+                                         tokens=slice(sent[i], len(c.tokens)))
+                    sent[i] = len(c.tokens)
+                    yield chunk({"choices": [piece]})
+            if usage_prompt is not None:
+                completion = sum(len(c.tokens) for c in choices)
+                yield chunk({"choices": [], "usage": {
+                    "prompt_tokens": usage_prompt, "completion_tokens": completion,
+                    "total_tokens": usage_prompt + completion}})
+            yield "data: [DONE]\n\n"
+        except OpenAIError as e:                 # the status line has gone: say it in-band
+            yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind}})}\n\n"
+        finally:                                 # also when the client went away
+            for stream in streams:
+                stream.cancel()
+
+
+def _events(streams, choices, n) -> Iterator[int]:
+    """Reads every stream to its end, feeding `choices` (stream s, sample j is choice s*n + j);
+    yields the index of each choice that changed. A sample cut by a stop string is not fed
+    further; a stream whose samples all stopped is cancelled."""
+    for s, stream in enumerate(streams):
+        for event in stream:
+            c = choices[s * n + event.sample_index]
+            if c.finish is not None:        # cut by a stop string: the rest is not shown
+                continue
+            if isinstance(event, TokenEvent):
+                c.add(event.token, event.logprob)
+            elif event.reason in FINISH:
+                c.finish = FINISH[event.reason]
+            else:
+                for other in streams:
+                    other.cancel()
+                raise OpenAIError(503, f"generation failed ({event.reason}"
+                                  f"{': ' + stream.error if stream.error else ''})",
+                                  kind="server_error")
+            if all(choices[s * n + j].finish for j in range(n)):
+                stream.cancel()
+            yield s * n + event.sample_index
+
+
+def _choice_json(kind, index, c: _Choice, logprobs: bool, *, final: bool, text=None,
+                 tokens: slice = slice(None)) -> dict:
+    text = c.text if text is None else text
+    finish = c.finish if (final or c.finish) else None
+    lp = None
+    if logprobs:
+        names, values = c.token_texts()[tokens], c.logprobs[tokens]
+        if kind.startswith("chat"):
+            lp = {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()),
+                               "top_logprobs": []} for t, v in zip(names, values)]}
+        else:
+            start = len(c.tokenizer.decode(c.tokens[:tokens.start or 0]))
+            offsets = [start + len(c.tokenizer.decode(c.tokens[tokens.start or 0:k]))
+                       for k in range((tokens.start or 0), (tokens.start or 0) + len(names))]
+            lp = {"tokens": names, "token_logprobs": values, "text_offset": offsets,
+                  "top_logprobs": [{t: v} for t, v in zip(names, values)]}
+    if kind.startswith("chat"):
+        key = "message" if final else "delta"
+        return {"index": index, key: ({"role": "assistant", "content": text} if final
+                                      else {"content": text}),
+                "logprobs": lp, "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: "
+                        f"{e.get('msg')}" for e in errors) or "invalid request"
+    return OpenAIError(400, message, where).response()
+
+
+def start_http(app: Any, host: str, port: int):
+    """Serves `app` with uvicorn from a daemon thread; returns (server, port bound). Stop it
+    with `server.should_exit = True`."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                              name="openai-http")
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not server.started:
+        raise RuntimeError(f"the HTTP endpoint did not start on {host}:{port}")
+    return server, sock.getsockname()[1]

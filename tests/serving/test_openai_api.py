@@ -1,0 +1,145 @@
+"""The OpenAI-compatible HTTP endpoint (serving/openai_api.py) driven by the real `openai`
+package over uvicorn on 127.0.0.1: completions and chat equal the engine's greedy tokens with
+the same log-probs, streaming gives the same text, stop strings cut, and bad requests get HTTP
+400 in OpenAI's error shape."""
+
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from jaxrl.models.tokenizer import HFTokenizer
+from serving.openai_api import OpenAIApp, start_http
+from serving.orchestrator import Orchestrator
+from serving.sampling import SamplingParams
+
+from tests.serving.common import CFG, ENGINE
+
+TEMPLATE = ("{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}"
+            "{% if add_generation_prompt %}assistant{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """32 word-level ids: <unk> <s> </s> user assistant system w0 .. w25, with a chat
+    template in tokenizer_config.json."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    words = ["<unk>", "<s>", "</s>", "user", "assistant", "system"] + [f"w{i}" for i in range(26)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "</s>", "bos_token": "<s>", "chat_template": TEMPLATE}))
+    out = HFTokenizer(path)
+    assert out.vocab_size == CFG.vocab_size and out.chat_template == TEMPLATE
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(engine, tokenizer):
+    """(openai client, orchestrator, port) over the session's engine."""
+    with Orchestrator(engine, eos_id=tokenizer.eos_id) as o:
+        server, port = start_http(OpenAIApp(o, tokenizer, "tiny", ENGINE.max_len).app,
+                                  "127.0.0.1", 0)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        yield client, o, port
+        server.should_exit = True
+
+
+def _greedy(orchestrator, ids, max_tokens):
+    return orchestrator.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+
+
+def test_completion_equals_the_engines_greedy_tokens_and_logprobs(served, tokenizer):
+    client, o, _ = served
+    prompt = "w3 w7 w1 w20 w9"
+    want = _greedy(o, tokenizer.encode(prompt), 12)
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                    logprobs=1)
+    choice = got.choices[0]
+    assert choice.text == tokenizer.decode(want.tokens)
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in want.tokens]
+    np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs, atol=1e-6)
+    assert choice.finish_reason == {"eos": "stop", "length": "length"}[want.finish_reason]
+    assert got.usage.prompt_tokens == 5 and got.usage.completion_tokens == len(want.tokens)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_streamed_completion_gives_the_same_text(served):
+    client, _, _ = served
+    kwargs = dict(model="tiny", prompt="w2 w4 w6", max_tokens=10, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(whole.text.split())
+
+
+def test_seeded_samples_repeat_and_n_gives_n_choices(served):
+    client, _, _ = served
+    kwargs = dict(model="tiny", prompt=["w1 w2", "w3"], max_tokens=8, temperature=1.0,
+                  n=2, seed=7)
+    first, second = (client.completions.create(**kwargs) for _ in range(2))
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+
+
+def test_stop_string_cuts_the_text(served, tokenizer):
+    client, o, _ = served
+    full = tokenizer.decode(_greedy(o, tokenizer.encode("w5 w11"), 12).tokens).split()
+    stop = next(w for w in full[2:] if w not in full[:2])      # first shows at index >= 2
+    got = client.completions.create(model="tiny", prompt="w5 w11", max_tokens=12,
+                                    temperature=0, stop=[stop]).choices[0]
+    assert got.text == " ".join(full[:full.index(stop)]) + " "
+    assert got.finish_reason == "stop"
+
+
+def test_chat_renders_the_template_and_equals_the_engine(served, tokenizer):
+    client, o, _ = served
+    messages = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w8 w9"}]
+    ids = tokenizer.encode("system w1 user w8 w9 assistant")
+    want = _greedy(o, ids, 10)
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                         temperature=0, logprobs=True)
+    choice = got.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == tokenizer.decode(want.tokens)
+    np.testing.assert_allclose([t.logprob for t in choice.logprobs.content], want.logprobs,
+                               atol=1e-6)
+    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                              temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == choice.message.content
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"temperature": 5.0}, "temperature"),
+    ({"logprobs": 3}, "logprobs"),
+    ({"prompt": "w1 " * 60}, "prompt"),                      # past max_prefill_length
+    ({"max_tokens": 500}, "max_tokens"),                     # past max_len
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"echo": True}, "echo"),
+])
+def test_bad_requests_get_400_in_openais_error_shape(served, kwargs, param):
+    client, _, _ = served
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(**{"model": "tiny", "prompt": "w1", "max_tokens": 4,
+                                     **kwargs})
+    assert error.value.status_code == 400
+    body = error.value.body
+    assert body["type"] == "invalid_request_error" and body["param"] == param
+    assert body["message"]
+
+
+def test_malformed_json_and_missing_fields_get_400(served):
+    _, _, port = served
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    for content in (b"{not json", json.dumps({"model": "tiny"}).encode()):
+        r = httpx.post(url, content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
