@@ -253,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serving dtype of weights and KV cache")
     p.add_argument("--http-port", type=_int_at_least(0), default=None,
                    help="also serve the OpenAI-compatible API (/v1/completions, "
-                        "/v1/chat/completions) on this port (0: any free port)")
+                        "/v1/chat/completions) on this port, 0 for any free one (default: "
+                        "none)")
     p.add_argument("--update-token-file", default=None,
                    help="file holding the shared secret for weight updates (default: the "
                         "JAXRL_UPDATE_TOKEN environment variable; with neither, updates are "

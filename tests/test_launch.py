@@ -64,6 +64,7 @@ def test_the_slurm_script_starts_servers_on_the_spare_nodes_and_the_trainer_on_t
         assert serve_args.model == "/models/qwen"
         assert Path(serve_args.update_token_file).read_text().strip()   # a secret was made
         addresses.append(f"{node}:{serve_args.port}")
+    addresses.sort(key=lambda a: NODES.index(a.split(":")[0]))   # started in the background
     assert [a.split(":")[0] for a in addresses] == NODES[2:]
     train = trains[0]
     assert "--nodes=2" in train and "--nodelist=gpu-a,gpu-b" in train
