@@ -109,14 +109,15 @@ def sample_lag(versions: list[int], step: int, definition: str) -> float:
 
 
 def features(rollout: Rollout) -> dict[str, np.ndarray]:
-    """Next-token arrays of one sample: the loss counts completion tokens only."""
+    """Next-token arrays of one sample: the loss counts the model's completion tokens only (not
+    the prompt, not the environment's tokens of a multi-turn episode)."""
     tokens = np.asarray(rollout.prompt + rollout.completion, np.int32)
-    n_prompt, n_completion = len(rollout.prompt), len(rollout.completion)
+    n_prompt = len(rollout.prompt)
     completion = np.zeros(len(tokens) - 1, bool)
-    completion[n_prompt - 1:] = True
+    completion[n_prompt - 1:] = True if rollout.trained is None else rollout.trained
     behaviour = np.zeros(len(tokens) - 1, np.float32)
     behaviour[n_prompt - 1:] = rollout.logprobs
-    assert len(rollout.logprobs) == n_completion == len(rollout.versions)
+    behaviour = np.where(completion, behaviour, 0.0).astype(np.float32)
     oldest = np.full(len(tokens) - 1, -1, np.int32)
     oldest[n_prompt - 1:] = np.minimum.accumulate(np.asarray(rollout.versions, np.int64))
     return {"input_ids": tokens[:-1], "targets": tokens[1:],

@@ -19,7 +19,9 @@ import grain
 
 @dataclasses.dataclass
 class Rollout:
-    """One scored sample: a prompt and one completion, with what generated it."""
+    """One scored sample: a prompt and one completion, with what generated it. In a multi-turn
+    episode the completion interleaves the model's turns with the environment's answers
+    (observations, tool output), which `trained` marks False: they carry no loss."""
 
     prompt: list[int]         # token ids, BOS included
     completion: list[int]     # generated ids, EOS included when the sample stopped on it
@@ -29,6 +31,18 @@ class Rollout:
     advantage: float
     group: int                # index of the problem (and group) it answers
     finish: str               # eos | stop | length
+    # Per completion token: True where the model sampled it (trained on), False where the
+    # environment wrote it (its logprob is ignored). None: every token is the model's.
+    trained: list[bool] | None = None
+
+    def __post_init__(self):
+        n = len(self.completion)
+        if len(self.logprobs) != n or len(self.versions) != n or (
+                self.trained is not None and len(self.trained) != n):
+            raise ValueError(f"rollout of group {self.group}: {n} completion tokens but "
+                             f"{len(self.logprobs)} logprobs, {len(self.versions)} versions"
+                             + ("" if self.trained is None
+                                else f", {len(self.trained)} trained flags"))
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

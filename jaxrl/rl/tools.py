@@ -5,7 +5,8 @@ environment turns it into an observation; the run goes on).
 
 The Python evaluator runs the code in a child process (`python -I`, a fresh temporary
 directory as its working directory and home, an empty environment):
-- time: `timeout_s` of wall time (the whole process group is killed) and as much CPU time;
+- time: `timeout_s` of wall time (the whole process group is killed), and CPU time a
+  second past it as a backstop (threads can spend CPU faster than the clock);
 - memory: `memory_mb` of address space (RLIMIT_AS), files written at most 1 MiB each;
 - no network, no new processes, no writes outside its directory: an audit hook installed
   before the code runs refuses socket use, subprocess/exec/fork/os.system, and opening files
@@ -113,13 +114,18 @@ exec(compile(_source, "<tool>", "exec"), {"__name__": "__main__"})
 """
 
 
+def cpu_limit(timeout_s: float) -> int:
+    return int(math.ceil(timeout_s)) + 1
+
+
 def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512,
                max_output: int = 4096) -> ToolResult:
     """Runs `code` under the limits above; returns what it printed (stdout, then stderr)."""
     with tempfile.TemporaryDirectory(prefix="jaxrl-tool-") as home:
         def limits():
             os.setsid()
-            cpu = max(int(math.ceil(timeout_s)), 1)
+            # a backstop past the wall-clock timeout (which a single thread reaches first)
+            cpu = cpu_limit(timeout_s)
             resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
             resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
             resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
@@ -146,7 +152,7 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512,
         return ToolResult(True, text)
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name
-        why = {"SIGXCPU": f"CPU time above {timeout_s:g} s", "SIGKILL": "killed",
+        why = {"SIGXCPU": f"CPU time above {cpu_limit(timeout_s)} s", "SIGKILL": "killed",
                "SIGXFSZ": "a file above 1 MiB"}.get(name, name)
         return ToolResult(False, text, f"stopped: {why}")
     last = err.decode(errors="replace").strip().splitlines()

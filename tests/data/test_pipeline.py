@@ -329,3 +329,24 @@ def test_rollout_json_round_trip():
     r.versions = [3] * len(r.completion)
     back = Rollout.from_json(json.loads(json.dumps(r.to_json())))
     assert back == r and back is not r
+
+
+def test_environment_tokens_of_an_episode_carry_no_loss():
+    """A multi-turn episode: model turn, environment answer, model turn. Only the model's
+    tokens are in the loss mask, with the advantage and their behaviour log-probs."""
+    from jaxrl.data.pipeline import features
+
+    trained = [True, True, False, False, False, True, True]
+    episode = Rollout(prompt=[BOS, 5, 6], completion=[10, 11, 20, 21, 22, 12, 13],
+                      logprobs=[-0.5, -0.6, -9.0, -9.0, -9.0, -0.7, -0.8], versions=[3] * 7,
+                      reward=1.0, advantage=0.25, group=0, finish="eos", trained=trained)
+    f = features(episode)
+    # position p predicts token p + 1: the completion starts at prompt length - 1
+    assert f["loss_mask"].tolist() == [0, 0] + [float(t) for t in trained]
+    assert f["advantages"].tolist() == [0, 0] + [0.25 if t else 0.0 for t in trained]
+    assert f["behaviour_logp"].tolist() == pytest.approx(
+        [0, 0, -0.5, -0.6, 0, 0, 0, -0.7, -0.8])
+    assert Rollout.from_json(json.loads(json.dumps(episode.to_json()))) == episode
+    with pytest.raises(ValueError, match="7 completion tokens but 7 logprobs, 7 versions, 6 "
+                                         "trained flags"):
+        dataclasses.replace(episode, trained=trained[:-1])

@@ -119,3 +119,71 @@ def test_trainer_behaviour_logprobs_replace_the_engines_on_lag_zero_tokens(model
     # The parity metric still compares against what the engine reported.
     assert float(stats["parity_diff_sum"]) == pytest.approx(
         float(np.sum((logp - mb["behaviour_logp"]) * on)), rel=1e-5)
+
+
+def _episodes(seed, env_only=False):
+    """Packed multi-turn episodes over CFG's vocabulary: model turns and environment answers
+    (trained False), two to a row."""
+    from jaxrl.data.pipeline import pack
+    from jaxrl.data.rollouts import Rollout
+    from jaxrl.rl.config import RLConfig
+
+    cfg = RLConfig(prompts_per_step=2, group_size=2, slots=4, pack_len=24, microbatch_rows=2,
+                   max_prompt_len=4, max_new_tokens=8, prefetch=0)
+    rng = np.random.default_rng(seed)
+    rollouts = []
+    for i in range(cfg.batch_size):
+        trained = [False] * 8 if env_only else [True, True, False, False, False, True, True,
+                                                True]
+        rollouts.append(Rollout(
+            prompt=rng.integers(1, CFG.vocab_size, 4).tolist(),
+            completion=rng.integers(1, CFG.vocab_size, 8).tolist(),
+            logprobs=rng.normal(-3.0, 0.3, 8).tolist(), versions=[0] * 8,
+            reward=0.0, advantage=float(rng.normal()), group=i // 2, finish="eos",
+            trained=trained))
+    packed = pack(rollouts, cfg)
+    arrays = {k: v[0] for k, v in packed["arrays"].items()}     # the first microbatch
+    return rollouts, arrays, cfg
+
+
+def _pg_loss_and_grads(model, mb):
+    graphdef, params = split_params(model)
+
+    def loss(params):
+        loss_sum, _, _ = PolicyGradientLoss(kind="tis")(merge_params(graphdef, params), mb)
+        return loss_sum
+    return jax.value_and_grad(loss)(params)
+
+
+def test_an_episode_of_environment_tokens_only_has_no_loss_and_no_gradient(model):
+    _, mb, _ = _episodes(0, env_only=True)
+    loss, grads = _pg_loss_and_grads(model, mb)
+    assert float(loss) == 0.0
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads))
+
+
+def test_environment_tokens_log_probs_do_not_reach_the_gradient(model):
+    """The same packed episodes with the environment tokens' reported log-probs changed give the
+    same loss and gradients; the model tokens' log-probs do change them."""
+    import dataclasses
+
+    from jaxrl.data.pipeline import pack
+
+    rollouts, mb, cfg = _episodes(1)
+    env_changed = [dataclasses.replace(r, logprobs=[lp if t else lp - 5.0 for lp, t in
+                                                    zip(r.logprobs, r.trained)])
+                   for r in rollouts]
+    model_changed = [dataclasses.replace(r, logprobs=[lp - 0.5 if t else lp for lp, t in
+                                                      zip(r.logprobs, r.trained)])
+                     for r in rollouts]
+    base = _pg_loss_and_grads(model, mb)
+    for changed, same in ((env_changed, True), (model_changed, False)):
+        other = _pg_loss_and_grads(model, {k: v[0] for k, v in
+                                           pack(changed, cfg)["arrays"].items()})
+        leaves = zip(jax.tree.leaves(base[1]), jax.tree.leaves(other[1]))
+        if same:
+            assert float(other[0]) == float(base[0])
+            for a, b in leaves:
+                np.testing.assert_array_equal(a, b)
+        else:
+            assert abs(float(other[0]) - float(base[0])) > 1e-4
