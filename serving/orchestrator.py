@@ -94,6 +94,7 @@ class Orchestrator:
         self._stats = collections.Counter()
         self._carried_tokens = 0            # tokens replayed from `carry`, never regenerated
         self._carry_lock = threading.Lock()
+        self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()   # sessions to forget
         self.pauses_s: list[float] = []
         self.error: BaseException | None = None
 
@@ -135,8 +136,17 @@ class Orchestrator:
     def __exit__(self, *exc):
         self.stop()
 
-    def validate(self, prompt: Seq[int], sampling: SamplingParams) -> None:
+    def validate(self, prompt: Seq[int], sampling: SamplingParams,
+                 session: str | Seq[str] | None = None) -> None:
         e, pool = self.engine.cfg, self.scheduler.pool
+        if isinstance(session, str):
+            if sampling.n != 1:
+                raise InvalidRequest(f"a turn of session {session!r} must have n=1, not "
+                                     f"n={sampling.n} (start n episodes with one session each)")
+        elif session is not None and (len(session) != sampling.n or len(set(session)) != len(
+                session) or not all(isinstance(k, str) for k in session)):
+            raise InvalidRequest(f"sessions {list(session)!r}: a group's first turn names "
+                                 f"n={sampling.n} distinct sessions, one per sample")
         if len(prompt) == 0:
             raise InvalidRequest("prompt is empty")
         if len(prompt) > e.max_prefill_length:
@@ -159,16 +169,20 @@ class Orchestrator:
                                  f"{e.page_size} tokens at once; the pool has {pool.capacity}")
 
     def submit(self, prompt: Seq[int], sampling: SamplingParams = SamplingParams(), *,
-               predicted_len: float | None = None,
-               carry: Seq[Sample] | None = None) -> RequestStream:
+               predicted_len: float | None = None, carry: Seq[Sample] | None = None,
+               session: str | Seq[str] | None = None) -> RequestStream:
         """Queues a request; raises InvalidRequest or QueueFull at once rather than later.
         `predicted_len`: its expected output length, for length-aware admission.
+        `session`: one turn of a multi-turn episode (n=1): the prompt (the episode's whole
+        history) continues from the pages the session's previous turn kept, and this turn's
+        pages are kept for the next (serving/sessions.py). A list of n keys: a group's first
+        turn, each sample's pages kept for its own session. `end_session` frees them.
         `carry`: the request's n samples as a previous run left them (`RequestStream.snapshot`
         taken at a checkpoint): their tokens, log-probs and versions are replayed into the new
         stream and each unfinished sample is recomputed from its prefix (one prefill, as after a
         preemption) and decoded on from where it stopped, with the same random draws."""
         prompt = [int(t) for t in prompt]
-        self.validate(prompt, sampling)
+        self.validate(prompt, sampling, session)
         carried = self._carried(prompt, sampling, carry) if carry is not None else None
         if self._stop.is_set():
             raise QueueFull("the orchestrator is shutting down")
@@ -176,6 +190,10 @@ class Orchestrator:
         if predicted_len is None and self.length_predictor is not None:
             predicted_len = self.length_predictor.predict(prompt)
         request = Request(prompt, sampling, stream, predicted_len)
+        if isinstance(session, str):
+            request.session, request.keep = session, [session]
+        elif session is not None:
+            request.keep = list(session)
         if carried is not None:
             request.fresh = [i for i, seq in enumerate(carried) if seq is None]
             request.carried = [seq for seq in carried if seq is not None]
@@ -226,6 +244,11 @@ class Orchestrator:
                  ) -> list[Sample]:
         return self.submit(prompt, sampling).result()
 
+    def end_session(self, key: str) -> None:
+        """The episode `key` has ended: the pages kept for its next turn go back to the pool."""
+        self._ended.put(key)
+        self._wake.set()
+
     @property
     def newest_version(self) -> int:
         """The newest weights version served or accepted to be: an update must be newer."""
@@ -273,6 +296,9 @@ class Orchestrator:
                 "held_tokens": s["held_tokens"],
                 "held_tokens_mean": s["held_tokens"] / max(s["busy_slot_steps"], 1),
                 "preemptions": sched.preemptions,
+                "sessions_kept": len(sched.sessions),
+                "session_evictions": sched.sessions.evictions,
+                "prefix_reused_tokens": sched.sessions.reused_tokens,
                 "carried_tokens": self._carried_tokens,
                 "updates": len(self.pauses_s), "update_pause_ms_max": 1e3 * max(pauses),
                 "update_pause_ms_mean": 1e3 * sum(pauses) / len(pauses)}
@@ -284,6 +310,8 @@ class Orchestrator:
             while not self._stop.is_set():
                 self._wake.clear()
                 self._apply_updates()
+                while not self._ended.empty():
+                    self.scheduler.sessions.drop(self._ended.get())
                 for request in self.scheduler.take_cancelled():
                     self._finish_request(request, "cancelled")
                 if self._holding():
@@ -431,7 +459,7 @@ class Orchestrator:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.slot is not None:
-            self.scheduler.finish(seq)
+            self.scheduler.finish(seq, keep=reason in ("eos", "stop", "length"))
         seq.finished = True
         seq.request.longest = max(seq.request.longest, len(seq.tokens))
         self._done(seq.request, seq.index, reason)

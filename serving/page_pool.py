@@ -35,6 +35,9 @@ class PagePool:
     def free(self) -> int:
         return len(self._free)
 
+    def holders(self, page: int) -> int:
+        return self._holders[page]
+
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
 

@@ -2,7 +2,8 @@
 serve --replicas R --tensor T` runs R orchestrators, each over its own T devices (tensor
 parallel within a replica), and the gRPC services see one engine.
 
-- A group goes to the replica with the least load (sequences wanting a slot, per slot).
+- A group goes to the replica with the least load (sequences wanting a slot, per slot); the
+  later turns of a session go where its first went, where its pages are kept.
 - A weight update is checked and moved to every replica beside decoding, then each swaps it in
   between two of its decode steps; every replica serves the same versions, in order (one update
   at a time; a refused update changes no replica).
@@ -11,6 +12,7 @@ parallel within a replica), and the gRPC services see one engine.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import threading
 from typing import Sequence
@@ -21,7 +23,9 @@ from serving.stream import RequestStream, Sample
 
 _SUMMED = ("steps", "busy_slot_steps", "generated_tokens", "requests_done", "prefill_chunks",
            "prefill_tokens", "queued", "slots", "pages_total", "pages_free", "held_tokens",
-           "preemptions", "carried_tokens", "updates")
+           "preemptions", "carried_tokens", "updates", "sessions_kept", "session_evictions",
+           "prefix_reused_tokens")
+_MAX_HOMES = 1 << 16     # sessions whose replica is remembered (the least recent forgotten)
 
 
 class Replicas:
@@ -34,6 +38,9 @@ class Replicas:
         self._update_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(len(self.replicas),
                                                            thread_name_prefix="replica-update")
+        # Each session's turns go to the replica holding its kept pages (newest last).
+        self._homes: collections.OrderedDict[str, Orchestrator] = collections.OrderedDict()
+        self._homes_lock = threading.Lock()
 
     def start(self) -> "Replicas":
         for o in self.replicas:
@@ -53,14 +60,30 @@ class Replicas:
     def newest_version(self) -> int:
         return self.replicas[0].newest_version
 
-    def validate(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
-        self.replicas[0].validate(prompt, sampling)     # every replica has the same limits
+    def validate(self, prompt: Sequence[int], sampling: SamplingParams,
+                 session: str | Sequence[str] | None = None) -> None:
+        self.replicas[0].validate(prompt, sampling, session)   # every replica: same limits
 
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, *,
-               predicted_len: float | None = None,
-               carry: Sequence[Sample] | None = None) -> RequestStream:
-        replica = min(self.replicas, key=lambda o: o.scheduler.load())
-        return replica.submit(prompt, sampling, predicted_len=predicted_len, carry=carry)
+               predicted_len: float | None = None, carry: Sequence[Sample] | None = None,
+               session: str | Sequence[str] | None = None) -> RequestStream:
+        keys = [session] if isinstance(session, str) else list(session or [])
+        with self._homes_lock:
+            home = self._homes.get(keys[0]) if keys else None
+            replica = home or min(self.replicas, key=lambda o: o.scheduler.load())
+            for key in keys:
+                self._homes[key] = replica
+                self._homes.move_to_end(key)
+            while len(self._homes) > _MAX_HOMES:
+                self._homes.popitem(last=False)
+        return replica.submit(prompt, sampling, predicted_len=predicted_len, carry=carry,
+                              session=session)
+
+    def end_session(self, key: str) -> None:
+        with self._homes_lock:
+            home = self._homes.pop(key, None)
+        if home is not None:
+            home.end_session(key)
 
     def update_params(self, params, version: int, timeout: float | None = None, *,
                       resume: bool = False) -> UpdateResult:

@@ -15,6 +15,9 @@ Each loop iteration the scheduler
 
 The n samples of a request share the pages its prompt fills completely; a partly filled last
 page is copied, once per sample beyond the first, since each sample writes its own tokens there.
+
+A sample that names a session keeps its pages when it ends, and its session's next turn
+continues from them (serving/sessions.py); kept pages are evicted before anything is preempted.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 
 from serving.page_pool import PagePool
 from serving.sequence import Prefill, Request, Sequence
+from serving.sessions import Continuation, SessionCache
 
 
 class Scheduler:
@@ -44,6 +48,7 @@ class Scheduler:
         self.prefilling: list[Prefill] = []
         self.running: dict[int, Sequence] = {}                            # slot -> sequence
         self.preemptions = 0
+        self.sessions = SessionCache(self.pool)
         self._order = 0
 
     # -- the queue (any thread) ----------------------------------------------------------------
@@ -73,12 +78,22 @@ class Scheduler:
             gone = [r for r in self.waiting if r.stream.cancelled]
             if gone:
                 self.waiting = collections.deque(r for r in self.waiting if not r.stream.cancelled)
+        for request in gone:
+            self._let_go(request)
         return gone
 
     def take_waiting(self) -> list[Request]:
         with self._lock:
             out, self.waiting = list(self.waiting), collections.deque()
+        for request in out:
+            self._let_go(request)
         return out
+
+    def _let_go(self, request: Request) -> None:
+        """Returns the pages a queued request took back from its session."""
+        if request.continuation is not None:
+            self.pool.release(request.continuation.pages)
+            request.continuation = None
 
     # -- prefill -------------------------------------------------------------------------------
     def plan_prefill(self) -> list[tuple[Prefill, int, list[int]]]:
@@ -109,7 +124,10 @@ class Scheduler:
                 seq = self.resumes[0]
                 tokens = seq.request.prompt + seq.tokens[:-1]
                 pages = self.pool.pages_for(len(tokens))
-                if not self.free_slots or pages + watermark > self.pool.free:
+                if not self.free_slots:
+                    return None
+                self.sessions.evict(pages + watermark)
+                if pages + watermark > self.pool.free:
                     return None
                 self.resumes.popleft()
                 return Prefill(tokens, self.pool.allocate(pages), [self.free_slots.popleft()],
@@ -128,14 +146,22 @@ class Scheduler:
                         self.waiting.remove(request)
                     continue
                 n, prompt = len(request.fresh), request.prompt
-                pages = self.pool.pages_for(len(prompt))
+                if request.session is not None and request.continuation is None:
+                    request.continuation = (self.sessions.take(request.session, prompt)
+                                            or Continuation([], 0))
+                cont = request.continuation or Continuation([], 0)
+                pages = self.pool.pages_for(len(prompt)) - len(cont.pages)
                 copies = (n - 1) if len(prompt) % self.pool.page_size else 0
-                if n > len(self.free_slots) or pages + copies + watermark > self.pool.free:
+                if n > len(self.free_slots):
+                    return None
+                self.sessions.evict(pages + copies + watermark)
+                if pages + copies + watermark > self.pool.free:
                     return None
                 self.waiting.remove(request)
-            return Prefill(list(prompt), self.pool.allocate(pages),
+                request.continuation = None
+            return Prefill(list(prompt), cont.pages + self.pool.allocate(pages),
                            [self.free_slots.popleft() for _ in range(n)], request,
-                           copy_pages=self.pool.allocate(copies))
+                           copy_pages=self.pool.allocate(copies), done=cont.cached)
 
     def prefilled(self, p: Prefill, tokens: int) -> bool:
         """`tokens` more of `p` are written; True when it is complete."""
@@ -173,6 +199,7 @@ class Scheduler:
             if seq.slot is None:
                 continue   # preempted earlier in this loop
             need = self.pool.pages_for(min(seq.cached + steps, self.max_len)) - len(seq.pages)
+            self.sessions.evict(need)
             while need > self.pool.free and seq.slot is not None:
                 victim = max(self.running.values(), key=lambda s: s.order)
                 self.preempt(victim)
@@ -186,8 +213,14 @@ class Scheduler:
         self.preemptions += 1
         self.resumes.appendleft(seq)   # the oldest preempted resumes first
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, keep: bool = False) -> None:
+        """Frees `seq`'s slot, and its pages unless `keep` and it names a session to keep them
+        for (its episode's next turn continues from them)."""
         seq.finished = True
+        key = seq.request.keep[seq.index]
+        if keep and key is not None:
+            self.sessions.keep(key, seq.request.prompt + seq.tokens[:-1], seq.pages)
+            seq.pages = []
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:

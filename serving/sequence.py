@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from serving.sampling import SamplingParams
+from serving.sessions import Continuation
 from serving.stream import RequestStream
 
 
@@ -26,9 +27,16 @@ class Request:
     # Samples carried over with tokens already generated (a resumed run's groups in flight):
     # recomputed like preempted sequences, then decoded on from where they stopped.
     carried: list["Sequence"] = dataclasses.field(default_factory=list)
+    # Multi-turn episodes (serving/sessions.py): the session whose kept pages the prompt
+    # continues, and per sample the session its pages are kept for when it ends.
+    session: str | None = None
+    keep: list[str | None] = dataclasses.field(default_factory=list)
+    continuation: Continuation | None = None     # pages taken back from `session`
 
     def __post_init__(self):
         self.done = [False] * self.sampling.n
+        if not self.keep:
+            self.keep = [None] * self.sampling.n
         if not self.fresh and not self.carried:
             self.fresh = list(range(self.sampling.n))
 
@@ -62,7 +70,8 @@ class Sequence:
 class Prefill:
     """Tokens being written into pages, a chunk at a time: a new request's prompt (forked into
     its n sequences when done) or a preempted sequence's prompt and tokens (all but the last,
-    which it feeds next), recomputed."""
+    which it feeds next), recomputed. A turn continuing a session starts with `done` at the
+    tokens its kept pages already hold."""
 
     tokens: list[int]
     pages: list[int]
