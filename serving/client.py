@@ -108,8 +108,8 @@ class RemoteGeneration:
 
     # -- Generation ------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, *,
-               predicted_len: float | None = None,
-               carry: Sequence[Sample] | None = None) -> RemoteStream:
+               predicted_len: float | None = None, carry: Sequence[Sample] | None = None,
+               session: str | Sequence[str] | None = None) -> RemoteStream:
         """Opens the group's Generate stream and returns at once; `predicted_len` is not sent
         (the server predicts lengths itself)."""
         request = gen_pb2.GenerateRequest(
@@ -120,7 +120,8 @@ class RemoteGeneration:
                 stop_token_ids=list(sampling.stop_token_ids),
                 ignore_eos=not sampling.stop_at_eos),
             carry=[gen_pb2.CarriedSample(token_ids=s.tokens, logprobs=s.logprobs,
-                                         versions=s.versions) for s in carry or ()])
+                                         versions=s.versions) for s in carry or ()],
+            sessions=[session] if isinstance(session, str) else list(session or ()))
         stream = RemoteStream(next(self._ids), sampling.n)
         stream.call = self._stub.Generate(request)
         threading.Thread(target=self._read, args=(stream,), daemon=True,
@@ -193,6 +194,13 @@ class RemoteGeneration:
         except grpc.RpcError as e:
             raise ConnectionError(f"{self.address}: {e.code().name}: {e.details()}") from None
         return json.loads(reply.json)
+
+    def end_session(self, key: str) -> None:
+        try:
+            self._stub.EndSession(gen_pb2.EndSessionRequest(session=key),
+                                  timeout=self._rpc_timeout_s)
+        except grpc.RpcError as e:
+            raise ConnectionError(f"{self.address}: {e.code().name}: {e.details()}") from None
 
     @property
     def newest_version(self) -> int:

@@ -29,11 +29,12 @@ from sharding.reshard import WeightUpdateError
 
 log = logging.getLogger("jaxrl.serve")
 
-def _submit(orchestrator: Orchestrator, context, prompt, sampling_fn, carry=None):
+def _submit(orchestrator: Orchestrator, context, prompt, sampling_fn, carry=None,
+            session=None):
     """Validates and queues; aborts the RPC with the right status on bad input."""
     try:
         sampling = sampling_fn()
-        stream = orchestrator.submit(prompt, sampling, carry=carry)
+        stream = orchestrator.submit(prompt, sampling, carry=carry, session=session)
     except (InvalidRequest, ValueError) as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except QueueFull as e:
@@ -124,7 +125,8 @@ class GenerationService(gen_grpc.GenerationServicer):
             top_p=o.top_p if 0 < o.top_p < 1 else 1.0, seed=o.seed, n=o.n or 1,
             stop_token_ids=tuple(o.stop_token_ids), stop_at_eos=not o.ignore_eos),
             carry=[Sample(list(c.token_ids), list(c.logprobs), list(c.versions))
-                   for c in request.carry] or None)
+                   for c in request.carry] or None,
+            session=_session(request.sessions, o.n or 1))
         detok = _Detokenizer(self.tokenizer, sampling.n)
         for event in stream:
             if isinstance(event, DoneEvent):
@@ -204,6 +206,19 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     def GetMetrics(self, request, context):
         return gen_pb2.MetricsResponse(json=json.dumps(self.orchestrator.metrics()))
+
+    def EndSession(self, request, context):
+        self.orchestrator.end_session(request.session)
+        return gen_pb2.EndSessionResponse()
+
+
+def _session(keys, n: int):
+    """GenerateRequest.sessions as Orchestrator.submit takes them: one key is a turn of that
+    session (n=1), n keys open n sessions."""
+    keys = list(keys)
+    if not keys:
+        return None
+    return keys[0] if len(keys) == 1 and n == 1 else keys
 
 
 def is_loopback(host: str) -> bool:

@@ -3,7 +3,8 @@ orchestrator, `jaxrl serve` processes) behind one `submit`, so the actor neither
 where a group is generated.
 
 - Dispatch by load: each group goes to the ready member with the fewest samples outstanding per
-  slot (ties: the one that waited longest).
+  slot (ties: the one that waited longest). A multi-turn episode's later turns go where its
+  first went, where its KV pages are kept, while that member is ready.
 - A member is ready when it answers and serves the newest weights published when it (re)joined;
   the weight publisher (jaxrl/run/publisher.py) brings it there. Only weights this trainer gave
   it count: a server's start-up weights, or a newer version left by a trainer that crashed and
@@ -19,6 +20,7 @@ where a group is generated.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -29,6 +31,9 @@ from serving.generation import Generation
 from serving.orchestrator import QueueFull
 from serving.sampling import SamplingParams
 from serving.stream import FINISHED, RequestStream, Sample
+
+
+_MAX_HOMES = 1 << 16     # sessions whose member is remembered (the least recent forgotten)
 
 
 class NoGeneration(UserError):
@@ -76,6 +81,7 @@ class Fleet:
         self.latest_version = max((m.version for m in self.members if m.version is not None),
                                   default=-1)
         self.stats = {"groups_moved": 0, "members_set_aside": 0}
+        self._homes: collections.OrderedDict[str, Member] = collections.OrderedDict()
         self._monitor = None
         if any(m.remote for m in self.members):
             self._monitor = threading.Thread(target=self._watch, name="fleet-heartbeat",
@@ -84,12 +90,24 @@ class Fleet:
 
     # -- dispatch --------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, *,
-               predicted_len: float | None = None,
-               carry: Sequence[Sample] | None = None) -> "FleetStream":
-        """Places the group on the least-loaded ready member (waiting up to `wait_s` for one)."""
-        return FleetStream(self, list(prompt), sampling, predicted_len, carry)
+               predicted_len: float | None = None, carry: Sequence[Sample] | None = None,
+               session: str | Sequence[str] | None = None) -> "FleetStream":
+        """Places the group on the least-loaded ready member (waiting up to `wait_s` for one),
+        or a session's turn on the member holding its pages."""
+        return FleetStream(self, list(prompt), sampling, predicted_len, carry, session)
 
-    def _place(self, prompt, sampling, predicted_len, carry) -> tuple[Member, RequestStream]:
+    def end_session(self, key: str) -> None:
+        with self._lock:
+            home = self._homes.pop(key, None)
+        if home is not None:
+            try:
+                home.generation.end_session(key)
+            except ConnectionError:
+                pass            # a member that is gone holds nothing
+
+    def _place(self, prompt, sampling, predicted_len, carry, session=None
+               ) -> tuple[Member, RequestStream]:
+        keys = [session] if isinstance(session, str) else list(session or ())
         deadline = time.monotonic() + self.wait_s
         while True:
             with self._lock:
@@ -101,12 +119,19 @@ class Fleet:
                             and time.monotonic() >= deadline:
                         raise NoGeneration(self._no_member_message())
                     continue
-                member = min(ready, key=lambda m: (m.outstanding / m.slots, m.last_used))
+                home = self._homes.get(keys[0]) if keys else None
+                member = home if home in ready else min(
+                    ready, key=lambda m: (m.outstanding / m.slots, m.last_used))
                 member.outstanding += sampling.n
                 member.last_used = time.monotonic()
+                for key in keys:
+                    self._homes[key] = member
+                    self._homes.move_to_end(key)
+                while len(self._homes) > _MAX_HOMES:
+                    self._homes.popitem(last=False)
             try:
-                stream = member.generation.submit(prompt, sampling,
-                                                  predicted_len=predicted_len, carry=carry)
+                stream = member.generation.submit(prompt, sampling, predicted_len=predicted_len,
+                                                  carry=carry, session=session)
             except QueueFull:
                 self._release(member, sampling.n)
                 if time.monotonic() >= deadline:
@@ -249,11 +274,14 @@ class FleetStream:
     """A group placed on the fleet. `result()` follows it across members: when its member is
     lost, the group continues on another from where it got."""
 
-    def __init__(self, fleet: Fleet, prompt, sampling: SamplingParams, predicted_len, carry):
+    def __init__(self, fleet: Fleet, prompt, sampling: SamplingParams, predicted_len, carry,
+                 session=None):
         self._fleet = fleet
         self._args = (prompt, sampling, predicted_len)
+        self._session = session
         self._cancelled = False
-        self.member, self._stream = fleet._place(prompt, sampling, predicted_len, carry)
+        self.member, self._stream = fleet._place(prompt, sampling, predicted_len, carry,
+                                                 session)
 
     def result(self) -> list[Sample]:
         fleet = self._fleet
@@ -273,7 +301,7 @@ class FleetStream:
             carry = self._stream.snapshot()
             with fleet._lock:
                 fleet.stats["groups_moved"] += 1
-            self.member, self._stream = fleet._place(*self._args, carry)
+            self.member, self._stream = fleet._place(*self._args, carry, self._session)
 
     def snapshot(self) -> list[Sample]:
         return self._stream.snapshot()

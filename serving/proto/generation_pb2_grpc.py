@@ -54,6 +54,11 @@ class GenerationStub:
                 request_serializer=serving_dot_proto_dot_generation__pb2.PullRequest.SerializeToString,
                 response_deserializer=serving_dot_proto_dot_generation__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.EndSession = channel.unary_unary(
+                '/jaxrl.serving.Generation/EndSession',
+                request_serializer=serving_dot_proto_dot_generation__pb2.EndSessionRequest.SerializeToString,
+                response_deserializer=serving_dot_proto_dot_generation__pb2.EndSessionResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -90,6 +95,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndSession(self, request, context):
+        """A multi-turn episode has ended: the KV pages kept for its next turn are freed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +124,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.PullWeights,
                     request_deserializer=serving_dot_proto_dot_generation__pb2.PullRequest.FromString,
                     response_serializer=serving_dot_proto_dot_generation__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'EndSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSession,
+                    request_deserializer=serving_dot_proto_dot_generation__pb2.EndSessionRequest.FromString,
+                    response_serializer=serving_dot_proto_dot_generation__pb2.EndSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +239,33 @@ class Generation:
             '/jaxrl.serving.Generation/PullWeights',
             serving_dot_proto_dot_generation__pb2.PullRequest.SerializeToString,
             serving_dot_proto_dot_generation__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxrl.serving.Generation/EndSession',
+            serving_dot_proto_dot_generation__pb2.EndSessionRequest.SerializeToString,
+            serving_dot_proto_dot_generation__pb2.EndSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,11 +32,16 @@ class FakeGeneration:
         self.version = version
         self.down = False            # metrics and pushes fail while set
         self.push_error = None
+        self.sessions, self.ended = [], []
 
-    def submit(self, prompt, sampling, *, predicted_len=None, carry=None):
+    def submit(self, prompt, sampling, *, predicted_len=None, carry=None, session=None):
         stream = RequestStream(len(self.submitted), sampling.n)
         self.submitted.append((list(prompt), sampling, carry, stream))
+        self.sessions.append(session)
         return stream
+
+    def end_session(self, key):
+        self.ended.append(key)
 
     def update_params(self, params, version, timeout=None, *, resume=False):
         if self.push_error is not None:
@@ -83,6 +88,27 @@ def test_groups_go_where_there_is_room():
             s.result()
     more = [fleet.submit([3], SAMPLING) for _ in range(3)]
     assert [s.member.name for s in more] == ["big"] * 3
+    fleet.close()
+
+
+def test_a_session_s_turns_go_where_its_pages_are_kept():
+    """An episode's later turns go to the member that ran its first, even when another has
+    more room; with that member set aside they go elsewhere (which prefills the history), and
+    ending the session reaches the member holding it."""
+    a, b = FakeGeneration(), FakeGeneration()
+    fleet = Fleet([member("a", a), member("b", b)], eos_id=1, heartbeat_s=30,
+                  warn=lambda _: None)
+    turn = SamplingParams(max_tokens=8, n=1)
+    first = fleet.submit([3], SamplingParams(max_tokens=8, n=2), session=["e0", "e1"])
+    assert first.member.name == "a" and a.sessions == [["e0", "e1"]]
+    fleet.submit([4], SAMPLING)                             # b is now the less loaded
+    again = fleet.submit([3, 5, 6], turn, session="e1")
+    assert again.member.name == "a" and a.sessions[-1] == "e1"
+    fleet.set_aside(fleet.members[0], "test")
+    moved = fleet.submit([3, 5, 6, 7], turn, session="e1")
+    assert moved.member.name == "b" and b.sessions[-1] == "e1"
+    fleet.end_session("e1")
+    assert b.ended == ["e1"] and a.ended == []
     fleet.close()
 
 

@@ -3,6 +3,8 @@ this process's orchestrator on the same weights: the same tokens, log-probs and 
 group carried in continues exactly; refusals, stale versions, bad tokens and deadlines come back
 as the errors the Generation interface names."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -61,6 +63,27 @@ def test_remote_equals_local(remote, local, temperature):
         assert [s.logprobs for s in got] == [s.logprobs for s in want]
         assert [s.versions for s in got] == [s.versions for s in want]
         assert [s.finish_reason for s in got] == [s.finish_reason for s in want]
+
+
+def test_session_turns_over_grpc(remote, local, server):
+    """A two-turn episode through the Generation service: the second turn prefills only its new
+    tokens and equals the local engine given the whole history; EndSession frees the pages."""
+    first, obs = prompts(9, 3, seed=6)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, stop_at_eos=False)
+    [one] = remote.submit(first, greedy, session="remote-episode").result()
+    history = first + one.tokens + obs
+    before = server.orchestrator.metrics()["prefill_tokens"]
+    [two] = remote.submit(history, greedy, session="remote-episode").result()
+    assert server.orchestrator.metrics()["prefill_tokens"] - before == 1 + len(obs)
+    [want] = local.submit(history, greedy).result()
+    assert two.tokens == want.tokens
+    np.testing.assert_allclose(two.logprobs, want.logprobs, atol=1e-5)
+    assert server.orchestrator.metrics()["sessions_kept"] >= 1
+    remote.end_session("remote-episode")
+    deadline = time.monotonic() + 30
+    while server.orchestrator.metrics()["sessions_kept"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.orchestrator.metrics()["sessions_kept"] == 0
 
 
 def test_carried_group_continues_remotely(remote, local, server):
