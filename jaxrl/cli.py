@@ -30,8 +30,9 @@ def _eval(args) -> None:
     from jaxrl.run.evaluate import evaluate_model
     from jaxrl.run.warmup import restore_for_eval
 
-    model, task, tokenizer, step = restore_for_eval(args.checkpoint, args.step)
-    result = evaluate_model(model, task, tokenizer, args.problems, args.max_new_tokens)
+    model, task, tokenizer, step, cfg = restore_for_eval(args.checkpoint, args.step,
+                                                         with_config=True)
+    result = evaluate_model(model, task, tokenizer, args.problems, args.max_new_tokens, cfg.rl)
     print(f"step {step}: held-out accuracy {result['accuracy']:.1%} on {result['problems']} "
           f"problems (e.g. {', '.join(result['examples'][:3])})")
 

@@ -171,6 +171,7 @@ from jaxrl.rl.config import RLConfig  # noqa: E402
 from jaxrl.rl.tasks.arithmetic import ArithmeticConfig  # noqa: E402
 from jaxrl.rl.tasks.countdown import CountdownConfig  # noqa: E402
 from jaxrl.rl.tasks.math import MathConfig  # noqa: E402
+from jaxrl.rl.tasks.toolcalc import ToolCalcConfig  # noqa: E402
 from jaxrl.optim_config import OptimConfig  # noqa: E402
 from jaxrl.train.config import CheckpointConfig, TrainConfig  # noqa: E402
 from sharding.mesh import MeshConfig  # noqa: E402
@@ -210,7 +211,7 @@ class RunConfig:
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
-    task: ArithmeticConfig | MathConfig | CountdownConfig = ArithmeticConfig()  # by task.name
+    task: ArithmeticConfig | MathConfig | CountdownConfig | ToolCalcConfig = ArithmeticConfig()
     rl: RLConfig = RLConfig()
     log: LogConfig = LogConfig()
 

@@ -64,7 +64,12 @@ class RLConfig:
     prompts_per_step: int = 8       # groups per optimizer step
     group_size: int = 8             # samples per prompt (the advantage baseline's group)
     max_prompt_len: int = 16        # longer prompts are skipped (counted)
-    max_new_tokens: int = 8         # completion budget per sample
+    max_new_tokens: int = 8         # completion budget per sample (per model turn)
+    # Multi-turn tasks (jaxrl/rl/env.py): model turns per episode, and the tokens an episode
+    # may add after its prompt (the model's and the environment's; 0: max_turns x
+    # max_new_tokens). Single-turn tasks take max_turns=1.
+    max_turns: int = 1
+    max_episode_tokens: int = 0
     temperature: float = 1.0        # sampling temperature (the trainer's pi uses the same)
     slots: int = 32                 # engine slots (concurrent sequences)
     # Which waiting group the engine admits next: fifo, or longest_first (StreamRL's
@@ -110,11 +115,11 @@ class RLConfig:
     generation: GenerationConfig = GenerationConfig()
 
     def __post_init__(self):
-        for name in ("prompts_per_step", "max_prompt_len", "max_new_tokens", "slots",
-                     "pack_len", "microbatch_rows", "max_segments", "engine_devices"):
+        for name in ("prompts_per_step", "max_prompt_len", "max_new_tokens", "max_turns",
+                     "slots", "pack_len", "microbatch_rows", "max_segments", "engine_devices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rl.{name}={getattr(self, name)} must be >= 1")
-        for name in ("steps", "max_lag", "prefetch", "eval_every"):
+        for name in ("steps", "max_lag", "prefetch", "eval_every", "max_episode_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"rl.{name}={getattr(self, name)} must be >= 0")
         if self.group_size < 2:
@@ -136,9 +141,12 @@ class RLConfig:
             raise ValueError("rl.mode=partial pauses the engine while the trainer steps, which "
                              "only an in-process engine can do; with rl.generation.servers use "
                              "rl.mode=async or rl.mode=sync")
+        if 0 < self.max_episode_tokens < self.max_new_tokens:
+            raise ValueError(f"rl.max_episode_tokens={self.max_episode_tokens} is below one "
+                             f"turn's rl.max_new_tokens={self.max_new_tokens}")
         if self.sample_len > self.pack_len:
             raise ValueError(f"rl.pack_len={self.pack_len} cannot hold one sample of "
-                             f"rl.max_prompt_len + rl.max_new_tokens = {self.sample_len} tokens")
+                             f"{self.sample_len_names} = {self.sample_len} tokens")
 
     @property
     def batch_size(self) -> int:
@@ -146,9 +154,30 @@ class RLConfig:
         return self.prompts_per_step * self.group_size
 
     @property
+    def episode_tokens(self) -> int:
+        """Most tokens after the prompt: one completion, or a multi-turn episode's budget."""
+        if self.max_turns == 1:
+            return self.max_new_tokens
+        return self.max_episode_tokens or self.max_turns * self.max_new_tokens
+
+    @property
     def sample_len(self) -> int:
-        """Most tokens a sample can have: its prompt (with BOS) and completion."""
-        return self.max_prompt_len + self.max_new_tokens
+        """Most tokens a sample can have: its prompt (with BOS) and completion (or episode)."""
+        return self.max_prompt_len + self.episode_tokens
+
+    @property
+    def prefill_len(self) -> int:
+        """The longest prompt the engine is given: a multi-turn episode's later turns are
+        prompted with its history (only what the kept pages lack is prefilled)."""
+        return self.max_prompt_len if self.max_turns == 1 else self.sample_len - 1
+
+    @property
+    def sample_len_names(self) -> str:
+        """The settings `sample_len` adds up, for messages."""
+        if self.max_turns == 1:
+            return "rl.max_prompt_len + rl.max_new_tokens"
+        return "rl.max_prompt_len + " + ("rl.max_episode_tokens" if self.max_episode_tokens
+                                         else "rl.max_turns x rl.max_new_tokens")
 
     @property
     def max_microbatches(self) -> int:

@@ -6,6 +6,10 @@ alone. Each group is one request with n = group_size samples (one prefill); when
 is scored, given leave-one-out advantages, filtered, and appended to the log as one unit.
 In async mode a thread keeps the engine's slots busy, at most two steps' samples ahead of the
 trainer; in sync mode the loop asks for one step's samples and waits.
+
+A multi-turn task's group is n episodes run turn by turn by the trajectory manager
+(jaxrl/run/episodes.py); each episode becomes one rollout, its environment tokens untrained,
+scored by its return.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from jaxrl.data.rollouts import Rollout, RolloutLog
 from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.rl.advantages import group_advantages, keep_group
 from jaxrl.rl.config import RLConfig
+from jaxrl.rl.env import Trajectory, is_multi_turn
 from jaxrl.rl.tasks.base import Problem, Task
+from jaxrl.run.episodes import EpisodeGroup
 from serving.generation import Generation
 from serving.stream import FINISHED, Sample
 from serving.sampling import SamplingParams
@@ -88,15 +94,22 @@ class Actor:
             self._skipped_in_a_row = 0
             self._in_flight[index] = self.cfg.group_size
             carry = self._carry.get(index)
-        sampling = SamplingParams(max_tokens=self.cfg.max_new_tokens,
-                                  temperature=self.cfg.temperature, n=self.cfg.group_size,
-                                  seed=(self.seed * 1_000_003 + index) % 2**32)
-        stream = self.generation.submit(prompt, sampling, carry=carry)
+        seed = (self.seed * 1_000_003 + index) % 2**32
+        if is_multi_turn(self.task):
+            stream = EpisodeGroup(self.generation, self.task, self.tokenizer, problem, prompt,
+                                  self.cfg, seed=seed, state=carry)
+            collect = self._collect_episodes
+        else:
+            sampling = SamplingParams(max_tokens=self.cfg.max_new_tokens,
+                                      temperature=self.cfg.temperature, n=self.cfg.group_size,
+                                      seed=seed)
+            stream = self.generation.submit(prompt, sampling, carry=carry)
+            collect = self._collect
         with self._lock:
             self._streams[index] = stream
             if self._carry.pop(index, None) is not None:
-                self.stats["carried_tokens"] += sum(len(s.tokens) for s in carry)
-        self._pool.submit(self._collect, index, problem, prompt, stream)
+                self.stats["carried_tokens"] += _carried_tokens(carry)
+        self._pool.submit(collect, index, problem, prompt, stream)
         return self.cfg.group_size
 
     def _collect(self, index: int, problem: Problem, prompt: list[int], stream) -> None:
@@ -109,6 +122,20 @@ class Actor:
                 rollouts = self._score(index, problem, prompt, samples)
         except BaseException as e:
             self._fail(e)
+        self._logged(index, complete, rollouts)
+
+    def _collect_episodes(self, index: int, problem: Problem, prompt: list[int],
+                          group: EpisodeGroup) -> None:
+        rollouts, trajectories = [], None
+        try:
+            trajectories = group.run()      # None: cut short, stays in flight
+            if trajectories is not None:
+                rollouts = self._score_episodes(index, trajectories)
+        except BaseException as e:
+            self._fail(e)
+        self._logged(index, trajectories is not None, rollouts)
+
+    def _logged(self, index: int, complete: bool, rollouts: list[Rollout]) -> None:
         with self._lock:
             if complete:
                 self.log.append(rollouts)
@@ -131,19 +158,42 @@ class Actor:
         self.stats["reward_sum"] += float(rewards.sum())
         self.stats["solved"] += int((rewards >= 1).sum())
         self.stats["scored"] += len(rewards)
+        return self._kept(index, rewards, [
+            (s.finish_reason, lambda a, s=s, r=r: Rollout(
+                prompt=list(prompt), completion=list(s.tokens), logprobs=list(s.logprobs),
+                versions=list(s.versions), reward=float(r), advantage=float(a), group=index,
+                finish=s.finish_reason)) for s, r in zip(samples, rewards)])
+
+    def _score_episodes(self, index: int, trajectories: list[Trajectory]) -> list[Rollout]:
+        rewards = np.asarray([t.episode_return for t in trajectories], np.float32)
+        s = self.stats
+        for t in trajectories:
+            self._lengths.append(len(t.tokens))
+            s["episodes"] += 1
+            s["turns"] += len(t.turns)
+            s["tool_calls"] += t.tool_calls
+            s["tool_errors"] += t.tool_errors
+            s["model_tokens"] += t.model_tokens
+            s["env_tokens"] += t.env_tokens
+        s["reward_sum"] += float(rewards.sum())
+        s["solved"] += int((rewards >= 1).sum())
+        s["scored"] += len(rewards)
+        return self._kept(index, rewards, [
+            (t.finish, lambda a, t=t: t.to_rollout(index, float(a))) for t in trajectories])
+
+    def _kept(self, index: int, rewards: np.ndarray, samples: list) -> list[Rollout]:
+        """The group's rollouts after the filters: `samples` are (finish reason, rollout given
+        its advantage) in order."""
         if self.cfg.filter_zero_advantage and not keep_group(rewards):
             self.stats["dropped_zero_advantage"] += len(samples)
             return []
         advantages = group_advantages(rewards[None], normalize_std=self.cfg.normalize_std)[0]
         out = []
-        for s, r, a in zip(samples, rewards, advantages):
-            if self.cfg.filter_overlong and s.finish_reason == "length":
+        for (finish, rollout), a in zip(samples, advantages):
+            if self.cfg.filter_overlong and finish == "length":
                 self.stats["dropped_overlong"] += 1
                 continue
-            out.append(Rollout(prompt=list(prompt), completion=list(s.tokens),
-                               logprobs=list(s.logprobs), versions=list(s.versions),
-                               reward=float(r), advantage=float(a), group=index,
-                               finish=s.finish_reason))
+            out.append(rollout(a))
         return out
 
     # -- modes ---------------------------------------------------------------------------------
@@ -224,16 +274,15 @@ class Actor:
             return {"position": position,
                     "rollouts": [r.to_json() for r in self.log.tail(position)],
                     "redo": sorted(self._in_flight) + list(self._redo),
-                    "partial": {str(i): [dataclasses.asdict(s) for s in samples]
-                                for i, samples in partial.items()
-                                if any(s.tokens for s in samples)},
+                    "partial": {str(i): _partial_json(p) for i, p in partial.items()
+                                if _carried_tokens(p)},
                     "next_problem": self.next_problem, "stats": dict(self.stats)}
 
     @staticmethod
     def carry_from(data: dict) -> dict[int, list[Sample]]:
         """A snapshot's `partial`, as the Actor's `carry` argument."""
-        return {int(i): [Sample(**s) for s in samples]
-                for i, samples in (data.get("partial") or {}).items()}
+        return {int(i): p if isinstance(p, dict) else [Sample(**s) for s in p]
+                for i, p in (data.get("partial") or {}).items()}
 
     def stop(self) -> None:
         self._stop.set()
@@ -242,3 +291,17 @@ class Actor:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _partial_json(partial) -> dict | list[dict]:
+    """A group in flight as a checkpoint keeps it: an episode group's snapshot (already JSON),
+    or a single-turn group's samples."""
+    return partial if isinstance(partial, dict) else [dataclasses.asdict(s) for s in partial]
+
+
+def _carried_tokens(partial) -> int:
+    """Tokens generated of a group in flight (its snapshot or samples)."""
+    if isinstance(partial, dict):
+        return sum(len(t["tokens"]) for t in partial["trajectories"]) + sum(
+            len(s["tokens"]) for s in partial["turns"] if s)
+    return sum(len(s.tokens) for s in partial)

@@ -4,23 +4,30 @@ paged KV cache): through the RL run's own engine, or an engine started for the o
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import math
 from typing import Sequence
 
 from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.models.transformer import Transformer, split_params
+from jaxrl.rl.config import RLConfig
+from jaxrl.rl.env import is_multi_turn
 from jaxrl.rl.tasks.base import Task
+from jaxrl.run.episodes import EpisodeGroup
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import InvalidRequest, Orchestrator, QueueFull
 from serving.sampling import SamplingParams
 
 
 def evaluate(orchestrator: Orchestrator, task: Task, tokenizer: Tokenizer, num_problems: int,
-             max_new_tokens: int = 8) -> dict:
+             max_new_tokens: int = 8, rl: RLConfig | None = None) -> dict:
     """{"accuracy", "problems", "examples", "too_long"}: the share of held-out problems answered
     exactly, greedy, by whatever weights `orchestrator` serves. A prompt the engine cannot take
-    (too long) counts as wrong and is reported in "too_long"."""
+    (too long) counts as wrong and is reported in "too_long". A multi-turn task's problems are
+    greedy episodes within `rl`'s turn and token limits, solved when their return is >= 1."""
+    if is_multi_turn(task):
+        return _evaluate_episodes(orchestrator, task, tokenizer, num_problems, rl)
     problems = task.held_out(num_problems)
     prompts = _prompts(problems, tokenizer)
     completions = greedy_completions(orchestrator, prompts, max_new_tokens)
@@ -34,12 +41,31 @@ def evaluate(orchestrator: Orchestrator, task: Task, tokenizer: Tokenizer, num_p
             "examples": examples, "too_long": sum(c is None for c in completions)}
 
 
+def _evaluate_episodes(generation, task, tokenizer, num_problems: int, rl: RLConfig) -> dict:
+    problems = task.held_out(num_problems)
+    prompts = _prompts(problems, tokenizer)
+    groups = [EpisodeGroup(generation, task, tokenizer, problem, prompt, rl, seed=i,
+                           temperature=0.0) for i, (problem, prompt) in
+              enumerate(zip(problems, prompts))]
+    with concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="eval-episode") as pool:
+        episodes = [t[0] for t in pool.map(lambda g: g.run(), groups)]
+    return {"accuracy": sum(e.episode_return >= 1 for e in episodes) / max(len(episodes), 1),
+            "problems": len(episodes),
+            "examples": [p.prompt + tokenizer.decode(e.tokens) for p, e in
+                         zip(problems[:5], episodes)],
+            "too_long": 0,
+            "turns_mean": sum(len(e.turns) for e in episodes) / max(len(episodes), 1)}
+
+
 def evaluate_model(model: Transformer, task: Task, tokenizer: Tokenizer, num_problems: int,
-                   max_new_tokens: int = 8) -> dict:
+                   max_new_tokens: int = 8, rl: RLConfig | None = None) -> dict:
     """`evaluate` on an engine started for `model` alone."""
     prompts = _prompts(task.held_out(num_problems), tokenizer)
-    with local_engine(model, tokenizer.eos_id, max(map(len, prompts)), max_new_tokens) as o:
-        return evaluate(o, task, tokenizer, num_problems, max_new_tokens)
+    longest, new = max(map(len, prompts)), max_new_tokens
+    if is_multi_turn(task):
+        longest, new = rl.prefill_len, rl.episode_tokens
+    with local_engine(model, tokenizer.eos_id, longest, new) as o:
+        return evaluate(o, task, tokenizer, num_problems, max_new_tokens, rl)
 
 
 def greedy_completions(orchestrator: Orchestrator, prompts: Sequence[list[int]],

@@ -41,11 +41,11 @@ def placement(cfg: RunConfig, devices=None):
 def engine_config(cfg: RunConfig, model_cfg: ModelConfig) -> EngineConfig:
     rl = cfg.rl
     if rl.sample_len > model_cfg.max_seq_len:
-        raise ConfigError(f"rl.max_prompt_len + rl.max_new_tokens = {rl.sample_len} exceeds "
+        raise ConfigError(f"{rl.sample_len_names} = {rl.sample_len} exceeds "
                           f"the model's max_seq_len={model_cfg.max_seq_len}")
     chunk = max(8, min(2 ** math.ceil(math.log2(rl.max_prompt_len)), 512))
     return EngineConfig(max_concurrent_decodes=rl.slots, max_len=rl.sample_len + 1,
-                        max_prefill_length=rl.max_prompt_len, prefill_chunk=chunk,
+                        max_prefill_length=rl.prefill_len, prefill_chunk=chunk,
                         prefill_budget=max(64, chunk), dtype=model_cfg.dtype,
                         attention=rl.engine_attention)
 
@@ -116,10 +116,10 @@ def check_server(cfg: RunConfig, tokenizer: Tokenizer, address: str, metrics: di
         if metrics.get(key) != value:
             raise ConfigError(f"generation server {address} has {key}={metrics.get(key)}; "
                               f"this run needs {value} (is it serving the same model?)")
-    if metrics["max_len"] < rl.sample_len + 1 or metrics["max_prefill_length"] < rl.max_prompt_len:
+    if metrics["max_len"] < rl.sample_len + 1 or metrics["max_prefill_length"] < rl.prefill_len:
         raise ConfigError(f"generation server {address} takes prompts of up to "
                           f"{metrics['max_prefill_length']} tokens and sequences of up to "
-                          f"{metrics['max_len']}; this run needs {rl.max_prompt_len} and "
+                          f"{metrics['max_len']}; this run needs {rl.prefill_len} and "
                           f"{rl.sample_len + 1} (jaxrl serve --max-prefill-length, --max-len)")
     if metrics["slots"] < rl.group_size:
         raise ConfigError(f"generation server {address} has {metrics['slots']} slots; a group "

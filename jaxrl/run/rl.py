@@ -170,7 +170,7 @@ def _lead(cfg: RunConfig, model_cfg, trainer: RLTrainer, lockstep: Lockstep, wei
         the engines beside the rollouts."""
         t0 = time.perf_counter()
         out = evaluate(fleet, task, tokenizer, cfg.train.eval_problems,
-                       max_new_tokens=rl.max_new_tokens)
+                       max_new_tokens=rl.max_new_tokens, rl=rl)
         clock.exclude(time.perf_counter() - t0)
         return out
 

@@ -20,6 +20,7 @@ from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from jaxrl.models.transformer import split_params
 from jaxrl.rl.tasks.arithmetic import ArithmeticTask
 from jaxrl.rl.tasks.countdown import CountdownTask
+from jaxrl.rl.tasks.toolcalc import ToolCalcTask
 from jaxrl.rl.tasks.base import Task
 from jaxrl.rl.tasks.math import MathTask
 from jaxrl.run.evaluate import evaluate_model
@@ -50,6 +51,8 @@ def build_task(cfg: RunConfig, model_cfg: ModelConfig) -> tuple[Task, Tokenizer]
         task = MathTask(cfg.task)
     elif cfg.task.name == "countdown":
         task = CountdownTask(cfg.task)
+    elif cfg.task.name == "toolcalc":
+        task = ToolCalcTask(cfg.task)
     else:
         task = ArithmeticTask(cfg.task)
     tokenizer = HFTokenizer(cfg.hf_path) if cfg.hf_path else CharTokenizer(task.alphabet)
@@ -177,13 +180,15 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     if cfg.train.eval_problems and evaluate_at_end:
         model = merge_params(graphdef, fully_addressable(state["params"]))
         summary["eval"] = evaluate_model(model, task, tokenizer, cfg.train.eval_problems,
-                                         max_new_tokens=cfg.rl.max_new_tokens)
+                                         max_new_tokens=cfg.rl.max_new_tokens, rl=cfg.rl)
     ckpt.close()
     return summary
 
 
-def restore_for_eval(checkpoint_dir: str | Path, step: int | None = None):
-    """(model, task, tokenizer, step) from a checkpoint directory written by `train`."""
+def restore_for_eval(checkpoint_dir: str | Path, step: int | None = None, *,
+                     with_config: bool = False):
+    """(model, task, tokenizer, step) from a checkpoint directory written by `train`, and the
+    run's config after them if `with_config`."""
     ckpt = Checkpointer(checkpoint_dir, create=False)
     step = ckpt.resolve_step(step)
     cfg = from_dict(RunConfig, ckpt.saved_config(step))
@@ -195,4 +200,5 @@ def restore_for_eval(checkpoint_dir: str | Path, step: int | None = None):
                           abstract)
     params = ckpt.restore({"params": target}, step, params_only=True)["params"]
     ckpt.close()
-    return merge_params(graphdef, params), task, tokenizer, step
+    out = merge_params(graphdef, params), task, tokenizer, step
+    return (*out, cfg) if with_config else out

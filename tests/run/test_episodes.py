@@ -1,0 +1,135 @@
+"""The trajectory manager (jaxrl/run/episodes.py) on the paged engine with a random model and the
+calculator task's environment: each later turn prefills only its new tokens and equals a fresh
+decode of the whole history; an episode group cut mid-turn (checkpoint) or updated mid-episode
+continues with the same tokens."""
+
+import itertools
+import threading
+import time
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.models import Transformer, split_params
+from jaxrl.models.tokenizer import CharTokenizer
+from jaxrl.rl.config import RLConfig
+from jaxrl.rl.tasks.base import Problem
+from jaxrl.rl.tasks.toolcalc import ToolCalcTask
+from jaxrl.run.episodes import EpisodeGroup
+from serving.engine import Engine
+from serving.orchestrator import Orchestrator
+from serving.sampling import SamplingParams
+
+from tests.serving.common import CFG, ENGINE
+
+TASK = ToolCalcTask()
+TOKENIZER = CharTokenizer(TASK.alphabet)
+RL = RLConfig(group_size=3, max_prompt_len=10, max_new_tokens=6, max_turns=3,
+              max_episode_tokens=28, slots=4, pack_len=64)
+PROBLEM = Problem("37*45+12=", TASK._worked((37, 45, 12)))
+PROMPT = [TOKENIZER.bos_id] + TOKENIZER.encode(PROBLEM.prompt)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return split_params(Transformer(CFG, rngs=nnx.Rngs(3)))[1]
+
+
+@pytest.fixture(scope="module")
+def engine(params):
+    e = Engine(CFG, ENGINE)
+    e.load_params(params)
+    return e
+
+
+def _group(o, state=None, temperature=0.0):
+    return EpisodeGroup(o, TASK, TOKENIZER, PROBLEM, PROMPT, RL, seed=5, state=state,
+                        temperature=temperature)
+
+
+def _fresh_turns(o, t):
+    """Each model turn of episode `t` decoded again from its whole history, in a request of its
+    own (no session, no kept pages): (tokens, log-probs) fresh and as recorded, per turn."""
+    stop = tuple(TOKENIZER.encode(";"))
+    out, at = [], 0
+    for trained, run in itertools.groupby(t.trained):
+        end = at + len(list(run))
+        if trained:
+            budget = min(RL.max_new_tokens, RL.episode_tokens - at)
+            [s] = o.submit(PROMPT + t.tokens[:at], SamplingParams(
+                temperature=0.0, max_tokens=budget, stop_token_ids=stop)).result()
+            out.append((s.tokens, s.logprobs, t.tokens[at:end], t.logprobs[at:end]))
+        at = end
+    return out
+
+
+def test_turns_continue_from_kept_pages_and_equal_a_fresh_decode(engine):
+    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+        [t] = _group(o).run()
+        metrics = o.metrics()
+        o.generate(PROMPT, SamplingParams(max_tokens=1))     # the loop has ended the session
+        assert o.metrics()["sessions_kept"] == 0
+        assert o.scheduler.pool.free == o.scheduler.pool.capacity
+        for got, got_lp, want, want_lp in _fresh_turns(o, t):
+            assert got == want
+            np.testing.assert_allclose(got_lp, want_lp, atol=1e-5)
+    assert len(t.turns) >= 2 and t.finish in ("done", "turns", "length")
+    observations = len(t.tokens) - t.model_tokens
+    # the prompt once, then per later turn: the last answer's final token and the observation
+    assert metrics["prefill_tokens"] == len(PROMPT) + (len(t.turns) - 1) + observations
+    assert metrics["prefix_reused_tokens"] > 0
+    assert all(t.logprobs[i] == 0.0 for i in range(len(t.tokens)) if not t.trained[i])
+
+
+def test_a_group_cut_mid_turn_continues_exactly(engine):
+    """A group of three sampled episodes, snapshotted while its second turn is being generated
+    and the engine stopped (a checkpoint, then a crash), continues on a new engine to exactly
+    the episodes of an uninterrupted run, generating only what was missing."""
+    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+        whole = _group(o, temperature=None).run()
+    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+        group = _group(o, temperature=None)
+        out = {}
+        runner = threading.Thread(target=lambda: out.update(result=group.run()))
+        runner.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            state = group.snapshot()
+            if any(len(t["turns"]) >= 1 for t in state["trajectories"]) and any(state["turns"]):
+                o.pause()
+                state = group.snapshot()
+                break
+            time.sleep(0.001)
+    runner.join(30)
+    assert out["result"] is None                       # cut: stays in flight
+    assert any(len(t["turns"]) >= 1 for t in state["trajectories"])
+    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+        resumed = _group(o, state=state, temperature=None).run()
+        generated = o.metrics()["generated_tokens"]
+    for a, b in zip(resumed, whole):
+        assert (a.tokens, a.trained, a.turns, a.rewards, a.finish) == \
+            (b.tokens, b.trained, b.turns, b.rewards, b.finish)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    carried = sum(sum(t["trained"]) for t in state["trajectories"]) + sum(
+        len(s["tokens"]) for s in state["turns"] if s)
+    assert generated == sum(t.model_tokens for t in whole) - carried
+
+
+def test_weight_update_mid_episode(engine, params):
+    """The same weights pushed as version 1 while the episode runs: the same episode, its later
+    tokens tagged with version 1."""
+    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+        [plain] = _group(o).run()
+        group = _group(o)
+        out = {}
+        runner = threading.Thread(target=lambda: out.update(result=group.run()))
+        runner.start()
+        while not group.trajectories[0].turns and runner.is_alive():
+            time.sleep(0.001)
+        o.update_params(params, 1)
+        runner.join(60)
+    [t] = out["result"]
+    assert t.tokens == plain.tokens
+    versions = [v for v, trained in zip(t.versions, t.trained) if trained]
+    assert versions[-1] == 1 and versions == sorted(versions)
