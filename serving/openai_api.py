@@ -4,7 +4,10 @@ server-sent events, and OpenAI's error shape (HTTP 400 for a bad request), so th
 written for OpenAI's API (the `openai` package, LangChain, smolagents, curl) drives the engine.
 
 Served by `jaxrl serve --http-port N` beside the gRPC services, on the same engines and the
-same weights (in-flight updates included). Every sampled token's log-prob is the engine's own,
+same weights (in-flight updates included). A request that names a trajectory (header
+`X-Trajectory-Id`, or the `user` field) is recorded into it for training and continues from the
+KV pages of its previous turn (serving/trajectories.py); `GET /v1/trajectories/{id}` reads a
+trajectory back and `DELETE` ends it. Every sampled token's log-prob is the engine's own,
 the one RL trains with; only the sampled token's is known, so `logprobs` above 1 (completions)
 and `top_logprobs` above 0 (chat) are refused rather than answered with fewer.
 """
@@ -26,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from serving.orchestrator import InvalidRequest, QueueFull
 from serving.sampling import SamplingParams
 from serving.stream import TokenEvent
+from serving.trajectories import TrajectoryStore
 
 # engine finish reasons -> OpenAI's; anything else means the engine failed the request
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -101,12 +105,13 @@ class _Choice:
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.stops = tokenizer, stops
-        self.tokens, self.logprobs, self.text, self.sent = [], [], "", 0
+        self.tokens, self.logprobs, self.versions, self.text, self.sent = [], [], [], "", 0
         self.finish: str | None = None
 
-    def add(self, token: int, logprob: float) -> None:
+    def add(self, token: int, logprob: float, version: int = 0) -> None:
         self.tokens.append(token)
         self.logprobs.append(logprob)
+        self.versions.append(version)
         self.text = self.tokenizer.decode(self.tokens)
         cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
@@ -134,12 +139,15 @@ class OpenAIApp:
     def __init__(self, generation, tokenizer, model_name: str, max_len: int):
         self.generation, self.tokenizer = generation, tokenizer
         self.model_name, self.max_len = model_name, max_len
+        self.trajectories = TrajectoryStore(tokenizer)
         self.app = app = FastAPI(title="jaxrl", docs_url=None, redoc_url=None)
         app.add_exception_handler(OpenAIError, lambda _, e: e.response())
         app.add_exception_handler(RequestValidationError, _validation_error)
         app.get("/v1/models")(self.models)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
+        app.get("/v1/trajectories/{key}")(self.trajectory)
+        app.delete("/v1/trajectories/{key}")(self.end_trajectory)
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model",
@@ -147,17 +155,35 @@ class OpenAIApp:
 
     # -- endpoints (plain functions: FastAPI runs them in its thread pool, as they wait on the
     # engine's streams) ---------------------------------------------------------------------
-    def completions(self, body: CompletionRequest):
+    def trajectory(self, key: str) -> dict:
+        record = self.trajectories.get(key)
+        if record is None:
+            raise OpenAIError(404, f"no trajectory {key!r}", "id", "not_found_error")
+        return record
+
+    def end_trajectory(self, key: str) -> dict:
+        """The trajectory, now ended: its KV pages are freed and it is forgotten."""
+        record = self.trajectories.end(key)
+        if record is None:
+            raise OpenAIError(404, f"no trajectory {key!r}", "id", "not_found_error")
+        self.generation.end_session(key)
+        return record
+
+    def completions(self, body: CompletionRequest, request: Request):
         if body.echo:
             raise OpenAIError(400, "echo=true is not supported", "echo")
         if body.logprobs is not None and body.logprobs > 1:
             raise OpenAIError(400, f"logprobs={body.logprobs}: only the sampled token's "
                               f"log-prob is known (use 0 or 1)", "logprobs")
         prompts = self._prompts(body.prompt)
+        key = self._trajectory(body, request, len(prompts))
+        if key is not None:
+            text = body.prompt if isinstance(body.prompt, str) else None
+            prompts = [self.trajectories.align(key, prompts[0], text)]
         return self._respond(body, prompts, body.max_tokens, "text_completion",
-                             logprobs=body.logprobs is not None)
+                             logprobs=body.logprobs is not None, key=key)
 
-    def chat(self, body: ChatRequest):
+    def chat(self, body: ChatRequest, request: Request):
         if body.top_logprobs:
             raise OpenAIError(400, f"top_logprobs={body.top_logprobs}: only the sampled "
                               f"token's log-prob is known (use 0)", "top_logprobs")
@@ -169,8 +195,21 @@ class OpenAIApp:
         text = render_chat(template, [m.model_dump(exclude_none=True) for m in body.messages],
                            self.tokenizer)
         limit = body.max_completion_tokens or body.max_tokens
-        return self._respond(body, [self.tokenizer.encode(text)], limit, "chat.completion",
-                             logprobs=body.logprobs)
+        ids = self.tokenizer.encode(text)
+        key = self._trajectory(body, request, 1)
+        if key is not None:
+            ids = self.trajectories.align(key, ids, text)
+        return self._respond(body, [ids], limit, "chat.completion", logprobs=body.logprobs,
+                             key=key)
+
+    @staticmethod
+    def _trajectory(body, request: Request, prompts: int) -> str | None:
+        """The trajectory the request is recorded into, if it names one."""
+        key = request.headers.get("x-trajectory-id") or body.user
+        if key is not None and (body.n != 1 or prompts != 1):
+            raise OpenAIError(400, f"a request recorded into trajectory {key!r} has one prompt "
+                              f"and n=1 (got {prompts} prompts, n={body.n})", "n")
+        return key
 
     # -- shared --------------------------------------------------------------------------------
     def _prompts(self, prompt) -> list[list[int]]:
@@ -191,7 +230,7 @@ class OpenAIApp:
             out.append(ids)
         return out
 
-    def _submit(self, body, prompts, max_tokens):
+    def _submit(self, body, prompts, max_tokens, key=None):
         """One stream per prompt (each with body.n samples), all validated before any runs."""
         seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -204,19 +243,20 @@ class OpenAIApp:
                 sampling = SamplingParams(max_tokens=limit, temperature=body.temperature,
                                           top_p=body.top_p, top_k=body.top_k, seed=seed,
                                           n=body.n)
-                self.generation.validate(ids, sampling)
+                self.generation.validate(ids, sampling, key)
             except (ValueError, InvalidRequest) as e:
                 raise OpenAIError(400, str(e), "max_tokens" if "max_tokens" in str(e)
                                   else "prompt") from None
             samplings.append(sampling)
         try:
-            streams = [self.generation.submit(ids, s) for ids, s in zip(prompts, samplings)]
+            streams = [self.generation.submit(ids, s, session=key)
+                       for ids, s in zip(prompts, samplings)]
         except QueueFull as e:
             raise OpenAIError(429, str(e), kind="rate_limit_error") from None
         return streams, stops
 
-    def _respond(self, body, prompts, max_tokens, kind: str, logprobs: bool):
-        streams, stops = self._submit(body, prompts, max_tokens)
+    def _respond(self, body, prompts, max_tokens, kind: str, logprobs: bool, key=None):
+        streams, stops = self._submit(body, prompts, max_tokens, key)
         meta = {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-"
                       f"{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": body.model or self.model_name}
@@ -224,18 +264,25 @@ class OpenAIApp:
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
             events = self._sse(streams, stops, body.n, kind, meta, logprobs,
-                               usage_prompt if usage else None)
+                               usage_prompt if usage else None, key)
             return StreamingResponse(events, media_type="text/event-stream")
         choices = [_Choice(self.tokenizer, stops) for _ in range(len(streams) * body.n)]
         for _ in _events(streams, choices, body.n):
             pass
+        self._record(key, choices)
         out = [_choice_json(kind, i, c, logprobs, final=True) for i, c in enumerate(choices)]
         completion = sum(len(c.tokens) for c in choices)
         return {**meta, "object": kind, "choices": out,
                 "usage": {"prompt_tokens": usage_prompt, "completion_tokens": completion,
                           "total_tokens": usage_prompt + completion}}
 
-    def _sse(self, streams, stops, n, kind, meta, logprobs, usage_prompt) -> Iterator[str]:
+    def _record(self, key: str | None, choices: list[_Choice]) -> None:
+        if key is not None:
+            c = choices[0]
+            self.trajectories.record(key, c.tokens, c.logprobs, c.versions)
+
+    def _sse(self, streams, stops, n, kind, meta, logprobs, usage_prompt, key=None
+             ) -> Iterator[str]:
         chunk_kind = "chat.completion.chunk" if kind.startswith("chat") else kind
         choices = [_Choice(self.tokenizer, stops) for _ in range(len(streams) * n)]
         sent = [0] * len(choices)
@@ -257,6 +304,7 @@ class OpenAIApp:
                                          tokens=slice(sent[i], len(c.tokens)))
                     sent[i] = len(c.tokens)
                     yield chunk({"choices": [piece]})
+            self._record(key, choices)
             if usage_prompt is not None:
                 completion = sum(len(c.tokens) for c in choices)
                 yield chunk({"choices": [], "usage": {
@@ -280,7 +328,7 @@ def _events(streams, choices, n) -> Iterator[int]:
             if c.finish is not None:        # cut by a stop string: the rest is not shown
                 continue
             if isinstance(event, TokenEvent):
-                c.add(event.token, event.logprob)
+                c.add(event.token, event.logprob, event.version)
             elif event.reason in FINISH:
                 c.finish = FINISH[event.reason]
             else:

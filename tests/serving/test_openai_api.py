@@ -143,3 +143,46 @@ def test_malformed_json_and_missing_fields_get_400(served):
         r = httpx.post(url, content=content, headers={"content-type": "application/json"})
         assert r.status_code == 400
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_an_agents_chat_is_recorded_into_its_trajectory(served, tokenizer):
+    """A two-turn chat that names a trajectory (header on turn 1, `user` on turn 2): the record
+    holds exactly the tokens the model sampled (trained, with the engine's log-probs and
+    versions) between the untrained prompt and user tokens; turn 2 continues from turn 1's
+    KV pages; DELETE ends it and frees them. Tokens equal the engine's greedy decode of the
+    recorded history."""
+    client, o, port = served
+    messages = [{"role": "user", "content": "w1 w2 w3"}]
+    first = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True,
+        extra_headers={"X-Trajectory-Id": "agent-1"})
+    record = httpx.get(f"http://127.0.0.1:{port}/v1/trajectories/agent-1").json()
+    prompt = tokenizer.encode("user w1 w2 w3 assistant")
+    assert record["prompt"] == prompt and record["turns"] == 1
+    want = _greedy(o, prompt, 5)
+    assert record["tokens"] == want.tokens and all(record["trained"])
+    np.testing.assert_allclose(record["logprobs"], want.logprobs, atol=1e-6)
+    np.testing.assert_allclose([c.logprob for c in first.choices[0].logprobs.content],
+                               want.logprobs, atol=1e-6)
+
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "w9"}]
+    before = o.metrics()["prefix_reused_tokens"]
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                   temperature=0, user="agent-1")
+    assert o.metrics()["prefix_reused_tokens"] > before
+    record = httpx.delete(f"http://127.0.0.1:{port}/v1/trajectories/agent-1").json()
+    history = record["prompt"] + record["tokens"]
+    trained = [False] * len(record["prompt"]) + record["trained"]
+    assert history[:len(prompt) + len(want.tokens)] == prompt + want.tokens
+    second = [i for i, t in enumerate(trained) if t][len(want.tokens):]
+    assert 1 <= len(second) <= 4
+    start = second[0]
+    again = _greedy(o, history[:start], len(second))
+    assert history[start:] == again.tokens
+    assert not any(trained[len(prompt) + len(want.tokens): start])   # the user's turn
+    assert httpx.get(f"http://127.0.0.1:{port}/v1/trajectories/agent-1").status_code == 404
+
+    bad = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                     json={"prompt": "w1", "n": 2, "user": "agent-2"})
+    assert bad.status_code == 400 and "n=1" in bad.json()["error"]["message"]
