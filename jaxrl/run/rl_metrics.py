@@ -32,6 +32,21 @@ def sample_counts(actor_stats: dict, trained: int, dropped_lag: int) -> dict:
             "carried_tokens": actor_stats["carried_tokens"]}
 
 
+def episode_stats(now: dict, before: dict) -> dict:
+    """Multi-turn episodes finished since the last row: turns and tool calls per episode, the
+    share of tool calls that failed, and environment tokens per model token. Empty for a
+    single-turn task."""
+    d = {k: now.get(k, 0) - before.get(k, 0) for k in
+         ("episodes", "turns", "tool_calls", "tool_errors", "model_tokens", "env_tokens")}
+    if not now.get("episodes"):
+        return {}
+    per = max(d["episodes"], 1)
+    return {"episodes": d["episodes"], "turns_per_episode": d["turns"] / per,
+            "tool_calls_per_episode": d["tool_calls"] / per,
+            "tool_error_rate": d["tool_errors"] / max(d["tool_calls"], 1),
+            "env_tokens_per_model_token": d["env_tokens"] / max(d["model_tokens"], 1)}
+
+
 def length_quantiles(lengths: list[int]) -> dict:
     """The output-length distribution of the samples generated during a step (before filters):
     completion_len_{p10,p50,p90,max}; none when no group finished during the step."""
@@ -92,6 +107,7 @@ class StepMetrics:
                                                "members_set_aside")},
                        **{k: push[k] for k in ("pushes", "push_timeouts", "push_failures",
                                                "push_bytes_per_s", "update_pause_ms_max")})
+        row.update(episode_stats(actor_now, self._actor))
         lengths = self.actor.take_lengths()
         row.update(length_quantiles(lengths))
         self._engine, self._actor, self._t = engine, actor_now.copy(), now
