@@ -133,3 +133,32 @@ def test_weight_update_mid_episode(engine, params):
     assert t.tokens == plain.tokens
     versions = [v for v, trained in zip(t.versions, t.trained) if trained]
     assert versions[-1] == 1 and versions == sorted(versions)
+
+
+def test_the_example_openai_agent_runs_episodes_through_the_endpoint(engine):
+    """examples/tool_calc_agent.py, unchanged, against the HTTP endpoint: every episode's
+    trajectory comes back (and is ended) with the model's tokens marked and their versions;
+    greedy, the same episode twice."""
+    import importlib.util
+
+    import openai
+
+    from serving.openai_api import OpenAIApp, start_http
+
+    spec = importlib.util.spec_from_file_location("agent", "examples/tool_calc_agent.py")
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    assert agent.calculator("37*45+12") == "1677" and agent.calculator("2**99") == "?"
+    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+        app = OpenAIApp(o, TOKENIZER, "jaxrl", ENGINE.max_len)
+        server, port = start_http(app.app, "127.0.0.1", 0)
+        try:
+            url = f"http://127.0.0.1:{port}/v1"
+            client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+            results = [agent.episode(client, url, 37, 45, 12, max_turns=3) for _ in range(2)]
+        finally:
+            server.should_exit = True
+    assert results[0] == results[1]                      # greedy: the same episode
+    e = results[0]
+    assert e["transcript"].startswith("37*45+12=") and e["model_tokens"] > 0
+    assert e["other_tokens"] >= len(TOKENIZER.encode("37*45+12=")) and e["versions"] == [0]
