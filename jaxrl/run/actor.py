@@ -158,7 +158,7 @@ class Actor:
         self.stats["reward_sum"] += float(rewards.sum())
         self.stats["solved"] += int((rewards >= 1).sum())
         self.stats["scored"] += len(rewards)
-        return self._kept(index, rewards, [
+        return self._kept(rewards, [
             (s.finish_reason, lambda a, s=s, r=r: Rollout(
                 prompt=list(prompt), completion=list(s.tokens), logprobs=list(s.logprobs),
                 versions=list(s.versions), reward=float(r), advantage=float(a), group=index,
@@ -178,10 +178,10 @@ class Actor:
         s["reward_sum"] += float(rewards.sum())
         s["solved"] += int((rewards >= 1).sum())
         s["scored"] += len(rewards)
-        return self._kept(index, rewards, [
+        return self._kept(rewards, [
             (t.finish, lambda a, t=t: t.to_rollout(index, float(a))) for t in trajectories])
 
-    def _kept(self, index: int, rewards: np.ndarray, samples: list) -> list[Rollout]:
+    def _kept(self, rewards: np.ndarray, samples: list) -> list[Rollout]:
         """The group's rollouts after the filters: `samples` are (finish reason, rollout given
         its advantage) in order."""
         if self.cfg.filter_zero_advantage and not keep_group(rewards):

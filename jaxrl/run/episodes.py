@@ -37,7 +37,9 @@ class EpisodeGroup:
     def __init__(self, generation: Generation, task: MultiTurnTask, tokenizer: Tokenizer,
                  problem: Problem, prompt: list[int], cfg: RLConfig, *, seed: int,
                  temperature: float | None = None, state: dict | None = None):
-        """`seed`: the group's sampling seed; `state`: a `snapshot()` to continue from."""
+        """`seed`: the group's sampling seed; `state`: a `snapshot()` to continue from.
+        `temperature`: None samples rl.group_size episodes at rl.temperature (training); a
+        value runs one episode at it (held-out evaluation: 0.0, greedy)."""
         self.generation = generation
         self.task = task
         self.tokenizer = tokenizer
@@ -107,13 +109,10 @@ class EpisodeGroup:
 
     def _sampling(self, n: int, seed: int, t: Trajectory | None = None) -> SamplingParams:
         used = len(t.tokens) if t is not None else 0
-        return SamplingParams(max_tokens=min(self.cfg.max_new_tokens, self.budget - used),
+        return SamplingParams(max_tokens=min(self.cfg.max_new_tokens,
+                                             self.cfg.episode_tokens - used),
                               temperature=self.temperature, n=n, seed=seed,
                               stop_token_ids=self._stop)
-
-    @property
-    def budget(self) -> int:
-        return self.cfg.episode_tokens
 
     def _after_turn(self, t: Trajectory, sample: Sample) -> None:
         """Appends the model's turn and the environment's answer; ends the episode when the
@@ -133,7 +132,7 @@ class EpisodeGroup:
             t.finish = "turns"
             return
         observation = self.tokenizer.encode(reply.observation)
-        if len(t.tokens) + len(observation) >= self.budget:   # no room for another turn
+        if len(t.tokens) + len(observation) >= self.cfg.episode_tokens:   # no room for another turn
             t.add_reply(reply)
             t.finish = "length"
             return
