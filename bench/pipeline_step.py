@@ -1,10 +1,14 @@
-"""Pipeline schedules: train-step time of gpipe, circular and 1f1b on the same model and batch.
+"""Pipeline schedules: bubble, activation memory and train-step time of every schedule on the
+same model and batch.
 
-Each schedule's loss and gradients are compiled for the same mesh (`--stages` simulated CPU
-devices by default, or the real ones), the same model, batch and remat policy, and timed
-(best of `--repeat` after a warm-up call); the script prints each one's time and its ratio to
-gpipe. On CPU the simulated devices share the cores, so a step's time is its total work: the
-ratios show the schedules' work (bubbles and recomputation included), not overlap.
+First the op costs: one stage's F, B (input gradient), W (weight gradient) and X (both) for
+one microbatch, timed on one device as the stage programs run them. Then, per schedule, the
+bubble from its table (F = B = W = 1) and with those measured costs, its peak activations
+(stage-microbatches, from the table), and the step time: each schedule's loss and gradients are
+compiled for the same mesh (`--stages` simulated CPU devices by default, or the real ones),
+model, batch and remat policy, and timed (best of `--repeat` after a warm-up call), with the
+ratio to gpipe. On CPU the simulated devices share the cores, so a step's time is its total
+work: the ratios show the schedules' work (recomputation included), not overlap.
 
     jaxrl bench pipeline_step [--stages 4] [--microbatches 4] [--remat full]
     (or: .venv/bin/python bench/pipeline_step.py ...)
@@ -28,7 +32,54 @@ from jaxrl.models import ModelConfig, Transformer, abstract_model, param_axes  #
 from jaxrl.models.transformer import split_params  # noqa: E402
 from jaxrl.train.step import loss_and_grads  # noqa: E402
 from sharding import mesh as shd  # noqa: E402
+from sharding import schedules as sch  # noqa: E402
+from sharding.offload import layer_stack  # noqa: E402
 from sharding.pipeline import PipelineConfig  # noqa: E402
+
+SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
+             ("v-half", 1), ("v-min", 1), ("v-zb", 1))
+
+
+def best_time(fn, *args, repeat: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def op_costs(cfg, params, rows: int, seq: int, layers: int, remat: str, repeat: int) -> dict:
+    """Seconds of one stage's F, B, W and X on one microbatch (`layers` layers), run the way
+    sharding/stage_programs.py runs them: F a layer scan keeping each layer's input; B, W and
+    X recompute each layer from its input."""
+    stack = layer_stack(remat)
+    w = jax.tree.map(lambda a: a[:layers], params["layers"])
+    x = jax.random.normal(jax.random.key(0), (rows, seq, cfg.embed_dim), jax.numpy.float32)
+    pos = jax.numpy.broadcast_to(jax.numpy.arange(seq), (rows, seq))
+    layer = lambda w_l, h: stack(cfg, jax.tree.map(lambda a: a[None], w_l), h, pos)  # noqa
+    fwd = jax.jit(lambda w, x: jax.lax.scan(lambda h, w_l: (layer(w_l, h), h), x, w))
+    _, xs = fwd(w, x)
+
+    def back(w, xs, g, wrt):
+        def one(g, w_x):
+            w_l, x_l = w_x
+            if wrt == "x":
+                return jax.vjp(lambda x_: layer(w_l, x_), x_l)[1](g)[0], None
+            dw, dx = jax.vjp(layer, w_l, x_l)[1](g)
+            return (dx if wrt == "both" else g), dw
+        return jax.lax.scan(one, g, (w, xs), reverse=True)
+
+    b = jax.jit(lambda w, xs, g: back(w, xs, g, "x"))
+    x_op = jax.jit(lambda w, xs, g: back(w, xs, g, "both"))
+    w_op = jax.jit(lambda w, xs, gs: jax.lax.scan(
+        lambda _, a: (None, jax.vjp(lambda w_: layer(w_, a[1]), a[0])[1](a[2])[0]),
+        None, (w, xs, gs))[1])
+    gs = jax.numpy.broadcast_to(x, xs.shape)
+    return {"F": best_time(fwd, w, x, repeat=repeat), "B": best_time(b, w, xs, x, repeat=repeat),
+            "W": best_time(w_op, w, xs, gs, repeat=repeat),
+            "X": best_time(x_op, w, xs, x, repeat=repeat)}
 
 
 def main() -> None:
@@ -57,30 +108,42 @@ def main() -> None:
     param_sh = shd.tree_shardings(param_axes(cfg), abstract, mesh)
     params = jax.device_put(params, param_sh)
 
+    rows = args.batch // args.microbatches
+    costs = op_costs(cfg, params, rows, args.seq, args.layers // args.stages, args.remat,
+                     args.repeat)
+    unit = costs["F"]
     print(f"{args.stages} stages x {args.microbatches} microbatches, {args.layers} layers of "
           f"{args.width}, {args.batch} x {args.seq} tokens, remat={args.remat}, "
           f"{jax.devices()[0].platform}")
-    print("| schedule | bubble | step ms | x gpipe |")
-    print("|---|---:|---:|---:|")
+    print("op costs, one stage, one microbatch: " + ", ".join(
+        f"{k} {v * 1e3:.1f} ms ({v / unit:.2f} F)" for k, v in costs.items()))
+    print("| schedule | bubble (table) | bubble (measured costs) | peak activations | "
+          "step ms | x gpipe |")
+    print("|---|---:|---:|---:|---:|---:|")
     base = None
-    for schedule, repeats in (("gpipe", 1), ("circular", 2), ("1f1b", 1)):
+    for schedule, repeats in SCHEDULES:
         pipe = PipelineConfig(stages=args.stages, microbatches=args.microbatches,
                               repeats=repeats, schedule=schedule)
-        if args.layers % (args.stages * repeats):
+        if args.layers % (args.stages * pipe.chunks_per_stage):
             continue
+        if pipe.table is not None:
+            bubble = pipe.table.bubble()
+            # X's cost is measured as one op, not B + W.
+            weighted = sch.weighted_bubble(pipe.table, costs if pipe.table.rows and any(
+                op is not None and op.kind == sch.B for row in pipe.table.rows for op in row)
+                else {**costs, "B": costs["X"] - costs["W"]})
+            peak = f"{float(pipe.table.peak()):.2f}"
+        else:
+            bubble = weighted = pipe.bubble_fraction()
+            peak = str(args.microbatches * repeats) if schedule == "circular" else \
+                str(args.microbatches)
         step = jax.jit(lambda p, b, pipe=pipe: loss_and_grads(
             graphdef, p, b, remat=args.remat, pipeline=pipe, mesh=mesh)[:2],
             in_shardings=(param_sh, shd.batch_sharding(mesh, 3, leading=1)))
-        jax.block_until_ready(step(params, batch))
-        times = []
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            jax.block_until_ready(step(params, batch))
-            times.append(time.perf_counter() - start)
-        best = min(times)
+        best = best_time(step, params, batch, repeat=args.repeat)
         base = base or best
         name = schedule if repeats == 1 else f"{schedule}, {repeats} repeats"
-        print(f"| {name} | {pipe.bubble_fraction():.1%} | {best * 1e3:.0f} | "
+        print(f"| {name} | {bubble:.1%} | {weighted:.1%} | {peak} | {best * 1e3:.0f} | "
               f"{best / base:.2f} |")
 
 

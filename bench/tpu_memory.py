@@ -45,6 +45,8 @@ def main() -> None:
                         help="YAML run config")
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages")
     parser.add_argument("--microbatches", type=int, default=8, help="pipeline microbatches")
+    parser.add_argument("--sweep", default="8,16,32",
+                        help="microbatch counts for the 1f1b memory sweep ('' for none)")
     parser.add_argument("overrides", nargs="*", default=["train.seq_len=64",
                                                          "model.max_seq_len=64"],
                         help="config overrides applied to every compile (not train.remat: "
@@ -63,16 +65,32 @@ def main() -> None:
         ("circular, 2 repeats", [none, "sharding.pipeline.schedule=circular",
                                  "sharding.pipeline.repeats=2"]),
         ("1f1b", [none, "sharding.pipeline.schedule=1f1b"]),
+        ("interleaved, 2 repeats", [none, "sharding.pipeline.schedule=interleaved",
+                                    "sharding.pipeline.repeats=2"]),
+        ("zb-h1", [none, "sharding.pipeline.schedule=zb-h1"]),
+        ("v-half", [none, "sharding.pipeline.schedule=v-half"]),
+        ("v-min", [none, "sharding.pipeline.schedule=v-min"]),
+        ("v-zb", [none, "sharding.pipeline.schedule=v-zb"]),
         ("gpipe + stage inputs on host", [none, "sharding.pipeline.offload_stage_inputs=true"]),
         ("1f1b + remat=offload", [offload, "sharding.pipeline.schedule=1f1b"]),
     ]
     rows = []
     for name, more in schedules:
         cfg = load_run_config(args.config, [*args.overrides, *pipe, *more])
-        bubble = cfg.sharding.pipeline.bubble_fraction()
-        rows.append((name, f" (bubble {bubble:.1%})", compiled(*pipe, *more)))
+        table_ = cfg.sharding.pipeline.table
+        note = f" (bubble {cfg.sharding.pipeline.bubble_fraction():.1%}"
+        note += f", peak {float(table_.peak()):.2f})" if table_ is not None else ")"
+        rows.append((name, note, compiled(*pipe, *more)))
     table(f"Pipeline schedules: {args.stages} stages x {args.microbatches} microbatches on "
           f"{args.topology} ({' '.join(args.overrides)})", rows, "schedule")
+
+    sweep = [int(m) for m in args.sweep.split(",")] if args.sweep else []
+    if sweep:
+        rows = [(f"1f1b, {m} microbatches", "", compiled(
+            f"sharding.pipeline.stages={args.stages}", f"sharding.pipeline.microbatches={m}",
+            none, "sharding.pipeline.schedule=1f1b")) for m in sweep]
+        table(f"1f1b as microbatches grow (the batch fixed): {args.stages} stages on "
+              f"{args.topology}", rows, "schedule")
 
     rows = [(r, "", compiled(f"train.remat={r}")) for r in ("none", "full", "minimal",
                                                               "offload")]

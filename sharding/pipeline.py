@@ -12,12 +12,9 @@ Schedules, for p stages, m microbatches and v repeats:
 - circular: v blocks of layers per stage; stage s holds blocks s, s+p, ..., s+(v-1)p and a
             microbatch loops through the stages v times (MaxText's circular pipeline, Megatron's
             interleaved placement). Bubble (p-1)/(v*m+p-1); needs m >= p when v > 1.
-- 1f1b:     forward and backward interleaved by hand with per-stage `jax.vjp` calls: every
-            iteration each stage runs one forward and one backward, so a stage holds the inputs
-            of at most 2p-1 microbatches instead of m (PipeDream-Flush's one-forward-one-backward,
-            in lock-step SPMD form); the backward recomputes the stage's forward from its input.
-            Of the m+2p-2 iterations, the first p-1 run only forwards and the last p-1 only
-            backwards, so the bubble is GPipe's, (p-1)/(m+p-1).
+
+The table schedules (1f1b, interleaved, zb-h1, v-half, v-min, v-zb) are not lock-step: each
+stage runs its own row of a schedule table (`sharding/schedules.py`, `sharding/stage_programs.py`).
 
 Layer l of L belongs to block l // (L/(p*v)); block r*p + s is repeat r of stage s.
 Shape letters: P stages, V repeats, M microbatches, b rows per microbatch, T length, D embed.
@@ -26,6 +23,7 @@ Shape letters: P stages, V repeats, M microbatches, b rows per microbatch, T len
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Literal
 
 import jax
@@ -33,7 +31,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
+from sharding import schedules as sch
+
+SCHEDULES = ("gpipe", "circular", *sch.TABLE_SCHEDULES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +42,10 @@ class PipelineConfig:
 
     stages: int = 1            # p: pipeline stages; the mesh's `stage` axis has this size
     microbatches: int = 4      # m: microbatches the global batch is split into
-    repeats: int = 1           # v: blocks of layers per stage (circular only)
-    schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"
+    repeats: int = 1           # v: blocks of layers per stage (circular, interleaved; the V
+    #                            schedules always place 2)
+    schedule: Literal["gpipe", "circular", "1f1b", "interleaved", "zb-h1", "v-half", "v-min",
+                      "v-zb"] = "gpipe"
     # PipeOffload: keep only each stage's input, in pinned host memory, for the backward pass
     # and recompute the stage's layers from it (gpipe and circular).
     offload_stage_inputs: bool = False
@@ -55,37 +57,65 @@ class PipelineConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"sharding.pipeline.schedule={self.schedule!r} is not a schedule; "
                              f"choose one of {', '.join(SCHEDULES)}")
-        if self.repeats > 1 and self.schedule != "circular":
+        if self.schedule in sch.V_SCHEDULES and self.repeats not in (1, 2):
+            raise ValueError(f"sharding.pipeline.schedule={self.schedule} places exactly 2 layer "
+                             f"chunks per stage (a V), not repeats={self.repeats}")
+        if self.schedule == "interleaved" and (self.repeats < 2
+                                               or self.microbatches % self.stages):
+            raise ValueError(
+                f"sharding.pipeline.schedule=interleaved needs repeats >= 2 and microbatches a "
+                f"multiple of stages: repeats={self.repeats}, microbatches={self.microbatches}, "
+                f"stages={self.stages}")
+        if self.repeats > 1 and self.schedule not in ("circular", "interleaved",
+                                                      *sch.V_SCHEDULES):
             raise ValueError(f"sharding.pipeline.repeats={self.repeats} needs schedule=circular "
-                             f"({self.schedule} runs each stage's layers once per microbatch)")
+                             f"or interleaved ({self.schedule} runs each stage's layers once "
+                             f"per microbatch)")
         if self.schedule == "circular" and self.repeats > 1 and self.microbatches < self.stages:
             raise ValueError(
                 f"a circular pipeline needs sharding.pipeline.microbatches >= stages: "
                 f"microbatches={self.microbatches} < stages={self.stages} (a microbatch comes "
                 f"back to stage 0 after p iterations and must find it free)")
-        if self.offload_stage_inputs and self.schedule == "1f1b":
-            raise ValueError("sharding.pipeline.offload_stage_inputs=true works with schedule "
-                             "gpipe or circular, not 1f1b (1f1b already keeps at most 2p-1 "
-                             "stage inputs)")
+        if self.offload_stage_inputs and self.schedule not in ("gpipe", "circular"):
+            raise ValueError(f"sharding.pipeline.offload_stage_inputs=true works with schedule "
+                             f"gpipe or circular, not {self.schedule} (a table schedule keeps "
+                             f"only its in-flight microbatches' activations)")
 
     @property
     def enabled(self) -> bool:
         return self.stages > 1
 
+    @property
+    def chunks_per_stage(self) -> int:
+        """Blocks of layers each stage holds: 2 for a V schedule, else `repeats`."""
+        return 2 if self.schedule in sch.V_SCHEDULES else self.repeats
+
+    @functools.cached_property
+    def table(self) -> sch.Schedule | None:
+        """The schedule table of a per-stage schedule (None for gpipe and circular)."""
+        if self.schedule not in sch.TABLE_SCHEDULES:
+            return None
+        return sch.build(self.schedule, self.stages, self.microbatches, self.repeats)
+
     def check(self, num_layers: int, rows: int, rows_name: str) -> None:
         """ValueError unless the stages and repeats divide `num_layers` and the microbatches
         divide the `rows` of a global batch (called `rows_name` in the message)."""
-        blocks = self.stages * self.repeats
+        blocks = self.stages * self.chunks_per_stage
         if num_layers % blocks:
+            what = (f"{self.schedule}'s 2 chunks per stage" if self.schedule in sch.V_SCHEDULES
+                    else f"repeats={self.repeats}")
             raise ValueError(
-                f"sharding.pipeline.stages={self.stages} x repeats={self.repeats} = {blocks} "
+                f"sharding.pipeline.stages={self.stages} x {what} = {blocks} "
                 f"blocks do not divide model.num_layers={num_layers}")
         if rows % self.microbatches:
             raise ValueError(f"sharding.pipeline.microbatches={self.microbatches} does not "
                              f"divide {rows_name}={rows}")
 
     def bubble_fraction(self) -> float:
-        """Share of stage-iterations that are idle (compute on nothing) in this schedule."""
+        """Share of stage-ticks that are idle in this schedule (a table schedule's from its
+        table, F = B = W = 1)."""
+        if self.schedule in sch.TABLE_SCHEDULES:
+            return self.table.bubble()
         p, m, v = self.stages, self.microbatches, self.repeats
         return (p - 1) / (v * m + p - 1)
 
@@ -199,84 +229,3 @@ def pipelined_stack(cfg: PipelineConfig, stack_fn: Callable, mesh: Mesh | None =
         return from_microbatches(out)
 
     return stack
-
-
-# 1F1B: forward and backward interleaved by hand ---------------------------------------------
-
-def one_f_one_b(cfg: PipelineConfig, block_fn: Callable, head_fn: Callable, w_PV, head_params,
-                x_MbTD, aux_M, head_in_M, mesh: Mesh | None = None):
-    """Loss and gradients of a pipelined model by the 1F1B schedule.
-
-    `block_fn(w, x_bTD, aux_b) -> x_bTD` runs one stage's layers; `head_fn(head_params, h_bTD,
-    head_in_b) -> (loss, head_aux)` is everything after the last stage for one microbatch (final
-    norm, logits, loss), `loss` a scalar. Returns (loss [M], head_aux [M, ...], gradient of
-    sum(loss) w.r.t. w_PV, w.r.t. head_params, and w.r.t. x_MbTD, the pipeline's inputs, for the
-    caller to carry into the embedding)."""
-    p, m = cfg.stages, x_MbTD.shape[0]
-    keep = min(m, 2 * p - 1)                  # stage inputs alive per stage (ring buffer slots)
-    stage = jnp.arange(p)
-    w_P = jax.tree.map(lambda a: _on_stages(a[:, 0], mesh), w_PV)
-    forward = jax.vmap(block_fn)
-
-    def stage_backward(w, x_bTD, aux, g_bTD):
-        _, pull = jax.vjp(lambda w_, x_: block_fn(w_, x_, aux), w, x_bTD)
-        return pull(g_bTD)
-
-    backward = jax.vmap(stage_backward)
-
-    def head(h_bTD, j):
-        head_in = _take(head_in_M, j)
-        loss, pull, head_aux = jax.vjp(lambda hp, h: head_fn(hp, h, head_in), head_params,
-                                       h_bTD, has_aux=True)
-        g_head, g_h = pull(jnp.ones_like(loss))
-        return loss, head_aux, g_head, g_h
-
-    shapes = jax.eval_shape(head, x_MbTD[0], 0)
-
-    def no_head(h_bTD, j):
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-    def tick(carry, t):
-        fwd_PbTD, bwd_PbTD, saved_PKbTD, g_w, g_head, dx_MbTD, loss_M, aux_M_out = carry
-        # Forward: stage s runs microbatch t - s; stage 0 takes it from the inputs.
-        jf = t - stage
-        f_ok, jf = (jf >= 0) & (jf < m), jnp.clip(jf, 0, m - 1)
-        x_PbTD = _on_stages(fwd_PbTD.at[0].set(x_MbTD[jf[0]]), mesh)
-        saved_PKbTD = jax.vmap(lambda buf, k, ok, x: buf.at[k].set(jnp.where(ok, x, buf[k])))(
-            saved_PKbTD, jf % keep, f_ok, x_PbTD)
-        # The first p-1 iterations have no backward anywhere and the last p-1 no forward:
-        # skip that work outright, so the ramps cost one pass, not two (the bubble is GPipe's).
-        y_PbTD = jax.lax.cond(t < m + p - 1,
-                              lambda: forward(w_P, x_PbTD, _take(aux_M, jf)),
-                              lambda: jnp.zeros_like(x_PbTD))
-        # The head on the last stage's output, then its backward, in the same iteration.
-        loss, head_aux, gh_params, g_h = jax.lax.cond(f_ok[-1], head, no_head, y_PbTD[-1], jf[-1])
-        loss_M = loss_M.at[jf[-1]].set(jnp.where(f_ok[-1], loss, loss_M[jf[-1]]))
-        aux_M_out = jax.tree.map(lambda buf, a: buf.at[jf[-1]].set(
-            jnp.where(f_ok[-1], a, buf[jf[-1]])), aux_M_out, head_aux)
-        g_head = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), g_head, gh_params)
-        # Backward: stage s runs microbatch t - (2p-2-s), recomputing its forward from the
-        # saved input; the cotangent comes from stage s+1 one iteration earlier (the head's, on
-        # the last stage).
-        jb = t - (2 * p - 2 - stage)
-        b_ok, jb = (jb >= 0) & (jb < m), jnp.clip(jb, 0, m - 1)
-        x_saved = jax.vmap(lambda buf, k: buf[k])(saved_PKbTD, jb % keep)
-        g_in = _on_stages(bwd_PbTD.at[-1].set(g_h), mesh)
-        gw_P, gx_PbTD = jax.lax.cond(
-            t >= p - 1, lambda: backward(w_P, x_saved, _take(aux_M, jb), g_in),
-            lambda: (jax.tree.map(jnp.zeros_like, w_P), jnp.zeros_like(g_in)))
-        g_w = jax.tree.map(lambda acc, g: acc + jnp.where(
-            b_ok.reshape(p, *(1,) * (g.ndim - 1)), g, 0).astype(acc.dtype), g_w, gw_P)
-        dx_MbTD = dx_MbTD.at[jb[0]].set(jnp.where(b_ok[0], gx_PbTD[0], dx_MbTD[jb[0]]))
-        return (jnp.roll(y_PbTD, 1, axis=0), jnp.roll(gx_PbTD, -1, axis=0), saved_PKbTD, g_w,
-                g_head, dx_MbTD, loss_M, aux_M_out), None
-
-    f32 = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
-    state = jnp.zeros((p, *x_MbTD.shape[1:]), x_MbTD.dtype)
-    init = (state, state, jnp.zeros((p, keep, *x_MbTD.shape[1:]), x_MbTD.dtype),
-            jax.tree.map(f32, w_P), jax.tree.map(f32, head_params), jnp.zeros_like(x_MbTD),
-            jnp.zeros((m,), shapes[0].dtype),
-            jax.tree.map(lambda s: jnp.zeros((m, *s.shape), s.dtype), shapes[1]))
-    carry, _ = jax.lax.scan(tick, init, jnp.arange(m + 2 * p - 2))
-    _, _, _, g_w, g_head, dx, loss_M, aux_out = carry
-    return loss_M, aux_out, jax.tree.map(lambda g: g[:, None], g_w), g_head, dx

@@ -26,6 +26,7 @@ from jaxrl.models.transformer import split_params
 from jaxrl.train.objectives import SupervisedLoss
 from sharding import mesh as shd
 from sharding import pipeline as pp
+from sharding import stage_programs
 from sharding.offload import layer_stack
 
 
@@ -51,8 +52,8 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
     stack = layer_stack(remat)
     if pipeline is not None and pipeline.enabled:
         flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
-        if pipeline.schedule == "1f1b":
-            loss, weight, stats, grads = _one_f_one_b_grads(
+        if pipeline.table is not None:
+            loss, weight, stats, grads = _scheduled_grads(
                 graphdef, params, flat, objective, ref_model, stack, pipeline, mesh)
         else:
             _check_nested_offload(remat, pipeline, mesh)
@@ -118,12 +119,14 @@ def _accumulated_grads(graphdef, params, batch, objective, ref_model, stack):
     return loss, weight, stats, grads
 
 
-def _one_f_one_b_grads(graphdef, params, batch, objective, ref_model, stack, pipeline, mesh):
-    """The same four values as `_accumulated_grads`, by the 1F1B pipeline schedule: the
-    embedding runs before the pipeline, the head (final norm, logits, objective) on the last
-    stage, and the embedding's gradient is pulled back from stage 0's input gradient."""
+def _scheduled_grads(graphdef, params, batch, objective, ref_model, stack, pipeline, mesh):
+    """The same four values as `_accumulated_grads`, by a per-stage schedule table
+    (sharding/stage_programs.py): the embedding runs before the pipeline, the head (final
+    norm, logits, objective) after the last chunk's forward on its stage, and the embedding's
+    gradient is pulled back from the first chunk's input gradient. Microbatches with nothing
+    to learn from (RL padding) run no pipeline op."""
     model_cfg = merge_params(graphdef, params).cfg
-    m = pipeline.microbatches
+    m, sched = pipeline.microbatches, pipeline.table
     ids = batch["input_ids"]
     positions = batch.get("positions")
     if positions is None:
@@ -131,12 +134,23 @@ def _one_f_one_b_grads(graphdef, params, batch, objective, ref_model, stack, pip
     segment_ids = batch.get("segment_ids")
     outer = {k: v for k, v in params.items() if k != "layers"}
     layers = jax.lax.stop_gradient(params["layers"])
+    if mesh is None:
+        mesh = shd.make_mesh(shd.MeshConfig(stage=pipeline.stages), jax.devices()[:pipeline.stages])
+    if mesh.shape.get("fsdp", 1) > 1 and mesh.shape.get("tensor", 1) > 1:
+        # XLA's SPMD partitioner aborts the process (spmd_partitioner_util.cc, "Check failed:
+        # partition_group_list...") on the per-stage `lax.switch` when both axes shard its
+        # operands; refuse before it does.
+        raise ValueError(
+            f"sharding.pipeline.schedule={pipeline.schedule} runs beside one of fsdp and tensor, "
+            f"not both: mesh fsdp={mesh.shape['fsdp']} x tensor={mesh.shape['tensor']}. Use "
+            f"mesh.tensor=1 or mesh.fsdp=1 (data parallelism works beside either), or schedule "
+            f"gpipe or circular")
 
     def embed(o):
         return merge_params(graphdef, {**o, "layers": layers}).embed_tokens(ids)
 
-    def block(w, x_bTD, aux):
-        return stack(model_cfg, w, x_bTD, *aux)
+    def layer(w_l, x_bTD, aux):
+        return stack(model_cfg, jax.tree.map(lambda a: a[None], w_l), x_bTD, *aux)
 
     def head(o, h_bTD, mb):
         # The objective as usual, with the layer stack replaced by the pipeline's output.
@@ -146,15 +160,26 @@ def _one_f_one_b_grads(graphdef, params, batch, objective, ref_model, stack, pip
 
     x_BTD, embed_pullback = jax.vjp(embed, outer)
     micro = lambda a: None if a is None else pp.to_microbatches(a, m)  # noqa: E731
-    loss_M, (weight_M, stats_M), g_w, g_outer, dx = pp.one_f_one_b(
-        pipeline, block, head, pp.to_stages(params["layers"], pipeline.stages, 1), outer,
-        micro(x_BTD), (micro(positions), micro(segment_ids)), jax.tree.map(micro, batch), mesh)
+    batch_M = jax.tree.map(micro, batch)
+    live_M = jnp.any(batch_M["loss_mask"] > 0, axis=tuple(range(1, batch_M["loss_mask"].ndim)))
+    loss_M, (weight_M, stats_M), g_w, g_outer, dx = stage_programs.run_schedule(
+        sched, layer, head, stage_programs.to_stage_chunks(params["layers"], sched), outer,
+        micro(x_BTD), (micro(positions), micro(segment_ids)), batch_M, mesh, live_M)
     (g_embed,) = embed_pullback(pp.from_microbatches(dx).astype(x_BTD.dtype))
     grads = {**jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_outer, g_embed),
-             "layers": pp.from_stages(g_w)}
-    stats = {k: (jnp.min if k.endswith("_min") else jnp.max if k.endswith("_max") else jnp.sum)(
-        v, axis=0) for k, v in stats_M.items()}
+             "layers": stage_programs.from_stage_chunks(g_w, sched)}
+    stats = {k: _reduce_over_microbatches(k, v, live_M) for k, v in stats_M.items()}
     return jnp.sum(loss_M), jnp.sum(weight_M), stats, grads
+
+
+def _reduce_over_microbatches(name: str, v_M, live_M):
+    """A statistic over the microbatches that ran (min, max or sum by its name)."""
+    live = live_M.reshape(-1, *(1,) * (v_M.ndim - 1))
+    if name.endswith("_min"):
+        return jnp.min(jnp.where(live, v_M, jnp.inf), axis=0)
+    if name.endswith("_max"):
+        return jnp.max(jnp.where(live, v_M, -jnp.inf), axis=0)
+    return jnp.sum(jnp.where(live, v_M, 0), axis=0)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,

@@ -33,8 +33,10 @@ def setup():
     return graphdef, params, batch, ref
 
 
-def pipelined(setup, pipe: PipelineConfig, mesh_cfg: shd.MeshConfig, objective=None, batch=None):
-    """Loss and gradients of the pipelined step, jitted over a mesh of len(devices) CPUs."""
+def pipelined(setup, pipe: PipelineConfig, mesh_cfg: shd.MeshConfig, objective=None, batch=None,
+              with_stats=False):
+    """Loss and gradients (and the objective's statistics `with_stats`) of the pipelined step,
+    jitted over a mesh of len(devices) CPUs."""
     graphdef, params, default_batch, _ = setup
     batch = default_batch if batch is None else batch
     used = mesh_cfg.data * mesh_cfg.stage * mesh_cfg.fsdp * mesh_cfg.tensor
@@ -44,7 +46,7 @@ def pipelined(setup, pipe: PipelineConfig, mesh_cfg: shd.MeshConfig, objective=N
     batch_sh = shd.batch_sharding(mesh, 3, leading=1)
     kwargs = {} if objective is None else {"objective": objective}
     fn = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, pipeline=pipe, mesh=mesh,
-                                             **kwargs)[:2],
+                                             **kwargs)[:3 if with_stats else 2],
                  in_shardings=(param_sh, batch_sh))
     return fn(jax.device_put(params, param_sh), batch)
 
@@ -58,31 +60,40 @@ def assert_close(got, want, rel=1e-5):
         assert err <= rel, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
 
 
-# (stages, microbatches, other mesh axes): stages 2 and 4, microbatches 4 and 8, alone (only
-# the stage axis) and with fsdp, tensor or both beside it.
-LAYOUTS = [(2, 4, {}), (4, 8, {}), (2, 8, {"fsdp": 2, "tensor": 2}), (4, 4, {"fsdp": 2}),
-           (4, 8, {"tensor": 2})]
-SCHEDULES = {"gpipe": 1, "circular": 2, "1f1b": 1}     # schedule: repeats
-# Each schedule on two layouts, every layout used, each schedule meeting 2 and 4 stages: a
-# compile costs ~20 s on 2 CPU cores, so not all fifteen pairs.
-CASES = [("gpipe", 0), ("gpipe", 4), ("circular", 1), ("circular", 2), ("1f1b", 2), ("1f1b", 3)]
+# (schedule, repeats, stages, microbatches, other mesh axes): every schedule; stages 2 and 4;
+# microbatches 4, 8 and 16; alone (only the stage axis) and beside data, fsdp and tensor axes.
+# A compile costs ~5 s on 2 CPU cores, so not the whole cross product.
+CASES = [("gpipe", 1, 4, 4, {"fsdp": 2}), ("circular", 2, 2, 8, {"fsdp": 2, "tensor": 2}),
+         ("1f1b", 1, 2, 4, {}), ("1f1b", 1, 4, 16, {"tensor": 2}),
+         ("interleaved", 2, 4, 8, {}), ("interleaved", 2, 2, 4, {"fsdp": 2}),
+         ("zb-h1", 1, 2, 8, {"tensor": 2}), ("zb-h1", 1, 4, 16, {"fsdp": 2}),
+         ("v-half", 1, 2, 16, {"data": 2}), ("v-min", 1, 4, 4, {"tensor": 2}),
+         ("v-zb", 1, 4, 8, {"fsdp": 2})]
 
 
 def _case_id(case):
-    schedule, layout = case
-    p, m, axes = LAYOUTS[layout]
+    schedule, repeats, p, m, axes = case
     return f"{schedule}-p{p}-m{m}-{'-'.join(axes) or 'alone'}"
+
+
+def _mesh_cfg(stages, axes):
+    return shd.MeshConfig(stage=stages, data=axes.get("data", 1), fsdp=axes.get("fsdp", 1),
+                          tensor=axes.get("tensor", 1))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_schedule_matches_the_unpipelined_model(setup, case):
-    schedule, layout = case
-    stages, microbatches, axes = LAYOUTS[layout]
-    pipe = PipelineConfig(stages=stages, microbatches=microbatches, repeats=SCHEDULES[schedule],
+    schedule, repeats, stages, microbatches, axes = case
+    pipe = PipelineConfig(stages=stages, microbatches=microbatches, repeats=repeats,
                           schedule=schedule)
-    mesh_cfg = shd.MeshConfig(stage=stages, fsdp=axes.get("fsdp", 1),
-                              tensor=axes.get("tensor", 1))
-    assert_close(pipelined(setup, pipe, mesh_cfg), setup[3])
+    assert_close(pipelined(setup, pipe, _mesh_cfg(stages, axes)), setup[3])
+
+
+def test_table_schedules_refuse_fsdp_and_tensor_together(setup):
+    pipe = PipelineConfig(stages=2, microbatches=4, schedule="1f1b")
+    with pytest.raises(ValueError, match=r"beside one of fsdp and tensor, not both: mesh "
+                                         r"fsdp=2 x tensor=2"):
+        pipelined(setup, pipe, _mesh_cfg(2, {"fsdp": 2, "tensor": 2}))
 
 
 def test_circular_with_one_repeat_and_gpipe_agree(setup):
@@ -92,9 +103,10 @@ def test_circular_with_one_repeat_and_gpipe_agree(setup):
     assert_close(got, setup[3])
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_policy_loss_on_packed_segments(setup, schedule):
-    """The RL objective (packed segments, positions, min/max statistics) through a pipeline."""
+@pytest.fixture(scope="module")
+def packed(setup):
+    """A packed RL batch (segments, positions, one microbatch of padding), its objective, and
+    the unpipelined model's loss, gradients and statistics."""
     graphdef, params, _, _ = setup
     rng = np.random.default_rng(1)
     shape = (1, B, T)
@@ -103,17 +115,27 @@ def test_policy_loss_on_packed_segments(setup, schedule):
     batch = {"input_ids": rng.integers(0, CFG.vocab_size, shape).astype(np.int32),
              "targets": rng.integers(0, CFG.vocab_size, shape).astype(np.int32),
              "positions": positions.astype(np.int32), "segment_ids": segment_ids,
-             "loss_mask": (segment_ids > 0).astype(np.float32),
+             # Rows 3, 7, 11, 15 form microbatch 3 of 4: all padding.
+             "loss_mask": ((segment_ids > 0) & (np.arange(B) % 4 != 3)[:, None]).astype(
+                 np.float32),
              "behaviour_logp": -rng.random(shape).astype(np.float32) * 3,
              "advantages": rng.normal(size=shape).astype(np.float32)}
     objective = PolicyGradientLoss(kind="ppo", max_segments=4)
-    want = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, objective)[:2])(params, batch)
-    pipe = PipelineConfig(stages=2, microbatches=4, schedule=schedule)
-    got = pipelined(setup, pipe, shd.MeshConfig(stage=2, fsdp=2), objective, batch)
-    assert_close(got, want)
-    stats = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, objective, pipeline=pipe)[2])(
-        params, batch)
-    ref_stats = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, objective)[2])(params, batch)
+    want = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, objective))(params, batch)
+    return batch, objective, want
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "v-half",
+                                      "v-min", "v-zb"])
+def test_policy_loss_on_packed_segments(setup, packed, schedule):
+    """The RL objective (packed segments, positions, min/max statistics) through a pipeline,
+    with one microbatch of RL padding (nothing to learn from: the table schedules skip it)."""
+    batch, objective, (loss, grads, ref_stats) = packed
+    pipe = PipelineConfig(stages=2, microbatches=4, schedule=schedule,
+                          repeats=2 if schedule == "interleaved" else 1)
+    *got, stats = pipelined(setup, pipe, shd.MeshConfig(stage=2, fsdp=2), objective, batch,
+                            with_stats=True)
+    assert_close(got, (loss, grads))
     for k in ref_stats:
         assert float(stats[k]) == pytest.approx(float(ref_stats[k]), rel=1e-5, abs=1e-6), k
 
@@ -133,6 +155,7 @@ def test_bubble_fractions():
     assert PipelineConfig(stages=4, microbatches=8).bubble_fraction() == pytest.approx(3 / 11)
     assert PipelineConfig(stages=4, microbatches=8, repeats=2,
                           schedule="circular").bubble_fraction() == pytest.approx(3 / 19)
+    # 1F1B's table: (p-1) idle ticks of 3 (F, then X of two) per microbatch slot, GPipe's.
     assert PipelineConfig(stages=4, microbatches=8,
                           schedule="1f1b").bubble_fraction() == pytest.approx(3 / 11)
 
@@ -150,8 +173,18 @@ def test_bubble_fractions():
     (["sharding.pipeline.schedule=zb"], r"schedule='zb' is not allowed; choose one of"),
     (["mesh.stage=2"], r"mesh.stage=2 differs from sharding.pipeline.stages=1"),
     (["sharding.pipeline.stages=2", "train.microbatches=2"], r"both split the batch"),
-    (["sharding.pipeline.stages=2", "sharding.pipeline.schedule=1f1b",
-      "sharding.pipeline.offload_stage_inputs=true"], r"offload_stage_inputs=true works with"),
+    (["sharding.pipeline.stages=2", "sharding.pipeline.schedule=zb-h1",
+      "sharding.pipeline.offload_stage_inputs=true"],
+     r"offload_stage_inputs=true works with schedule gpipe or circular, not zb-h1"),
+    (["sharding.pipeline.stages=4", "sharding.pipeline.schedule=v-half"],
+     r"stages=4 x v-half's 2 chunks per stage = 8 blocks do not divide model.num_layers=4"),
+    (["sharding.pipeline.stages=2", "sharding.pipeline.schedule=v-min",
+      "sharding.pipeline.repeats=3"], r"v-min places exactly 2 layer chunks per stage"),
+    (["sharding.pipeline.stages=2", "sharding.pipeline.schedule=interleaved"],
+     r"interleaved needs repeats >= 2 and microbatches a multiple of stages: repeats=1"),
+    (["sharding.pipeline.stages=4", "sharding.pipeline.schedule=interleaved",
+      "sharding.pipeline.repeats=2", "sharding.pipeline.microbatches=2", "model.num_layers=8"],
+     r"microbatches=2, stages=4"),
 ])
 def test_bad_pipeline_configs_fail_at_config_time(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -57,7 +57,7 @@ def test_pipeline_schedules_compile_and_1f1b_keeps_fewer_activations():
                         "sharding.pipeline.repeats=2")
     one_f_one_b = compiled(DEMO, *PIPE, "sharding.pipeline.schedule=1f1b")
     assert all(r["fits"] for r in (gpipe, circular, one_f_one_b))
-    # 1F1B holds at most 2p-1 = 3 stage inputs instead of every microbatch's activations.
+    # 1F1B holds at most p = 2 microbatches in flight instead of every microbatch's activations.
     assert one_f_one_b["device_temp_bytes"] <= gpipe["device_temp_bytes"] / 4
 
 

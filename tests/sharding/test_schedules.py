@@ -1,0 +1,98 @@
+"""Schedule tables (sharding/schedules.py): valid for every stage and microbatch count, with
+the bubbles and activation memory the papers promise, checked against hand-counted tables."""
+
+import dataclasses
+from fractions import Fraction
+
+import pytest
+
+from sharding import schedules as sch
+from sharding.schedules import B, F, W, X, Op
+
+
+@pytest.mark.parametrize("name", sch.TABLE_SCHEDULES)
+def test_every_table_is_valid_up_to_8_stages_and_32_microbatches(name):
+    for p in (2, 3, 4, 6, 8):
+        for m in (1, 2, 4, 8, 16, 32):
+            if name == "interleaved" and m % p:
+                continue
+            sched = sch.build(name, p, m, repeats=2)   # `check` runs inside
+            assert sched.peak() <= sched.bound
+            ops = [op for row in sched.rows for op in row if op is not None]
+            assert len(ops) == len(set(ops))
+            if name == "1f1b":   # PipeDream-Flush: stage 0 holds at most p microbatches
+                assert sched.bound == min(p, m) or sched.peak() <= p
+
+
+def test_1f1b_is_the_hand_counted_table():
+    """p=2, m=3: stage 1 alternates F and X from the start; stage 0 warms up with 2 F."""
+    sched = sch.build("1f1b", 2, 3)
+    assert sched.render().splitlines() == [
+        "stage 0: F0 F1  .  . X0  = F2 X1  =  . X2  =",
+        "stage 1:  . F0 X0  = F1 X1  = F2 X2  =  .  ."]
+    # 12 ticks; each stage works 3 x (1 + 2) of them.
+    assert sched.bubble() == pytest.approx(1 - 2 * 3 * 3 / (2 * 12))
+
+
+def test_check_catches_a_broken_table():
+    sched = sch.build("zb-h1", 2, 2)
+    rows = [list(r) for r in sched.rows]
+    # Swap stage 1's first B and W: W before its B.
+    t_b = rows[1].index(Op(B, 1, 0))
+    t_w = rows[1].index(Op(W, 1, 0))
+    rows[1][t_b], rows[1][t_w] = rows[1][t_w], rows[1][t_b]
+    broken = dataclasses.replace(sched, rows=tuple(tuple(r) for r in rows))
+    with pytest.raises(ValueError, match=r"starts before"):
+        sch.check(broken)
+    tight = dataclasses.replace(sched, bound=Fraction(1))
+    with pytest.raises(ValueError, match=r"holds 2 stage-microbatches of activations, above "
+                                         r"the bound 1"):
+        sch.check(tight)
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 16), (8, 16), (8, 32)])
+def test_the_schedules_trade_bubble_for_memory_as_the_papers_say(p, m):
+    one_f_one_b, zb = sch.build("1f1b", p, m), sch.build("zb-h1", p, m)
+    half, v_min, v_zb = sch.build("v-half", p, m), sch.build("v-min", p, m), sch.build("v-zb", p, m)
+    inter = sch.build("interleaved", p, m, repeats=2)
+    # ZB-H1: a smaller bubble at 1F1B's peak memory; V-ZB: smaller still, same memory.
+    assert zb.bubble() < one_f_one_b.bubble() and zb.peak() == one_f_one_b.peak() == p
+    assert v_zb.bubble() < zb.bubble() and v_zb.peak() <= p
+    # The V schedules' memory: half and a third of 1F1B's.
+    assert half.peak() <= Fraction(p, 2) and v_min.peak() <= Fraction(p, 3)
+    # Interleaved: a smaller bubble than 1F1B for more memory.
+    assert inter.bubble() < one_f_one_b.bubble() and inter.peak() > p
+
+
+def test_weighted_bubble_with_unit_costs_is_the_tables_and_grows_with_a_slower_w():
+    sched = sch.build("zb-h1", 4, 8)
+    units = {"F": 1.0, "B": 1.0, "W": 1.0}
+    assert sch.weighted_bubble(sched, units) <= sched.bubble() + 1e-9
+    x = sch.build("1f1b", 4, 8)
+    assert sch.weighted_bubble(x, units) == pytest.approx(x.bubble())
+    assert sch.weighted_bubble(x, {"F": 1.0, "B": 2.0, "W": 2.0}) == pytest.approx(
+        3 * 5 / (8 * 5 + 3 * 5))
+
+
+def test_slots_hold_every_message_until_it_is_read():
+    """The slot allocation never hands a slot to a second message while the first is unread
+    (replayed tick by tick on the arrays the stage programs use)."""
+    for name in sch.TABLE_SCHEDULES:
+        sched = sch.build(name, 4, 8, repeats=2)
+        arr = sch.as_arrays(sched)
+        inbox = [dict() for _ in range(4)]       # slot -> message still unread
+        for t in range(sched.ticks):
+            for s in range(4):
+                op = arr["op"][t, s]
+                reads = (op == F and not arr["first"][t, s]) or op in (B, X)
+                if reads:
+                    assert arr["in_slot"][t, s] in inbox[s], (name, t, s)
+                    inbox[s].pop(arr["in_slot"][t, s])
+            for s in range(4):
+                send = arr["send"][t, s]
+                if send:
+                    dest = {1: (s + 1) % 4, 2: (s - 1) % 4, 3: s}[send]
+                    slot = arr["send_slot"][t, s]
+                    assert slot not in inbox[dest], (name, t, s)
+                    inbox[dest][slot] = t
+        assert all(not box for box in inbox)
