@@ -34,6 +34,7 @@ from jaxrl.train.step import loss_and_grads  # noqa: E402
 from sharding import mesh as shd  # noqa: E402
 from sharding import schedules as sch  # noqa: E402
 from sharding.offload import layer_stack  # noqa: E402
+from sharding.stage_programs import layer_remat  # noqa: E402
 from sharding.pipeline import PipelineConfig  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
@@ -54,7 +55,7 @@ def op_costs(cfg, params, rows: int, seq: int, layers: int, remat: str, repeat: 
     """Seconds of one stage's F, B, W and X on one microbatch (`layers` layers), run the way
     sharding/stage_programs.py runs them: F a layer scan keeping each layer's input; B, W and
     X recompute each layer from its input."""
-    stack = layer_stack(remat)
+    stack = layer_stack(layer_remat(remat))
     w = jax.tree.map(lambda a: a[:layers], params["layers"])
     x = jax.random.normal(jax.random.key(0), (rows, seq, cfg.embed_dim), jax.numpy.float32)
     pos = jax.numpy.broadcast_to(jax.numpy.arange(seq), (rows, seq))

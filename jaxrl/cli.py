@@ -104,6 +104,11 @@ def _compile(args) -> None:
     if pipe.enabled:
         layout += (f", {pipe.schedule} pipeline: {pipe.stages} stages x {pipe.microbatches} "
                    f"microbatches x {pipe.repeats} repeats, bubble {pipe.bubble_fraction():.1%}")
+        if pipe.table is not None:
+            layout += f", peak activations {float(pipe.table.peak()):.2f} stage-microbatches"
+            print(f"{pipe.schedule} schedule table (F forward, B input gradient, W weight "
+                  f"gradient, X both; lower case: a stage's second chunk):")
+            print(pipe.table.render())
     for name, memory, what in (("train step", train, layout),
                                ("generate step", generate, f"{cfg.rl.slots} slots")):
         print(f"{name} compiled for {args.topology} ({what}), per device:")

@@ -38,6 +38,14 @@ FIELDS = ("op", "chunk", "microbatch", "first", "last", "in_slot", "res_slot", "
 FH = len(sch.OPS)       # branch index of F on the last chunk (forward, then the head)
 
 
+def layer_remat(remat: str) -> str:
+    """The remat policy a stage program runs each layer under for `train.remat=remat`: the
+    programs keep only each layer's input between ticks and recompute the layer in B, W and X,
+    which is `full` remat already; `minimal` and `offload` still shape the one layer's
+    activations inside an op."""
+    return "none" if remat == "full" else remat
+
+
 def chunk_order(sched: sch.Schedule) -> np.ndarray:
     """[P, V] virtual stage (chunk of the layer stack) each stage holds in each local slot."""
     order = np.zeros((sched.stages, sched.chunks_per_stage), np.int32)

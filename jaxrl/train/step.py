@@ -53,6 +53,9 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
     if pipeline is not None and pipeline.enabled:
         flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
         if pipeline.table is not None:
+            # A table schedule keeps each layer's input and recomputes the layer in its
+            # backward ops: `full` remat already, so `full` adds no second recompute.
+            stack = layer_stack(stage_programs.layer_remat(remat))
             loss, weight, stats, grads = _scheduled_grads(
                 graphdef, params, flat, objective, ref_model, stack, pipeline, mesh)
         else:
