@@ -47,10 +47,16 @@ def test_two_decode_batches_per_step_leave_each_other_s_slots_alone(monkeypatch)
         streams = [o.submit(p, s) for p, s in zip(requests, sampling)]
         results = [s.result() for s in streams]
     assert max(splits) == 2          # some steps decoded two batches
+    # One compiled reference for every sample: ids padded to a fixed length (causal attention:
+    # the padding after a sample changes none of its positions), not one eager compile per
+    # length.
+    width = 5 + 6
+    reference = jax.jit(lambda ids: jax.nn.log_softmax(
+        (model.hidden(ids, None, None, None) @ model.head()).astype(jnp.float32)[0]))
     for prompt, samples in zip(requests, results):
         for sample in samples:
-            ids = jnp.asarray([prompt + sample.tokens[:-1]], jnp.int32)
-            logits = (model.hidden(ids, None, None, None) @ model.head()).astype(jnp.float32)
-            want = jax.nn.log_softmax(logits[0])[len(prompt) - 1:]
+            seq = prompt + sample.tokens[:-1]
+            ids = jnp.asarray([seq + [0] * (width - len(seq))], jnp.int32)
+            want = reference(ids)[len(prompt) - 1:len(seq)]
             want = np.asarray(want[np.arange(len(sample.tokens)), np.asarray(sample.tokens)])
             np.testing.assert_allclose(sample.logprobs, want, atol=1e-5, err_msg=str(sample))
