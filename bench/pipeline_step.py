@@ -130,9 +130,8 @@ def main() -> None:
         if pipe.table is not None:
             bubble = pipe.table.bubble()
             # X's cost is measured as one op, not B + W.
-            weighted = sch.weighted_bubble(pipe.table, costs if pipe.table.rows and any(
-                op is not None and op.kind == sch.B for row in pipe.table.rows for op in row)
-                else {**costs, "B": costs["X"] - costs["W"]})
+            weighted = sch.weighted_bubble(pipe.table, costs if pipe.table.split
+                                           else {**costs, "B": costs["X"] - costs["W"]})
             peak = f"{float(pipe.table.peak()):.2f}"
         else:
             bubble = weighted = pipe.bubble_fraction()

@@ -27,7 +27,7 @@ Schedules (p stages, m microbatches):
                activation cap of p/2 (v-half), p/3 (v-min) or p (v-zb) stage-microbatches. The
                tables are built by the list scheduler under those caps rather than from the
                paper's hand-built repeating blocks; the bubbles they reach are reported, not
-               assumed (see `report`).
+               assumed (`bubble`, `peak`, `weighted_bubble`).
 """
 
 from __future__ import annotations
@@ -65,6 +65,11 @@ class Schedule:
     placement: tuple[tuple[int, int], ...]
     rows: tuple[tuple[Op | None, ...], ...]
     bound: Fraction
+
+    @property
+    def split(self) -> bool:
+        """Whether the backward is split into B and W (else one X per chunk and microbatch)."""
+        return any(op is not None and op.kind == B for row in self.rows for op in row)
 
     @property
     def chunks(self) -> int:
@@ -245,7 +250,7 @@ def check(sched: Schedule) -> None:
     start = sched.start()
     K, m = sched.chunks, sched.microbatches
     end = {op: t + TICKS[op.kind] for op, t in start.items()}
-    split = any(op.kind == B for op in start)
+    split = sched.split
     for s, row in enumerate(sched.rows):
         for op in row:
             if op is not None and sched.placement[op.chunk][0] != s:
@@ -370,7 +375,7 @@ def as_arrays(sched: Schedule) -> dict[str, np.ndarray]:
     output goes in the receiver's inbox. Also the slot counts."""
     p, K = sched.stages, sched.chunks
     start = sched.start()
-    split = any(op.kind == B for op in start)
+    split = sched.split
     back = B if split else X
     end = {op: t + TICKS[op.kind] for op, t in start.items()}
     fields = ("op", "chunk", "microbatch", "first", "last", "in_slot", "res_slot", "w_slot",
@@ -443,14 +448,3 @@ class _Pool:
                 return i
         self.busy_until.append(last)
         return len(self.busy_until) - 1
-
-
-def report(name: str, stages: int, microbatches: int, repeats: int = 1,
-           costs: dict[str, float] | None = None) -> dict:
-    """Bubble (table ticks, and with `costs`) and peak activations of one schedule."""
-    sched = build(name, stages, microbatches, repeats)
-    out = {"schedule": name, "bubble": sched.bubble(), "peak": float(sched.peak()),
-           "bound": float(sched.bound), "ticks": sched.ticks}
-    if costs is not None:
-        out["bubble_measured_costs"] = weighted_bubble(sched, costs)
-    return out

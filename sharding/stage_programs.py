@@ -89,7 +89,7 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
     table = sch.as_arrays(sched)
     rows = jnp.asarray(np.stack([table[f] for f in FIELDS], axis=-1))      # [ticks, P, fields]
     slots = table["slots"]
-    split = bool((table["op"] == sch.B).any())
+    split = sched.split
     p, m = sched.stages, x_MbTD.shape[0]
     last_stage = sched.placement[-1][0]
     if live_M is None:
@@ -148,17 +148,15 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
 
 
 def _deliver(inbox, out, row, p: int):
-    """Sends this tick's output to its destination and files what arrives into the inbox."""
+    """Sends this tick's output to its destination and files what arrives into the inbox.
+    Each message carries the receiver's slot, or -1 when nothing is sent that way."""
     forward = [(i, (i + 1) % p) for i in range(p)]
     backward = [(i, (i - 1) % p) for i in range(p)]
-    msg = (out, row["send_slot"])
-    from_prev, slot_prev = jax.lax.ppermute(msg, "stage", forward)
-    from_next, slot_next = jax.lax.ppermute(msg, "stage", backward)
-    sent_prev = jax.lax.ppermute(row["send"] == 1, "stage", forward)
-    sent_next = jax.lax.ppermute(row["send"] == 2, "stage", backward)
-    for ok, slot, payload in ((sent_prev, slot_prev, from_prev), (sent_next, slot_next, from_next),
-                              (row["send"] == 3, row["send_slot"], out)):
-        inbox = inbox.at[slot].set(jnp.where(ok, payload, inbox[slot]))
+    slot_for = lambda send: jnp.where(row["send"] == send, row["send_slot"], -1)  # noqa: E731
+    from_prev, slot_prev = jax.lax.ppermute((out, slot_for(1)), "stage", forward)
+    from_next, slot_next = jax.lax.ppermute((out, slot_for(2)), "stage", backward)
+    for slot, payload in ((slot_prev, from_prev), (slot_next, from_next), (slot_for(3), out)):
+        inbox = inbox.at[slot].set(jnp.where(slot >= 0, payload, inbox[slot]))
     return inbox
 
 
