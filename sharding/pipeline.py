@@ -97,6 +97,12 @@ class PipelineConfig:
             return None
         return sch.build(self.schedule, self.stages, self.microbatches, self.repeats)
 
+    @functools.cached_property
+    def reference_table(self) -> sch.Schedule | None:
+        """`table` with the frozen reference model's forward filled into its idle ticks
+        (PipeFill: the KL term's reference log-probs, `schedules.with_reference`)."""
+        return None if self.table is None else sch.with_reference(self.table)
+
     def check(self, num_layers: int, rows: int, rows_name: str) -> None:
         """ValueError unless the stages and repeats divide `num_layers` and the microbatches
         divide the `rows` of a global batch (called `rows_name` in the message)."""

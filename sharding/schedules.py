@@ -9,9 +9,14 @@ stage runs one op on one (chunk, microbatch), or idles:
 - B: the chunk's input gradient (sent to the previous chunk); its weight gradient is left to W.
 - W: the chunk's weight gradient (ZB's split: B is on the critical path, W is not).
 - X: B and W as one op (1F1B without the split); it takes two ticks.
+- R: the frozen reference model's forward of the chunk (PipeFill, `with_reference`): no
+     activations kept, no backward; the last chunk's R also runs the reference head, whose
+     log-probs the same microbatch's head (the KL term) reads, so R of the last chunk precedes
+     that chunk's F.
 
-Tables come from one list scheduler (`_list_schedule`) run with each schedule's placement,
-op priority and activation cap. Time is in ticks of one F (F = B = W = 1, X = 2, the papers'
+Tables come from per-stage op orders run as soon as possible (1f1b's and zb-h1's from their
+papers, interleaved's from Megatron-LM) or from a list scheduler (`_list_schedule`) run with a V
+placement, op priority and activation cap. Time is in ticks of one F (F = B = W = 1, X = 2, the papers'
 unit); an op's output reaches its consumer at the tick after the op ends. A (chunk,
 microbatch) holds activations from its F until its W (or X) ends; activation memory is counted
 in units of one stage's activations for one microbatch (a chunk holds 1/v of that).
@@ -19,8 +24,11 @@ in units of one stage's activations for one microbatch (a chunk holds 1/v of tha
 Schedules (p stages, m microbatches):
 - 1f1b:        PipeDream-Flush. Stage s keeps at most p-s microbatches in flight.
 - interleaved: Megatron's interleaved 1F1B: v chunks per stage, chunk k on stage k mod p.
-- zb-h1:       Zero Bubble H1 (Qi et al. 2023): 1F1B's placement and memory with B and W split
-               and W moved into the bubbles; bubble about a third of 1F1B's.
+- zb-h1:       Zero Bubble H1 (Qi et al. 2023): 1F1B's placement and memory with B and W split;
+               stage s runs 1F1B's warm-up, then B, W, F per microbatch with its W's s
+               microbatches late, which fills the ramps: p-1 idle ticks per stage, a third of
+               1F1B's 3(p-1) (the paper's measure; as a share of the shorter step it is
+               (m+p-1)/(3m+p-1) of 1F1B's).
 - v-half, v-min, v-zb: the V schedules of "Pipeline Parallelism with Controllable Memory"
                (Qi et al. 2024): two chunks per stage placed in a V (stage s holds chunks s and
                2p-1-s, so the first and last chunk sit on stage 0), F/B/W split, and an
@@ -40,14 +48,14 @@ import numpy as np
 
 TABLE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "v-half", "v-min", "v-zb")
 V_SCHEDULES = ("v-half", "v-min", "v-zb")
-OPS = ("idle", "F", "B", "W", "X", "busy")       # op codes; `busy` is X's second tick
-IDLE, F, B, W, X, BUSY = range(len(OPS))
-TICKS = {F: 1, B: 1, W: 1, X: 2}
+OPS = ("idle", "F", "B", "W", "X", "busy", "R")  # op codes; `busy` is X's second tick
+IDLE, F, B, W, X, BUSY, R = range(len(OPS))
+TICKS = {F: 1, B: 1, W: 1, X: 2, R: 1}
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    kind: int        # F, B, W or X
+    kind: int        # F, B, W, X or R
     chunk: int       # virtual stage k in 0..K-1
     microbatch: int
 
@@ -72,6 +80,11 @@ class Schedule:
         return any(op is not None and op.kind == B for row in self.rows for op in row)
 
     @property
+    def reference(self) -> bool:
+        """Whether the table runs the reference model's forward (R ops, `with_reference`)."""
+        return any(op is not None and op.kind == R for row in self.rows for op in row)
+
+    @property
     def chunks(self) -> int:
         return self.stages * self.chunks_per_stage
 
@@ -84,9 +97,13 @@ class Schedule:
         return {op: t for row in self.rows for t, op in enumerate(row) if op is not None}
 
     def bubble(self) -> float:
-        """Idle stage-ticks over all stage-ticks (F = B = W = 1, X = 2)."""
+        """Idle stage-ticks over all stage-ticks (F = B = W = R = 1, X = 2)."""
+        return self.idle() / (self.stages * self.ticks)
+
+    def idle(self) -> int:
+        """Idle stage-ticks."""
         work = sum(TICKS[op.kind] for row in self.rows for op in row if op is not None)
-        return 1 - work / (self.stages * self.ticks)
+        return self.stages * self.ticks - work
 
     def live(self) -> list[list[Fraction]]:
         """Activations each stage holds after every tick, in stage-microbatches."""
@@ -109,7 +126,8 @@ class Schedule:
 
     def render(self) -> str:
         """The table as text: one line per stage, one cell per tick (`F3` forward of
-        microbatch 3, lower case for a V's second chunk or an interleaved chunk past the first,
+        microbatch 3 (R3 the reference model's), lower case for a V's second chunk or an
+        interleaved chunk past the first,
         `.` idle, `=` the second tick of an X)."""
         lines = []
         for s, row in enumerate(self.rows):
@@ -136,9 +154,11 @@ def placement(name: str, stages: int, chunks_per_stage: int) -> tuple[tuple[int,
     return tuple((k % p, k // p) for k in range(p * chunks_per_stage))
 
 
-def build(name: str, stages: int, microbatches: int, repeats: int = 1) -> Schedule:
+def build(name: str, stages: int, microbatches: int, repeats: int = 1,
+          reference: bool = False) -> Schedule:
     """The table of schedule `name` for p stages and m microbatches (`repeats`: chunks per
-    stage of `interleaved`). Raises ValueError for a combination the schedule cannot run."""
+    stage of `interleaved`; `reference`: with the reference model's forward filled in, see
+    `with_reference`). Raises ValueError for a combination the schedule cannot run."""
     p, m = stages, microbatches
     if name not in TABLE_SCHEDULES:
         raise ValueError(f"{name!r} has no schedule table; tables exist for "
@@ -159,12 +179,114 @@ def build(name: str, stages: int, microbatches: int, repeats: int = 1) -> Schedu
         caps = [max(2, math.floor(2 * p * share))] * p        # each chunk is half a stage
     if name == "interleaved":
         rows = _rows_from_orders(_interleaved_orders(p, m, v), p * v)
+    elif name == "zb-h1":
+        rows = _rows_from_orders(_zb_h1_orders(p, m), p)
     else:
         rows = _list_schedule(p, m, placement(name, p, v), split, caps)
     bound = Fraction(max(caps), v)
     sched = Schedule(name, p, m, v, placement(name, p, v), rows, bound)
     check(sched)
-    return sched
+    return with_reference(sched) if reference else sched
+
+
+def with_reference(sched: Schedule) -> Schedule:
+    """PipeFill: `sched` with the frozen reference model's forward of every (chunk,
+    microbatch) added as R ops, in the ticks the schedule leaves idle where their deadlines
+    allow (R of microbatch j's last chunk must end before that chunk's F, whose head reads the
+    reference log-probs), else as few extra ticks as the fill finds. Each stage keeps its own
+    ops in the schedule's order, so the activation peak is unchanged. How much of the R work
+    cost no time: `absorbed`."""
+    # Candidates: the fill at a few urgencies, and the reference pass run first on its own
+    # (what a fill must beat).
+    own_pass = [sorted((Op(R, op.chunk, op.microbatch) for op in row if op is not None
+                        and op.kind == F), key=lambda op: (op.microbatch, op.chunk))
+                + [op for op in row if op is not None] for row in sched.rows]
+    best = _rows_from_orders(own_pass, sched.chunks)
+    for slack in range(4):
+        rows = _fill_reference(sched, slack)
+        if len(rows[0]) <= len(best[0]):
+            best = rows
+    filled = dataclasses.replace(sched, rows=best)
+    check(filled)
+    return filled
+
+
+def _fill_reference(sched: Schedule, slack: int):
+    """Tick by tick, each stage runs whichever is more urgent of its next own op (when its
+    inputs have arrived) and its most urgent ready R op; an own op is due at its tick in
+    `sched`, R of chunk k for microbatch j `K - k + slack` ticks before the last chunk's F of j.
+    A stage whose next own op is not ready runs an R op if one is ready (the fill)."""
+    K, m, p = sched.chunks, sched.microbatches, sched.stages
+    start = sched.start()
+    back = B if sched.split else X
+
+    def due(op):
+        return start[op] if op.kind != R else start[Op(F, K - 1, op.microbatch)] - (K - op.chunk) - slack
+
+    orders = [[op for op in row if op is not None] for row in sched.rows]
+    refs = [sorted((Op(R, k, j) for k in range(K) if sched.placement[k][0] == s
+                    for j in range(m)), key=due) for s in range(p)]
+    total = sum(map(len, orders)) + sum(map(len, refs))
+    end: dict[Op, int] = {}
+    rows: list[list[Op | None]] = [[] for _ in range(p)]
+    pos = [0] * p
+    t = 0
+    while len(end) < total:
+        if t > 4 * total + 64:
+            raise RuntimeError(f"{sched.name}: the reference fill did not converge")
+        for s in range(p):
+            if len(rows[s]) > t:                  # the second tick of an X
+                continue
+            ready = lambda op: all(end.get(d, t + 1) <= t  # noqa: E731
+                                   for d in _dependencies(op, K, back, True))
+            own = orders[s][pos[s]] if pos[s] < len(orders[s]) else None
+            ref = next((r for r in refs[s] if ready(r)), None)
+            choices = [op for op in (own, ref) if op is not None and ready(op)]
+            if not choices:
+                rows[s].append(None)
+                continue
+            op = min(choices, key=due)
+            if op is own:
+                pos[s] += 1
+            else:
+                refs[s].remove(op)
+            rows[s].extend([op] + [None] * (TICKS[op.kind] - 1))
+            end[op] = t + TICKS[op.kind]
+        t += 1
+    width = max(len(r) for r in rows)
+    return tuple(tuple(r + [None] * (width - len(r))) for r in rows)
+
+
+def absorbed(base: Schedule, filled: Schedule, costs: dict[str, float] | None = None) -> float:
+    """The share of the reference forward's work that `filled` (`with_reference(base)`) runs
+    in `base`'s idle time: 1 - (stages x added makespan) / R work. With `costs` (F, B, W and
+    R, measured) the makespans are those of `weighted_makespan`, else in ticks."""
+    r_work = sum(op.kind == R for row in filled.rows for op in row if op is not None)
+    if costs is None:
+        added, unit = filled.ticks - base.ticks, 1.0
+    else:
+        added, unit = weighted_makespan(filled, costs) - weighted_makespan(base, costs), costs["R"]
+    return 1 - base.stages * added / (r_work * unit)
+
+
+def _zb_h1_orders(p: int, m: int) -> list[list[Op]]:
+    """ZB-H1's op order (Qi et al. 2023, figure 3): stage s warms up with 1F1B's p-s forwards,
+    then runs B of microbatch i, W of microbatch i-s and F of microbatch i+p-s for every i,
+    and its last s W's at the end. Deferring W by s keeps p microbatches in flight on every
+    stage (1F1B's peak) and fills the ramps with W."""
+    orders = []
+    for s in range(p):
+        warm = min(p - s, m)
+        order = [Op(F, s, j) for j in range(warm)]
+        for i in range(m):
+            order.append(Op(B, s, i))
+            if i >= s:
+                order.append(Op(W, s, i - s))
+            if i + warm < m:
+                order.append(Op(F, s, i + warm))
+        order += [Op(W, s, j) for j in range(max(0, m - s), m)]
+        orders.append(order)
+    return orders
 
 
 def _list_schedule(p: int, m: int, place, split: bool, caps: list[int]):
@@ -246,11 +368,13 @@ def check(sched: Schedule) -> None:
     """ValueError unless the table is a valid schedule: every (chunk, microbatch) has one F
     and one B and W (or one X) on the chunk's stage; F follows the previous chunk's F, B
     follows its own F and the next chunk's B, W follows B, each op starting after its input's
-    op has ended; no stage ever holds more activations than the schedule's bound."""
+    op has ended; no stage ever holds more activations than the schedule's bound. With R ops:
+    one per (chunk, microbatch), each after the previous chunk's R, and the last chunk's F
+    after its R."""
     start = sched.start()
     K, m = sched.chunks, sched.microbatches
     end = {op: t + TICKS[op.kind] for op, t in start.items()}
-    split = sched.split
+    split, reference = sched.split, sched.reference
     for s, row in enumerate(sched.rows):
         for op in row:
             if op is not None and sched.placement[op.chunk][0] != s:
@@ -276,17 +400,27 @@ def check(sched: Schedule) -> None:
                 after(back, Op(B if split else X, k + 1, j))
             if split:
                 after(Op(W, k, j), back)
+            if reference:
+                ref = Op(R, k, j)
+                if k:
+                    after(ref, Op(R, k - 1, j))
+                if k == K - 1:
+                    after(f, ref)
     ops = sum(op is not None for row in sched.rows for op in row)
-    if ops != K * m * (3 if split else 2):
+    if ops != K * m * ((3 if split else 2) + reference):
         raise ValueError(f"{sched.name}: {ops} ops for {K} chunks x {m} microbatches")
     if sched.peak() > sched.bound:
         raise ValueError(f"{sched.name}: a stage holds {sched.peak()} stage-microbatches of "
                          f"activations, above the bound {sched.bound}")
 
 
-def _dependencies(op: Op, K: int, back: int) -> list[Op]:
-    if op.kind == F:
-        return [Op(F, op.chunk - 1, op.microbatch)] if op.chunk else []
+def _dependencies(op: Op, K: int, back: int, reference: bool = False) -> list[Op]:
+    """The ops whose output `op` reads (`reference`: the table has R ops)."""
+    if op.kind in (F, R):
+        deps = [Op(op.kind, op.chunk - 1, op.microbatch)] if op.chunk else []
+        if op.kind == F and reference and op.chunk == K - 1:
+            deps.append(Op(R, op.chunk, op.microbatch))
+        return deps
     if op.kind == W:
         return [Op(B, op.chunk, op.microbatch)]
     deps = [Op(F, op.chunk, op.microbatch)]
@@ -299,6 +433,7 @@ def _run_in_order(orders: list[list[Op]], K: int, cost: dict[int, float]) -> dic
     """Start time of every op when each stage runs its ops in the given order, each as soon as
     the stage is free and its inputs have arrived (a dataflow run, no lock step)."""
     split = any(op.kind == B for row in orders for op in row)
+    reference = any(op.kind == R for row in orders for op in row)
     back = B if split else X
     start: dict[Op, float] = {}
     end: dict[Op, float] = {}
@@ -308,7 +443,7 @@ def _run_in_order(orders: list[list[Op]], K: int, cost: dict[int, float]) -> dic
         for s, order in enumerate(orders):
             while pos[s] < len(order):
                 op = order[pos[s]]
-                deps = _dependencies(op, K, back)
+                deps = _dependencies(op, K, back, reference)
                 if any(d not in end for d in deps):
                     break
                 start[op] = max([clock[s], *(end[d] for d in deps)])
@@ -352,15 +487,29 @@ def _interleaved_orders(p: int, m: int, v: int) -> list[list[Op]]:
     return orders
 
 
+def _weighted_run(sched: Schedule, costs: dict[str, float]):
+    """(makespan, work) when each stage runs its row's ops in order as soon as their inputs
+    arrive (no lock step), an op taking `costs['F' | 'B' | 'W' | 'R']` (X = B + W; R defaults
+    to F)."""
+    cost = {F: costs["F"], B: costs["B"], W: costs["W"], X: costs["B"] + costs["W"],
+            R: costs.get("R", costs["F"])}
+    orders = [[op for op in row if op is not None] for row in sched.rows]
+    start = _run_in_order(orders, sched.chunks, cost)
+    makespan = max(start[op] + cost[op.kind] for op in start)
+    return makespan, sum(cost[op.kind] for op in start)
+
+
+def weighted_makespan(sched: Schedule, costs: dict[str, float]) -> float:
+    """The step's length in the units of `costs` when its ops take those costs (see
+    `weighted_bubble`)."""
+    return _weighted_run(sched, costs)[0]
+
+
 def weighted_bubble(sched: Schedule, costs: dict[str, float]) -> float:
     """The bubble when each stage runs its row's ops in order as soon as their inputs arrive
     (no lock step), an op taking `costs['F' | 'B' | 'W']` (X = B + W): idle time over
     stages x makespan. With unit costs this is the table's own bubble or less."""
-    cost = {F: costs["F"], B: costs["B"], W: costs["W"], X: costs["B"] + costs["W"]}
-    orders = [[op for op in row if op is not None] for row in sched.rows]
-    start = _run_in_order(orders, sched.chunks, cost)
-    makespan = max(start[op] + cost[op.kind] for op in start)
-    work = sum(cost[op.kind] for op in start)
+    makespan, work = _weighted_run(sched, costs)
     return 1 - work / (sched.stages * makespan) if makespan else 0.0
 
 
@@ -369,7 +518,7 @@ def as_arrays(sched: Schedule) -> dict[str, np.ndarray]:
     slots every op reads and writes (allocated here, so the program's buffers are exactly as
     large as the table needs):
     op, chunk (local), microbatch, first (chunk 0), last (chunk K-1);
-    in_slot: the inbox slot F (chunks > 0) or B/X reads; res_slot: the activation slot F
+    in_slot: the inbox slot F or R (chunks > 0) or B/X reads; res_slot: the activation slot F
     writes and B/X/W read; w_slot: the slot B writes its per-layer cotangents to and W reads;
     send (0 none, 1 next stage, 2 previous stage, 3 this stage) and send_slot: where the op's
     output goes in the receiver's inbox. Also the slot counts."""
@@ -384,8 +533,8 @@ def as_arrays(sched: Schedule) -> dict[str, np.ndarray]:
     pools = {name: [_Pool() for _ in range(p)] for name in ("inbox", "res", "w")}
     stage = lambda k: sched.placement[k][0]  # noqa: E731
     # Messages: F(k) -> F(k+1)'s inbox, last F -> its own B (the head's cotangent), B(k) ->
-    # B(k-1). A message is written at the end of its op's first tick and read when the
-    # consumer starts.
+    # B(k-1), R(k) -> R(k+1). A message is written at the end of its op's first tick and read
+    # when the consumer starts.
     inbox_slot: dict[tuple[Op, Op], int] = {}
     for op, t in sorted(start.items(), key=lambda kv: kv[1]):
         consumer = None
@@ -394,6 +543,8 @@ def as_arrays(sched: Schedule) -> dict[str, np.ndarray]:
                 Op(back, op.chunk, op.microbatch)
         elif op.kind == back and op.chunk > 0:
             consumer = Op(back, op.chunk - 1, op.microbatch)
+        elif op.kind == R and op.chunk < K - 1:
+            consumer = Op(R, op.chunk + 1, op.microbatch)
         if consumer is not None:
             dest = stage(consumer.chunk)
             slot = pools["inbox"][dest].take(t, start[consumer])
@@ -413,6 +564,8 @@ def as_arrays(sched: Schedule) -> dict[str, np.ndarray]:
                 arr["in_slot"][t, s] = inbox_slot[(Op(F, op.chunk - 1, j), op)]
             freed = end[Op(W, op.chunk, j)] - 1 if split else end[Op(X, op.chunk, j)] - 1
             arr["res_slot"][t, s] = pools["res"][s].take(t, freed)
+        elif op.kind == R and op.chunk:
+            arr["in_slot"][t, s] = inbox_slot[(Op(R, op.chunk - 1, j), op)]
         elif op.kind == back:
             producer = Op(F, op.chunk, j) if op.chunk == K - 1 else Op(back, op.chunk + 1, j)
             arr["in_slot"][t, s] = inbox_slot[(producer, op)]

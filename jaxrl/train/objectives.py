@@ -94,10 +94,9 @@ class PolicyGradientLoss:
     def __call__(self, model, mb, ref_model=None, stack_fn=None):
         logp_BT, entropy_BT, _ = token_logp(model, mb, self.temperature, stack_fn,
                                             self.logits_chunk)
-        ref_logp_BT = None
-        if ref_model is not None:
-            ref_logp_BT = jax.lax.stop_gradient(
-                token_logp(ref_model, mb, self.temperature, chunk=self.logits_chunk)[0])
+        ref_logp_BT = mb.get("ref_logp")          # computed by a pipeline's R ops
+        if ref_logp_BT is None and ref_model is not None:
+            ref_logp_BT = self.reference_logp(ref_model, mb)
         behaviour_BT = mb["behaviour_logp"]
         if self.behaviour == "trainer" and "on_policy" in mb:
             behaviour_BT = jnp.where(mb["on_policy"] > 0, jax.lax.stop_gradient(logp_BT),
@@ -113,6 +112,12 @@ class PolicyGradientLoss:
             stats.update(logprob_parity(jax.lax.stop_gradient(logp_BT), mb["behaviour_logp"],
                                         mb["on_policy"]))
         return loss_sum, weight, stats
+
+    def reference_logp(self, ref_model, mb, stack_fn=None):
+        """The frozen reference model's log-prob of each target token [B, T] (the KL term's
+        anchor); `stack_fn` as in `token_logp`."""
+        return jax.lax.stop_gradient(token_logp(ref_model, mb, self.temperature, stack_fn,
+                                                self.logits_chunk)[0])
 
     def summarize(self, stats):
         tokens = jnp.maximum(stats["tokens"], 1.0)

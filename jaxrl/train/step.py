@@ -57,7 +57,7 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
             # backward ops: `full` remat already, so `full` adds no second recompute.
             stack = layer_stack(stage_programs.layer_remat(remat))
             loss, weight, stats, grads = _scheduled_grads(
-                graphdef, params, flat, objective, ref_model, stack, pipeline, mesh)
+                graphdef, params, flat, objective, ref_params, stack, pipeline, mesh)
         else:
             _check_nested_offload(remat, pipeline, mesh)
             stack = pp.pipelined_stack(pipeline, stack, mesh)
@@ -122,14 +122,18 @@ def _accumulated_grads(graphdef, params, batch, objective, ref_model, stack):
     return loss, weight, stats, grads
 
 
-def _scheduled_grads(graphdef, params, batch, objective, ref_model, stack, pipeline, mesh):
+def _scheduled_grads(graphdef, params, batch, objective, ref_params, stack, pipeline, mesh):
     """The same four values as `_accumulated_grads`, by a per-stage schedule table
     (sharding/stage_programs.py): the embedding runs before the pipeline, the head (final
     norm, logits, objective) after the last chunk's forward on its stage, and the embedding's
     gradient is pulled back from the first chunk's input gradient. Microbatches with nothing
-    to learn from (RL padding) run no pipeline op."""
+    to learn from (RL padding) run no pipeline op. With `ref_params` (the KL term's frozen
+    reference model) the table's R ops run the reference model chunk by chunk on the same
+    stages, in the ticks the schedule leaves idle (PipeFill), and its head hands each
+    microbatch's reference log-probs to the objective."""
     model_cfg = merge_params(graphdef, params).cfg
-    m, sched = pipeline.microbatches, pipeline.table
+    m = pipeline.microbatches
+    sched = pipeline.table if ref_params is None else pipeline.reference_table
     ids = batch["input_ids"]
     positions = batch.get("positions")
     if positions is None:
@@ -158,7 +162,7 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_model, stack, pipel
     def head(o, h_bTD, mb):
         # The objective as usual, with the layer stack replaced by the pipeline's output.
         loss_sum, weight, stats = objective(merge_params(graphdef, {**o, "layers": layers}), mb,
-                                            ref_model, lambda *_: h_bTD)
+                                            None, lambda *_: h_bTD)
         return loss_sum, (weight, stats)
 
     x_BTD, embed_pullback = jax.vjp(embed, outer)
@@ -167,12 +171,29 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_model, stack, pipel
     live_M = jnp.any(batch_M["loss_mask"] > 0, axis=tuple(range(1, batch_M["loss_mask"].ndim)))
     loss_M, (weight_M, stats_M), g_w, g_outer, dx = stage_programs.run_schedule(
         sched, layer, head, stage_programs.to_stage_chunks(params["layers"], sched), outer,
-        micro(x_BTD), (micro(positions), micro(segment_ids)), batch_M, mesh, live_M)
+        micro(x_BTD), (micro(positions), micro(segment_ids)), batch_M, mesh, live_M,
+        _reference(graphdef, ref_params, objective, ids, sched, micro))
     (g_embed,) = embed_pullback(pp.from_microbatches(dx).astype(x_BTD.dtype))
     grads = {**jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_outer, g_embed),
              "layers": stage_programs.from_stage_chunks(g_w, sched)}
     stats = {k: _reduce_over_microbatches(k, v, live_M) for k, v in stats_M.items()}
     return jnp.sum(loss_M), jnp.sum(weight_M), stats, grads
+
+
+def _reference(graphdef, ref_params, objective, ids, sched, micro):
+    """The frozen reference model as a table's R ops run it, or None without one."""
+    if ref_params is None:
+        return None
+    ref_params = jax.lax.stop_gradient(ref_params)
+    ref_outer = {k: v for k, v in ref_params.items() if k != "layers"}
+
+    def ref_head(o, h_bTD, mb):
+        model = merge_params(graphdef, {**o, "layers": ref_params["layers"]})
+        return objective.reference_logp(model, mb, lambda *_: h_bTD)
+
+    return stage_programs.Reference(
+        w_PV=stage_programs.to_stage_chunks(ref_params["layers"], sched), head_params=ref_outer,
+        x_MbTD=micro(merge_params(graphdef, ref_params).embed_tokens(ids)), head_fn=ref_head)
 
 
 def _reduce_over_microbatches(name: str, v_M, live_M):

@@ -34,9 +34,9 @@ def setup():
 
 
 def pipelined(setup, pipe: PipelineConfig, mesh_cfg: shd.MeshConfig, objective=None, batch=None,
-              with_stats=False):
+              with_stats=False, ref_params=None):
     """Loss and gradients (and the objective's statistics `with_stats`) of the pipelined step,
-    jitted over a mesh of len(devices) CPUs."""
+    jitted over a mesh of len(devices) CPUs; `ref_params`: a frozen reference model."""
     graphdef, params, default_batch, _ = setup
     batch = default_batch if batch is None else batch
     used = mesh_cfg.data * mesh_cfg.stage * mesh_cfg.fsdp * mesh_cfg.tensor
@@ -45,10 +45,10 @@ def pipelined(setup, pipe: PipelineConfig, mesh_cfg: shd.MeshConfig, objective=N
     param_sh = shd.tree_shardings(param_axes(CFG), abstract, mesh)
     batch_sh = shd.batch_sharding(mesh, 3, leading=1)
     kwargs = {} if objective is None else {"objective": objective}
-    fn = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, pipeline=pipe, mesh=mesh,
-                                             **kwargs)[:3 if with_stats else 2],
-                 in_shardings=(param_sh, batch_sh))
-    return fn(jax.device_put(params, param_sh), batch)
+    fn = jax.jit(lambda p, b, r: loss_and_grads(graphdef, p, b, ref_params=r, pipeline=pipe,
+                                                mesh=mesh, **kwargs)[:3 if with_stats else 2],
+                 in_shardings=(param_sh, batch_sh, None if ref_params is None else param_sh))
+    return fn(jax.device_put(params, param_sh), batch, ref_params)
 
 
 def assert_close(got, want, rel=1e-5):
@@ -138,6 +138,27 @@ def test_policy_loss_on_packed_segments(setup, packed, schedule):
     assert_close(got, (loss, grads))
     for k in ref_stats:
         assert float(stats[k]) == pytest.approx(float(ref_stats[k]), rel=1e-5, abs=1e-6), k
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "v-half"])
+def test_kl_term_with_the_reference_model_in_the_bubbles(setup, packed, schedule):
+    """PipeFill: with a KL term, the reference model runs chunk by chunk in the table's R ops
+    (here a reference that differs from the policy, so its log-probs matter) and the loss,
+    gradients and KL statistic equal the unpipelined step's, which runs the whole reference
+    model in the objective."""
+    graphdef, params, _, _ = setup
+    batch, _, _ = packed
+    objective = PolicyGradientLoss(kind="ppo", max_segments=4, kl_coef=0.5)
+    ref_params = split_params(Transformer(CFG, rngs=nnx.Rngs(7)))[1]
+    loss, grads, want = jax.jit(lambda p, b, r: loss_and_grads(graphdef, p, b, objective, r))(
+        params, batch, ref_params)
+    assert float(want["kl_ref"]) > 0.01          # the reference is far from the policy
+    pipe = PipelineConfig(stages=2, microbatches=4, schedule=schedule)
+    assert pipe.reference_table.reference and not pipe.table.reference
+    *got, stats = pipelined(setup, pipe, shd.MeshConfig(stage=2, tensor=2), objective, batch,
+                            with_stats=True, ref_params=ref_params)
+    assert_close(got, (loss, grads))
+    assert float(stats["kl_ref"]) == pytest.approx(float(want["kl_ref"]), rel=1e-5)
 
 
 def test_offloaded_stage_inputs_give_the_same_gradients_from_host_memory(setup):

@@ -7,7 +7,7 @@ from fractions import Fraction
 import pytest
 
 from sharding import schedules as sch
-from sharding.schedules import B, F, W, X, Op
+from sharding.schedules import B, F, R, W, X, Op
 
 
 @pytest.mark.parametrize("name", sch.TABLE_SCHEDULES)
@@ -64,6 +64,62 @@ def test_the_schedules_trade_bubble_for_memory_as_the_papers_say(p, m):
     assert inter.bubble() < one_f_one_b.bubble() and inter.peak() > p
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 6, 8])
+def test_zb_h1_idles_a_third_of_1f1b_at_the_same_peak(p):
+    """ZB-H1's claim (Qi et al. 2023) in the paper's measure: (p-1) idle ticks per stage
+    against 1F1B's 3(p-1), a step of 3m+p-1 ticks, and p microbatches in flight."""
+    for m in sorted({p, 8, 16, 32}):
+        zb, one = sch.build("zb-h1", p, m), sch.build("1f1b", p, m)
+        assert 3 * zb.idle() == one.idle() == 3 * p * (p - 1), (p, m)
+        assert zb.ticks == 3 * m + p - 1
+        assert zb.peak() == one.peak() == p
+
+
+def test_reference_fill_keeps_each_schedule_valid_and_its_peak():
+    """PipeFill's R ops: one per (chunk, microbatch) on the chunk's stage, after the previous
+    chunk's R, before the head that reads the reference log-probs (`check`); each stage's own
+    ops keep their order, so the activation peak is the schedule's; the fill never costs more
+    than running the reference pass first on its own."""
+    for name in sch.TABLE_SCHEDULES:
+        for p, m in ((2, 4), (4, 8), (8, 32)):
+            base = sch.build(name, p, m, repeats=2)
+            filled = sch.with_reference(base)
+            refs = [op for row in filled.rows for op in row if op is not None and op.kind == R]
+            assert len(refs) == len(set(refs)) == base.chunks * m
+            assert filled.peak() == base.peak()
+            for s in range(p):
+                assert [op for op in filled.rows[s] if op is not None and op.kind != R] == \
+                    [op for op in base.rows[s] if op is not None]
+            own_pass = base.ticks + base.chunks_per_stage * m + p - 1
+            assert filled.ticks <= own_pass, (name, p, m)
+
+
+def test_the_v_schedules_absorb_most_of_the_reference_pass():
+    """Their last chunk sits on stage 0 and their ramps leave room: at 4 stages x 8
+    microbatches V-Half absorbs 3/4 of the R work (73 -> 77 ticks for 64 R ticks on 4
+    stages), V-Min 7/8. In 1F1B the last stage's reference chunk is in series with its ops."""
+    assert sch.absorbed(sch.build("v-half", 4, 8), sch.build("v-half", 4, 8, reference=True)) \
+        == pytest.approx(0.75)
+    assert sch.absorbed(sch.build("v-min", 4, 8), sch.build("v-min", 4, 8, reference=True)) \
+        == pytest.approx(0.875)
+    one = sch.build("1f1b", 4, 8)
+    assert sch.build("1f1b", 4, 8, reference=True).ticks == one.ticks + 8
+    # With costs: the same fill measured in the costs' units.
+    units = {"F": 1.0, "B": 1.0, "W": 1.0, "R": 1.0}
+    half = sch.build("v-half", 4, 8)
+    assert sch.absorbed(half, sch.with_reference(half), units) == pytest.approx(0.75)
+
+
+def test_check_catches_a_reference_head_after_its_use():
+    filled = sch.build("1f1b", 2, 2, reference=True)
+    rows = [list(r) for r in filled.rows]
+    t_r, t_f = rows[1].index(Op(R, 1, 0)), rows[1].index(Op(F, 1, 0))
+    rows[1][t_r], rows[1][t_f] = rows[1][t_f], rows[1][t_r]
+    broken = dataclasses.replace(filled, rows=tuple(tuple(r) for r in rows))
+    with pytest.raises(ValueError, match=r"starts before"):
+        sch.check(broken)
+
+
 def test_weighted_bubble_with_unit_costs_is_the_tables_and_grows_with_a_slower_w():
     sched = sch.build("zb-h1", 4, 8)
     units = {"F": 1.0, "B": 1.0, "W": 1.0}
@@ -77,14 +133,14 @@ def test_weighted_bubble_with_unit_costs_is_the_tables_and_grows_with_a_slower_w
 def test_slots_hold_every_message_until_it_is_read():
     """The slot allocation never hands a slot to a second message while the first is unread
     (replayed tick by tick on the arrays the stage programs use)."""
-    for name in sch.TABLE_SCHEDULES:
-        sched = sch.build(name, 4, 8, repeats=2)
+    for name, reference in [(n, r) for n in sch.TABLE_SCHEDULES for r in (False, True)]:
+        sched = sch.build(name, 4, 8, repeats=2, reference=reference)
         arr = sch.as_arrays(sched)
         inbox = [dict() for _ in range(4)]       # slot -> message still unread
         for t in range(sched.ticks):
             for s in range(4):
                 op = arr["op"][t, s]
-                reads = (op == F and not arr["first"][t, s]) or op in (B, X)
+                reads = (op in (F, R) and not arr["first"][t, s]) or op in (B, X)
                 if reads:
                     assert arr["in_slot"][t, s] in inbox[s], (name, t, s)
                     inbox[s].pop(arr["in_slot"][t, s])
