@@ -10,7 +10,14 @@ model, batch and remat policy, and timed (best of `--repeat` after a warm-up cal
 ratio to gpipe. On CPU the simulated devices share the cores, so a step's time is its total
 work: the ratios show the schedules' work (recomputation included), not overlap.
 
-    jaxrl bench pipeline_step [--stages 4] [--microbatches 4] [--remat full]
+With `--kl`, PipeFill instead: an RL step (policy-gradient loss) with a KL term against a
+frozen reference model, whose forward runs as R ops in each table schedule's idle ticks, next
+to the same step without the KL term. Per schedule: ticks without and with the R ops, the
+share of the R work the bubbles absorbed (table, and with the measured F/B/W/R costs), the
+step's modelled change with those costs (stages running in parallel), and the measured step
+times (on CPU: total work, so the R work shows in full).
+
+    jaxrl bench pipeline_step [--stages 4] [--microbatches 4] [--remat full] [--kl]
     (or: .venv/bin/python bench/pipeline_step.py ...)
 """
 
@@ -30,6 +37,7 @@ from flax import nnx  # noqa: E402
 
 from jaxrl.models import ModelConfig, Transformer, abstract_model, param_axes  # noqa: E402
 from jaxrl.models.transformer import split_params  # noqa: E402
+from jaxrl.train.objectives import PolicyGradientLoss  # noqa: E402
 from jaxrl.train.step import loss_and_grads  # noqa: E402
 from sharding import mesh as shd  # noqa: E402
 from sharding import schedules as sch  # noqa: E402
@@ -61,6 +69,7 @@ def op_costs(cfg, params, rows: int, seq: int, layers: int, remat: str, repeat: 
     pos = jax.numpy.broadcast_to(jax.numpy.arange(seq), (rows, seq))
     layer = lambda w_l, h: stack(cfg, jax.tree.map(lambda a: a[None], w_l), h, pos)  # noqa
     fwd = jax.jit(lambda w, x: jax.lax.scan(lambda h, w_l: (layer(w_l, h), h), x, w))
+    ref = jax.jit(lambda w, x: jax.lax.scan(lambda h, w_l: (layer(w_l, h), None), x, w)[0])
     _, xs = fwd(w, x)
 
     def back(w, xs, g, wrt):
@@ -80,7 +89,7 @@ def op_costs(cfg, params, rows: int, seq: int, layers: int, remat: str, repeat: 
     gs = jax.numpy.broadcast_to(x, xs.shape)
     return {"F": best_time(fwd, w, x, repeat=repeat), "B": best_time(b, w, xs, x, repeat=repeat),
             "W": best_time(w_op, w, xs, gs, repeat=repeat),
-            "X": best_time(x_op, w, xs, x, repeat=repeat)}
+            "X": best_time(x_op, w, xs, x, repeat=repeat), "R": best_time(ref, w, x, repeat=repeat)}
 
 
 def main() -> None:
@@ -94,6 +103,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--remat", default="full", help="train.remat for every schedule")
     parser.add_argument("--repeat", type=int, default=5, help="timed calls; the best is kept")
+    parser.add_argument("--kl", action="store_true",
+                        help="PipeFill: RL steps with and without a KL term, table schedules")
     args = parser.parse_args()
 
     cfg = ModelConfig(vocab_size=256, embed_dim=args.width, num_layers=args.layers,
@@ -118,6 +129,8 @@ def main() -> None:
           f"{jax.devices()[0].platform}")
     print("op costs, one stage, one microbatch: " + ", ".join(
         f"{k} {v * 1e3:.1f} ms ({v / unit:.2f} F)" for k, v in costs.items()))
+    if args.kl:
+        return pipefill(args, graphdef, params, param_sh, batch, mesh, costs)
     print("| schedule | bubble (table) | bubble (measured costs) | peak activations | "
           "step ms | x gpipe |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -145,6 +158,41 @@ def main() -> None:
         name = schedule if repeats == 1 else f"{schedule}, {repeats} repeats"
         print(f"| {name} | {bubble:.1%} | {weighted:.1%} | {peak} | {best * 1e3:.0f} | "
               f"{best / base:.2f} |")
+
+
+def pipefill(args, graphdef, params, param_sh, batch, mesh, costs) -> None:
+    """PipeFill's table: each table schedule with and without the KL term's R ops."""
+    rng = np.random.default_rng(1)
+    shape = batch["input_ids"].shape
+    batch = {**batch, "segment_ids": np.ones(shape, np.int32),
+             "behaviour_logp": -rng.random(shape).astype(np.float32),
+             "advantages": rng.normal(size=shape).astype(np.float32)}
+    ref_params = jax.tree.map(lambda a: a * 0.9, params)    # any frozen model of the same shape
+    # X's cost is measured as one op; B + W is kept equal to it for 1F1B's tables.
+    print("| schedule | ticks | ticks with R | absorbed (table) | absorbed (measured costs) | "
+          "modelled step change | step ms, no KL | step ms, KL | measured change |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for schedule, repeats in SCHEDULES:
+        pipe = PipelineConfig(stages=args.stages, microbatches=args.microbatches,
+                              repeats=repeats, schedule=schedule)
+        if pipe.table is None or args.layers % (args.stages * pipe.chunks_per_stage):
+            continue
+        base, filled = pipe.table, pipe.reference_table
+        weights = costs if base.split else {**costs, "B": costs["X"] - costs["W"]}
+        modelled = sch.weighted_makespan(filled, weights) / sch.weighted_makespan(base, weights)
+        times = []
+        for kl in (0.0, 0.1):
+            objective = PolicyGradientLoss(kind="ppo", kl_coef=kl)
+            step = jax.jit(lambda p, b, r, pipe=pipe, objective=objective: loss_and_grads(
+                graphdef, p, b, objective, r, remat=args.remat, pipeline=pipe, mesh=mesh)[:2],
+                in_shardings=(param_sh, shd.batch_sharding(mesh, 3, leading=1),
+                              None if kl == 0 else param_sh))
+            times.append(best_time(step, params, batch, ref_params if kl else None,
+                                   repeat=args.repeat))
+        name = schedule if repeats == 1 else f"{schedule}, {repeats} repeats"
+        print(f"| {name} | {base.ticks} | {filled.ticks} | {sch.absorbed(base, filled):.0%} | "
+              f"{sch.absorbed(base, filled, weights):.0%} | {modelled - 1:+.1%} | "
+              f"{times[0] * 1e3:.0f} | {times[1] * 1e3:.0f} | {times[1] / times[0] - 1:+.1%} |")
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ stage runs one op on one (chunk, microbatch), or idles:
      log-probs the same microbatch's head (the KL term) reads, so R of the last chunk precedes
      that chunk's F.
 
-Tables come from per-stage op orders run as soon as possible (1f1b's and zb-h1's from their
-papers, interleaved's from Megatron-LM) or from a list scheduler (`_list_schedule`) run with a V
-placement, op priority and activation cap. Time is in ticks of one F (F = B = W = 1, X = 2, the papers'
-unit); an op's output reaches its consumer at the tick after the op ends. A (chunk,
+Tables come from per-stage op orders run as soon as possible (zb-h1's from its paper,
+interleaved's from Megatron-LM) or from a list scheduler (`_list_schedule`: 1f1b and the V
+schedules) run with the schedule's placement, op priority and activation cap. Time is in ticks
+of one F (F = B = W = R = 1, X = 2, the papers' unit); an op's output reaches its consumer at the tick after the op ends. A (chunk,
 microbatch) holds activations from its F until its W (or X) ends; activation memory is counted
 in units of one stage's activations for one microbatch (a chunk holds 1/v of that).
 
@@ -221,7 +221,9 @@ def _fill_reference(sched: Schedule, slack: int):
     back = B if sched.split else X
 
     def due(op):
-        return start[op] if op.kind != R else start[Op(F, K - 1, op.microbatch)] - (K - op.chunk) - slack
+        if op.kind != R:
+            return start[op]
+        return start[Op(F, K - 1, op.microbatch)] - (K - op.chunk) - slack
 
     orders = [[op for op in row if op is not None] for row in sched.rows]
     refs = [sorted((Op(R, k, j) for k in range(K) if sched.placement[k][0] == s

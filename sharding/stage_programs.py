@@ -288,10 +288,9 @@ def _stage_ops(layer_fn, head, w_V, hp, x_M, aux_M, state_keys, ref, head_in_M, 
         return {**state, "ref_logp": state["ref_logp"].at[j].set(out)}, jnp.zeros_like(y)
 
     split = "cot" in state_keys
-    if ref is None:
-        reference_forward = reference_head = nothing
     return [nothing, forward,
             partial(backward, weights=False, keep_cotangents=True) if split else nothing,
             weight_grads if split else nothing,
             partial(backward, weights=True, keep_cotangents=False), nothing,
-            reference_forward, forward_head, reference_head]
+            reference_forward if ref is not None else nothing, forward_head,
+            reference_head if ref is not None else nothing]
