@@ -21,7 +21,9 @@ What a stage keeps between ticks (every buffer sized by the table's slot allocat
 Departures from the papers: ZB's W here recomputes the layer forward and the part of the
 layer's backward that the weight gradients need (the papers keep the intermediate gradients
 from B instead), so a split B + W costs more than X; the op costs reported by
-`jaxrl bench pipeline_step` are measured, not assumed.
+`jaxrl bench pipeline_step` are measured, not assumed. PipeFill (Arfeen et al.) fills bubbles
+with other jobs' independent work; the R ops here are the same step's reference forward, with
+deadlines (each microbatch's head reads its reference log-probs).
 """
 
 from __future__ import annotations
