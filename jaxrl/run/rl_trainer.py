@@ -65,7 +65,8 @@ class RLTrainer:
         if first_rl and (latest is None or latest < first_rl):
             raise ConfigError(f"RL starts from the warm-up's checkpoint at step {first_rl}; "
                               f"{ckpt.path} holds {latest}")
-        target = abstract_state(model_cfg, tx, shardings)
+        own = {k: v for k, v in shardings.items() if k != "ref_params"}
+        target = abstract_state(model_cfg, tx, own)
         if rl.kl_coef > 0:
             target["ref_params"] = target["params"]
 
@@ -96,8 +97,7 @@ class RLTrainer:
             log(f"RL starts from {cfg.hf_path} (no warm-up)")
         else:
             params = None  # random initialisation
-        state = init_state(model_cfg, tx, {k: v for k, v in shardings.items()
-                                           if k != "ref_params"}, cfg.train.seed, params)
+        state = init_state(model_cfg, tx, own, cfg.train.seed, params)
         state["step"] = jax.device_put(jnp.asarray(first_rl, jnp.int32), shardings["step"])
         if rl.kl_coef > 0:
             state["ref_params"] = jax.tree.map(jnp.copy, state["params"])

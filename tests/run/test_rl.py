@@ -15,6 +15,7 @@ import shutil
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jaxrl.config import ConfigError, load_run_config
@@ -298,3 +299,36 @@ def test_sampler_and_trainer_log_probs_agree_in_float32(sync_split_run, async_ru
         assert max(r["logprob_abs_diff_max"] for r in measured) <= 5e-5
         assert max(abs(r["logprob_diff_mean"]) for r in measured) <= 2e-6
         assert max(r["logprob_kl"] for r in measured) <= 1e-9
+
+
+# -- the KL term against a frozen reference model ---------------------------------------------
+
+def test_a_kl_run_keeps_its_reference_model_across_a_resume(warm, tmp_path):
+    """`rl.kl_coef > 0` through a pipeline (zb-h1: the reference runs in the table's R ops):
+    the trainer starts a reference copy of the warm-up's weights, checkpoints it with the
+    state, and a resumed run restores it (the reference never moves while the policy does)."""
+    run_dir = rl_run_dir(warm, tmp_path)
+    layout = ["rl.kl_coef=0.05", "rl.mode=sync", "rl.prompts_per_step=4", "rl.group_size=4",
+              "checkpoint.every=1", "sharding.pipeline.stages=2",
+              "sharding.pipeline.microbatches=2", "sharding.pipeline.schedule=zb-h1"]
+    job.run(config(run_dir, *layout, "rl.steps=1"), log=quiet)
+    lines = []
+    job.run(config(run_dir, *layout, "rl.steps=2"), log=lines.append)
+    assert any(f"resumed RL from {run_dir / 'checkpoints'}/{WARMUP + 1}" in x for x in lines)
+    rows = rl_rows(run_dir)
+    assert [r["step"] for r in rows] == [WARMUP + 1, WARMUP + 2]
+    # The policy has moved away from the reference by the second step, not at the first.
+    assert rows[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl_ref"] > 0
+    manager = ocp.CheckpointManager(run_dir / "checkpoints")
+    try:
+        start = manager.restore(WARMUP, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore())).params
+        end = manager.restore(WARMUP + 2, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(), ref_params=ocp.args.StandardRestore()))
+        policy, end = end.params, end.ref_params
+    finally:
+        manager.close()
+    for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(end)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(policy)))
