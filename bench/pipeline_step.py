@@ -92,6 +92,12 @@ def op_costs(cfg, params, rows: int, seq: int, layers: int, remat: str, repeat: 
             "X": best_time(x_op, w, xs, x, repeat=repeat), "R": best_time(ref, w, x, repeat=repeat)}
 
 
+def table_costs(sched, costs: dict) -> dict:
+    """The op costs a table's ops take: X is measured as one op, so a table without the B/W
+    split (which costs X as B + W) gets B = X - W."""
+    return costs if sched.split else {**costs, "B": costs["X"] - costs["W"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -142,9 +148,7 @@ def main() -> None:
             continue
         if pipe.table is not None:
             bubble = pipe.table.bubble()
-            # X's cost is measured as one op, not B + W.
-            weighted = sch.weighted_bubble(pipe.table, costs if pipe.table.split
-                                           else {**costs, "B": costs["X"] - costs["W"]})
+            weighted = sch.weighted_bubble(pipe.table, table_costs(pipe.table, costs))
             peak = f"{float(pipe.table.peak()):.2f}"
         else:
             bubble = weighted = pipe.bubble_fraction()
@@ -168,7 +172,6 @@ def pipefill(args, graphdef, params, param_sh, batch, mesh, costs) -> None:
              "behaviour_logp": -rng.random(shape).astype(np.float32),
              "advantages": rng.normal(size=shape).astype(np.float32)}
     ref_params = jax.tree.map(lambda a: a * 0.9, params)    # any frozen model of the same shape
-    # X's cost is measured as one op; B + W is kept equal to it for 1F1B's tables.
     print("| schedule | ticks | ticks with R | absorbed (table) | absorbed (measured costs) | "
           "modelled step change | step ms, no KL | step ms, KL | measured change |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -178,7 +181,7 @@ def pipefill(args, graphdef, params, param_sh, batch, mesh, costs) -> None:
         if pipe.table is None or args.layers % (args.stages * pipe.chunks_per_stage):
             continue
         base, filled = pipe.table, pipe.reference_table
-        weights = costs if base.split else {**costs, "B": costs["X"] - costs["W"]}
+        weights = table_costs(base, costs)
         modelled = sch.weighted_makespan(filled, weights) / sch.weighted_makespan(base, weights)
         times = []
         for kl in (0.0, 0.1):
