@@ -1,25 +1,12 @@
-"""Pipeline schedule tables: which op each stage runs at each tick, as data.
+"""Pipeline schedules: the functions that build each schedule's table (`build`).
 
-A schedule splits the layer stack into K = p*v chunks (virtual stages) of equal size, places
-v of them on each of the p stages (devices), and gives every stage a row of ticks. At a tick a
-stage runs one op on one (chunk, microbatch), or idles:
-
-- F: the chunk's forward; the last chunk's F also runs the head (norm, logits, loss) and its
-     backward, so the cotangent for that chunk's B is ready as soon as F ends.
-- B: the chunk's input gradient (sent to the previous chunk); its weight gradient is left to W.
-- W: the chunk's weight gradient (ZB's split: B is on the critical path, W is not).
-- X: B and W as one op (1F1B without the split); it takes two ticks.
-- R: the frozen reference model's forward of the chunk (PipeFill, `with_reference`): no
-     activations kept, no backward; the last chunk's R also runs the reference head, whose
-     log-probs the same microbatch's head (the KL term) reads, so R of the last chunk precedes
-     that chunk's F.
+A table (`sharding/schedule_table.py`) gives each of the p stages an op per tick on one (chunk,
+microbatch): F, B, W, X (B and W as one op) or R (the reference model's forward, PipeFill,
+`sharding/pipefill.py`).
 
 Tables come from per-stage op orders run as soon as possible (zb-h1's from its paper,
 interleaved's from Megatron-LM) or from a list scheduler (`_list_schedule`: 1f1b and the V
-schedules) run with the schedule's placement, op priority and activation cap. Time is in ticks
-of one F (F = B = W = R = 1, X = 2, the papers' unit); an op's output reaches its consumer at the tick after the op ends. A (chunk,
-microbatch) holds activations from its F until its W (or X) ends; activation memory is counted
-in units of one stage's activations for one microbatch (a chunk holds 1/v of that).
+schedules) run with the schedule's placement, op priority and activation cap.
 
 Schedules (p stages, m microbatches):
 - 1f1b:        PipeDream-Flush. Stage s keeps at most p-s microbatches in flight.
@@ -41,110 +28,21 @@ Schedules (p stages, m microbatches):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from fractions import Fraction
 
-import numpy as np
+from sharding.pipefill import absorbed, with_reference
+from sharding.schedule_table import (B, BUSY, F, IDLE, OPS, R, TICKS, W, X, Op, Schedule,
+                                     as_arrays, check, rows_from_orders, weighted_bubble,
+                                     weighted_makespan)
+
+# The schedules' whole API: tables, their ops and checks, and the reference fill.
+__all__ = ["TABLE_SCHEDULES", "V_SCHEDULES", "placement", "build", "Op", "Schedule", "OPS",
+           "IDLE", "F", "B", "W", "X", "BUSY", "R", "TICKS", "check", "as_arrays",
+           "weighted_bubble", "weighted_makespan", "with_reference", "absorbed"]
 
 TABLE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "v-half", "v-min", "v-zb")
 V_SCHEDULES = ("v-half", "v-min", "v-zb")
-OPS = ("idle", "F", "B", "W", "X", "busy", "R")  # op codes; `busy` is X's second tick
-IDLE, F, B, W, X, BUSY, R = range(len(OPS))
-TICKS = {F: 1, B: 1, W: 1, X: 2, R: 1}
-
-
-@dataclasses.dataclass(frozen=True)
-class Op:
-    kind: int        # F, B, W, X or R
-    chunk: int       # virtual stage k in 0..K-1
-    microbatch: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """A schedule table. `rows[s][t]` is stage s's op at tick t (None: idle, or X's second
-    tick); `placement[k] = (stage, local chunk)`; `bound` the stated activation cap per stage,
-    in stage-microbatches."""
-
-    name: str
-    stages: int
-    microbatches: int
-    chunks_per_stage: int
-    placement: tuple[tuple[int, int], ...]
-    rows: tuple[tuple[Op | None, ...], ...]
-    bound: Fraction
-
-    @property
-    def split(self) -> bool:
-        """Whether the backward is split into B and W (else one X per chunk and microbatch)."""
-        return any(op is not None and op.kind == B for row in self.rows for op in row)
-
-    @property
-    def reference(self) -> bool:
-        """Whether the table runs the reference model's forward (R ops, `with_reference`)."""
-        return any(op is not None and op.kind == R for row in self.rows for op in row)
-
-    @property
-    def chunks(self) -> int:
-        return self.stages * self.chunks_per_stage
-
-    @property
-    def ticks(self) -> int:
-        return len(self.rows[0])
-
-    def start(self) -> dict[Op, int]:
-        """The tick each op starts at."""
-        return {op: t for row in self.rows for t, op in enumerate(row) if op is not None}
-
-    def bubble(self) -> float:
-        """Idle stage-ticks over all stage-ticks (F = B = W = R = 1, X = 2)."""
-        return self.idle() / (self.stages * self.ticks)
-
-    def idle(self) -> int:
-        """Idle stage-ticks."""
-        work = sum(TICKS[op.kind] for row in self.rows for op in row if op is not None)
-        return self.stages * self.ticks - work
-
-    def live(self) -> list[list[Fraction]]:
-        """Activations each stage holds after every tick, in stage-microbatches."""
-        unit = Fraction(1, self.chunks_per_stage)
-        out = []
-        for row in self.rows:
-            held, trace = Fraction(0), []
-            for op in row:
-                if op is not None and op.kind == F:
-                    held += unit
-                trace.append(held)
-                if op is not None and op.kind in (W, X):
-                    held -= unit
-            out.append(trace)
-        return out
-
-    def peak(self) -> Fraction:
-        """The most activations any stage holds at once, in stage-microbatches."""
-        return max(max(trace) for trace in self.live())
-
-    def render(self) -> str:
-        """The table as text: one line per stage, one cell per tick (`F3` forward of
-        microbatch 3 (R3 the reference model's), lower case for a V's second chunk or an
-        interleaved chunk past the first,
-        `.` idle, `=` the second tick of an X)."""
-        lines = []
-        for s, row in enumerate(self.rows):
-            cells = []
-            for t, op in enumerate(row):
-                if op is None:
-                    cells.append("=" if t and row[t - 1] is not None and row[t - 1].kind == X
-                                 else ".")
-                    continue
-                name = OPS[op.kind]
-                if self.placement[op.chunk][1]:
-                    name = name.lower()
-                cells.append(f"{name}{op.microbatch}")
-            width = max(len(c) for c in cells)
-            lines.append(f"stage {s}: " + " ".join(c.rjust(width) for c in cells))
-        return "\n".join(lines)
 
 
 def placement(name: str, stages: int, chunks_per_stage: int) -> tuple[tuple[int, int], ...]:
@@ -181,9 +79,9 @@ def build(name: str, stages: int, microbatches: int, repeats: int = 1,
     bound = Fraction(max(caps), v)
     make = lambda rows: Schedule(name, p, m, v, placement(name, p, v), rows, bound)  # noqa: E731
     if name == "interleaved":
-        sched = make(_rows_from_orders(_interleaved_orders(p, m, v), p * v))
+        sched = make(rows_from_orders(_interleaved_orders(p, m, v), p * v))
     elif name == "zb-h1":
-        sched = make(_rows_from_orders(_zb_h1_orders(p, m), p))
+        sched = make(rows_from_orders(_zb_h1_orders(p, m), p))
     else:
         sched = make(_list_schedule(p, m, placement(name, p, v), split, caps))
     check(sched)
@@ -204,7 +102,7 @@ def _repeated_v_block(make, p: int, m: int) -> Schedule | None:
     table stays within the schedule's activation cap wins (d = 6 has no steady-state bubble);
     None when none does up to 6p."""
     for d in range(6, 6 * p + 1):
-        sched = make(_rows_from_orders(_v_block_orders(p, m, d), 2 * p))
+        sched = make(rows_from_orders(_v_block_orders(p, m, d), 2 * p))
         try:
             check(sched)
         except ValueError:
@@ -239,88 +137,6 @@ def _v_block_orders(p: int, m: int, d: int) -> list[list[Op]]:
         for j in range(m):
             timed[stage(op.chunk)].append((t + d * j, Op(op.kind, op.chunk, j)))
     return [[op for _, op in sorted(row, key=lambda x: x[0])] for row in timed]
-
-
-def with_reference(sched: Schedule) -> Schedule:
-    """PipeFill: `sched` with the frozen reference model's forward of every (chunk,
-    microbatch) added as R ops, in the ticks the schedule leaves idle where their deadlines
-    allow (R of microbatch j's last chunk must end before that chunk's F, whose head reads the
-    reference log-probs), else as few extra ticks as the fill finds. Each stage keeps its own
-    ops in the schedule's order, so the activation peak is unchanged. How much of the R work
-    cost no time: `absorbed`."""
-    # Candidates: the fill at a few urgencies, and the reference pass run first on its own
-    # (what a fill must beat).
-    own_pass = [sorted((Op(R, op.chunk, op.microbatch) for op in row if op is not None
-                        and op.kind == F), key=lambda op: (op.microbatch, op.chunk))
-                + [op for op in row if op is not None] for row in sched.rows]
-    best = _rows_from_orders(own_pass, sched.chunks)
-    for slack in range(4):
-        rows = _fill_reference(sched, slack)
-        if len(rows[0]) <= len(best[0]):
-            best = rows
-    filled = dataclasses.replace(sched, rows=best)
-    check(filled)
-    return filled
-
-
-def _fill_reference(sched: Schedule, slack: int):
-    """Tick by tick, each stage runs whichever is more urgent of its next own op (when its
-    inputs have arrived) and its most urgent ready R op; an own op is due at its tick in
-    `sched`, R of chunk k for microbatch j `K - k + slack` ticks before the last chunk's F of j.
-    A stage whose next own op is not ready runs an R op if one is ready (the fill)."""
-    K, m, p = sched.chunks, sched.microbatches, sched.stages
-    start = sched.start()
-    back = B if sched.split else X
-
-    def due(op):
-        if op.kind != R:
-            return start[op]
-        return start[Op(F, K - 1, op.microbatch)] - (K - op.chunk) - slack
-
-    orders = [[op for op in row if op is not None] for row in sched.rows]
-    refs = [sorted((Op(R, k, j) for k in range(K) if sched.placement[k][0] == s
-                    for j in range(m)), key=due) for s in range(p)]
-    total = sum(map(len, orders)) + sum(map(len, refs))
-    end: dict[Op, int] = {}
-    rows: list[list[Op | None]] = [[] for _ in range(p)]
-    pos = [0] * p
-    t = 0
-    while len(end) < total:
-        if t > 4 * total + 64:
-            raise RuntimeError(f"{sched.name}: the reference fill did not converge")
-        for s in range(p):
-            if len(rows[s]) > t:                  # the second tick of an X
-                continue
-            ready = lambda op: all(end.get(d, t + 1) <= t  # noqa: E731
-                                   for d in _dependencies(op, K, back, True))
-            own = orders[s][pos[s]] if pos[s] < len(orders[s]) else None
-            ref = next((r for r in refs[s] if ready(r)), None)
-            choices = [op for op in (own, ref) if op is not None and ready(op)]
-            if not choices:
-                rows[s].append(None)
-                continue
-            op = min(choices, key=due)
-            if op is own:
-                pos[s] += 1
-            else:
-                refs[s].remove(op)
-            rows[s].extend([op] + [None] * (TICKS[op.kind] - 1))
-            end[op] = t + TICKS[op.kind]
-        t += 1
-    width = max(len(r) for r in rows)
-    return tuple(tuple(r + [None] * (width - len(r))) for r in rows)
-
-
-def absorbed(base: Schedule, filled: Schedule, costs: dict[str, float] | None = None) -> float:
-    """The share of the reference forward's work that `filled` (`with_reference(base)`) runs
-    in `base`'s idle time: 1 - (stages x added makespan) / R work. With `costs` (F, B, W and
-    R, measured) the makespans are those of `weighted_makespan`, else in ticks."""
-    r_work = sum(op.kind == R for row in filled.rows for op in row if op is not None)
-    if costs is None:
-        added, unit = filled.ticks - base.ticks, 1.0
-    else:
-        added, unit = weighted_makespan(filled, costs) - weighted_makespan(base, costs), costs["R"]
-    return 1 - base.stages * added / (r_work * unit)
 
 
 def _zb_h1_orders(p: int, m: int) -> list[list[Op]]:
@@ -418,108 +234,6 @@ def _backward_done(k, j, done, t) -> bool:
     return False
 
 
-def check(sched: Schedule) -> None:
-    """ValueError unless the table is a valid schedule: every (chunk, microbatch) has one F
-    and one B and W (or one X) on the chunk's stage; F follows the previous chunk's F, B
-    follows its own F and the next chunk's B, W follows B, each op starting after its input's
-    op has ended; no stage ever holds more activations than the schedule's bound. With R ops:
-    one per (chunk, microbatch), each after the previous chunk's R, and the last chunk's F
-    after its R."""
-    start = sched.start()
-    K, m = sched.chunks, sched.microbatches
-    end = {op: t + TICKS[op.kind] for op, t in start.items()}
-    split, reference = sched.split, sched.reference
-    for s, row in enumerate(sched.rows):
-        for op in row:
-            if op is not None and sched.placement[op.chunk][0] != s:
-                raise ValueError(f"{sched.name}: {op} runs on stage {s}, not its chunk's stage")
-
-    def after(op, dep):
-        if dep not in start:
-            raise ValueError(f"{sched.name}: {op} depends on {dep}, which never runs")
-        if start[op] < end[dep]:
-            raise ValueError(f"{sched.name}: {op} at tick {start[op]} starts before {dep} "
-                             f"ends at tick {end[dep]}")
-
-    for k in range(K):
-        for j in range(m):
-            f = Op(F, k, j)
-            back = Op(B if split else X, k, j)
-            if f not in start or back not in start:
-                raise ValueError(f"{sched.name}: chunk {k}, microbatch {j} lacks an F or B")
-            if k:
-                after(f, Op(F, k - 1, j))
-            after(back, f)
-            if k < K - 1:
-                after(back, Op(B if split else X, k + 1, j))
-            if split:
-                after(Op(W, k, j), back)
-            if reference:
-                ref = Op(R, k, j)
-                if k:
-                    after(ref, Op(R, k - 1, j))
-                if k == K - 1:
-                    after(f, ref)
-    ops = sum(op is not None for row in sched.rows for op in row)
-    if ops != K * m * ((3 if split else 2) + reference):
-        raise ValueError(f"{sched.name}: {ops} ops for {K} chunks x {m} microbatches")
-    if sched.peak() > sched.bound:
-        raise ValueError(f"{sched.name}: a stage holds {sched.peak()} stage-microbatches of "
-                         f"activations, above the bound {sched.bound}")
-
-
-def _dependencies(op: Op, K: int, back: int, reference: bool = False) -> list[Op]:
-    """The ops whose output `op` reads (`reference`: the table has R ops)."""
-    if op.kind in (F, R):
-        deps = [Op(op.kind, op.chunk - 1, op.microbatch)] if op.chunk else []
-        if op.kind == F and reference and op.chunk == K - 1:
-            deps.append(Op(R, op.chunk, op.microbatch))
-        return deps
-    if op.kind == W:
-        return [Op(B, op.chunk, op.microbatch)]
-    deps = [Op(F, op.chunk, op.microbatch)]
-    if op.chunk < K - 1:
-        deps.append(Op(back, op.chunk + 1, op.microbatch))
-    return deps
-
-
-def _run_in_order(orders: list[list[Op]], K: int, cost: dict[int, float]) -> dict[Op, float]:
-    """Start time of every op when each stage runs its ops in the given order, each as soon as
-    the stage is free and its inputs have arrived (a dataflow run, no lock step)."""
-    split = any(op.kind == B for row in orders for op in row)
-    reference = any(op.kind == R for row in orders for op in row)
-    back = B if split else X
-    start: dict[Op, float] = {}
-    end: dict[Op, float] = {}
-    pos, clock = [0] * len(orders), [0.0] * len(orders)
-    while any(pos[s] < len(orders[s]) for s in range(len(orders))):
-        moved = False
-        for s, order in enumerate(orders):
-            while pos[s] < len(order):
-                op = order[pos[s]]
-                deps = _dependencies(op, K, back, reference)
-                if any(d not in end for d in deps):
-                    break
-                start[op] = max([clock[s], *(end[d] for d in deps)])
-                clock[s] = end[op] = start[op] + cost[op.kind]
-                pos[s] += 1
-                moved = True
-        if not moved:
-            raise ValueError("the stages' op orders deadlock")
-    return start
-
-
-def _rows_from_orders(orders: list[list[Op]], K: int):
-    """The tick table of per-stage op orders run as soon as possible in unit ticks."""
-    start = _run_in_order(orders, K, TICKS)
-    width = max(int(start[op]) + TICKS[op.kind] for row in orders for op in row)
-    rows = [[None] * width for _ in orders]
-    for s, order in enumerate(orders):
-        for op in order:
-            rows[s][int(start[op])] = op
-    return tuple(tuple(r) for r in rows)
-
-
 def _interleaved_orders(p: int, m: int, v: int) -> list[list[Op]]:
     """Megatron-LM's interleaved 1F1B op order: forwards go through the stage's chunks in
     groups of p microbatches; stage s warms up with (p-s-1)*2 + (v-1)*p forwards, then
@@ -539,119 +253,3 @@ def _interleaved_orders(p: int, m: int, v: int) -> list[list[Op]]:
         order += [op(X, s, i, True) for i in range(n - warm, n)]
         orders.append(order)
     return orders
-
-
-def _weighted_run(sched: Schedule, costs: dict[str, float]):
-    """(makespan, work) when each stage runs its row's ops in order as soon as their inputs
-    arrive (no lock step), an op taking `costs['F' | 'B' | 'W' | 'R']` (X = B + W; R defaults
-    to F)."""
-    cost = {F: costs["F"], B: costs["B"], W: costs["W"], X: costs["B"] + costs["W"],
-            R: costs.get("R", costs["F"])}
-    orders = [[op for op in row if op is not None] for row in sched.rows]
-    start = _run_in_order(orders, sched.chunks, cost)
-    makespan = max(start[op] + cost[op.kind] for op in start)
-    return makespan, sum(cost[op.kind] for op in start)
-
-
-def weighted_makespan(sched: Schedule, costs: dict[str, float]) -> float:
-    """The step's length in the units of `costs` when its ops take those costs (see
-    `weighted_bubble`)."""
-    return _weighted_run(sched, costs)[0]
-
-
-def weighted_bubble(sched: Schedule, costs: dict[str, float]) -> float:
-    """The bubble when each stage runs its row's ops in order as soon as their inputs arrive
-    (no lock step), an op taking `costs['F' | 'B' | 'W']` (X = B + W): idle time over
-    stages x makespan. With unit costs this is the table's own bubble or less."""
-    makespan, work = _weighted_run(sched, costs)
-    return 1 - work / (sched.stages * makespan) if makespan else 0.0
-
-
-def as_arrays(sched: Schedule) -> dict[str, np.ndarray]:
-    """The table as int32 arrays [ticks, stages] for the per-stage programs, with the buffer
-    slots every op reads and writes (allocated here, so the program's buffers are exactly as
-    large as the table needs):
-    op, chunk (local), microbatch, first (chunk 0), last (chunk K-1);
-    in_slot: the inbox slot F or R (chunks > 0) or B/X reads; res_slot: the activation slot F
-    writes and B/X/W read; w_slot: the slot B writes its per-layer cotangents to and W reads;
-    send (0 none, 1 next stage, 2 previous stage, 3 this stage) and send_slot: where the op's
-    output goes in the receiver's inbox. Also the slot counts."""
-    p, K = sched.stages, sched.chunks
-    start = sched.start()
-    split = sched.split
-    back = B if split else X
-    end = {op: t + TICKS[op.kind] for op, t in start.items()}
-    fields = ("op", "chunk", "microbatch", "first", "last", "in_slot", "res_slot", "w_slot",
-              "send", "send_slot")
-    arr = {f: np.zeros((sched.ticks, p), np.int32) for f in fields}
-    pools = {name: [_Pool() for _ in range(p)] for name in ("inbox", "res", "w")}
-    stage = lambda k: sched.placement[k][0]  # noqa: E731
-    # Messages: F(k) -> F(k+1)'s inbox, last F -> its own B (the head's cotangent), B(k) ->
-    # B(k-1), R(k) -> R(k+1). A message is written at the end of its op's first tick and read
-    # when the consumer starts.
-    inbox_slot: dict[tuple[Op, Op], int] = {}
-    for op, t in sorted(start.items(), key=lambda kv: kv[1]):
-        consumer = None
-        if op.kind == F:
-            consumer = Op(F, op.chunk + 1, op.microbatch) if op.chunk < K - 1 else \
-                Op(back, op.chunk, op.microbatch)
-        elif op.kind == back and op.chunk > 0:
-            consumer = Op(back, op.chunk - 1, op.microbatch)
-        elif op.kind == R and op.chunk < K - 1:
-            consumer = Op(R, op.chunk + 1, op.microbatch)
-        if consumer is not None:
-            dest = stage(consumer.chunk)
-            slot = pools["inbox"][dest].take(t, start[consumer])
-            inbox_slot[(op, consumer)] = slot
-            s = stage(op.chunk)
-            arr["send"][t, s] = 3 if dest == s else 1 if dest == (s + 1) % p else 2
-            if dest not in (s, (s + 1) % p, (s - 1) % p):
-                raise ValueError(f"{sched.name}: {op} sends to stage {dest}, not a neighbour")
-            arr["send_slot"][t, s] = slot
-    for op, t in start.items():
-        s, (_, c) = stage(op.chunk), sched.placement[op.chunk]
-        arr["op"][t, s], arr["chunk"][t, s], arr["microbatch"][t, s] = op.kind, c, op.microbatch
-        arr["first"][t, s], arr["last"][t, s] = op.chunk == 0, op.chunk == K - 1
-        j = op.microbatch
-        if op.kind == F:
-            if op.chunk:
-                arr["in_slot"][t, s] = inbox_slot[(Op(F, op.chunk - 1, j), op)]
-            freed = end[Op(W, op.chunk, j)] - 1 if split else end[Op(X, op.chunk, j)] - 1
-            arr["res_slot"][t, s] = pools["res"][s].take(t, freed)
-        elif op.kind == R and op.chunk:
-            arr["in_slot"][t, s] = inbox_slot[(Op(R, op.chunk - 1, j), op)]
-        elif op.kind == back:
-            producer = Op(F, op.chunk, j) if op.chunk == K - 1 else Op(back, op.chunk + 1, j)
-            arr["in_slot"][t, s] = inbox_slot[(producer, op)]
-            if split:
-                arr["w_slot"][t, s] = pools["w"][s].take(t, start[Op(W, op.chunk, j)])
-    # Second pass: B/X/W read the activation slot their F wrote, W the slot its B wrote.
-    for op, t in start.items():
-        s = stage(op.chunk)
-        if op.kind in (B, X, W):
-            f = Op(F, op.chunk, op.microbatch)
-            arr["res_slot"][t, s] = arr["res_slot"][start[f], s]
-        if op.kind == W:
-            b = Op(B, op.chunk, op.microbatch)
-            arr["w_slot"][t, s] = arr["w_slot"][start[b], s]
-    arr["slots"] = {name: max(1, max(pool.size for pool in pools[name])) for name in pools}
-    return arr
-
-
-class _Pool:
-    """Buffer slots on one stage, each held over an interval of ticks [first, last]."""
-
-    def __init__(self):
-        self.busy_until: list[int] = []
-
-    @property
-    def size(self) -> int:
-        return len(self.busy_until)
-
-    def take(self, first: int, last: int) -> int:
-        for i, until in enumerate(self.busy_until):
-            if until < first:
-                self.busy_until[i] = last
-                return i
-        self.busy_until.append(last)
-        return len(self.busy_until) - 1
