@@ -8,14 +8,13 @@ model samples the exact countdown about one time in ten and RL has room to climb
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.run import one_device
+
 pytestmark = pytest.mark.slow
 
 WARMUP, RL = 200, 12
@@ -39,14 +38,8 @@ K = 4   # steps averaged at each end
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[Path, list[dict]]:
     run_dir = tmp_path_factory.mktemp("long_tail") / "run"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "jaxrl.cli", "train", "--config",
-         str(ROOT / "configs/long_tail_cpu.yaml"), *SCALED_DOWN, f"train.seed={SEED}",
-         f"run_dir={run_dir}"],
-        env=env, cwd=run_dir.parent, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    one_device.train("configs/long_tail_cpu.yaml", [*SCALED_DOWN, f"train.seed={SEED}"],
+                     run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return run_dir, rows
 

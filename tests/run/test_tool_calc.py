@@ -3,16 +3,11 @@ device, as a user runs it (a supervised warm-up on worked calculator episodes, t
 the model's own multi-turn episodes); and the bad multi-turn settings refused by name."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from jaxrl.config import ConfigError, load_run_config
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.run import one_device
 
 # A 0.1M-parameter model, 60 warm-up steps (enough to learn the call format, not the sums),
 # 3 RL steps. Zero-advantage groups are kept, so steps are fed whatever the model solves.
@@ -25,15 +20,9 @@ SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192",
 
 
 def test_multi_turn_config_trains_end_to_end(tmp_path):
-    # One device: a model this small on eight forced CPU devices is mostly per-device overhead.
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    done = subprocess.run([sys.executable, "-m", "jaxrl.cli", "train", "--config",
-                           str(ROOT / "configs/tool_calc_cpu.yaml"), *SMALL,
-                           f"run_dir={tmp_path}"],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    run_dir = tmp_path / "run"
+    one_device.train("configs/tool_calc_cpu.yaml", SMALL, run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r.get("phase") == "rl" and "loss" in r]
     assert [r["step"] for r in rl] == [61, 62, 63]
     assert all(r["trained_tokens"] > 0 for r in rl)
