@@ -35,7 +35,7 @@ run: $(VENV)/.run-deps
 # --dist loadscope keeps a module's tests (and its module-scoped runs) on one worker; every TPU
 # compile is in tests/sharding/test_tpu_aot.py, since libtpu allows one process per machine.
 test: $(VENV)/.test-deps
-	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PY) -m pytest tests -m "not gpu" -n 2 --dist loadscope
+	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PY) -m pytest tests -m "not gpu" -n 2 --dist loadscope --durations=30
 
 # Re-resolves pyproject.toml's ranges (run and test extras) in a scratch venv and pins the result.
 # The CPU wheel of torch carries a "+cpu" local label; "==2.13.0" matches it, so the label is cut.

@@ -13,7 +13,7 @@ from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.models.transformer import Transformer, split_params
 from jaxrl.rl.config import RLConfig
 from jaxrl.rl.env import is_multi_turn
-from jaxrl.rl.tasks.base import Task
+from jaxrl.rl.tasks.base import Problem, Task
 from jaxrl.run.episodes import EpisodeGroup
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import InvalidRequest, Orchestrator, QueueFull
@@ -21,14 +21,17 @@ from serving.sampling import SamplingParams
 
 
 def evaluate(orchestrator: Orchestrator, task: Task, tokenizer: Tokenizer, num_problems: int,
-             max_new_tokens: int = 8, rl: RLConfig | None = None) -> dict:
-    """{"accuracy", "problems", "examples", "too_long"}: the share of held-out problems answered
-    exactly, greedy, by whatever weights `orchestrator` serves. A prompt the engine cannot take
-    (too long) counts as wrong and is reported in "too_long". A multi-turn task's problems are
-    greedy episodes within `rl`'s turn and token limits, solved when their return is >= 1."""
+             max_new_tokens: int = 8, rl: RLConfig | None = None,
+             problems: Sequence[Problem] | None = None) -> dict:
+    """{"accuracy", "problems", "examples", "too_long"}: the share of held-out problems (or of
+    `problems`) answered exactly, greedy, by whatever weights `orchestrator` serves. A prompt the
+    engine cannot take (too long) counts as wrong and is reported in "too_long". A multi-turn
+    task's problems are greedy episodes within `rl`'s turn and token limits, solved when their
+    return is >= 1."""
+    if problems is None:
+        problems = task.held_out(num_problems)
     if is_multi_turn(task):
-        return _evaluate_episodes(orchestrator, task, tokenizer, num_problems, rl)
-    problems = task.held_out(num_problems)
+        return _evaluate_episodes(orchestrator, task, tokenizer, problems, rl)
     prompts = _prompts(problems, tokenizer)
     completions = greedy_completions(orchestrator, prompts, max_new_tokens)
     scores, examples = [], []
@@ -41,8 +44,8 @@ def evaluate(orchestrator: Orchestrator, task: Task, tokenizer: Tokenizer, num_p
             "examples": examples, "too_long": sum(c is None for c in completions)}
 
 
-def _evaluate_episodes(generation, task, tokenizer, num_problems: int, rl: RLConfig) -> dict:
-    problems = task.held_out(num_problems)
+def _evaluate_episodes(generation, task, tokenizer, problems: Sequence[Problem],
+                       rl: RLConfig) -> dict:
     prompts = _prompts(problems, tokenizer)
     groups = [EpisodeGroup(generation, task, tokenizer, problem, prompt, rl, seed=i,
                            temperature=0.0) for i, (problem, prompt) in
@@ -60,12 +63,21 @@ def _evaluate_episodes(generation, task, tokenizer, num_problems: int, rl: RLCon
 def evaluate_model(model: Transformer, task: Task, tokenizer: Tokenizer, num_problems: int,
                    max_new_tokens: int = 8, rl: RLConfig | None = None) -> dict:
     """`evaluate` on an engine started for `model` alone."""
-    prompts = _prompts(task.held_out(num_problems), tokenizer)
-    longest, new = max(map(len, prompts)), max_new_tokens
+    problems = task.held_out(num_problems)
+    with task_engine(model, task, tokenizer, problems, max_new_tokens, rl) as o:
+        return evaluate(o, task, tokenizer, num_problems, max_new_tokens, rl, problems)
+
+
+@contextlib.contextmanager
+def task_engine(model: Transformer, task: Task, tokenizer: Tokenizer,
+                problems: Sequence[Problem], max_new_tokens: int, rl: RLConfig | None):
+    """A started Orchestrator serving `model`, sized for `problems` (a multi-turn task's: for
+    `rl`'s episodes)."""
+    longest, new = max(map(len, _prompts(problems, tokenizer))), max_new_tokens
     if is_multi_turn(task):
         longest, new = rl.prefill_len, rl.episode_tokens
-    with local_engine(model, tokenizer.eos_id, longest, new) as o:
-        return evaluate(o, task, tokenizer, num_problems, max_new_tokens, rl)
+    with local_engine(model, tokenizer.eos_id, longest, new) as orchestrator:
+        yield orchestrator
 
 
 def greedy_completions(orchestrator: Orchestrator, prompts: Sequence[list[int]],

@@ -3,9 +3,11 @@ or freshly initialised) behind the gRPC server, until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +25,8 @@ from serving.orchestrator import Orchestrator
 from serving.replicas import Replicas
 from serving.server import Server, is_loopback
 from sharding.mesh import MeshConfig, make_mesh
+
+SHUTDOWN_DEADLINE_S = 45.0   # from SIGTERM to exit, RPCs' grace and the engine's stop included
 
 
 def load_model(model_dir: str | None, checkpoint_dir: str | Path, log: Callable[[str], None],
@@ -139,9 +143,11 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
             raise UserError(f"cannot listen on {host}:{http_port} (--http-port): {e}") from e
         log(f"jaxrl serve: OpenAI-compatible API on http://{host}:{bound}/v1 (model {name!r}; "
             f"plain HTTP{', reachable from other machines' if not is_loopback(host) else ''})")
-    stop = threading.Event()
+    # The handler only appends to a list: a handler that takes a lock (Event.set) deadlocks
+    # when the signal lands while the main thread holds that lock.
+    stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _: stopping.append(signum))
     layout = f"; {replicas} replica(s) x tensor {tensor}" if tensor * replicas > 1 else ""
     log(f"jaxrl serve: ready on {server.address}{' (TLS)' if tls else ''}: {what}{layout}; "
         f"{engine_cfg.max_concurrent_decodes * replicas} "
@@ -150,8 +156,13 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
         f"{'enabled' if update_token else 'disabled (no update token)'}")
     if ready is not None:
         ready.set()
-    stop.wait()
+    while not stopping:
+        time.sleep(0.1)
     log("jaxrl serve: shutting down")
+    # A shutdown that sticks (an RPC that never ends, a device call that never returns) prints
+    # every thread's stack to stderr and exits with status 1 instead of hanging on; it stays
+    # armed through interpreter exit, which runs JAX's and gRPC's own clean-up.
+    faulthandler.dump_traceback_later(SHUTDOWN_DEADLINE_S, exit=True)
     if http is not None:
         http.should_exit = True
     server.stop(grace=5.0)

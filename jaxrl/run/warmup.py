@@ -26,6 +26,7 @@ from jaxrl.rl.tasks.math import MathTask
 from jaxrl.run.evaluate import evaluate_model
 from jaxrl.run.distributed import is_leader
 from jaxrl.run.metrics import open_metrics
+from jaxrl.run.warmup_stop import AccuracyStop
 from jaxrl.train.checkpoint import CheckpointError, Checkpointer
 from jaxrl.train.objectives import SupervisedLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
@@ -149,13 +150,29 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
                                config=config_dict, name="warm-up", phase="warm-up",
                                 # rows a crashed run logged past its checkpoint; never RL's
                                resume_step=first if first < cfg.train.steps else None)
+    stop = AccuracyStop(cfg, task, tokenizer, graphdef)
+    stopped_at = None
     try:
         for step in range(first, cfg.train.steps):
             local = {k: v.reshape(*rows.shape, *v.shape[1:]) for k, v in dataset[step].items()}
             state, metrics = step_fn(state, global_batch(local, batch_shard,
                                                          dict.fromkeys(local, shape)))
+            accuracy = stop.check(step + 1, state["params"])
+            if accuracy is not None:
+                metrics["check_accuracy"] = accuracy
+                log(f"step {step + 1:>5}  greedy accuracy {accuracy:.1%} on "
+                    f"{len(stop.problems)} training problems (train.stop_at_accuracy="
+                    f"{stop.target})")
+                if accuracy >= stop.target:
+                    stopped_at = step + 1
+                    log(f"the warm-up stops at step {stopped_at}; its weights are saved as step "
+                        f"{cfg.train.steps}, where RL begins")
+                    # The checkpoint's step is where RL's step numbers begin (the optimizer
+                    # state inside still counts the steps taken).
+                    state["step"] = jax.device_put(np.int32(cfg.train.steps),
+                                                   state["step"].sharding)
             pending.append((step + 1, metrics))
-            done = step + 1 == cfg.train.steps
+            done = step + 1 == cfg.train.steps or stopped_at is not None
             print_now = (step + 1) % cfg.train.log_every == 0 or done
             save_now = (step + 1) % cfg.checkpoint.every == 0 or done
             if print_now or save_now:   # a checkpoint never covers rows not yet on disk
@@ -168,12 +185,16 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
                     f"{row['token_accuracy']:.3f}  lr {row['lr']:.2e}")
             if save_now:
                 ckpt.save(state, config_dict)
+            if stopped_at is not None:
+                break
     finally:
+        stop.close()
         metrics_log.close()
     ckpt.wait()
     seconds = time.perf_counter() - start
-    steps_run = cfg.train.steps - first
-    summary = {"steps": cfg.train.steps, "loss": last_metrics.get("loss"),
+    last = stopped_at or cfg.train.steps
+    steps_run = last - first
+    summary = {"steps": last, "loss": last_metrics.get("loss"), "stopped_at": stopped_at,
                "checkpoint": str(ckpt.path / str(ckpt.latest_step())),
                "samples_per_s": steps_run * cfg.train.batch_size / seconds if steps_run else 0.0,
                "seconds": seconds}

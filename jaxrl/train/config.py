@@ -17,6 +17,12 @@ class TrainConfig:
     seed: int = 0                 # parameter init, data order and sampling
     log_every: int = 50           # steps between log lines (metrics.jsonl gets every step)
     eval_problems: int = 200      # held-out problems scored at the end
+    # Stop the warm-up early once greedy accuracy on `check_problems` training problems (the same
+    # ones at each check, never held-out ones) reaches this; checked every `check_every` steps.
+    # RL still begins at step `steps`: the weights at the stop are saved as that step. 0: off.
+    stop_at_accuracy: float = 0.0
+    check_every: int = 100
+    check_problems: int = 200
     # Activation memory of the train step (sharding/offload.py): none | full | minimal |
     # offload (q/k/v, attention output and MLP input to pinned host memory).
     remat: Literal["none", "full", "minimal", "offload"] = "none"
@@ -38,6 +44,12 @@ class TrainConfig:
                              f"train.batch_size={self.batch_size}")
         if self.eval_problems < 0:
             raise ValueError(f"train.eval_problems={self.eval_problems} must be >= 0")
+        if not 0.0 <= self.stop_at_accuracy <= 1.0:
+            raise ValueError(f"train.stop_at_accuracy={self.stop_at_accuracy} must be in [0, 1] "
+                             f"(0: train all train.steps)")
+        for name in ("check_every", "check_problems"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
         if self.logits_chunk < 0:
             raise ValueError(f"train.logits_chunk={self.logits_chunk} must be >= 0 (0: "
                              f"unchunked)")
