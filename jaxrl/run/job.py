@@ -62,7 +62,9 @@ def format_summary(summary: dict) -> rich.table.Table | str:
     table.add_column(style="bold")
     table.add_column()
     if w is not None:
-        table.add_row("warm-up", f"{w['steps']} steps, final loss {w['loss']:.4f}, "
+        stopped = (f" (stopped at greedy accuracy {w['stop_accuracy']:.1%} on training "
+                   f"problems)" if w.get("stopped_at") else "")
+        table.add_row("warm-up", f"{w['steps']} steps{stopped}, final loss {w['loss']:.4f}, "
                                  f"{w['samples_per_s']:.0f} samples/s")
         if "eval" in w:
             table.add_row("held-out accuracy", f"{w['eval']['accuracy']:.1%}")

@@ -195,6 +195,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     last = stopped_at or cfg.train.steps
     steps_run = last - first
     summary = {"steps": last, "loss": last_metrics.get("loss"), "stopped_at": stopped_at,
+               "stop_accuracy": last_metrics.get("check_accuracy"),
                "checkpoint": str(ckpt.path / str(ckpt.latest_step())),
                "samples_per_s": steps_run * cfg.train.batch_size / seconds if steps_run else 0.0,
                "seconds": seconds}
