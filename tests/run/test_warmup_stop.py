@@ -87,8 +87,8 @@ def test_the_stop_is_checked_on_what_the_saved_weights_answer(stopped):
 def test_the_saved_weights_are_those_of_a_warm_up_that_long(stopped, tmp_path):
     stop = [r["step"] for r in rows(stopped) if "check_accuracy" in r][-1]
     plain = tmp_path / "plain"
-    one_device.train("configs/demo_cpu.yaml", BASE + [f"train.steps={stop}", "rl.steps=0"],
-                     plain)
+    one_device.train("configs/demo_cpu.yaml", BASE + [f"train.steps={stop}", "rl.steps=0",
+                                                      "train.stop_at_accuracy=0"], plain)
 
     def params(run_dir, step):
         with ocp.CheckpointManager(run_dir / "checkpoints") as manager:
