@@ -9,14 +9,15 @@ import pytest
 from jaxrl.config import ConfigError, load_run_config
 from tests.run import one_device
 
-# A 0.1M-parameter model, 60 warm-up steps (enough to learn the call format, not the sums),
-# 3 RL steps. Zero-advantage groups are kept, so steps are fed whatever the model solves.
+# A 0.1M-parameter model, 60 warm-up steps (enough to learn the call format, not the sums;
+# without the config's accuracy checks, whose engine would add its own compilation), 3 RL
+# steps. Zero-advantage groups are kept, so steps are fed whatever the model solves.
 SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192",
          "model.head_dim=16", "train.steps=60", "train.batch_size=32", "train.log_every=20",
-         "train.eval_problems=8", "train.check_problems=16", "checkpoint.every=1000",
-         "log.progress=false",
-         "rl.steps=3", "rl.prompts_per_step=4", "rl.group_size=4", "rl.slots=16",
-         "rl.microbatch_rows=8", "rl.filter_zero_advantage=false", "rl.filter_overlong=false",
+         "train.eval_problems=8", "train.stop_at_accuracy=0", "checkpoint.every=1000",
+         "log.progress=false", "rl.steps=3", "rl.prompts_per_step=4", "rl.group_size=4",
+         "rl.slots=16", "rl.microbatch_rows=8", "rl.filter_zero_advantage=false",
+         "rl.filter_overlong=false",
          "rl.eval_every=0"]
 
 
@@ -24,9 +25,6 @@ def test_multi_turn_config_trains_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     one_device.train("configs/tool_calc_cpu.yaml", SMALL, run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    # The config's accuracy checks (every 25 steps) ran, as greedy multi-turn episodes.
-    checks = [(r["step"], r["check_accuracy"]) for r in rows if "check_accuracy" in r]
-    assert checks and checks[0][0] == 25 and all(0 <= a <= 1 for _, a in checks), checks
     rl = [r for r in rows if r.get("phase") == "rl" and "loss" in r]
     assert [r["step"] for r in rl] == [61, 62, 63]
     assert all(r["trained_tokens"] > 0 for r in rl)
