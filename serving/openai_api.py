@@ -9,7 +9,9 @@ same weights (in-flight updates included). A request that names a trajectory (he
 KV pages of its previous turn (serving/trajectories.py); `GET /v1/trajectories/{id}` reads a
 trajectory back and `DELETE` ends it. Every sampled token's log-prob is the engine's own,
 the one RL trains with; only the sampled token's is known, so `logprobs` above 1 (completions)
-and `top_logprobs` above 0 (chat) are refused rather than answered with fewer.
+and `top_logprobs` above 0 (chat) are refused rather than answered with fewer. A text prompt
+to `/v1/completions` begins with BOS when the tokenizer has one, as jaxrl prompts models
+everywhere (and as vLLM does for Llama-style tokenizers); a prompt of token ids is taken as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxrl.models.tokenizer import prompt_ids
 from serving.orchestrator import InvalidRequest, QueueFull
 from serving.sampling import SamplingParams
 from serving.stream import TokenEvent
@@ -136,9 +139,15 @@ class _Choice:
 class OpenAIApp:
     """The FastAPI app (`.app`) over `generation` (submit, validate) and its tokenizer."""
 
-    def __init__(self, generation, tokenizer, model_name: str, max_len: int):
+    def __init__(self, generation, tokenizer, model_name: str, max_len: int, *,
+                 trained_temperature: float | None = None):
+        """`max_len`: the most tokens a sequence may hold, its prompt included.
+        `trained_temperature`: requests recorded into a trajectory must sample the policy a
+        trainer trains (this temperature, top_p 1, top_k 0), or their log-probs would not be
+        its behaviour log-probs; refused with 400 otherwise. None: any sampling."""
         self.generation, self.tokenizer = generation, tokenizer
         self.model_name, self.max_len = model_name, max_len
+        self.trained_temperature = trained_temperature
         self.trajectories = TrajectoryStore(tokenizer)
         self.app = app = FastAPI(title="jaxrl", docs_url=None, redoc_url=None)
         app.add_exception_handler(OpenAIError, lambda _, e: e.response())
@@ -202,13 +211,20 @@ class OpenAIApp:
         return self._respond(body, [ids], limit, "chat.completion", logprobs=body.logprobs,
                              key=key)
 
-    @staticmethod
-    def _trajectory(body, request: Request, prompts: int) -> str | None:
+    def _trajectory(self, body, request: Request, prompts: int) -> str | None:
         """The trajectory the request is recorded into, if it names one."""
         key = request.headers.get("x-trajectory-id") or body.user
-        if key is not None and (body.n != 1 or prompts != 1):
+        if key is None:
+            return None
+        if body.n != 1 or prompts != 1:
             raise OpenAIError(400, f"a request recorded into trajectory {key!r} has one prompt "
                               f"and n=1 (got {prompts} prompts, n={body.n})", "n")
+        t = self.trained_temperature
+        if t is not None and (body.temperature != t or body.top_p != 1 or body.top_k != 0):
+            raise OpenAIError(400, f"trajectory {key!r} is recorded for training, which samples "
+                              f"at temperature={t}, top_p=1, top_k=0 (the trained policy); got "
+                              f"temperature={body.temperature}, top_p={body.top_p}, "
+                              f"top_k={body.top_k}", "temperature")
         return key
 
     # -- shared --------------------------------------------------------------------------------
@@ -222,7 +238,7 @@ class OpenAIApp:
         out = []
         for p in prompt:
             try:
-                ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                ids = prompt_ids(self.tokenizer, p) if isinstance(p, str) else list(p)
             except ValueError as e:
                 raise OpenAIError(400, f"prompt: {e}", "prompt") from None
             if not ids:
@@ -247,6 +263,11 @@ class OpenAIApp:
             except (ValueError, InvalidRequest) as e:
                 raise OpenAIError(400, str(e), "max_tokens" if "max_tokens" in str(e)
                                   else "prompt") from None
+            if len(ids) + limit > self.max_len:     # below the engine's own limit
+                raise OpenAIError(400, f"max_tokens={limit} is over the limit: a {len(ids)}-"
+                                  f"token prompt leaves room for {self.max_len - len(ids)} "
+                                  f"(sequences end at {self.max_len} tokens)",
+                                  "max_tokens" if len(ids) < self.max_len else "prompt")
             samplings.append(sampling)
         try:
             streams = [self.generation.submit(ids, s, session=key)

@@ -41,7 +41,7 @@ _HEAVY_FIRST = ["sharding/test_tpu_aot.py", "run/test_rl.py", "colab/test_notebo
                 "serving/test_paged.py", "run/test_fleet_rl.py", "test_serve.py",
                 "reliability/test_sigkill.py", "reliability/test_load.py",
                 "run/test_multihost.py", "sharding/test_pipeline.py", "run/test_tool_calc.py",
-                "run/test_long_tail.py", "run/test_warmup_stop.py"]
+                "run/test_long_tail.py", "run/test_warmup_stop.py", "run/test_agents.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -9,15 +9,14 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from jaxrl.models.tokenizer import Tokenizer
+from jaxrl.models.tokenizer import Tokenizer, prompt_ids
 from jaxrl.rl.tasks.base import Task
 
 
 def encode_example(task: Task, tokenizer: Tokenizer, rng: np.random.Generator,
                    seq_len: int) -> dict[str, np.ndarray]:
     problem = task.warmup_sample(rng)
-    prompt = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + \
-        tokenizer.encode(problem.prompt)
+    prompt = prompt_ids(tokenizer, problem.prompt)
     answer = tokenizer.encode(problem.answer) + [tokenizer.eos_id]
     tokens = prompt + answer
     if len(tokens) > seq_len + 1:

@@ -19,6 +19,13 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A text prompt as jaxrl hands it to a model everywhere (warm-up examples, RL problems,
+    evaluation, the OpenAI endpoint): BOS, when the tokenizer has one, then the text's tokens."""
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    return bos + tokenizer.encode(text)
+
+
 class CharTokenizer:
     """One token per character of a fixed alphabet, after three specials: pad=0, bos=1, eos=2."""
 

@@ -47,6 +47,33 @@ class GenerationConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """An external agent program that produces the rollouts instead of the task's own
+    environment (jaxrl/run/agents.py): any program written against an OpenAI client, run as
+    `workers` processes that take episodes as JSON lines on stdin and report their rewards on
+    stdout. Held-out evaluation still uses the task's own environment."""
+
+    command: tuple[str, ...] = ()     # the program and its arguments; empty: no agent
+    workers: int = 1                  # agent processes
+    episodes_per_worker: int = 8      # episodes a worker is given at once
+    timeout_s: float = 300.0          # an episode not reported by then is dropped (counted)
+    restarts: int = 3                 # a worker that exits is restarted; after this many exits
+    #                                   in a row with no episode finished, the run stops
+
+    def __post_init__(self):
+        for name in ("workers", "episodes_per_worker"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rl.agent.{name}={getattr(self, name)} must be >= 1")
+        if self.timeout_s <= 0:
+            raise ValueError(f"rl.agent.timeout_s={self.timeout_s} must be > 0")
+        if self.restarts < 0:
+            raise ValueError(f"rl.agent.restarts={self.restarts} must be >= 0")
+        if any(not isinstance(a, str) or not a for a in self.command):
+            raise ValueError(f"rl.agent.command={list(self.command)} must be a list of "
+                             f"non-empty strings (the program, then its arguments)")
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
     """RL after the supervised warm-up (the first train.steps optimizer steps)."""
 
@@ -113,6 +140,7 @@ class RLConfig:
     # RL's own optimizer, fresh at the start of RL: warm-up and cosine decay over rl.steps.
     optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=50)
     generation: GenerationConfig = GenerationConfig()
+    agent: AgentConfig = AgentConfig()
 
     def __post_init__(self):
         for name in ("prompts_per_step", "max_prompt_len", "max_new_tokens", "max_turns",
@@ -141,6 +169,10 @@ class RLConfig:
             raise ValueError("rl.mode=partial pauses the engine while the trainer steps, which "
                              "only an in-process engine can do; with rl.generation.servers use "
                              "rl.mode=async or rl.mode=sync")
+        if self.agent.command and self.generation.remote:
+            raise ValueError("rl.agent runs its agents against this process's engine (an "
+                             "OpenAI endpoint on 127.0.0.1); it cannot be combined with "
+                             "rl.generation.servers")
         if 0 < self.max_episode_tokens < self.max_new_tokens:
             raise ValueError(f"rl.max_episode_tokens={self.max_episode_tokens} is below one "
                              f"turn's rl.max_new_tokens={self.max_new_tokens}")
@@ -169,7 +201,9 @@ class RLConfig:
     def prefill_len(self) -> int:
         """The longest prompt the engine is given: a multi-turn episode's later turns are
         prompted with its history (only what the kept pages lack is prefilled)."""
-        return self.max_prompt_len if self.max_turns == 1 else self.sample_len - 1
+        if self.max_turns == 1 and not self.agent.command:
+            return self.max_prompt_len
+        return self.sample_len - 1      # an agent's later turns are prompted with its history
 
     @property
     def sample_len_names(self) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxrl.config import ConfigError
 from jaxrl.data.rollouts import Rollout, RolloutLog
-from jaxrl.models.tokenizer import Tokenizer
+from jaxrl.models.tokenizer import Tokenizer, prompt_ids
 from jaxrl.rl.advantages import group_advantages, keep_group
 from jaxrl.rl.config import RLConfig
 from jaxrl.rl.env import Trajectory, is_multi_turn
@@ -40,10 +40,14 @@ class Actor:
     def __init__(self, generation: Generation, task: Task, tokenizer: Tokenizer,
                  log: RolloutLog, cfg: RLConfig, *, seed: int, next_problem: int = 0,
                  redo: tuple[int, ...] = (), carry: dict[int, list[Sample]] | None = None,
-                 stats: dict | None = None, warn: Callable[[str], None] = print):
+                 stats: dict | None = None, warn: Callable[[str], None] = print,
+                 agents=None):
         """`redo`: the groups in flight when the run was saved, submitted first; `carry`: what
-        had been generated of them (see `snapshot`), continued rather than regenerated."""
+        had been generated of them (see `snapshot`), continued rather than regenerated.
+        `agents`: external agent programs run the episodes (jaxrl/run/agents.py) instead of the
+        task's environment."""
         self.generation = generation
+        self.agents = agents
         self.task = task
         self.tokenizer = tokenizer
         self.log = log
@@ -80,8 +84,7 @@ class Actor:
             else:
                 index, self.next_problem = self.next_problem, self.next_problem + 1
             problem = self.problem(index)
-            bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
-            prompt = bos + self.tokenizer.encode(problem.prompt)
+            prompt = prompt_ids(self.tokenizer, problem.prompt)
             if len(prompt) > self.cfg.max_prompt_len:
                 self.stats["prompts_too_long"] += 1
                 self._skipped_in_a_row += 1
@@ -95,7 +98,10 @@ class Actor:
             self._in_flight[index] = self.cfg.group_size
             carry = self._carry.get(index)
         seed = (self.seed * 1_000_003 + index) % 2**32
-        if is_multi_turn(self.task):
+        if self.agents is not None:
+            stream = self.agents.group(problem, self.cfg, index=index, seed=seed)
+            collect = self._collect_episodes
+        elif is_multi_turn(self.task):
             stream = EpisodeGroup(self.generation, self.task, self.tokenizer, problem, prompt,
                                   self.cfg, seed=seed, state=carry)
             collect = self._collect_episodes
@@ -129,6 +135,7 @@ class Actor:
         rollouts, trajectories = [], None
         try:
             trajectories = group.run()      # None: cut short, stays in flight
+            self.stats["dropped_agent"] += len(getattr(group, "failures", ()))
             if trajectories is not None:
                 rollouts = self._score_episodes(index, trajectories)
         except BaseException as e:
@@ -183,8 +190,8 @@ class Actor:
 
     def _kept(self, rewards: np.ndarray, samples: list) -> list[Rollout]:
         """The group's rollouts after the filters: `samples` are (finish reason, rollout given
-        its advantage) in order."""
-        if self.cfg.filter_zero_advantage and not keep_group(rewards):
+        its advantage) in order. A group an agent left with one episode has no baseline."""
+        if len(rewards) < 2 or (self.cfg.filter_zero_advantage and not keep_group(rewards)):
             self.stats["dropped_zero_advantage"] += len(samples)
             return []
         advantages = group_advantages(rewards[None], normalize_std=self.cfg.normalize_std)[0]
@@ -248,6 +255,7 @@ class Actor:
             self._warn(f"actor: no rollout kept for {idle:.0f} s; {s['groups']} groups kept, "
                        f"dropped: {s['dropped_zero_advantage']} zero-advantage, "
                        f"{s['dropped_overlong']} overlong (rl.filter_overlong), "
+                       f"{s['dropped_agent']} lost by the agents, "
                        f"{s['prompts_too_long']} prompts too long")
             self._last_progress = time.monotonic()
 

@@ -9,7 +9,7 @@ import contextlib
 import math
 from typing import Sequence
 
-from jaxrl.models.tokenizer import Tokenizer
+from jaxrl.models.tokenizer import Tokenizer, prompt_ids
 from jaxrl.models.transformer import Transformer, split_params
 from jaxrl.rl.config import RLConfig
 from jaxrl.rl.env import is_multi_turn
@@ -128,5 +128,4 @@ def local_engine(model: Transformer, eos_id: int | None, longest_prompt: int,
 
 
 def _prompts(problems, tokenizer: Tokenizer) -> list[list[int]]:
-    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-    return [bos + tokenizer.encode(p.prompt) for p in problems]
+    return [prompt_ids(tokenizer, p.prompt) for p in problems]

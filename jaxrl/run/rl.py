@@ -30,6 +30,7 @@ from jaxrl.data.pipeline import pack, rl_batches
 from jaxrl.data.rollouts import Rollout, RolloutLog, source_position
 from jaxrl.run import generation
 from jaxrl.run.actor import Actor
+from jaxrl.run.agents import Agents
 from jaxrl.run.evaluate import evaluate
 from jaxrl.run.lockstep import Lockstep
 from jaxrl.run.metrics import MetricsLogger
@@ -138,13 +139,23 @@ def _lead(cfg: RunConfig, model_cfg, trainer: RLTrainer, lockstep: Lockstep, wei
     step = trainer.step
     gen = generation.start(cfg, model_cfg, tokenizer, first_weights, step, engine_devices, log)
     fleet, publisher = gen.fleet, gen.publisher
+    agents = None
+    if rl.agent.command:
+        try:
+            agents = Agents(rl, gen.local, tokenizer, "jaxrl", Path(cfg.run_dir), warn=log)
+        except BaseException:
+            gen.close()
+            raise
+        log(f"agents: {rl.agent.workers} x {list(rl.agent.command)} against {agents.url} "
+            f"(their stderr: {Path(cfg.run_dir) / 'agents'})")
     data = trainer.data or {"position": 0, "rollouts": [], "redo": [], "next_problem": 0,
                             "iterator": None, "time_s": 0.0, "eval_before": None}
     rollout_log = RolloutLog(data["position"],
                              [Rollout.from_json(r) for r in data["rollouts"]])
     actor = Actor(fleet, task, tokenizer, rollout_log, rl, seed=cfg.train.seed,
                   next_problem=data["next_problem"], redo=tuple(data["redo"]),
-                  carry=Actor.carry_from(data), stats=data.get("stats"), warn=log)
+                  carry=Actor.carry_from(data), stats=data.get("stats"), warn=log,
+                  agents=agents)
     actor.notify_trained(data["position"])
     trainer_step = [step]
     # One process: batches go onto the trainer's devices in the pipeline's thread. Several:
@@ -244,6 +255,8 @@ def _lead(cfg: RunConfig, model_cfg, trainer: RLTrainer, lockstep: Lockstep, wei
     finally:
         progress.close()
         actor.stop()
+        if agents is not None:
+            agents.close()
         rollout_log.close()
         gen.close()
         _close(batches)

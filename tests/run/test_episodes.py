@@ -141,6 +141,7 @@ def test_the_example_openai_agent_runs_episodes_through_the_endpoint(engine):
     greedy, the same episode twice."""
     import importlib.util
 
+    import httpx
     import openai
 
     from serving.openai_api import OpenAIApp, start_http
@@ -155,11 +156,59 @@ def test_the_example_openai_agent_runs_episodes_through_the_endpoint(engine):
         try:
             url = f"http://127.0.0.1:{port}/v1"
             client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
-            results = [agent.episode(client, url, 37, 45, 12, max_turns=3) for _ in range(2)]
+            results, records = [], []
+            for i in range(2):
+                results.append(agent.episode(client, "37*45+12=", f"ex-{i}", max_turns=3))
+                records.append(httpx.delete(f"{url}/trajectories/ex-{i}").json())
+            assert httpx.get(f"{url}/trajectories/ex-0").status_code == 404      # ended
         finally:
             server.should_exit = True
     assert results[0] == results[1]                      # greedy: the same episode
-    e = results[0]
-    assert e["transcript"].startswith("37*45+12=") and e["model_tokens"] > 0
-    assert e["other_tokens"] >= len(TOKENIZER.encode("37*45+12=")) \
-        and e["versions"] == [engine.version]      # the module's engine was updated once
+    assert records[0]["tokens"] == records[1]["tokens"]
+    e, record = results[0], records[0]
+    assert e["transcript"].startswith("37*45+12=") and sum(record["trained"]) > 0
+    # the text prompt begins with BOS, as the trainer's prompts do
+    assert record["prompt"] == [TOKENIZER.bos_id] + TOKENIZER.encode("37*45+12=")
+    assert e["transcript"].startswith(TOKENIZER.decode(record["prompt"] + record["tokens"]))
+    assert set(record["versions"]) == {engine.version}   # the module's engine was updated once
+
+
+def test_agents_episodes_carry_the_trained_policys_tokens_and_logprobs(engine, params, tmp_path):
+    """A group run by the example agent in worker mode (jaxrl/run/agents.py) at temperature 1:
+    each trajectory's model tokens carry the log-probs a plain forward pass of the served
+    weights gives them at that temperature; everything else is the agent's own text (its
+    tool results), untrained; a request at another temperature is refused."""
+    import dataclasses
+    import re
+    import sys
+
+    import httpx
+    import jax
+
+    from jaxrl.models import merge_params
+    from jaxrl.rl.config import AgentConfig
+    from jaxrl.run.agents import Agents
+
+    cfg = dataclasses.replace(RL, temperature=1.0, agent=AgentConfig(
+        command=(sys.executable, "examples/tool_calc_agent.py", "--worker")))
+    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+        agents = Agents(cfg, o, TOKENIZER, "jaxrl", tmp_path, warn=print)
+        try:
+            group = agents.group(PROBLEM, cfg, index=0, seed=1)
+            trajectories = group.run()
+            refused = httpx.post(f"{agents.url}/completions", json={
+                "prompt": "1+1=", "max_tokens": 2, "temperature": 0.5, "user": "other"})
+        finally:
+            agents.close()
+    assert refused.status_code == 400 and "temperature=1.0" in refused.text
+    assert len(trajectories) == cfg.group_size and not group.failures
+    model = merge_params(engine.graphdef, params)
+    for t in trajectories:
+        assert t.prompt == PROMPT and 1 <= len(t.turns) <= cfg.max_turns
+        assert len(t.history) <= cfg.sample_len and t.rewards == [0.0]   # a random model
+        logp = jax.nn.log_softmax(np.asarray(model(np.asarray([t.history[:-1]])))[0], -1)
+        at = [len(PROMPT) + i for i, trained in enumerate(t.trained) if trained]
+        np.testing.assert_allclose([t.logprobs[i - len(PROMPT)] for i in at],
+                                   [logp[i - 1, t.history[i]] for i in at], atol=1e-4)
+        env = [TOKENIZER.decode(t.tokens[i] for i in range(len(t.tokens)) if not t.trained[i])]
+        assert all(re.fullmatch(r"(;?=[-0-9?]*;)*", text) for text in env), env

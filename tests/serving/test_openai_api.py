@@ -57,7 +57,7 @@ def _greedy(orchestrator, ids, max_tokens):
 def test_completion_equals_the_engines_greedy_tokens_and_logprobs(served, tokenizer):
     client, o, _ = served
     prompt = "w3 w7 w1 w20 w9"
-    want = _greedy(o, tokenizer.encode(prompt), 12)
+    want = _greedy(o, [tokenizer.bos_id] + tokenizer.encode(prompt), 12)   # BOS first
     got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
                                     logprobs=1)
     choice = got.choices[0]
@@ -65,7 +65,7 @@ def test_completion_equals_the_engines_greedy_tokens_and_logprobs(served, tokeni
     assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in want.tokens]
     np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs, atol=1e-6)
     assert choice.finish_reason == {"eos": "stop", "length": "length"}[want.finish_reason]
-    assert got.usage.prompt_tokens == 5 and got.usage.completion_tokens == len(want.tokens)
+    assert got.usage.prompt_tokens == 6 and got.usage.completion_tokens == len(want.tokens)
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
@@ -92,7 +92,8 @@ def test_seeded_samples_repeat_and_n_gives_n_choices(served):
 
 def test_stop_string_cuts_the_text(served, tokenizer):
     client, o, _ = served
-    full = tokenizer.decode(_greedy(o, tokenizer.encode("w5 w11"), 12).tokens).split()
+    full = tokenizer.decode(_greedy(o, [tokenizer.bos_id] + tokenizer.encode("w5 w11"),
+                                    12).tokens).split()
     stop = next(w for w in full[2:] if w not in full[:2])      # first shows at index >= 2
     got = client.completions.create(model="tiny", prompt="w5 w11", max_tokens=12,
                                     temperature=0, stop=[stop]).choices[0]
