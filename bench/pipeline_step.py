@@ -39,6 +39,7 @@ from jaxrl.models import ModelConfig, Transformer, abstract_model, param_axes  #
 from jaxrl.models.transformer import split_params  # noqa: E402
 from jaxrl.train.objectives import PolicyGradientLoss  # noqa: E402
 from jaxrl.train.step import loss_and_grads  # noqa: E402
+from sharding.layer_order import LayerOrder  # noqa: E402
 from sharding import mesh as shd  # noqa: E402
 from sharding import schedules as sch  # noqa: E402
 from sharding.offload import layer_stack  # noqa: E402
@@ -154,14 +155,25 @@ def main() -> None:
             bubble = weighted = pipe.bubble_fraction()
             peak = str(args.microbatches * repeats) if schedule == "circular" else \
                 str(args.microbatches)
-        step = jax.jit(lambda p, b, pipe=pipe: loss_and_grads(
-            graphdef, p, b, remat=args.remat, pipeline=pipe, mesh=mesh)[:2],
+        ordered, placed = in_pipeline_order(pipe, params, param_sh, args.layers)
+        step = jax.jit(lambda p, b, pipe=pipe, ordered=ordered: loss_and_grads(
+            graphdef, p, b, remat=args.remat, pipeline=pipe, mesh=mesh,
+            pipeline_order=ordered)[:2],
             in_shardings=(param_sh, shd.batch_sharding(mesh, 3, leading=1)))
-        best = best_time(step, params, batch, repeat=args.repeat)
+        best = best_time(step, placed, batch, repeat=args.repeat)
         base = base or best
         name = schedule if repeats == 1 else f"{schedule}, {repeats} repeats"
         print(f"| {name} | {bubble:.1%} | {weighted:.1%} | {peak} | {best * 1e3:.0f} | "
               f"{best / base:.2f} |")
+
+
+def in_pipeline_order(pipe, params, param_sh, layers):
+    """(whether the stack is permuted, the parameters as the trainer keeps them for `pipe`:
+    in its layer order, sharding/layer_order.py)."""
+    order = LayerOrder.for_pipeline(pipe, layers)
+    if order is None:
+        return False, params
+    return True, jax.device_put(order.to_pipeline(params), param_sh)
 
 
 def pipefill(args, graphdef, params, param_sh, batch, mesh, costs) -> None:
@@ -184,13 +196,17 @@ def pipefill(args, graphdef, params, param_sh, batch, mesh, costs) -> None:
         weights = table_costs(base, costs)
         modelled = sch.weighted_makespan(filled, weights) / sch.weighted_makespan(base, weights)
         times = []
+        ordered, placed = in_pipeline_order(pipe, params, param_sh, args.layers)
+        _, ref_placed = in_pipeline_order(pipe, ref_params, param_sh, args.layers)
         for kl in (0.0, 0.1):
             objective = PolicyGradientLoss(kind="ppo", kl_coef=kl)
-            step = jax.jit(lambda p, b, r, pipe=pipe, objective=objective: loss_and_grads(
-                graphdef, p, b, objective, r, remat=args.remat, pipeline=pipe, mesh=mesh)[:2],
-                in_shardings=(param_sh, shd.batch_sharding(mesh, 3, leading=1),
-                              None if kl == 0 else param_sh))
-            times.append(best_time(step, params, batch, ref_params if kl else None,
+            step = jax.jit(lambda p, b, r, pipe=pipe, objective=objective, ordered=ordered:
+                           loss_and_grads(graphdef, p, b, objective, r, remat=args.remat,
+                                          pipeline=pipe, mesh=mesh,
+                                          pipeline_order=ordered)[:2],
+                           in_shardings=(param_sh, shd.batch_sharding(mesh, 3, leading=1),
+                                         None if kl == 0 else param_sh))
+            times.append(best_time(step, placed, batch, ref_placed if kl else None,
                                    repeat=args.repeat))
         name = schedule if repeats == 1 else f"{schedule}, {repeats} repeats"
         print(f"| {name} | {base.ticks} | {filled.ticks} | {sch.absorbed(base, filled):.0%} | "

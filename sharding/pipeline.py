@@ -217,10 +217,12 @@ def pipeline_forward(cfg: PipelineConfig, block_fn: Callable, w_PV, x_MbTD, aux_
     return out
 
 
-def pipelined_stack(cfg: PipelineConfig, stack_fn: Callable, mesh: Mesh | None = None):
+def pipelined_stack(cfg: PipelineConfig, stack_fn: Callable, mesh: Mesh | None = None,
+                    pipeline_order: bool = False):
     """A model `stack_fn` (jaxrl.models.transformer.run_layers's signature) that runs the layer
     stack as a gpipe or circular pipeline; `stack_fn` runs one block's layers (it carries the
-    remat policy)."""
+    remat policy). `pipeline_order`: the stack is stored in pipeline order
+    (sharding/layer_order.py), so laying it out on the stages is a reshape."""
 
     def stack(model_cfg, stacked, x_BTD, positions_BT, segment_ids_BT=None):
         m = cfg.microbatches
@@ -230,7 +232,10 @@ def pipelined_stack(cfg: PipelineConfig, stack_fn: Callable, mesh: Mesh | None =
 
         aux = (to_microbatches(positions_BT, m),
                None if segment_ids_BT is None else to_microbatches(segment_ids_BT, m))
-        out = pipeline_forward(cfg, block, to_stages(stacked, cfg.stages, cfg.repeats),
+        w_PV = (jax.tree.map(lambda a: a.reshape(cfg.stages, cfg.repeats, -1, *a.shape[1:]),
+                             stacked) if pipeline_order
+                else to_stages(stacked, cfg.stages, cfg.repeats))
+        out = pipeline_forward(cfg, block, w_PV,
                                to_microbatches(x_BTD, m), aux, mesh)
         return from_microbatches(out)
 

@@ -73,6 +73,18 @@ def to_stage_chunks(stacked: dict, sched: sch.Schedule) -> dict:
     return jax.tree.map(split, stacked)
 
 
+def stage_view(stacked: dict, sched: sch.Schedule) -> dict:
+    """[L, ...] layer parameters already in pipeline order (sharding/layer_order.py) ->
+    [P, V, L/K, ...], as `to_stage_chunks` lays out canonical ones: a reshape, no data moves."""
+    return jax.tree.map(lambda a: a.reshape(sched.stages, sched.chunks_per_stage,
+                                            a.shape[0] // sched.chunks, *a.shape[1:]), stacked)
+
+
+def flat_view(g_PV: dict) -> dict:
+    """Inverse of `stage_view`."""
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), g_PV)
+
+
 def from_stage_chunks(g_PV: dict, sched: sch.Schedule) -> dict:
     """Inverse of `to_stage_chunks`."""
     inverse = np.argsort(chunk_order(sched).reshape(-1))

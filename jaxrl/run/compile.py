@@ -18,6 +18,7 @@ from jaxrl.train.optim import lr_schedule, make_optimizer
 from jaxrl.train.step import abstract_state, jit_train_step, state_shardings
 from sharding import mesh as shd
 from sharding.aot import tpu_devices
+from sharding.layer_order import LayerOrder
 
 # HBM per chip, bytes.
 HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
@@ -52,9 +53,11 @@ def compile_train_step(cfg: RunConfig, topology: str) -> dict:
                                 offload_optimizer=cfg.train.offload_optimizer)
     state = abstract_state(model_cfg, tx, shardings)
     graphdef, _ = split_params(abstract_model(model_cfg))
+    order = LayerOrder.for_pipeline(cfg.sharding.pipeline, model_cfg.num_layers)
     step = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(cfg.optim, 1),
                           remat=cfg.train.remat, pipeline=cfg.sharding.pipeline,
-                          objective=SupervisedLoss(cfg.train.logits_chunk))
+                          objective=SupervisedLoss(cfg.train.logits_chunk),
+                          pipeline_order=order is not None)   # as the trainer runs it
     t = cfg.train
     shape = (t.microbatches, t.batch_size // t.microbatches, t.seq_len)
     sharding = shd.batch_sharding(mesh, 3, leading=1)

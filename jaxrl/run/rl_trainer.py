@@ -18,6 +18,7 @@ from jaxrl.train.step import (abstract_state, init_state, make_train_step,
                               optimizer_on_device, state_shardings)
 from sharding import hosts
 from sharding import mesh as shd
+from sharding.layer_order import LayerOrder, converter
 
 
 def make_objective(cfg: RunConfig) -> PolicyGradientLoss:
@@ -45,15 +46,22 @@ class RLTrainer:
                                     offload_optimizer=cfg.train.offload_optimizer)
         if rl.kl_coef > 0:
             shardings["ref_params"] = shardings["params"]
-        self.data, self.state = self._restore_or_init(cfg, model_cfg, tx, shardings, log)
+        # Checkpoints and weight pushes hold the canonical layer order; the state, the
+        # pipeline's (sharding/layer_order.py).
+        order = LayerOrder.for_pipeline(cfg.sharding.pipeline, model_cfg.num_layers)
+        on_device = optimizer_on_device(shardings)
+        self._to_canonical = converter(order, "canonical", shardings, on_device)
+        self._canonical_params = converter(order, "canonical", shardings["params"])
+        self.data, state = self._restore_or_init(cfg, model_cfg, tx, shardings, log)
+        self.state = converter(order, "pipeline", shardings, on_device)(state)
         self.restarted = self.data is None
         graphdef, _ = split_params(abstract_model(model_cfg))
         self.batch_sharding = shd.batch_sharding(mesh, 3, leading=1)
         self._step_fn = jax.jit(
             make_train_step(graphdef, tx, lambda s: schedule(s - first_rl),
                             make_objective(cfg), remat=cfg.train.remat,
-                            pipeline=cfg.sharding.pipeline, mesh=mesh,
-                            opt_device=optimizer_on_device(shardings)),
+                            pipeline=cfg.sharding.pipeline, mesh=mesh, opt_device=on_device,
+                            pipeline_order=order is not None),
             in_shardings=(shardings, self.batch_sharding),
             out_shardings=(shardings, shd.replicated(mesh)), donate_argnums=0)
         self.step = int(self.state["step"])
@@ -105,7 +113,8 @@ class RLTrainer:
 
     @property
     def params(self):
-        return self.state["params"]
+        """The parameters in canonical layer order (what the engines serve)."""
+        return self._canonical_params(self.state["params"])
 
     def train(self, arrays) -> dict:
         """One optimizer step on a batch's arrays; its metrics (host floats). On several
@@ -128,7 +137,7 @@ class RLTrainer:
         return hosts.fully_addressable(self._cast(self.params))
 
     def save(self, config: dict, data: dict) -> None:
-        self.ckpt.save(self.state, config, data=data)
+        self.ckpt.save(self._to_canonical(self.state), config, data=data)
 
     def close(self) -> None:
         self.ckpt.wait()

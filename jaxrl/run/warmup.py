@@ -30,8 +30,10 @@ from jaxrl.run.warmup_stop import AccuracyStop
 from jaxrl.train.checkpoint import CheckpointError, Checkpointer
 from jaxrl.train.objectives import SupervisedLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
-from jaxrl.train.step import abstract_state, init_state, jit_train_step, state_shardings
+from jaxrl.train.step import (abstract_state, init_state, jit_train_step,
+                              optimizer_on_device, state_shardings)
 from sharding.hosts import fully_addressable, global_batch, local_box
+from sharding.layer_order import LayerOrder, converter
 from sharding.mesh import batch_sharding, data_parallel_size, make_mesh
 
 
@@ -116,6 +118,12 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     shardings = state_shardings(model_cfg, tx, mesh,
                                 offload_optimizer=cfg.train.offload_optimizer)
+    # Checkpoints hold the canonical layer order; the state, the pipeline's
+    # (sharding/layer_order.py).
+    order = LayerOrder.for_pipeline(cfg.sharding.pipeline, model_cfg.num_layers)
+    on_device = optimizer_on_device(shardings)
+    to_canonical = converter(order, "canonical", shardings, on_device)
+    canonical_params = converter(order, "canonical", shardings["params"])
     if latest is not None:
         target = abstract_state(model_cfg, tx, shardings)
 
@@ -132,10 +140,12 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
             params = split_params(from_hf(cfg.hf_path, model_cfg.dtype,
                                           param_dtype=model_cfg.param_dtype))[1]
         state = init_state(model_cfg, tx, shardings, cfg.train.seed, params)
+    state = converter(order, "pipeline", shardings, on_device)(state)
     graphdef, _ = split_params(abstract_model(model_cfg))
     step_fn = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(cfg.optim, cfg.train.steps),
                              remat=cfg.train.remat, pipeline=cfg.sharding.pipeline,
-                             objective=SupervisedLoss(cfg.train.logits_chunk))
+                             objective=SupervisedLoss(cfg.train.logits_chunk),
+                             pipeline_order=order is not None)
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +167,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
             local = {k: v.reshape(*rows.shape, *v.shape[1:]) for k, v in dataset[step].items()}
             state, metrics = step_fn(state, global_batch(local, batch_shard,
                                                          dict.fromkeys(local, shape)))
-            accuracy = stop.check(step + 1, state["params"])
+            accuracy = stop.check(step + 1, lambda: canonical_params(state["params"]))
             if accuracy is not None:
                 metrics["check_accuracy"] = accuracy
                 log(f"step {step + 1:>5}  greedy accuracy {accuracy:.1%} on "
@@ -184,7 +194,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
                 log(f"step {s:>5}  loss {row['loss']:.4f}  token_acc "
                     f"{row['token_accuracy']:.3f}  lr {row['lr']:.2e}")
             if save_now:
-                ckpt.save(state, config_dict)
+                ckpt.save(to_canonical(state), config_dict)
             if stopped_at is not None:
                 break
     finally:
@@ -200,7 +210,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
                "samples_per_s": steps_run * cfg.train.batch_size / seconds if steps_run else 0.0,
                "seconds": seconds}
     if cfg.train.eval_problems and evaluate_at_end:
-        model = merge_params(graphdef, fully_addressable(state["params"]))
+        model = merge_params(graphdef, fully_addressable(canonical_params(state["params"])))
         summary["eval"] = evaluate_model(model, task, tokenizer, cfg.train.eval_problems,
                                          max_new_tokens=cfg.rl.max_new_tokens, rl=cfg.rl)
     ckpt.close()

@@ -9,6 +9,7 @@ amount of room whatever the seed."""
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import jax
 import numpy as np
@@ -40,10 +41,12 @@ class AccuracyStop:
         self._engines = contextlib.ExitStack()
         self._orchestrator = None
 
-    def check(self, step: int, params) -> float | None:
+    def check(self, step: int, params: Callable[[], dict]) -> float | None:
+        """Greedy accuracy at `step` if it is a check step (`params()`: the weights, asked for
+        only then), else None."""
         if not self.target or step % self.every or step >= self.last_step:
             return None
-        params = fully_addressable(params)   # a collective: every process takes part
+        params = fully_addressable(params())   # a collective: every process takes part
         accuracy = np.float32(self._decode(step, params) if is_leader() else 0.0)
         if jax.process_count() > 1:
             accuracy = multihost_utils.broadcast_one_to_all(accuracy)

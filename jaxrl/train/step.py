@@ -11,6 +11,7 @@ the whole global batch, so the accumulated gradient equals the one-shot gradient
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from typing import Callable
 
@@ -40,14 +41,16 @@ def _combine(name: str, a, b):
 
 def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_params=None,
                    remat: str = "none", pipeline: pp.PipelineConfig | None = None,
-                   mesh: Mesh | None = None):
+                   mesh: Mesh | None = None, pipeline_order: bool = False):
     """sum(loss_sum) / sum(weight) over the microbatches of `batch` ([M, ...] arrays), its
     gradient (accumulated in float32) and the objective's metrics.
 
     Without a pipeline the microbatches are a gradient-accumulation scan, and a microbatch with
     nothing to learn from (loss_mask all zero, e.g. padding of a packed RL step) is skipped.
     With one (`pipeline.stages > 1`) the whole batch goes through the pipeline schedule, split
-    into `pipeline.microbatches`."""
+    into `pipeline.microbatches`. `pipeline_order`: the layer stacks of `params` and
+    `ref_params` are in the pipeline's order (sharding/layer_order.py), and so is the
+    gradient's."""
     ref_model = None if ref_params is None else merge_params(graphdef, ref_params)
     stack = layer_stack(remat)
     if pipeline is not None and pipeline.enabled:
@@ -57,10 +60,11 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
             # backward ops: `full` remat already, so `full` adds no second recompute.
             stack = layer_stack(stage_programs.layer_remat(remat))
             loss, weight, stats, grads = _scheduled_grads(
-                graphdef, params, flat, objective, ref_params, stack, pipeline, mesh)
+                graphdef, params, flat, objective, ref_params, stack, pipeline, mesh,
+                pipeline_order)
         else:
             _check_nested_offload(remat, pipeline, mesh)
-            stack = pp.pipelined_stack(pipeline, stack, mesh)
+            stack = pp.pipelined_stack(pipeline, stack, mesh, pipeline_order)
 
             def batch_loss(p):
                 loss_sum, weight, stats = objective(merge_params(graphdef, p), flat, ref_model,
@@ -122,7 +126,8 @@ def _accumulated_grads(graphdef, params, batch, objective, ref_model, stack):
     return loss, weight, stats, grads
 
 
-def _scheduled_grads(graphdef, params, batch, objective, ref_params, stack, pipeline, mesh):
+def _scheduled_grads(graphdef, params, batch, objective, ref_params, stack, pipeline, mesh,
+                     pipeline_order):
     """The same four values as `_accumulated_grads`, by a per-stage schedule table
     (sharding/stage_programs.py): the embedding runs before the pipeline, the head (final
     norm, logits, objective) after the last chunk's forward on its stage, and the embedding's
@@ -169,18 +174,25 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, stack, pipe
     micro = lambda a: None if a is None else pp.to_microbatches(a, m)  # noqa: E731
     batch_M = jax.tree.map(micro, batch)
     live_M = jnp.any(batch_M["loss_mask"] > 0, axis=tuple(range(1, batch_M["loss_mask"].ndim)))
+    if pipeline_order:
+        to_stages, from_stages = (functools.partial(stage_programs.stage_view, sched=sched),
+                                  stage_programs.flat_view)
+    else:
+        to_stages, from_stages = (functools.partial(stage_programs.to_stage_chunks, sched=sched),
+                                  functools.partial(stage_programs.from_stage_chunks,
+                                                    sched=sched))
     loss_M, (weight_M, stats_M), g_w, g_outer, dx = stage_programs.run_schedule(
-        sched, layer, head, stage_programs.to_stage_chunks(params["layers"], sched), outer,
+        sched, layer, head, to_stages(params["layers"]), outer,
         micro(x_BTD), (micro(positions), micro(segment_ids)), batch_M, mesh, live_M,
-        _reference(graphdef, ref_params, objective, ids, sched, micro))
+        _reference(graphdef, ref_params, objective, ids, to_stages, micro))
     (g_embed,) = embed_pullback(pp.from_microbatches(dx).astype(x_BTD.dtype))
     grads = {**jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_outer, g_embed),
-             "layers": stage_programs.from_stage_chunks(g_w, sched)}
+             "layers": from_stages(g_w)}
     stats = {k: _reduce_over_microbatches(k, v, live_M) for k, v in stats_M.items()}
     return jnp.sum(loss_M), jnp.sum(weight_M), stats, grads
 
 
-def _reference(graphdef, ref_params, objective, ids, sched, micro):
+def _reference(graphdef, ref_params, objective, ids, to_stages, micro):
     """The frozen reference model as a table's R ops run it, or None without one."""
     if ref_params is None:
         return None
@@ -192,7 +204,7 @@ def _reference(graphdef, ref_params, objective, ids, sched, micro):
         return objective.reference_logp(model, mb, lambda *_: h_bTD)
 
     return stage_programs.Reference(
-        w_PV=stage_programs.to_stage_chunks(ref_params["layers"], sched), head_params=ref_outer,
+        w_PV=to_stages(ref_params["layers"]), head_params=ref_outer,
         x_MbTD=micro(merge_params(graphdef, ref_params).embed_tokens(ids)), head_fn=ref_head)
 
 
@@ -209,11 +221,13 @@ def _reduce_over_microbatches(name: str, v_M, live_M):
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
                     objective=SupervisedLoss(), remat: str = "none",
                     pipeline: pp.PipelineConfig | None = None, mesh: Mesh | None = None,
-                    opt_device=None) -> Callable:
+                    opt_device=None, pipeline_order: bool = False) -> Callable:
     """`step(state, batch) -> (state, metrics)`, not yet jitted (see `jit_train_step`). A state
     with `ref_params` (a frozen reference model) hands them to the objective. `opt_device`:
     device shardings to bring a host-resident optimizer state in for the update (see
-    `state_shardings(offload_optimizer=True)`); the step's out_shardings send it back."""
+    `state_shardings(offload_optimizer=True)`); the step's out_shardings send it back.
+    `pipeline_order`: the state's layer stacks are in the pipeline's order
+    (sharding/layer_order.py)."""
 
     def step(state, batch):
         if "oldest_version" in batch:   # RL: tokens whose whole context these weights made
@@ -225,7 +239,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
                    else contextlib.nullcontext())
         with context:
             loss, grads, aux = loss_and_grads(graphdef, state["params"], batch, objective,
-                                              state.get("ref_params"), remat, pipeline, mesh)
+                                              state.get("ref_params"), remat, pipeline, mesh,
+                                              pipeline_order)
         opt_state = state["opt_state"]
         if opt_device is not None:
             opt_state = jax.device_put(opt_state, opt_device)
@@ -294,12 +309,13 @@ def init_state(model_cfg: ModelConfig, tx, shardings, seed: int, params=None):
 
 def jit_train_step(graphdef, tx, shardings, mesh: Mesh, schedule=None, rules=shd.RULES,
                    remat: str = "none", pipeline: pp.PipelineConfig | None = None,
-                   objective=SupervisedLoss()):
+                   objective=SupervisedLoss(), pipeline_order: bool = False):
     """The train step compiled for the mesh; the state is donated and updated in place."""
     batch = shd.batch_sharding(mesh, 3, rules, leading=1)
     return jax.jit(make_train_step(graphdef, tx, schedule, objective, remat=remat,
-                                   pipeline=pipeline,
-                                   mesh=mesh, opt_device=optimizer_on_device(shardings)),
+                                   pipeline=pipeline, mesh=mesh,
+                                   opt_device=optimizer_on_device(shardings),
+                                   pipeline_order=pipeline_order),
                    in_shardings=(shardings, batch),
                    out_shardings=(shardings, shd.replicated(mesh)),
                    donate_argnums=0)

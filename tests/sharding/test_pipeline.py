@@ -15,6 +15,7 @@ from jaxrl.models.transformer import split_params
 from jaxrl.train.objectives import PolicyGradientLoss
 from jaxrl.train.step import loss_and_grads
 from sharding import mesh as shd
+from sharding.layer_order import LayerOrder
 from sharding.pipeline import PipelineConfig
 
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=8, num_heads=4, num_kv_heads=2,
@@ -34,9 +35,12 @@ def setup():
 
 
 def pipelined(setup, pipe: PipelineConfig, mesh_cfg: shd.MeshConfig, objective=None, batch=None,
-              with_stats=False, ref_params=None):
+              with_stats=False, ref_params=None, pipeline_order=False, hlo=None):
     """Loss and gradients (and the objective's statistics `with_stats`) of the pipelined step,
-    jitted over a mesh of len(devices) CPUs; `ref_params`: a frozen reference model."""
+    jitted over a mesh of len(devices) CPUs; `ref_params`: a frozen reference model.
+    `pipeline_order`: the step is given the layer stacks in the pipeline's order, as the
+    trainers keep them (sharding/layer_order.py); its gradients are put back in canonical
+    order here. `hlo`: a list that receives the compiled program's text."""
     graphdef, params, default_batch, _ = setup
     batch = default_batch if batch is None else batch
     used = mesh_cfg.data * mesh_cfg.stage * mesh_cfg.fsdp * mesh_cfg.tensor
@@ -45,10 +49,22 @@ def pipelined(setup, pipe: PipelineConfig, mesh_cfg: shd.MeshConfig, objective=N
     param_sh = shd.tree_shardings(param_axes(CFG), abstract, mesh)
     batch_sh = shd.batch_sharding(mesh, 3, leading=1)
     kwargs = {} if objective is None else {"objective": objective}
+    order = LayerOrder.for_pipeline(pipe, CFG.num_layers) if pipeline_order else None
+    if order is not None:
+        params = order.to_pipeline(params)
+        ref_params = None if ref_params is None else order.to_pipeline(ref_params)
     fn = jax.jit(lambda p, b, r: loss_and_grads(graphdef, p, b, ref_params=r, pipeline=pipe,
-                                                mesh=mesh, **kwargs)[:3 if with_stats else 2],
+                                                mesh=mesh, pipeline_order=order is not None,
+                                                **kwargs)[:3 if with_stats else 2],
                  in_shardings=(param_sh, batch_sh, None if ref_params is None else param_sh))
-    return fn(jax.device_put(params, param_sh), batch, ref_params)
+    args = jax.device_put(params, param_sh), batch, ref_params
+    compiled = fn.lower(*args).compile()
+    if hlo is not None:
+        hlo.append(compiled.as_text())
+    out = compiled(*args)
+    if order is None:
+        return out
+    return (out[0], order.to_canonical(out[1]), *out[2:])
 
 
 def assert_close(got, want, rel=1e-5):
@@ -87,6 +103,48 @@ def test_schedule_matches_the_unpipelined_model(setup, case):
     pipe = PipelineConfig(stages=stages, microbatches=microbatches, repeats=repeats,
                           schedule=schedule)
     assert_close(pipelined(setup, pipe, _mesh_cfg(stages, axes)), setup[3])
+
+
+def test_layer_orders_put_each_stages_layers_in_its_own_block():
+    def order(schedule, stages, repeats=1, layers=8):
+        pipe = PipelineConfig(stages=stages, microbatches=8, schedule=schedule, repeats=repeats)
+        found = LayerOrder.for_pipeline(pipe, layers)
+        return None if found is None else found.permutation
+
+    assert order("circular", 2, 2) == (0, 1, 4, 5, 2, 3, 6, 7)   # stage 0: blocks 0 and 2
+    assert order("interleaved", 4, 2) == (0, 4, 1, 5, 2, 6, 3, 7)
+    assert order("v-half", 2) == (0, 1, 6, 7, 2, 3, 4, 5)         # stage 0: chunks 0 and 3
+    for canonical in [("gpipe", 2), ("1f1b", 4), ("zb-h1", 2), ("circular", 2, 1)]:
+        assert order(*canonical) is None
+    pipe = PipelineConfig(stages=2, microbatches=8, schedule="v-zb")
+    o = LayerOrder.for_pipeline(pipe, 8)
+    tree = {"params": {"layers": {"w": np.arange(16).reshape(8, 2)}, "embed": np.arange(8)},
+            "opt_state": ({"mu": {"layers": {"w": np.arange(8)}}},)}
+    there = o.to_pipeline(tree)
+    np.testing.assert_array_equal(there["params"]["layers"]["w"][:, 0],
+                                  2 * np.asarray(o.permutation))
+    np.testing.assert_array_equal(there["opt_state"][0]["mu"]["layers"]["w"], o.permutation)
+    np.testing.assert_array_equal(there["params"]["embed"], np.arange(8))   # not a layer
+    back = o.to_canonical(there)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("schedule, repeats, stages", [("circular", 2, 2),
+                                                       ("interleaved", 2, 4), ("v-half", 1, 2)])
+def test_in_pipeline_order_no_weight_crosses_a_stage(setup, schedule, repeats, stages):
+    """With the layer stack in pipeline order, the step equals the unpipelined model and its
+    program has no all-gather or all-to-all at all (only activations move, by
+    collective-permute); in canonical order the weights are all-gathered (table schedules)
+    or exchanged all-to-all (circular) at every step."""
+    pipe = PipelineConfig(stages=stages, microbatches=8, schedule=schedule, repeats=repeats)
+    mesh_cfg, texts = shd.MeshConfig(stage=stages, fsdp=1), []
+    assert_close(pipelined(setup, pipe, mesh_cfg, pipeline_order=True, hlo=texts), setup[3])
+    moves = re.compile(r"\b(all-gather|all-to-all)(-start)?\(")
+    assert not moves.findall(texts[0])
+    if schedule == "circular":      # one canonical compile, for the contrast
+        pipelined(setup, pipe, mesh_cfg, hlo=texts)
+        assert len(moves.findall(texts[1])) >= len(jax.tree.leaves(setup[1]["layers"]))
 
 
 def test_table_schedules_refuse_fsdp_and_tensor_together(setup):
@@ -145,7 +203,8 @@ def test_kl_term_with_the_reference_model_in_the_bubbles(setup, packed):
     (here a reference that differs from the policy, so its log-probs matter) and the loss,
     gradients and KL statistic equal the unpipelined step's, which runs the whole reference
     model in the objective. V-Half: R ops fill idle ticks, and at the V's turn an R message
-    stays on its stage (one compile; the R branches are the same code for every table)."""
+    stays on its stage (one compile; the R branches are the same code for every table). Both
+    models' layer stacks in pipeline order, as the RL trainer keeps them."""
     schedule = "v-half"
     graphdef, params, _, _ = setup
     batch, _, _ = packed
@@ -157,7 +216,7 @@ def test_kl_term_with_the_reference_model_in_the_bubbles(setup, packed):
     pipe = PipelineConfig(stages=2, microbatches=4, schedule=schedule)
     assert pipe.reference_table.reference and not pipe.table.reference
     *got, stats = pipelined(setup, pipe, shd.MeshConfig(stage=2, tensor=2), objective, batch,
-                            with_stats=True, ref_params=ref_params)
+                            with_stats=True, ref_params=ref_params, pipeline_order=True)
     assert_close(got, (loss, grads))
     assert float(stats["kl_ref"]) == pytest.approx(float(want["kl_ref"]), rel=1e-5)
 

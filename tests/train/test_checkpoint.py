@@ -125,13 +125,16 @@ def test_missing_checkpoint_for_eval(tmp_path):
 
 def test_pipelined_run_with_host_optimizer_state_resumes_and_matches_the_plain_run(tmp_path):
     """The trainer picks the pipeline and optimizer offload from the config: a 1f1b run over
-    (stage 2 x fsdp 4) with the optimizer state in host memory, stopped, and resumed with a
-    new schedule (zero-bubble's split backward), logs the losses of a plain run on the same
-    data."""
-    _train(tmp_path, "plain", "train.steps=4", "train.batch_size=16")
-    layout = ["train.batch_size=16", "sharding.pipeline.stages=2",
-              "sharding.pipeline.microbatches=2", "train.offload_optimizer=true"]
+    (stage 2 x fsdp 4) with the optimizer state in host memory, stopped, resumed with
+    V-Half (whose state keeps the layer stack in pipeline order, sharding/layer_order.py),
+    stopped again, and resumed with zero-bubble's split backward, logs the losses of a plain
+    run on the same data: each checkpoint holds the canonical order, whatever the schedule."""
+    four = "model.num_layers=4"        # V-Half on 2 stages: 4 chunks
+    _train(tmp_path, "plain", "train.steps=4", "train.batch_size=16", four)
+    layout = ["train.batch_size=16", "sharding.pipeline.stages=2", four,
+              "sharding.pipeline.microbatches=4", "train.offload_optimizer=true"]
     _train(tmp_path, "piped", "train.steps=2", *layout, "sharding.pipeline.schedule=1f1b")
+    _train(tmp_path, "piped", "train.steps=3", *layout, "sharding.pipeline.schedule=v-half")
     _train(tmp_path, "piped", "train.steps=4", *layout, "sharding.pipeline.schedule=zb-h1")
     plain, piped = _metrics(tmp_path, "plain"), _metrics(tmp_path, "piped")
     assert sorted(piped) == [1, 2, 3, 4]
