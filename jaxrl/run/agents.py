@@ -77,6 +77,7 @@ class _Worker:
     log_path: Path
     in_flight: dict = dataclasses.field(default_factory=dict)   # id -> (future, deadline)
     exits_in_a_row: int = 0
+    write_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class AgentPool:
@@ -206,21 +207,29 @@ class AgentPool:
         return future
 
     def _dispatch(self) -> None:
-        with self._lock:
-            while self._pending and not self._closed:
-                alive = [w for w in self._workers if w.process.poll() is None
-                         and len(w.in_flight) < self.cfg.episodes_per_worker]
-                if not alive:
+        """Gives waiting episodes to workers with room. A line is written outside the pool's
+        lock (the worker's own lock keeps lines whole), so a worker slow to read its stdin
+        holds up no other."""
+        while True:
+            with self._lock:
+                if not self._pending or self._closed:
                     return
-                w = min(alive, key=lambda w: len(w.in_flight))
+                room = [w for w in self._workers if w.process.poll() is None
+                        and len(w.in_flight) < self.cfg.episodes_per_worker]
+                if not room:
+                    return
+                w = min(room, key=lambda w: len(w.in_flight))
                 episode, future = self._pending.popleft()
-                try:
+                w.in_flight[episode["id"]] = (future, time.monotonic() + self.cfg.timeout_s)
+            try:
+                with w.write_lock:
                     w.process.stdin.write(json.dumps(episode) + "\n")
                     w.process.stdin.flush()
-                except OSError:      # it is exiting: its reader restarts it
-                    self._pending.appendleft((episode, future))
-                    return
-                w.in_flight[episode["id"]] = (future, time.monotonic() + self.cfg.timeout_s)
+            except (OSError, ValueError):    # it is exiting: its reader restarts it
+                with self._lock:
+                    if w.in_flight.pop(episode["id"], None) is not None:
+                        self._pending.appendleft((episode, future))
+                return
 
     def close(self) -> None:
         """Closes every worker's stdin (exit), then terminates what is still running."""
