@@ -106,6 +106,24 @@ class Schedule:
         """The most activations any stage holds at once, in stage-microbatches."""
         return max(max(trace) for trace in self.live())
 
+    def bubble_floor(self) -> float:
+        """The smallest bubble any table with this placement, split and activation bound can
+        have (unit ticks). A (chunk k, microbatch) holds its activations at least from its F
+        to the end of its W (or X): the forward through chunks k+1..K-1, then the backward
+        back to k, `life(k)` ticks. Stage s holds at most `bound` stage-microbatches at once,
+        so its m microbatches need at least m * sum(life(k) / v for its chunks) / bound
+        ticks, or its 3vm ticks of work if more, after its first chunk's first F, which
+        cannot start before tick k."""
+        K, v, m = self.chunks, self.chunks_per_stage, self.microbatches
+        life = (lambda k: 2 * (K - k) + 1) if self.split else (lambda k: 3 * (K - k))
+        need, start = [Fraction(0)] * self.stages, [K] * self.stages
+        for k, (s, _) in enumerate(self.placement):
+            need[s] += Fraction(life(k), v)
+            start[s] = min(start[s], k)
+        work = 3 * v * m
+        ticks = max(start[s] + max(m * need[s] / self.bound, work) for s in range(self.stages))
+        return float(1 - work / ticks)
+
     def render(self) -> str:
         """The table as text: one line per stage, one cell per tick (`F3` forward of
         microbatch 3 (R3 the reference model's), lower case for a V's second chunk or an

@@ -23,7 +23,11 @@ Schedules (p stages, m microbatches):
                Each table is the better of two constructions under that cap: the paper's
                repeating building block (`_repeated_v_block`, found by modulo scheduling
                rather than drawn by hand) and the list scheduler; the bubbles they reach are
-               reported, not assumed (`bubble`, `peak`, `weighted_bubble`).
+               reported, not assumed (`bubble`, `peak`, `weighted_bubble`), beside the floor
+               no table under the cap can beat (`bubble_floor`). Departure: the paper's
+               V-Min holds (p+4)//3 stage-microbatches ("about p/3"); v-min here keeps the
+               strict p/3, which at 4 stages costs a bubble above 1F1B's by that floor;
+               v-half (p/2) gives the paper's V-Min memory at p = 4 to 8.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ def test_every_table_is_valid_up_to_8_stages_and_32_microbatches(name):
                 continue
             sched = sch.build(name, p, m, repeats=2)   # `check` runs inside
             assert sched.peak() <= sched.bound
+            assert sched.bubble() >= sched.bubble_floor() - 1e-12, (p, m)
             ops = [op for row in sched.rows for op in row if op is not None]
             assert len(ops) == len(set(ops))
             if name == "1f1b":   # PipeDream-Flush: stage 0 holds at most p microbatches
@@ -64,6 +65,25 @@ def test_the_schedules_trade_bubble_for_memory_as_the_papers_say(p, m):
     assert half.bubble() < one_f_one_b.bubble()
     # Interleaved: a smaller bubble than 1F1B for more memory.
     assert inter.bubble() < one_f_one_b.bubble() and inter.peak() > p
+
+
+def test_the_bubble_floor_is_reached_by_zb_h1_and_rules_out_v_min_at_1f1b_bubble():
+    """The floor (`Schedule.bubble_floor`: activation lifetimes against the memory bound) is
+    tight: ZB-H1's tables reach it. It also shows that at 4 stages no table holding a third of
+    1F1B's activations (one stage-microbatch: the V's chunks hold half a stage each) can idle
+    as little as 1F1B from 8 microbatches on. The paper's own V-Min holds (p+4)//3
+    stage-microbatches, 2 at p=4, with a bubble below 1F1B's: at p=4 that is `v-half`."""
+    for p in (2, 4, 8):
+        for m in (8, 16, 32):
+            zb = sch.build("zb-h1", p, m)
+            assert zb.bubble() == pytest.approx(zb.bubble_floor())
+    for m in (8, 16, 32):
+        one, v_min, half = (sch.build(n, 4, m) for n in ("1f1b", "v-min", "v-half"))
+        assert v_min.peak() <= Fraction(4, 3) < half.peak() == (4 + 4) // 3
+        assert one.bubble() < v_min.bubble_floor() <= v_min.bubble()
+        assert half.bubble() < one.bubble()
+    # At 8 stages the floor rules it out from 32 microbatches on.
+    assert sch.build("1f1b", 8, 32).bubble() < sch.build("v-min", 8, 32).bubble_floor()
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6, 8])
