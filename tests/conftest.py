@@ -1,8 +1,10 @@
 import os
 import tempfile
 
-# Eight CPU devices for meshes and collectives; must be set before jax is imported anywhere.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Eight CPU devices for meshes and collectives, compiled at -O0 as `make test` does (see its
+# TEST_XLA_FLAGS); must be set before jax is imported anywhere.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                      "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One XLA compilation cache for the session (subprocesses of the CLI tests included): the RL
 # runs build the same train step and engine programs again and again.

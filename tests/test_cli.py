@@ -10,6 +10,7 @@ import pytest
 
 from jaxrl.cli import build_parser, main
 from jaxrl.run import bench
+from tests.xla import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.embed_dim=32", "model.num_layers=2", "model.mlp_dim=64", "train.steps=6",
@@ -19,7 +20,7 @@ TINY = ["model.embed_dim=32", "model.num_layers=2", "model.mlp_dim=64", "train.s
 
 
 def _jaxrl(*args, cwd):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8)}
     return subprocess.run([sys.executable, "-m", "jaxrl.cli", *args], capture_output=True,
                           text=True, cwd=cwd, env=env, timeout=600)
 

@@ -26,6 +26,7 @@ from serving.orchestrator import Orchestrator
 from serving.proto import generation_pb2 as gen
 from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.sampling import SamplingParams
+from tests.xla import xla_flags
 
 
 def _word_tokenizer(path, vocab_size):
@@ -96,7 +97,7 @@ def _jaxrl_serve(folder, *flags, devices=None):
     line it printed up to then). Stopped with SIGTERM afterwards."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = xla_flags(devices)
     proc = subprocess.Popen([sys.executable, "-m", "jaxrl.cli", "serve", "--model", str(folder),
                              "--port", "0", *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)

@@ -14,11 +14,12 @@ import nbformat
 import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
+from tests.xla import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # each runs a notebook end to end
 
-ONE_DEVICE = "--xla_force_host_platform_device_count=1"  # as on Colab's CPU runtime
+ONE_DEVICE = xla_flags(1)  # one device, as on Colab's CPU runtime
 
 
 def execute(name: str, cwd: Path, run_dir: Path, monkeypatch):

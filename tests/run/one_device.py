@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.xla import xla_flags
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -13,7 +15,7 @@ def train(config: str, overrides: list[str], run_dir: Path) -> None:
     """Runs `jaxrl train --config ROOT/config *overrides run_dir=run_dir`; fails the test,
     showing the end of its output, unless it exits 0."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+           "XLA_FLAGS": xla_flags(1)}
     done = subprocess.run([sys.executable, "-m", "jaxrl.cli", "train", "--config",
                            str(ROOT / config), *overrides, f"run_dir={run_dir}"],
                           env=env, cwd=run_dir.parent, capture_output=True, text=True,

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from jaxrl.run.metrics import read_metrics
+from tests.xla import xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +49,7 @@ def free_port() -> int:
 
 def train(run_dir: Path, devices: int, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+           "XLA_FLAGS": xla_flags(devices)}
     keys = {e.split("=")[0] for e in extra if "=" in e}
     args = [a for a in ARGS if a.split("=")[0] not in keys]     # `extra` overrides ARGS
     return subprocess.Popen([sys.executable, "-m", "jaxrl.cli", "train", *args,
