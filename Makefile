@@ -5,8 +5,8 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# Eight CPU devices, so meshes, FSDP, tensor axes and collectives run for real on one machine.
-# Eight CPU devices; LLVM at -O0: most of the suite's time is compiling tiny programs, and -O0
+# Eight CPU devices, so meshes, FSDP, tensor axes and collectives run for real on one machine;
+# LLVM at -O0: most of the suite's time is compiling tiny programs, and -O0
 # cuts that by a quarter (tests/sharding/test_pipeline.py: 196 s -> 144 s) while the RL runs'
 # step time stays the same (test_rl.py's reward runs: 105 s either way).
 TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0
