@@ -42,7 +42,8 @@ from jaxrl.train.step import loss_and_grads  # noqa: E402
 from sharding.layer_order import LayerOrder  # noqa: E402
 from sharding import mesh as shd  # noqa: E402
 from sharding import schedules as sch  # noqa: E402
-from sharding.offload import layer_stack  # noqa: E402
+from sharding.offload import single_layer  # noqa: E402
+from sharding.split_backward import split_backward  # noqa: E402
 from sharding.stage_programs import layer_remat  # noqa: E402
 from sharding.pipeline import PipelineConfig  # noqa: E402
 
@@ -61,36 +62,38 @@ def best_time(fn, *args, repeat: int) -> float:
 
 
 def op_costs(cfg, params, rows: int, seq: int, layers: int, remat: str, repeat: int) -> dict:
-    """Seconds of one stage's F, B, W and X on one microbatch (`layers` layers), run the way
-    sharding/stage_programs.py runs them: F a layer scan keeping each layer's input; B, W and
-    X recompute each layer from its input."""
-    stack = layer_stack(layer_remat(remat))
+    """Seconds of one stage's F, B, W, X and R on one microbatch (`layers` layers), run the
+    way sharding/stage_programs.py runs them: F a layer scan keeping each layer's input; X
+    recomputes each layer from its input; B does too and keeps each layer's stash, from which
+    W forms the weight gradients (sharding/split_backward.py)."""
+    one = single_layer(layer_remat(remat))
     w = jax.tree.map(lambda a: a[:layers], params["layers"])
     x = jax.random.normal(jax.random.key(0), (rows, seq, cfg.embed_dim), jax.numpy.float32)
-    pos = jax.numpy.broadcast_to(jax.numpy.arange(seq), (rows, seq))
-    layer = lambda w_l, h: stack(cfg, jax.tree.map(lambda a: a[None], w_l), h, pos)  # noqa
+    aux = (jax.numpy.broadcast_to(jax.numpy.arange(seq), (rows, seq)), None)
+    layer = lambda w_l, h: one(cfg, w_l, h, *aux)  # noqa: E731
+    split = split_backward(lambda w_l, h, a: one(cfg, w_l, h, *a),
+                           jax.tree.map(lambda a: a[0], w), x, aux)
     fwd = jax.jit(lambda w, x: jax.lax.scan(lambda h, w_l: (layer(w_l, h), h), x, w))
     ref = jax.jit(lambda w, x: jax.lax.scan(lambda h, w_l: (layer(w_l, h), None), x, w)[0])
     _, xs = fwd(w, x)
 
-    def back(w, xs, g, wrt):
-        def one(g, w_x):
-            w_l, x_l = w_x
-            if wrt == "x":
-                return jax.vjp(lambda x_: layer(w_l, x_), x_l)[1](g)[0], None
-            dw, dx = jax.vjp(layer, w_l, x_l)[1](g)
-            return (dx if wrt == "both" else g), dw
-        return jax.lax.scan(one, g, (w, xs), reverse=True)
+    def fused(w, xs, g):
+        def one_layer(g, w_x):
+            dw, dx = jax.vjp(layer, *w_x)[1](g)
+            return dx, dw
+        return jax.lax.scan(one_layer, g, (w, xs), reverse=True)
 
-    b = jax.jit(lambda w, xs, g: back(w, xs, g, "x"))
-    x_op = jax.jit(lambda w, xs, g: back(w, xs, g, "both"))
-    w_op = jax.jit(lambda w, xs, gs: jax.lax.scan(
-        lambda _, a: (None, jax.vjp(lambda w_: layer(w_, a[1]), a[0])[1](a[2])[0]),
-        None, (w, xs, gs))[1])
-    gs = jax.numpy.broadcast_to(x, xs.shape)
-    return {"F": best_time(fwd, w, x, repeat=repeat), "B": best_time(b, w, xs, x, repeat=repeat),
-            "W": best_time(w_op, w, xs, gs, repeat=repeat),
-            "X": best_time(x_op, w, xs, x, repeat=repeat), "R": best_time(ref, w, x, repeat=repeat)}
+    b_op = jax.jit(lambda w, xs, g: jax.lax.scan(
+        lambda g, w_x: split.input_grad(*w_x, aux, g), g, (w, xs), reverse=True))
+    w_op = jax.jit(lambda w, xs, stash: jax.lax.scan(
+        lambda _, w_x_s: (None, split.weight_grads(*w_x_s[:2], aux, w_x_s[2])), None,
+        (w, xs, stash))[1])
+    _, stash = b_op(w, xs, x)
+    return {"F": best_time(fwd, w, x, repeat=repeat),
+            "B": best_time(b_op, w, xs, x, repeat=repeat),
+            "W": best_time(w_op, w, xs, stash, repeat=repeat),
+            "X": best_time(jax.jit(fused), w, xs, x, repeat=repeat),
+            "R": best_time(ref, w, x, repeat=repeat)}, split.stash_bytes() / x.nbytes
 
 
 def table_costs(sched, costs: dict) -> dict:
@@ -128,14 +131,16 @@ def main() -> None:
     params = jax.device_put(params, param_sh)
 
     rows = args.batch // args.microbatches
-    costs = op_costs(cfg, params, rows, args.seq, args.layers // args.stages, args.remat,
-                     args.repeat)
+    costs, stash_ratio = op_costs(cfg, params, rows, args.seq, args.layers // args.stages,
+                                  args.remat, args.repeat)
     unit = costs["F"]
     print(f"{args.stages} stages x {args.microbatches} microbatches, {args.layers} layers of "
           f"{args.width}, {args.batch} x {args.seq} tokens, remat={args.remat}, "
           f"{jax.devices()[0].platform}")
     print("op costs, one stage, one microbatch: " + ", ".join(
         f"{k} {v * 1e3:.1f} ms ({v / unit:.2f} F)" for k, v in costs.items()))
+    print(f"B + W = {(costs['B'] + costs['W']) / costs['X']:.2f} X; a layer's stash (B to W) "
+          f"holds {stash_ratio:.1f}x its input (F to B)")
     if args.kl:
         return pipefill(args, graphdef, params, param_sh, batch, mesh, costs)
     print("| schedule | bubble (table) | bubble (measured costs) | peak activations | "

@@ -18,7 +18,7 @@ from typing import Callable
 
 import jax
 
-from jaxrl.models.transformer import decoder_layer, run_layers
+from jaxrl.models.transformer import apply_layer, decoder_layer, run_layers
 
 REMAT_POLICIES = ("none", "full", "minimal", "offload")
 # Names the model gives its activations (jaxrl/models/transformer.py decoder_layer).
@@ -50,3 +50,9 @@ def remat_layer(layer_fn: Callable, name: str) -> Callable:
 def layer_stack(name: str) -> Callable:
     """A model `stack_fn` (`run_layers` signature) whose every layer runs under policy `name`."""
     return functools.partial(run_layers, layer_fn=remat_layer(decoder_layer, name))
+
+
+def single_layer(name: str) -> Callable:
+    """`fn(cfg, params, x, positions, segment_ids=None)`: one layer (no `layers` axis, no
+    loop) under policy `name`, as the pipeline's stage programs run it."""
+    return functools.partial(apply_layer, layer_fn=remat_layer(decoder_layer, name))

@@ -280,7 +280,7 @@ def as_arrays(sched: Schedule) -> dict[str, np.ndarray]:
     large as the table needs):
     op, chunk (local), microbatch, first (chunk 0), last (chunk K-1);
     in_slot: the inbox slot F or R (chunks > 0) or B/X reads; res_slot: the activation slot F
-    writes and B/X/W read; w_slot: the slot B writes its per-layer cotangents to and W reads;
+    writes and B/X/W read; w_slot: the slot B writes its per-layer stash to and W reads;
     send (0 none, 1 next stage, 2 previous stage, 3 this stage) and send_slot: where the op's
     output goes in the receiver's inbox. Also the slot counts."""
     p, K = sched.stages, sched.chunks

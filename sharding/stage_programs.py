@@ -14,14 +14,15 @@ What a stage keeps between ticks (every buffer sized by the table's slot allocat
 - inbox  [slots, b, T, D]: messages that arrived and wait for their F or B;
 - acts   [slots, Lc, b, T, D]: each layer's input from an F, until the chunk's X or W (the
          backward recomputes each layer from its input: full remat at layer granularity);
-- cotangents [slots, Lc, b, T, D]: each layer's output cotangent from a B, until its W;
+- stash  [slots, Lc, ...]: what each layer's W reads of its B (sharding/split_backward.py:
+         the weight products' inputs and output cotangents), from B until W;
 - ref_logp [M, ...]: the reference head's output per microbatch, read by that microbatch's head
          (on the last chunk's stage; R messages share the inbox).
 
-Departures from the papers: ZB's W here recomputes the layer forward and the part of the
-layer's backward that the weight gradients need (the papers keep the intermediate gradients
-from B instead), so a split B + W costs more than X; the op costs reported by
-`jaxrl bench pipeline_step` are measured, not assumed. PipeFill (Arfeen et al.) fills bubbles
+B and W are the papers' split: B computes the input gradient and hands W each weight
+product's operands, so W only forms the weight gradients and B + W costs what X does
+(`jaxrl bench pipeline_step` measures the op costs). The price is the stash, several
+activations per layer from B to W, where F keeps one. PipeFill (Arfeen et al.) fills bubbles
 with other jobs' independent work; the R ops here are the same step's reference forward, with
 deadlines (each microbatch's head reads its reference log-probs).
 """
@@ -29,7 +30,6 @@ deadlines (each microbatch's head reads its reference log-probs).
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Callable
 
 import jax
@@ -38,11 +38,11 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from sharding import schedules as sch
+from sharding.split_backward import split_backward
+from sharding.stage_ops import FH, RH, StageModel, apply_delta, branches
 
 FIELDS = ("op", "chunk", "microbatch", "first", "last", "in_slot", "res_slot", "w_slot", "send",
           "send_slot")
-FH = len(sch.OPS)       # branch index of F on the last chunk (forward, then the head)
-RH = FH + 1             # branch index of R on the last chunk (reference forward and head)
 
 
 def layer_remat(remat: str) -> str:
@@ -165,21 +165,29 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
             "dx": jnp.zeros_like(x_M), "loss": jnp.zeros((m,), loss_shape.dtype),
             "aux": jax.tree.map(lambda s: jnp.zeros((m, *s.shape), s.dtype), aux_shape),
         }
+        split_b = None
         if split:
-            state["cot"] = jnp.zeros((slots["w"], layers, *mb_shape), dt)
+            split_b = split_backward(
+                layer_fn, jax.tree.map(lambda a: _spec(a, 2), w_V), _spec(x_M, 1),
+                jax.tree.map(lambda a: _spec(a, 1), aux))
+            state["stash"] = tuple(jnp.zeros((slots["w"], layers, *s.shape), s.dtype)
+                                   for s in split_b.stash_shapes())
         if ref is not None:
             ref = {**ref, "w_V": jax.tree.map(lambda a: a[0], ref["w_1V"])}
             state["ref_logp"] = jnp.zeros((m, *ref_shape.shape), ref_shape.dtype)
-        ops = _stage_ops(layer_fn, head, w_V, hp, x_M, aux, set(state), ref, head_in_M,
-                         None if reference is None else reference.head_fn)
+        model = StageModel(layer_fn, head, w_V, hp, x_M, aux, head_in_M, split_b, ref,
+                           None if reference is None else reference.head_fn)
+        ops = branches(model, ((loss_shape, aux_shape), ref_shape))
+        read_only = [k for k in ("inbox", "acts", "stash", "ref_logp") if k in state]
 
         def tick(state, rows_t):
             row = dict(zip(FIELDS, rows_t[stage]))
             op = jnp.where(live[row["microbatch"]], row["op"], sch.IDLE)
             op = jnp.where((op == sch.F) & (row["last"] == 1), FH, op)
             op = jnp.where((op == sch.R) & (row["last"] == 1), RH, op)
-            state, out = jax.lax.switch(op, ops, state, row)
-            state["inbox"] = _deliver(state["inbox"], out, row, p)
+            delta = jax.lax.switch(op, ops, {k: state[k] for k in read_only}, row)
+            state = apply_delta(state, delta, op, row)
+            state["inbox"] = _deliver(state["inbox"], delta["send"], row, p)
             return state, None
 
         state, _ = jax.lax.scan(tick, state, rows)
@@ -216,95 +224,6 @@ def _deliver(inbox, out, row, p: int):
     return inbox
 
 
-def _stage_ops(layer_fn, head, w_V, hp, x_M, aux_M, state_keys, ref, head_in_M, ref_head_fn):
-    """The `lax.switch` branches, indexed by op code (idle, F, B, W, X, busy, R, then F with
-    the head and R with the reference head): each takes (state, row) and returns (state, the
-    message it sends). `ref`: the reference model's arrays on this stage, or None."""
-    take = lambda tree, j: jax.tree.map(lambda a: a[j], tree)  # noqa: E731
-
-    def add_grads(state, c, dws):
-        state["g_w"] = jax.tree.map(lambda acc, g: acc.at[c].add(g.astype(jnp.float32)),
-                                    state["g_w"], dws)
-        return state
-
-    def forward(state, row):
-        c, j = row["chunk"], row["microbatch"]
-        x = jnp.where(row["first"] == 1, x_M[j], state["inbox"][row["in_slot"]])
-        aux = take(aux_M, j)
-        y, xs = jax.lax.scan(lambda h, w_l: (layer_fn(w_l, h, aux), h), x, take(w_V, c))
-        state = {**state, "acts": state["acts"].at[row["res_slot"]].set(xs)}
-        return state, y
-
-    def forward_head(state, row):
-        state, y = forward(state, row)
-        j = row["microbatch"]
-        ref_logp = state["ref_logp"][j] if "ref_logp" in state else None
-        loss, head_aux, g_hp, g_y = head(hp, y, j, ref_logp)
-        state["loss"] = state["loss"].at[j].set(loss)
-        state["aux"] = jax.tree.map(lambda buf, a: buf.at[j].set(a), state["aux"], head_aux)
-        state["g_head"] = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32),
-                                       state["g_head"], g_hp)
-        return state, g_y.astype(y.dtype)
-
-    def backward(state, row, weights: bool, keep_cotangents: bool):
-        c, j = row["chunk"], row["microbatch"]
-        aux = take(aux_M, j)
-
-        def layer_back(g, w_x):
-            w_l, x_l = w_x
-            if weights:
-                _, pull = jax.vjp(lambda w, x: layer_fn(w, x, aux), w_l, x_l)
-                dw, dx = pull(g)
-            else:
-                _, pull = jax.vjp(lambda x: layer_fn(w_l, x, aux), x_l)
-                (dx,), dw = pull(g), None
-            return dx.astype(g.dtype), (dw, g)
-
-        g = state["inbox"][row["in_slot"]]
-        dx, (dws, gs) = jax.lax.scan(layer_back, g, (take(w_V, c), state["acts"][row["res_slot"]]),
-                                     reverse=True)
-        state = dict(state)
-        if weights:
-            state = add_grads(state, c, dws)
-        if keep_cotangents:
-            state["cot"] = state["cot"].at[row["w_slot"]].set(gs)
-        state["dx"] = state["dx"].at[j].set(jnp.where(row["first"] == 1, dx, state["dx"][j]))
-        return state, dx
-
-    def weight_grads(state, row):
-        c, j = row["chunk"], row["microbatch"]
-        aux = take(aux_M, j)
-
-        def layer_w(_, w_x_g):
-            w_l, x_l, g_l = w_x_g
-            _, pull = jax.vjp(lambda w: layer_fn(w, x_l, aux), w_l)
-            return None, pull(g_l)[0]
-
-        _, dws = jax.lax.scan(layer_w, None, (take(w_V, c), state["acts"][row["res_slot"]],
-                                               state["cot"][row["w_slot"]]))
-        return add_grads(dict(state), c, dws), jnp.zeros_like(x_M[0])
-
-    def nothing(state, row):
-        return state, jnp.zeros_like(x_M[0])
-
-    def reference_forward(state, row):
-        c, j = row["chunk"], row["microbatch"]
-        x = jnp.where(row["first"] == 1, ref["x_M"][j], state["inbox"][row["in_slot"]])
-        aux = take(aux_M, j)
-        y, _ = jax.lax.scan(lambda h, w_l: (layer_fn(w_l, h, aux), None), x,
-                            take(ref["w_V"], c))
-        return state, y
-
-    def reference_head(state, row):
-        state, y = reference_forward(state, row)
-        j = row["microbatch"]
-        out = ref_head_fn(ref["head_params"], y, take(head_in_M, j))
-        return {**state, "ref_logp": state["ref_logp"].at[j].set(out)}, jnp.zeros_like(y)
-
-    split = "cot" in state_keys
-    return [nothing, forward,
-            partial(backward, weights=False, keep_cotangents=True) if split else nothing,
-            weight_grads if split else nothing,
-            partial(backward, weights=True, keep_cotangents=False), nothing,
-            reference_forward if ref is not None else nothing, forward_head,
-            reference_head if ref is not None else nothing]
+def _spec(a, drop: int) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of one of `a`'s entries along its first `drop` axes."""
+    return jax.ShapeDtypeStruct(a.shape[drop:], a.dtype)

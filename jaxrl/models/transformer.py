@@ -92,6 +92,17 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
     return _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH)
 
 
+def apply_layer(cfg: ModelConfig, p: dict, x_BTD, positions_BT, segment_ids_BT=None,
+                layer_fn=None):
+    """One layer (`p` without the `layers` axis) and no loop: what a pipeline stage program
+    runs per layer, and what zero-bubble's backward split traces (sharding/split_backward.py).
+    `layer_fn` as in `run_layers`."""
+    cos_BTH, sin_BTH = ops.rope_tables(cfg, positions_BT)
+    mask_BTS = ops.causal_mask(segment_ids_BT, x_BTD.shape[1])
+    return (layer_fn or decoder_layer)(cfg, p, x_BTD, cos_BTH, sin_BTH, mask_BTS,
+                                       segment_ids_BT)
+
+
 def run_layers(cfg: ModelConfig, stacked: dict, x_BTD, positions_BT, segment_ids_BT=None,
                layer_fn=None):
     """Runs the layers stacked in `stacked` (each parameter with a leading `layers` axis, any

@@ -28,7 +28,7 @@ from jaxrl.train.objectives import SupervisedLoss
 from sharding import mesh as shd
 from sharding import pipeline as pp
 from sharding import stage_programs
-from sharding.offload import layer_stack
+from sharding.offload import layer_stack, single_layer
 
 
 def _combine(name: str, a, b):
@@ -58,9 +58,9 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
         if pipeline.table is not None:
             # A table schedule keeps each layer's input and recomputes the layer in its
             # backward ops: `full` remat already, so `full` adds no second recompute.
-            stack = layer_stack(stage_programs.layer_remat(remat))
             loss, weight, stats, grads = _scheduled_grads(
-                graphdef, params, flat, objective, ref_params, stack, pipeline, mesh,
+                graphdef, params, flat, objective, ref_params,
+                single_layer(stage_programs.layer_remat(remat)), pipeline, mesh,
                 pipeline_order)
         else:
             _check_nested_offload(remat, pipeline, mesh)
@@ -126,7 +126,7 @@ def _accumulated_grads(graphdef, params, batch, objective, ref_model, stack):
     return loss, weight, stats, grads
 
 
-def _scheduled_grads(graphdef, params, batch, objective, ref_params, stack, pipeline, mesh,
+def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, pipeline, mesh,
                      pipeline_order):
     """The same four values as `_accumulated_grads`, by a per-stage schedule table
     (sharding/stage_programs.py): the embedding runs before the pipeline, the head (final
@@ -162,7 +162,7 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, stack, pipe
         return merge_params(graphdef, {**o, "layers": layers}).embed_tokens(ids)
 
     def layer(w_l, x_bTD, aux):
-        return stack(model_cfg, jax.tree.map(lambda a: a[None], w_l), x_bTD, *aux)
+        return layer_fn(model_cfg, w_l, x_bTD, *aux)
 
     def head(o, h_bTD, mb):
         # The objective as usual, with the layer stack replaced by the pipeline's output.

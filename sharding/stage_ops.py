@@ -1,0 +1,192 @@
+"""The ops a stage program runs at a tick (sharding/stage_programs.py).
+
+Each op is a `lax.switch` branch that reads the stage's buffers and returns only what it
+produces, a *delta* of the same structure for every op (zeros where an op produces nothing);
+`apply_delta` then writes the delta into the buffers, in place, outside the switch. A branch
+that returned the whole state instead would make XLA copy every buffer it leaves unchanged
+(a conditional's result cannot share its operand's memory), on every tick: with the B/W split's
+stash that copying was most of a zero-bubble step.
+
+Ops by branch index: idle, F, B, W, X, busy (X's second tick), R (the reference model's
+forward, PipeFill), then F of the last chunk with the head, and R of the last chunk with the
+reference head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from sharding import schedules as sch
+from sharding.split_backward import SplitBackward
+
+FH = len(sch.OPS)       # branch index of F on the last chunk (forward, then the head)
+RH = FH + 1             # branch index of R on the last chunk (reference forward and head)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageModel:
+    """What one stage's ops compute with. `head(hp, h, j, ref_logp)` -> (loss, head aux,
+    head params' gradient, h's cotangent) for microbatch j; `w_V` this stage's chunks
+    [V, Lc, ...]; `x_M` the first chunk's inputs [M, b, T, D]; `aux_M` the layers' extra
+    inputs per microbatch; `split` the layer's B/W split (None when the table has none);
+    `ref` the reference model's arrays on this stage (w_V, head_params, x_M) or None."""
+
+    layer_fn: Callable
+    head: Callable
+    w_V: dict
+    hp: dict
+    x_M: jax.Array
+    aux_M: object
+    head_in_M: object
+    split: SplitBackward | None = None
+    ref: dict | None = None
+    ref_head_fn: Callable | None = None
+
+    def zero_delta(self, loss_aux_shapes, ref_shape, skip=()) -> dict:
+        """The delta of an op that produces nothing: zeros of every field's shape (but the
+        fields in `skip`)."""
+        mb = self.x_M[0]
+        chunk = jax.tree.map(lambda a: a[0], self.w_V)
+        layers = jax.tree.leaves(chunk)[0].shape[0]
+        zeros = lambda s, dt=None: jnp.zeros(s.shape, dt or s.dtype)  # noqa: E731
+        delta = {
+            "send": jnp.zeros_like(mb), "acts": jnp.zeros((layers, *mb.shape), mb.dtype),
+            "dx": jnp.zeros_like(mb), "dw": jax.tree.map(lambda a: zeros(a, jnp.float32), chunk),
+            "loss": zeros(loss_aux_shapes[0]), "aux": jax.tree.map(zeros, loss_aux_shapes[1]),
+            "g_head": jax.tree.map(lambda a: zeros(a, jnp.float32), self.hp),
+        }
+        if self.split is not None and "stash" not in skip:
+            delta["stash"] = tuple(jnp.zeros((layers, *s.shape), s.dtype)
+                                   for s in self.split.stash_shapes())
+        if ref_shape is not None:
+            delta["ref_logp"] = zeros(ref_shape)
+        return {k: v for k, v in delta.items() if k not in skip}
+
+
+def branches(model: StageModel, shapes: tuple) -> list[Callable]:
+    """The `lax.switch` branches, indexed as the module docstring says: each takes (bufs,
+    row), `bufs` the stage's buffers (read only), and returns a delta (zeros, made inside the
+    branch, where it produces nothing; `shapes` = (loss and head aux shapes, reference head
+    output shape or None))."""
+    take = lambda tree, j: jax.tree.map(lambda a: a[j], tree)  # noqa: E731
+    layer_fn, w_V = model.layer_fn, model.w_V
+
+    def delta(**fields):
+        return {**model.zero_delta(*shapes, skip=fields), **fields}
+
+    def chunk_inputs(row):
+        c, j = row["chunk"], row["microbatch"]
+        return take(w_V, c), take(model.aux_M, j)
+
+    def run_forward(bufs, row):
+        w_c, aux = chunk_inputs(row)
+        x = jnp.where(row["first"] == 1, model.x_M[row["microbatch"]],
+                      bufs["inbox"][row["in_slot"]])
+        return jax.lax.scan(lambda h, w_l: (layer_fn(w_l, h, aux), h), x, w_c)
+
+    def forward(bufs, row):
+        y, xs = run_forward(bufs, row)
+        return delta(send=y, acts=xs)
+
+    def forward_head(bufs, row):
+        y, xs = run_forward(bufs, row)
+        j = row["microbatch"]
+        ref_logp = bufs["ref_logp"][j] if "ref_logp" in bufs else None
+        loss, head_aux, g_hp, g_y = model.head(model.hp, y, j, ref_logp)
+        return delta(send=g_y.astype(y.dtype), acts=xs, loss=loss, aux=head_aux,
+                     g_head=jax.tree.map(lambda g: g.astype(jnp.float32), g_hp))
+
+    def backward(bufs, row):
+        """X: both gradients of the chunk, from each layer's input (the layer recomputed)."""
+        w_c, aux = chunk_inputs(row)
+
+        def layer_back(g, w_x):
+            dw, dx = jax.vjp(lambda w, x: layer_fn(w, x, aux), *w_x)[1](g)
+            return dx.astype(g.dtype), dw
+
+        g = bufs["inbox"][row["in_slot"]]
+        dx, dws = jax.lax.scan(layer_back, g, (w_c, bufs["acts"][row["res_slot"]]),
+                               reverse=True)
+        return delta(send=dx, dx=dx, dw=_f32(dws))
+
+    def input_grads(bufs, row):
+        """B: the chunk's input gradient, and each layer's stash (what its W reads)."""
+        w_c, aux = chunk_inputs(row)
+
+        def layer_b(g, w_x):
+            dx, stash = model.split.input_grad(*w_x, aux, g)
+            return dx.astype(g.dtype), stash
+
+        g = bufs["inbox"][row["in_slot"]]
+        dx, stash = jax.lax.scan(layer_b, g, (w_c, bufs["acts"][row["res_slot"]]),
+                                 reverse=True)
+        return delta(send=dx, dx=dx, stash=stash)
+
+    def weight_grads(bufs, row):
+        """W: the chunk's weight gradients from each layer's stash (no recomputation)."""
+        w_c, aux = chunk_inputs(row)
+        stash = tuple(buf[row["w_slot"]] for buf in bufs["stash"])
+        _, dws = jax.lax.scan(
+            lambda _, w_x_s: (None, model.split.weight_grads(*w_x_s[:2], aux, w_x_s[2])),
+            None, (w_c, bufs["acts"][row["res_slot"]], stash))
+        return delta(dw=_f32(dws))
+
+    def nothing(bufs, row):
+        return delta()
+
+    def run_reference(row, bufs):
+        c, j = row["chunk"], row["microbatch"]
+        x = jnp.where(row["first"] == 1, model.ref["x_M"][j], bufs["inbox"][row["in_slot"]])
+        aux = take(model.aux_M, j)
+        return jax.lax.scan(lambda h, w_l: (layer_fn(w_l, h, aux), None), x,
+                            take(model.ref["w_V"], c))[0]
+
+    def reference_forward(bufs, row):
+        return delta(send=run_reference(row, bufs))
+
+    def reference_head(bufs, row):
+        y = run_reference(row, bufs)
+        out = model.ref_head_fn(model.ref["head_params"], y,
+                                take(model.head_in_M, row["microbatch"]))
+        return delta(ref_logp=out)
+
+    split, ref = model.split is not None, model.ref is not None
+    return [nothing, forward, input_grads if split else nothing,
+            weight_grads if split else nothing, backward, nothing,
+            reference_forward if ref else nothing, forward_head,
+            reference_head if ref else nothing]
+
+
+def _f32(tree):
+    return jax.tree.map(lambda g: g.astype(jnp.float32), tree)
+
+
+def apply_delta(state: dict, d: dict, op, row) -> dict:
+    """Writes a tick's delta into the stage's buffers (all but the inbox, which the sent
+    message reaches by `ppermute`): each write touches one slot, or one microbatch's entry,
+    and keeps its old value unless `op` produced it."""
+    j, c = row["microbatch"], row["chunk"]
+
+    def put(buf, index, new, when):
+        return buf.at[index].set(jnp.where(when, new, buf[index]))
+
+    state = dict(state)
+    forward = (op == sch.F) | (op == FH)
+    state["acts"] = put(state["acts"], row["res_slot"], d["acts"], forward)
+    if "stash" in state:
+        state["stash"] = tuple(put(buf, row["w_slot"], new, op == sch.B)
+                               for buf, new in zip(state["stash"], d["stash"]))
+    first_backward = ((op == sch.B) | (op == sch.X)) & (row["first"] == 1)
+    state["dx"] = put(state["dx"], j, d["dx"], first_backward)
+    state["g_w"] = jax.tree.map(lambda acc, g: acc.at[c].add(g), state["g_w"], d["dw"])
+    head = op == FH
+    state["loss"] = put(state["loss"], j, d["loss"], head)
+    state["aux"] = jax.tree.map(lambda buf, a: put(buf, j, a, head), state["aux"], d["aux"])
+    state["g_head"] = jax.tree.map(jnp.add, state["g_head"], d["g_head"])
+    if "ref_logp" in state:
+        state["ref_logp"] = put(state["ref_logp"], j, d["ref_logp"], op == RH)
+    return state
