@@ -102,6 +102,15 @@ def table_costs(sched, costs: dict) -> dict:
     return costs if sched.split else {**costs, "B": costs["X"] - costs["W"]}
 
 
+def buffers_held(sched, stash_ratio: float) -> float:
+    """A stage's activation buffers in stage-microbatches (one microbatch's input to each of
+    the stage's layers), from the table's slot allocation: the layer inputs kept from F, and
+    the stash kept from B to W, which holds `stash_ratio` times a layer's input."""
+    slots = sch.as_arrays(sched)["slots"]
+    held = slots["res"] + (stash_ratio * slots["w"] if sched.split else 0)
+    return held / sched.chunks_per_stage
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -144,8 +153,8 @@ def main() -> None:
     if args.kl:
         return pipefill(args, graphdef, params, param_sh, batch, mesh, costs)
     print("| schedule | bubble (table) | bubble (measured costs) | peak activations | "
-          "step ms | x gpipe |")
-    print("|---|---:|---:|---:|---:|---:|")
+          "buffers held | step ms | x gpipe |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     base = None
     for schedule, repeats in SCHEDULES:
         pipe = PipelineConfig(stages=args.stages, microbatches=args.microbatches,
@@ -156,7 +165,9 @@ def main() -> None:
             bubble = pipe.table.bubble()
             weighted = sch.weighted_bubble(pipe.table, table_costs(pipe.table, costs))
             peak = f"{float(pipe.table.peak()):.2f}"
+            held = f"{buffers_held(pipe.table, stash_ratio):.1f}"
         else:
+            held = "-"
             bubble = weighted = pipe.bubble_fraction()
             peak = str(args.microbatches * repeats) if schedule == "circular" else \
                 str(args.microbatches)
@@ -168,8 +179,8 @@ def main() -> None:
         best = best_time(step, placed, batch, repeat=args.repeat)
         base = base or best
         name = schedule if repeats == 1 else f"{schedule}, {repeats} repeats"
-        print(f"| {name} | {bubble:.1%} | {weighted:.1%} | {peak} | {best * 1e3:.0f} | "
-              f"{best / base:.2f} |")
+        print(f"| {name} | {bubble:.1%} | {weighted:.1%} | {peak} | {held} | "
+              f"{best * 1e3:.0f} | {best / base:.2f} |")
 
 
 def in_pipeline_order(pipe, params, param_sh, layers):

@@ -32,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sharding import schedules as sch
+from sharding.split_backward import SPLITS
 
 SCHEDULES = ("gpipe", "circular", *sch.TABLE_SCHEDULES)
 
@@ -49,6 +50,11 @@ class PipelineConfig:
     # PipeOffload: keep only each stage's input, in pinned host memory, for the backward pass
     # and recompute the stage's layers from it (gpipe and circular).
     offload_stage_inputs: bool = False
+    # How a schedule that splits the backward into B and W (zb-h1 and the V schedules) splits
+    # it: `stash` (B hands W each weight product's operands; B + W costs the fused backward,
+    # the stash holds ~21 layer inputs per pending W) or `recompute` (W recomputes the layer
+    # from its input; ~1.5x the work, one layer input of stash). sharding/split_backward.py.
+    split_backward: Literal["stash", "recompute"] = "stash"
 
     def __post_init__(self):
         for name in ("stages", "microbatches", "repeats"):
@@ -76,6 +82,13 @@ class PipelineConfig:
                 f"a circular pipeline needs sharding.pipeline.microbatches >= stages: "
                 f"microbatches={self.microbatches} < stages={self.stages} (a microbatch comes "
                 f"back to stage 0 after p iterations and must find it free)")
+        if self.split_backward not in SPLITS:
+            raise ValueError(f"sharding.pipeline.split_backward={self.split_backward!r} is not "
+                             f"one of {', '.join(SPLITS)}")
+        if self.split_backward != "stash" and self.schedule not in sch.SPLIT_SCHEDULES:
+            raise ValueError(f"sharding.pipeline.split_backward={self.split_backward} applies "
+                             f"to the schedules that split the backward into B and W "
+                             f"({', '.join(sch.SPLIT_SCHEDULES)}), not {self.schedule}")
         if self.offload_stage_inputs and self.schedule not in ("gpipe", "circular"):
             raise ValueError(f"sharding.pipeline.offload_stage_inputs=true works with schedule "
                              f"gpipe or circular, not {self.schedule} (a table schedule keeps "

@@ -41,12 +41,13 @@ from sharding.schedule_table import (B, BUSY, F, IDLE, OPS, R, TICKS, W, X, Op, 
                                      weighted_makespan)
 
 # The schedules' whole API: tables, their ops and checks, and the reference fill.
-__all__ = ["TABLE_SCHEDULES", "V_SCHEDULES", "placement", "build", "Op", "Schedule", "OPS",
+__all__ = ["TABLE_SCHEDULES", "V_SCHEDULES", "SPLIT_SCHEDULES", "placement", "build", "Op", "Schedule", "OPS",
            "IDLE", "F", "B", "W", "X", "BUSY", "R", "TICKS", "check", "as_arrays",
            "weighted_bubble", "weighted_makespan", "with_reference", "absorbed"]
 
 TABLE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "v-half", "v-min", "v-zb")
 V_SCHEDULES = ("v-half", "v-min", "v-zb")
+SPLIT_SCHEDULES = ("zb-h1", *V_SCHEDULES)    # B and W are separate ops
 
 
 def placement(name: str, stages: int, chunks_per_stage: int) -> tuple[tuple[int, int], ...]:
@@ -70,7 +71,7 @@ def build(name: str, stages: int, microbatches: int, repeats: int = 1,
     if name == "interleaved" and (v < 2 or m % p):
         raise ValueError(f"the interleaved schedule needs repeats >= 2 and microbatches a "
                          f"multiple of stages: repeats={v}, microbatches={m}, stages={p}")
-    split = name not in ("1f1b", "interleaved")
+    split = name in SPLIT_SCHEDULES
     if name == "1f1b":
         caps = [p - s for s in range(p)]                      # chunk-microbatches per stage
     elif name == "zb-h1":                                     # 1F1B's peak, on every stage

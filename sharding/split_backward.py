@@ -12,7 +12,11 @@ the papers' split (Qi et al., "Zero Bubble Pipeline Parallelism", section 2), fo
 function, with no hand-written backward.
 
 The price is memory: the stash holds several activations of the layer's width and the MLP's
-(`stash_bytes`) from B until W, where the layer's input alone (full remat) is kept from F.
+(`stash_bytes`; 21 layer inputs for a Llama-shaped layer with a 4x MLP) from B until W,
+where F keeps the layer's input alone (full remat). `RecomputingSplit` is the other choice
+(`sharding.pipeline.split_backward=recompute`): B keeps only the layer's output cotangent,
+and W recomputes the layer's forward and the backward to its weights from it, about 1.5x the
+fused backward's work for one activation of stash.
 """
 
 from __future__ import annotations
@@ -162,6 +166,40 @@ class SplitBackward:
 
     def stash_bytes(self) -> int:
         return sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in self.stash_shapes())
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputingSplit:
+    """B keeps only the layer's output cotangent; W recomputes the layer from its input and
+    pulls the cotangent back to the weights. Same interface as `SplitBackward`."""
+
+    layer_fn: Callable
+    g: jax.ShapeDtypeStruct
+
+    def input_grad(self, w, x, aux, g):
+        return jax.vjp(lambda x_: self.layer_fn(w, x_, aux), x)[1](g)[0], (g,)
+
+    def weight_grads(self, w, x, aux, stash):
+        return jax.vjp(lambda w_: self.layer_fn(w_, x, aux), w)[1](stash[0])[0]
+
+    def stash_shapes(self) -> tuple:
+        return (jax.ShapeDtypeStruct(self.g.shape, self.g.dtype),)
+
+    def stash_bytes(self) -> int:
+        return math.prod(self.g.shape) * np.dtype(self.g.dtype).itemsize
+
+
+SPLITS = ("stash", "recompute")
+
+
+def make_split(how: str, layer_fn: Callable, w, x, aux) -> SplitBackward | RecomputingSplit:
+    """The backward split `sharding.pipeline.split_backward=how` picks (see the docstring)."""
+    if how == "recompute":
+        return RecomputingSplit(layer_fn, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    if how != "stash":
+        raise ValueError(f"sharding.pipeline.split_backward={how!r} is not one of "
+                         f"{', '.join(SPLITS)}")
+    return split_backward(layer_fn, w, x, aux)
 
 
 def split_backward(layer_fn: Callable, w, x, aux) -> SplitBackward:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from sharding import schedules as sch
-from sharding.split_backward import SplitBackward
+from sharding.split_backward import RecomputingSplit, SplitBackward
 
 FH = len(sch.OPS)       # branch index of F on the last chunk (forward, then the head)
 RH = FH + 1             # branch index of R on the last chunk (reference forward and head)
@@ -42,7 +42,7 @@ class StageModel:
     x_M: jax.Array
     aux_M: object
     head_in_M: object
-    split: SplitBackward | None = None
+    split: SplitBackward | RecomputingSplit | None = None
     ref: dict | None = None
     ref_head_fn: Callable | None = None
 

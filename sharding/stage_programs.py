@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from sharding import schedules as sch
-from sharding.split_backward import split_backward
+from sharding.split_backward import make_split
 from sharding.stage_ops import FH, RH, StageModel, apply_delta, branches
 
 FIELDS = ("op", "chunk", "microbatch", "first", "last", "in_slot", "res_slot", "w_slot", "send",
@@ -110,7 +110,7 @@ class Reference:
 
 def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_PV,
                  head_params, x_MbTD, aux_M, head_in_M, mesh: Mesh, live_M=None,
-                 reference: Reference | None = None):
+                 reference: Reference | None = None, split_how: str = "stash"):
     """Loss and gradients of a pipelined model by the table `sched`.
 
     `layer_fn(w_l, x_bTD, aux_b) -> x_bTD` runs one layer (w_l its parameters); `head_fn(
@@ -118,8 +118,10 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
     one microbatch, `loss` a scalar; `w_PV` from `to_stage_chunks`; `aux_M` and `head_in_M`
     trees of per-microbatch inputs ([M, ...]). `live_M` [M] bool: microbatches with nothing to
     learn from (RL padding) run no op at all. `reference`: the model a table with R ops runs
-    (required then). Returns (loss [M], head_aux [M, ...], float32 gradients of sum(loss)
-    w.r.t. w_PV and head_params, and w.r.t. x_MbTD)."""
+    (required then). `split_how`: how a table with B and W ops splits the layer's backward
+    (`sharding.pipeline.split_backward`, sharding/split_backward.py). Returns (loss [M],
+    head_aux [M, ...], float32 gradients of sum(loss) w.r.t. w_PV and head_params, and
+    w.r.t. x_MbTD)."""
     if sched.reference != (reference is not None):
         raise ValueError(f"{sched.name}: a table with R ops needs a reference model, and only "
                          f"such a table takes one (R ops: {sched.reference})")
@@ -167,8 +169,8 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
         }
         split_b = None
         if split:
-            split_b = split_backward(
-                layer_fn, jax.tree.map(lambda a: _spec(a, 2), w_V), _spec(x_M, 1),
+            split_b = make_split(
+                split_how, layer_fn, jax.tree.map(lambda a: _spec(a, 2), w_V), _spec(x_M, 1),
                 jax.tree.map(lambda a: _spec(a, 1), aux))
             state["stash"] = tuple(jnp.zeros((slots["w"], layers, *s.shape), s.dtype)
                                    for s in split_b.stash_shapes())

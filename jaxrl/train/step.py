@@ -184,7 +184,8 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, p
     loss_M, (weight_M, stats_M), g_w, g_outer, dx = stage_programs.run_schedule(
         sched, layer, head, to_stages(params["layers"]), outer,
         micro(x_BTD), (micro(positions), micro(segment_ids)), batch_M, mesh, live_M,
-        _reference(graphdef, ref_params, objective, ids, to_stages, micro))
+        _reference(graphdef, ref_params, objective, ids, to_stages, micro),
+        pipeline.split_backward)
     (g_embed,) = embed_pullback(pp.from_microbatches(dx).astype(x_BTD.dtype))
     grads = {**jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_outer, g_embed),
              "layers": from_stages(g_w)}

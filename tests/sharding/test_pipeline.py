@@ -105,6 +105,15 @@ def test_schedule_matches_the_unpipelined_model(setup, case):
     assert_close(pipelined(setup, pipe, _mesh_cfg(stages, axes)), setup[3])
 
 
+@pytest.mark.parametrize("schedule,stages,microbatches,axes",
+                         [("v-half", 4, 8, {}), ("zb-h1", 2, 4, {"tensor": 2})])
+def test_the_recomputing_split_matches_the_unpipelined_model(setup, schedule, stages,
+                                                             microbatches, axes):
+    pipe = PipelineConfig(stages=stages, microbatches=microbatches, schedule=schedule,
+                          split_backward="recompute")
+    assert_close(pipelined(setup, pipe, _mesh_cfg(stages, axes)), setup[3])
+
+
 def test_layer_orders_put_each_stages_layers_in_its_own_block():
     def order(schedule, stages, repeats=1, layers=8):
         pipe = PipelineConfig(stages=stages, microbatches=8, schedule=schedule, repeats=repeats)
@@ -261,6 +270,12 @@ def test_bubble_fractions():
      r"stages=4 x v-half's 2 chunks per stage = 8 blocks do not divide model.num_layers=4"),
     (["sharding.pipeline.stages=2", "sharding.pipeline.schedule=v-min",
       "sharding.pipeline.repeats=3"], r"v-min places exactly 2 layer chunks per stage"),
+    (["sharding.pipeline.stages=2", "sharding.pipeline.schedule=1f1b",
+      "sharding.pipeline.split_backward=recompute"],
+     r"split_backward=recompute applies to the schedules that split the backward into B and "
+     r"W \(zb-h1, v-half, v-min, v-zb\), not 1f1b"),
+    (["sharding.pipeline.stages=2", "sharding.pipeline.schedule=zb-h1",
+      "sharding.pipeline.split_backward=keep"], r"split_backward='keep' is not allowed"),
     (["sharding.pipeline.stages=2", "sharding.pipeline.schedule=interleaved"],
      r"interleaved needs repeats >= 2 and microbatches a multiple of stages: repeats=1"),
     (["sharding.pipeline.stages=4", "sharding.pipeline.schedule=interleaved",

@@ -13,7 +13,7 @@ from flax import nnx
 from jaxrl.models import ModelConfig, Transformer
 from jaxrl.models.transformer import run_layers, split_params
 from sharding.offload import single_layer
-from sharding.split_backward import split_backward
+from sharding.split_backward import make_split, split_backward
 
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=1, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64, max_seq_len=16)
@@ -38,10 +38,10 @@ def layer_of(cfg, remat="none"):
     return lambda w, x, aux: one(cfg, w, x, *aux)
 
 
-def split_and_fused(cfg, remat="none", packed=False):
+def split_and_fused(cfg, remat="none", packed=False, how="stash"):
     w, x, aux, g = layer_inputs(cfg, packed)
     layer = layer_of(cfg, remat)
-    split = split_backward(layer, w, x, aux)
+    split = make_split(how, layer, w, x, aux)
 
     @jax.jit
     def by_split(w, x, aux, g):
@@ -68,9 +68,10 @@ def test_b_and_w_give_the_fused_backwards_gradients(variant):
                                rtol=rtol, atol=1e-7)
 
 
-@pytest.mark.parametrize("remat", ["minimal", "offload"])
-def test_a_remat_policy_inside_the_layer_is_seen_through(remat):
-    (dw, dx), (want_dw, want_dx) = split_and_fused(CFG, remat)
+@pytest.mark.parametrize("remat,how", [("minimal", "stash"), ("offload", "stash"),
+                                       ("none", "recompute")])
+def test_a_remat_policy_inside_the_layer_is_seen_through(remat, how):
+    (dw, dx), (want_dw, want_dx) = split_and_fused(CFG, remat, how=how)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                  (dw, dx), (want_dw, want_dx))
 
@@ -110,6 +111,13 @@ def test_the_stash_is_each_weight_products_operands():
                  + 2 * d)                     # each norm scale's product (input x cotangent)
     assert split.stash_bytes() == B * T * per_token * 4
     assert len(split.stash) == 13
+
+
+def test_the_recomputing_split_stashes_one_activation():
+    w, x, aux, _ = layer_inputs(CFG)
+    assert make_split("recompute", layer_of(CFG), w, x, aux).stash_bytes() == x.nbytes
+    with pytest.raises(ValueError, match="split_backward='keep' is not one of stash, recompute"):
+        make_split("keep", layer_of(CFG), w, x, aux)
 
 
 def test_a_loop_over_layers_is_refused():
