@@ -1,11 +1,18 @@
 """The ops a stage program runs at a tick (sharding/stage_programs.py).
 
-Each op is a `lax.switch` branch that reads the stage's buffers and returns only what it
-produces, a *delta* of the same structure for every op (zeros where an op produces nothing);
-`apply_delta` then writes the delta into the buffers, in place, outside the switch. A branch
-that returned the whole state instead would make XLA copy every buffer it leaves unchanged
-(a conditional's result cannot share its operand's memory), on every tick: with the B/W split's
-stash that copying was most of a zero-bubble step.
+Each op is a `lax.switch` branch. It reads the stage's activation buffers (inbox, layer
+inputs, stash) and returns only the activations it produces, as a *delta* of the same
+structure for every op (zeros where an op produces nothing); `apply_delta` writes the delta
+into the buffers, one slot in place, outside the switch. A branch that returned the buffers
+themselves would make XLA copy every buffer it leaves unchanged (a conditional's result
+cannot share its operand's memory) on every tick: with the B/W split's stash that copying was
+most of a zero-bubble step (`jaxrl bench pipeline_step`, zb-h1 4.3 s -> 3.0 s on CPU).
+
+The gradient accumulators (the stage's weights and the head's, float32) are the exception:
+the ops that produce gradients add them in place inside the branch, and the other branches
+pass the accumulators through. A delta would need a second, gradient-sized buffer (TPU device
+temp of the demo model's 1f1b step: 4.4 MiB with one, 3.5 MiB without); the pass-through
+copies measured within the runs' noise on CPU.
 
 Ops by branch index: idle, F, B, W, X, busy (X's second tick), R (the reference model's
 forward, PipeFill), then F of the last chunk with the head, and R of the last chunk with the
@@ -48,16 +55,15 @@ class StageModel:
 
     def zero_delta(self, loss_aux_shapes, ref_shape, skip=()) -> dict:
         """The delta of an op that produces nothing: zeros of every field's shape (but the
-        fields in `skip`)."""
+        fields in `skip`), made where it is called (inside a branch: a fill, not a copy)."""
         mb = self.x_M[0]
         chunk = jax.tree.map(lambda a: a[0], self.w_V)
         layers = jax.tree.leaves(chunk)[0].shape[0]
         zeros = lambda s, dt=None: jnp.zeros(s.shape, dt or s.dtype)  # noqa: E731
         delta = {
             "send": jnp.zeros_like(mb), "acts": jnp.zeros((layers, *mb.shape), mb.dtype),
-            "dx": jnp.zeros_like(mb), "dw": jax.tree.map(lambda a: zeros(a, jnp.float32), chunk),
+            "dx": jnp.zeros_like(mb),
             "loss": zeros(loss_aux_shapes[0]), "aux": jax.tree.map(zeros, loss_aux_shapes[1]),
-            "g_head": jax.tree.map(lambda a: zeros(a, jnp.float32), self.hp),
         }
         if self.split is not None and "stash" not in skip:
             delta["stash"] = tuple(jnp.zeros((layers, *s.shape), s.dtype)
@@ -69,14 +75,28 @@ class StageModel:
 
 def branches(model: StageModel, shapes: tuple) -> list[Callable]:
     """The `lax.switch` branches, indexed as the module docstring says: each takes (bufs,
-    row), `bufs` the stage's buffers (read only), and returns a delta (zeros, made inside the
-    branch, where it produces nothing; `shapes` = (loss and head aux shapes, reference head
-    output shape or None))."""
+    grads, row), `bufs` the stage's activation buffers (read only), `grads` the accumulators
+    {g_w, g_head}, and returns (grads, delta). `shapes` = (the loss's and head aux's shapes,
+    the reference head's output shape or None)."""
     take = lambda tree, j: jax.tree.map(lambda a: a[j], tree)  # noqa: E731
     layer_fn, w_V = model.layer_fn, model.w_V
 
     def delta(**fields):
-        return {**model.zero_delta(*shapes, skip=fields), **fields}
+        """What an op produces: activations for the delta, gradients (dw, g_head) to add."""
+        return fields
+
+    def complete(op):
+        """The branch of `op`: its gradients added in place, its delta filled with zeros."""
+        def run(bufs, grads, row):
+            out = dict(op(bufs, row))
+            grads = dict(grads)
+            if "dw" in out:
+                grads["g_w"] = jax.tree.map(lambda acc, g: acc.at[row["chunk"]].add(g),
+                                            grads["g_w"], out.pop("dw"))
+            if "g_head" in out:
+                grads["g_head"] = jax.tree.map(jnp.add, grads["g_head"], out.pop("g_head"))
+            return grads, {**model.zero_delta(*shapes, skip=out), **out}
+        return run
 
     def chunk_inputs(row):
         c, j = row["chunk"], row["microbatch"]
@@ -155,10 +175,10 @@ def branches(model: StageModel, shapes: tuple) -> list[Callable]:
         return delta(ref_logp=out)
 
     split, ref = model.split is not None, model.ref is not None
-    return [nothing, forward, input_grads if split else nothing,
-            weight_grads if split else nothing, backward, nothing,
-            reference_forward if ref else nothing, forward_head,
-            reference_head if ref else nothing]
+    return [complete(op) for op in (
+        nothing, forward, input_grads if split else nothing, weight_grads if split else nothing,
+        backward, nothing, reference_forward if ref else nothing, forward_head,
+        reference_head if ref else nothing)]
 
 
 def _f32(tree):
@@ -167,9 +187,10 @@ def _f32(tree):
 
 def apply_delta(state: dict, d: dict, op, row) -> dict:
     """Writes a tick's delta into the stage's buffers (all but the inbox, which the sent
-    message reaches by `ppermute`): each write touches one slot, or one microbatch's entry,
-    and keeps its old value unless `op` produced it."""
-    j, c = row["microbatch"], row["chunk"]
+    message reaches by `ppermute`, and the gradients, which the branch added): each write
+    touches one slot, or one microbatch's entry, and keeps its old value unless `op`
+    produced it."""
+    j = row["microbatch"]
 
     def put(buf, index, new, when):
         return buf.at[index].set(jnp.where(when, new, buf[index]))
@@ -182,11 +203,9 @@ def apply_delta(state: dict, d: dict, op, row) -> dict:
                                for buf, new in zip(state["stash"], d["stash"]))
     first_backward = ((op == sch.B) | (op == sch.X)) & (row["first"] == 1)
     state["dx"] = put(state["dx"], j, d["dx"], first_backward)
-    state["g_w"] = jax.tree.map(lambda acc, g: acc.at[c].add(g), state["g_w"], d["dw"])
     head = op == FH
     state["loss"] = put(state["loss"], j, d["loss"], head)
     state["aux"] = jax.tree.map(lambda buf, a: put(buf, j, a, head), state["aux"], d["aux"])
-    state["g_head"] = jax.tree.map(jnp.add, state["g_head"], d["g_head"])
     if "ref_logp" in state:
         state["ref_logp"] = put(state["ref_logp"], j, d["ref_logp"], op == RH)
     return state

@@ -8,7 +8,8 @@ the last chunk with the reference head, or nothing. Its output (an activation go
 forward, a cotangent going back) moves to the neighbour stage by `ppermute`, with the slot the
 receiver keeps it in, or stays on the stage (a V's turn, the head's cotangent). Stage s
 therefore runs F of microbatch 5 while stage s+1 runs B of microbatch 2: the schedules of
-`sharding/schedules.py` run as written, not in lock step.
+`sharding/schedules.py` run as written, not in lock step. The ops, and how their results are
+written back without copying the stage's buffers, are in `sharding/stage_ops.py`.
 
 What a stage keeps between ticks (every buffer sized by the table's slot allocation):
 - inbox  [slots, b, T, D]: messages that arrived and wait for their F or B;
@@ -187,8 +188,9 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
             op = jnp.where(live[row["microbatch"]], row["op"], sch.IDLE)
             op = jnp.where((op == sch.F) & (row["last"] == 1), FH, op)
             op = jnp.where((op == sch.R) & (row["last"] == 1), RH, op)
-            delta = jax.lax.switch(op, ops, {k: state[k] for k in read_only}, row)
-            state = apply_delta(state, delta, op, row)
+            grads, delta = jax.lax.switch(op, ops, {k: state[k] for k in read_only},
+                                          {k: state[k] for k in ("g_w", "g_head")}, row)
+            state = apply_delta({**state, **grads}, delta, op, row)
             state["inbox"] = _deliver(state["inbox"], delta["send"], row, p)
             return state, None
 
