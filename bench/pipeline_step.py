@@ -43,12 +43,14 @@ from sharding.layer_order import LayerOrder  # noqa: E402
 from sharding import mesh as shd  # noqa: E402
 from sharding import schedules as sch  # noqa: E402
 from sharding.offload import single_layer  # noqa: E402
-from sharding.split_backward import split_backward  # noqa: E402
+from sharding.split_backward import make_split  # noqa: E402
 from sharding.stage_programs import layer_remat  # noqa: E402
 from sharding.pipeline import PipelineConfig  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
              ("v-half", 1), ("v-min", 1), ("v-zb", 1))
+# Rows with `sharding.pipeline.split_backward=recompute` (the others stash).
+RECOMPUTE = (("zb-h1", 1), ("v-zb", 1))
 
 
 def best_time(fn, *args, repeat: int) -> float:
@@ -65,14 +67,15 @@ def op_costs(cfg, params, rows: int, seq: int, layers: int, remat: str, repeat: 
     """Seconds of one stage's F, B, W, X and R on one microbatch (`layers` layers), run the
     way sharding/stage_programs.py runs them: F a layer scan keeping each layer's input; X
     recomputes each layer from its input; B does too and keeps each layer's stash, from which
-    W forms the weight gradients (sharding/split_backward.py)."""
+    W forms the weight gradients (sharding/split_backward.py); "B (recompute)" and "W
+    (recompute)" split it the other way. Also each split's stash over a layer's input."""
     one = single_layer(layer_remat(remat))
     w = jax.tree.map(lambda a: a[:layers], params["layers"])
     x = jax.random.normal(jax.random.key(0), (rows, seq, cfg.embed_dim), jax.numpy.float32)
     aux = (jax.numpy.broadcast_to(jax.numpy.arange(seq), (rows, seq)), None)
     layer = lambda w_l, h: one(cfg, w_l, h, *aux)  # noqa: E731
-    split = split_backward(lambda w_l, h, a: one(cfg, w_l, h, *a),
-                           jax.tree.map(lambda a: a[0], w), x, aux)
+    layer_a = lambda w_l, h, a: one(cfg, w_l, h, *a)  # noqa: E731
+    w0 = jax.tree.map(lambda a: a[0], w)
     fwd = jax.jit(lambda w, x: jax.lax.scan(lambda h, w_l: (layer(w_l, h), h), x, w))
     ref = jax.jit(lambda w, x: jax.lax.scan(lambda h, w_l: (layer(w_l, h), None), x, w)[0])
     _, xs = fwd(w, x)
@@ -83,22 +86,29 @@ def op_costs(cfg, params, rows: int, seq: int, layers: int, remat: str, repeat: 
             return dx, dw
         return jax.lax.scan(one_layer, g, (w, xs), reverse=True)
 
-    b_op = jax.jit(lambda w, xs, g: jax.lax.scan(
-        lambda g, w_x: split.input_grad(*w_x, aux, g), g, (w, xs), reverse=True))
-    w_op = jax.jit(lambda w, xs, stash: jax.lax.scan(
-        lambda _, w_x_s: (None, split.weight_grads(*w_x_s[:2], aux, w_x_s[2])), None,
-        (w, xs, stash))[1])
-    _, stash = b_op(w, xs, x)
-    return {"F": best_time(fwd, w, x, repeat=repeat),
-            "B": best_time(b_op, w, xs, x, repeat=repeat),
-            "W": best_time(w_op, w, xs, stash, repeat=repeat),
-            "X": best_time(jax.jit(fused), w, xs, x, repeat=repeat),
-            "R": best_time(ref, w, x, repeat=repeat)}, split.stash_bytes() / x.nbytes
+    costs = {"F": best_time(fwd, w, x, repeat=repeat),
+             "X": best_time(jax.jit(fused), w, xs, x, repeat=repeat),
+             "R": best_time(ref, w, x, repeat=repeat)}
+    ratios = {}
+    for how, suffix in (("stash", ""), ("recompute", " (recompute)")):
+        split = make_split(how, layer_a, w0, x, aux)
+        b_op = jax.jit(lambda w, xs, g, split=split: jax.lax.scan(
+            lambda g, w_x: split.input_grad(*w_x, aux, g), g, (w, xs), reverse=True))
+        w_op = jax.jit(lambda w, xs, stash, split=split: jax.lax.scan(
+            lambda _, w_x_s: (None, split.weight_grads(*w_x_s[:2], aux, w_x_s[2])), None,
+            (w, xs, stash))[1])
+        _, stash = b_op(w, xs, x)
+        costs["B" + suffix] = best_time(b_op, w, xs, x, repeat=repeat)
+        costs["W" + suffix] = best_time(w_op, w, xs, stash, repeat=repeat)
+        ratios[how] = split.stash_bytes() / x.nbytes
+    return costs, ratios
 
 
-def table_costs(sched, costs: dict) -> dict:
-    """The op costs a table's ops take: X is measured as one op, so a table without the B/W
-    split (which costs X as B + W) gets B = X - W."""
+def table_costs(sched, costs: dict, how: str = "stash") -> dict:
+    """The op costs a table's ops take (`how` the table splits the backward): X is measured
+    as one op, so a table without the B/W split (which costs X as B + W) gets B = X - W."""
+    if how == "recompute":
+        costs = {**costs, "B": costs["B (recompute)"], "W": costs["W (recompute)"]}
     return costs if sched.split else {**costs, "B": costs["X"] - costs["W"]}
 
 
@@ -140,7 +150,7 @@ def main() -> None:
     params = jax.device_put(params, param_sh)
 
     rows = args.batch // args.microbatches
-    costs, stash_ratio = op_costs(cfg, params, rows, args.seq, args.layers // args.stages,
+    costs, stash_ratios = op_costs(cfg, params, rows, args.seq, args.layers // args.stages,
                                   args.remat, args.repeat)
     unit = costs["F"]
     print(f"{args.stages} stages x {args.microbatches} microbatches, {args.layers} layers of "
@@ -148,24 +158,27 @@ def main() -> None:
           f"{jax.devices()[0].platform}")
     print("op costs, one stage, one microbatch: " + ", ".join(
         f"{k} {v * 1e3:.1f} ms ({v / unit:.2f} F)" for k, v in costs.items()))
-    print(f"B + W = {(costs['B'] + costs['W']) / costs['X']:.2f} X; a layer's stash (B to W) "
-          f"holds {stash_ratio:.1f}x its input (F to B)")
+    print(f"B + W = {(costs['B'] + costs['W']) / costs['X']:.2f} X, "
+          f"{(costs['B (recompute)'] + costs['W (recompute)']) / costs['X']:.2f} X when W "
+          f"recomputes; a layer's stash (B to W) holds {stash_ratios['stash']:.1f}x its input "
+          f"(F to B), {stash_ratios['recompute']:.1f}x when W recomputes")
     if args.kl:
         return pipefill(args, graphdef, params, param_sh, batch, mesh, costs)
     print("| schedule | bubble (table) | bubble (measured costs) | peak activations | "
           "buffers held | step ms | x gpipe |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     base = None
-    for schedule, repeats in SCHEDULES:
+    rows = [(s, r, "stash") for s, r in SCHEDULES] + [(s, r, "recompute") for s, r in RECOMPUTE]
+    for schedule, repeats, how in rows:
         pipe = PipelineConfig(stages=args.stages, microbatches=args.microbatches,
-                              repeats=repeats, schedule=schedule)
+                              repeats=repeats, schedule=schedule, split_backward=how)
         if args.layers % (args.stages * pipe.chunks_per_stage):
             continue
         if pipe.table is not None:
             bubble = pipe.table.bubble()
-            weighted = sch.weighted_bubble(pipe.table, table_costs(pipe.table, costs))
+            weighted = sch.weighted_bubble(pipe.table, table_costs(pipe.table, costs, how))
             peak = f"{float(pipe.table.peak()):.2f}"
-            held = f"{buffers_held(pipe.table, stash_ratio):.1f}"
+            held = f"{buffers_held(pipe.table, stash_ratios[how]):.1f}"
         else:
             held = "-"
             bubble = weighted = pipe.bubble_fraction()
@@ -179,6 +192,7 @@ def main() -> None:
         best = best_time(step, placed, batch, repeat=args.repeat)
         base = base or best
         name = schedule if repeats == 1 else f"{schedule}, {repeats} repeats"
+        name += ", W recomputes" if how == "recompute" else ""
         print(f"| {name} | {bubble:.1%} | {weighted:.1%} | {peak} | {held} | "
               f"{best * 1e3:.0f} | {best / base:.2f} |")
 

@@ -68,6 +68,8 @@ def main() -> None:
         ("interleaved, 2 repeats", [none, "sharding.pipeline.schedule=interleaved",
                                     "sharding.pipeline.repeats=2"]),
         ("zb-h1", [none, "sharding.pipeline.schedule=zb-h1"]),
+        ("zb-h1, W recomputes", [none, "sharding.pipeline.schedule=zb-h1",
+                                 "sharding.pipeline.split_backward=recompute"]),
         ("v-half", [none, "sharding.pipeline.schedule=v-half"]),
         ("v-min", [none, "sharding.pipeline.schedule=v-min"]),
         ("v-zb", [none, "sharding.pipeline.schedule=v-zb"]),
