@@ -223,8 +223,9 @@ def _deliver(inbox, out, row, p: int):
     slot_for = lambda send: jnp.where(row["send"] == send, row["send_slot"], -1)  # noqa: E731
     from_prev, slot_prev = jax.lax.ppermute((out, slot_for(1)), "stage", forward)
     from_next, slot_next = jax.lax.ppermute((out, slot_for(2)), "stage", backward)
+    nowhere = inbox.shape[0]          # out of bounds: the write is dropped
     for slot, payload in ((slot_prev, from_prev), (slot_next, from_next), (slot_for(3), out)):
-        inbox = inbox.at[slot].set(jnp.where(slot >= 0, payload, inbox[slot]))
+        inbox = inbox.at[jnp.where(slot >= 0, slot, nowhere)].set(payload, mode="drop")
     return inbox
 
 

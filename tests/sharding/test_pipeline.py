@@ -17,6 +17,7 @@ from jaxrl.train.step import loss_and_grads
 from sharding import mesh as shd
 from sharding.layer_order import LayerOrder
 from sharding.pipeline import PipelineConfig
+from sharding import schedules as sch
 
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=8, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64, max_seq_len=16)
@@ -154,6 +155,29 @@ def test_in_pipeline_order_no_weight_crosses_a_stage(setup, schedule, repeats, s
     if schedule == "circular":      # one canonical compile, for the contrast
         pipelined(setup, pipe, mesh_cfg, hlo=texts)
         assert len(moves.findall(texts[1])) >= len(jax.tree.leaves(setup[1]["layers"]))
+
+
+@pytest.mark.parametrize("split", ["stash", "recompute"])
+def test_no_tick_copies_a_whole_activation_buffer(setup, split):
+    """Each op returns only what it produces (sharding/stage_ops.py): the compiled step copies
+    at most a slot of the stage's buffers, never the whole inbox, layer-input or stash buffer
+    (a `lax.switch` branch that passed a buffer through would copy it at every tick, and so
+    did filing a message into the inbox with a read-back of the slot it left alone)."""
+    pipe = PipelineConfig(stages=4, microbatches=4, schedule="zb-h1", split_backward=split)
+    texts = []
+    assert_close(pipelined(setup, pipe, shd.MeshConfig(stage=4), hlo=texts), setup[3])
+    slots = sch.as_arrays(pipe.table)["slots"]
+    layers, rows = CFG.num_layers // 4, B // 4
+    whole = [(slots["inbox"], rows, T), (slots["res"], layers, rows, T),
+             (slots["w"], layers, rows, T)]
+    # The ticks run in the loop body and the branches; ENTRY copies once per step (the
+    # zero-initialised buffers).
+    ticks = "\n".join(block for block in re.split(r"\n(?=\S)", texts[0])
+                      if not block.startswith("ENTRY"))
+    copied = [tuple(int(d) for d in dims.split(",")) for dims in
+              re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", ticks)]
+    assert copied, "no copies parsed: the HLO pattern no longer matches"
+    assert not [c for c in copied for w in whole if c[:len(w)] == w], copied
 
 
 def test_table_schedules_refuse_fsdp_and_tensor_together(setup):
