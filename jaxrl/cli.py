@@ -106,6 +106,9 @@ def _compile(args) -> None:
                    f"microbatches x {pipe.repeats} repeats, bubble {pipe.bubble_fraction():.1%}")
         if pipe.table is not None:
             layout += f", peak activations {float(pipe.table.peak()):.2f} stage-microbatches"
+            if pipe.table.split:
+                layout += (", W reads B's stash" if pipe.split_backward == "stash" else
+                           ", W recomputes the layer")
             print(f"{pipe.schedule} schedule table (F forward, B input gradient, W weight "
                   f"gradient, X both; lower case: a stage's second chunk):")
             print(pipe.table.render())
