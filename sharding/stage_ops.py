@@ -26,6 +26,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from sharding import schedules as sch
 from sharding.split_backward import RecomputingSplit, SplitBackward
@@ -40,7 +41,8 @@ class StageModel:
     head params' gradient, h's cotangent) for microbatch j; `w_V` this stage's chunks
     [V, Lc, ...]; `x_M` the first chunk's inputs [M, b, T, D]; `aux_M` the layers' extra
     inputs per microbatch; `split` the layer's B/W split (None when the table has none);
-    `ref` the reference model's arrays on this stage (w_V, head_params, x_M) or None."""
+    `ref` the reference model's arrays on this stage (w_V, head_params, x_M) or None;
+    `replicate_heads`: the heads run on whole copies of their inputs (`run_schedule`)."""
 
     layer_fn: Callable
     head: Callable
@@ -52,6 +54,13 @@ class StageModel:
     split: SplitBackward | RecomputingSplit | None = None
     ref: dict | None = None
     ref_head_fn: Callable | None = None
+    replicate_heads: bool = False
+
+    def head_input(self, tree):
+        """`tree` as a head takes it: whole on every device with `replicate_heads`."""
+        if not self.replicate_heads:
+            return tree
+        return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, P()), tree)
 
     def zero_delta(self, loss_aux_shapes, ref_shape, skip=()) -> dict:
         """The delta of an op that produces nothing: zeros of every field's shape (but the
@@ -116,7 +125,8 @@ def branches(model: StageModel, shapes: tuple) -> list[Callable]:
         y, xs = run_forward(bufs, row)
         j = row["microbatch"]
         ref_logp = bufs["ref_logp"][j] if "ref_logp" in bufs else None
-        loss, head_aux, g_hp, g_y = model.head(model.hp, y, j, ref_logp)
+        loss, head_aux, g_hp, g_y = model.head(model.hp, model.head_input(y), j, ref_logp,
+                                               model.replicate_heads)
         return delta(send=g_y.astype(y.dtype), acts=xs, loss=loss, aux=head_aux,
                      g_head=jax.tree.map(lambda g: g.astype(jnp.float32), g_hp))
 
@@ -170,8 +180,8 @@ def branches(model: StageModel, shapes: tuple) -> list[Callable]:
 
     def reference_head(bufs, row):
         y = run_reference(row, bufs)
-        out = model.ref_head_fn(model.ref["head_params"], y,
-                                take(model.head_in_M, row["microbatch"]))
+        out = model.ref_head_fn(model.ref["head_params"], model.head_input(y),
+                                model.head_input(take(model.head_in_M, row["microbatch"])))
         return delta(ref_logp=out)
 
     split, ref = model.split is not None, model.ref is not None

@@ -111,7 +111,8 @@ class Reference:
 
 def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_PV,
                  head_params, x_MbTD, aux_M, head_in_M, mesh: Mesh, live_M=None,
-                 reference: Reference | None = None, split_how: str = "stash"):
+                 reference: Reference | None = None, split_how: str = "stash",
+                 replicate_heads: bool = False):
     """Loss and gradients of a pipelined model by the table `sched`.
 
     `layer_fn(w_l, x_bTD, aux_b) -> x_bTD` runs one layer (w_l its parameters); `head_fn(
@@ -120,9 +121,13 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
     trees of per-microbatch inputs ([M, ...]). `live_M` [M] bool: microbatches with nothing to
     learn from (RL padding) run no op at all. `reference`: the model a table with R ops runs
     (required then). `split_how`: how a table with B and W ops splits the layer's backward
-    (`sharding.pipeline.split_backward`, sharding/split_backward.py). Returns (loss [M],
-    head_aux [M, ...], float32 gradients of sum(loss) w.r.t. w_PV and head_params, and
-    w.r.t. x_MbTD)."""
+    (`sharding.pipeline.split_backward`, sharding/split_backward.py). `replicate_heads`: run
+    the heads (the policy's and the reference's) on whole copies of their parameters and
+    inputs on every device of the automatic axes, so that no collective runs inside their
+    branch (beside both fsdp and tensor, where XLA's partitioner fails on a head sharded over
+    both inside a `lax.switch` branch that only some stages take). Returns
+    (loss [M], head_aux [M, ...], float32 gradients of sum(loss) w.r.t. w_PV and
+    head_params, and w.r.t. x_MbTD)."""
     if sched.reference != (reference is not None):
         raise ValueError(f"{sched.name}: a table with R ops needs a reference model, and only "
                          f"such a table takes one (R ops: {sched.reference})")
@@ -135,8 +140,10 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
     if live_M is None:
         live_M = jnp.ones((m,), bool)
 
-    def head(hp, h_bTD, j, ref_logp=None):
+    def head(hp, h_bTD, j, ref_logp=None, replicate=False):
         head_in = jax.tree.map(lambda a: a[j], head_in_M)
+        if replicate:
+            head_in = _replicated(head_in)
         if ref_logp is not None:
             head_in = {**head_in, "ref_logp": ref_logp}
         loss, pull, head_aux = jax.vjp(lambda hp_, h: head_fn(hp_, h, head_in), hp, h_bTD,
@@ -156,6 +163,10 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
     whole_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
 
     def program(w_1V, hp, x_M, aux, live, ref):
+        if replicate_heads:
+            hp = _replicated(hp)
+            if ref is not None:
+                ref = {**ref, "head_params": _replicated(ref["head_params"])}
         w_V = jax.tree.map(lambda a: a[0], w_1V)
         stage = jax.lax.axis_index("stage")
         layers = jax.tree.leaves(w_V)[0].shape[1]
@@ -179,7 +190,7 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
             ref = {**ref, "w_V": jax.tree.map(lambda a: a[0], ref["w_1V"])}
             state["ref_logp"] = jnp.zeros((m, *ref_shape.shape), ref_shape.dtype)
         model = StageModel(layer_fn, head, w_V, hp, x_M, aux, head_in_M, split_b, ref,
-                           None if reference is None else reference.head_fn)
+                           None if reference is None else reference.head_fn, replicate_heads)
         ops = branches(model, ((loss_shape, aux_shape), ref_shape))
         read_only = [k for k in ("inbox", "acts", "stash", "ref_logp") if k in state]
 
@@ -227,6 +238,11 @@ def _deliver(inbox, out, row, p: int):
     for slot, payload in ((slot_prev, from_prev), (slot_next, from_next), (slot_for(3), out)):
         inbox = inbox.at[jnp.where(slot >= 0, slot, nowhere)].set(payload, mode="drop")
     return inbox
+
+
+def _replicated(tree):
+    """`tree` gathered whole on every device of the automatic axes."""
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, P()), tree)
 
 
 def _spec(a, drop: int) -> jax.ShapeDtypeStruct:

@@ -148,15 +148,10 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, p
     layers = jax.lax.stop_gradient(params["layers"])
     if mesh is None:
         mesh = shd.make_mesh(shd.MeshConfig(stage=pipeline.stages), jax.devices()[:pipeline.stages])
-    if mesh.shape.get("fsdp", 1) > 1 and mesh.shape.get("tensor", 1) > 1:
-        # XLA's SPMD partitioner aborts the process (spmd_partitioner_util.cc, "Check failed:
-        # partition_group_list...") on the per-stage `lax.switch` when both axes shard its
-        # operands; refuse before it does.
-        raise ValueError(
-            f"sharding.pipeline.schedule={pipeline.schedule} runs beside one of fsdp and tensor, "
-            f"not both: mesh fsdp={mesh.shape['fsdp']} x tensor={mesh.shape['tensor']}. Use "
-            f"mesh.tensor=1 or mesh.fsdp=1 (data parallelism works beside either), or schedule "
-            f"gpipe or circular")
+    # XLA's SPMD partitioner aborts (spmd_partitioner_util.cc, "Check failed:
+    # partition_group_list...") on a head sharded over both fsdp and tensor inside the
+    # per-stage `lax.switch`: beside both, the heads run replicated (README, Pipelines).
+    replicate_heads = mesh.shape.get("fsdp", 1) > 1 and mesh.shape.get("tensor", 1) > 1
 
     def embed(o):
         return merge_params(graphdef, {**o, "layers": layers}).embed_tokens(ids)
@@ -185,7 +180,7 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, p
         sched, layer, head, to_stages(params["layers"]), outer,
         micro(x_BTD), (micro(positions), micro(segment_ids)), batch_M, mesh, live_M,
         _reference(graphdef, ref_params, objective, ids, to_stages, micro),
-        pipeline.split_backward)
+        pipeline.split_backward, replicate_heads)
     (g_embed,) = embed_pullback(pp.from_microbatches(dx).astype(x_BTD.dtype))
     grads = {**jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_outer, g_embed),
              "layers": from_stages(g_w)}

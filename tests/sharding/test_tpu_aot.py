@@ -61,6 +61,14 @@ def test_pipeline_schedules_compile_and_1f1b_keeps_fewer_activations():
     assert one_f_one_b["device_temp_bytes"] <= gpipe["device_temp_bytes"] / 4
 
 
+def test_a_table_schedule_compiles_beside_fsdp_and_tensor_together():
+    """XLA's TPU partitioner aborted the process on a head sharded over fsdp and tensor inside
+    the per-stage `lax.switch`; with the heads replicated there the step compiles."""
+    both = ["mesh.fsdp=2", "mesh.tensor=2", "sharding.pipeline.schedule=zb-h1"]
+    report = compiled(DEMO, *PIPE, *both)
+    assert report["fits"] and report["device_temp_bytes"] > 0
+
+
 def test_offload_nested_in_the_pipeline():
     gpipe = compiled(DEMO, *PIPE)
     stage_inputs = compiled(DEMO, *PIPE, "sharding.pipeline.offload_stage_inputs=true")
