@@ -37,8 +37,8 @@ RH = FH + 1             # branch index of R on the last chunk (reference forward
 
 @dataclasses.dataclass(frozen=True)
 class StageModel:
-    """What one stage's ops compute with. `head(hp, h, j, ref_logp)` -> (loss, head aux,
-    head params' gradient, h's cotangent) for microbatch j; `w_V` this stage's chunks
+    """What one stage's ops compute with. `head(hp, h, head_in, ref_logp)` -> (loss, head
+    aux, head params' gradient, h's cotangent) for one microbatch's head inputs `head_in`; `w_V` this stage's chunks
     [V, Lc, ...]; `x_M` the first chunk's inputs [M, b, T, D]; `aux_M` the layers' extra
     inputs per microbatch; `split` the layer's B/W split (None when the table has none);
     `ref` the reference model's arrays on this stage (w_V, head_params, x_M) or None;
@@ -58,9 +58,7 @@ class StageModel:
 
     def head_input(self, tree):
         """`tree` as a head takes it: whole on every device with `replicate_heads`."""
-        if not self.replicate_heads:
-            return tree
-        return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, P()), tree)
+        return replicated(tree) if self.replicate_heads else tree
 
     def zero_delta(self, loss_aux_shapes, ref_shape, skip=()) -> dict:
         """The delta of an op that produces nothing: zeros of every field's shape (but the
@@ -125,8 +123,8 @@ def branches(model: StageModel, shapes: tuple) -> list[Callable]:
         y, xs = run_forward(bufs, row)
         j = row["microbatch"]
         ref_logp = bufs["ref_logp"][j] if "ref_logp" in bufs else None
-        loss, head_aux, g_hp, g_y = model.head(model.hp, model.head_input(y), j, ref_logp,
-                                               model.replicate_heads)
+        loss, head_aux, g_hp, g_y = model.head(
+            model.hp, *model.head_input((y, take(model.head_in_M, j))), ref_logp)
         return delta(send=g_y.astype(y.dtype), acts=xs, loss=loss, aux=head_aux,
                      g_head=jax.tree.map(lambda g: g.astype(jnp.float32), g_hp))
 
@@ -180,8 +178,8 @@ def branches(model: StageModel, shapes: tuple) -> list[Callable]:
 
     def reference_head(bufs, row):
         y = run_reference(row, bufs)
-        out = model.ref_head_fn(model.ref["head_params"], model.head_input(y),
-                                model.head_input(take(model.head_in_M, row["microbatch"])))
+        out = model.ref_head_fn(model.ref["head_params"],
+                                *model.head_input((y, take(model.head_in_M, row["microbatch"]))))
         return delta(ref_logp=out)
 
     split, ref = model.split is not None, model.ref is not None
@@ -219,3 +217,8 @@ def apply_delta(state: dict, d: dict, op, row) -> dict:
     if "ref_logp" in state:
         state["ref_logp"] = put(state["ref_logp"], j, d["ref_logp"], op == RH)
     return state
+
+
+def replicated(tree):
+    """`tree` gathered whole on every device of the automatic (non-stage) axes."""
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, P()), tree)

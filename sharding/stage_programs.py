@@ -40,7 +40,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from sharding import schedules as sch
 from sharding.split_backward import make_split
-from sharding.stage_ops import FH, RH, StageModel, apply_delta, branches
+from sharding.stage_ops import FH, RH, StageModel, apply_delta, branches, replicated
 
 FIELDS = ("op", "chunk", "microbatch", "first", "last", "in_slot", "res_slot", "w_slot", "send",
           "send_slot")
@@ -140,10 +140,7 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
     if live_M is None:
         live_M = jnp.ones((m,), bool)
 
-    def head(hp, h_bTD, j, ref_logp=None, replicate=False):
-        head_in = jax.tree.map(lambda a: a[j], head_in_M)
-        if replicate:
-            head_in = _replicated(head_in)
+    def head(hp, h_bTD, head_in, ref_logp=None):
         if ref_logp is not None:
             head_in = {**head_in, "ref_logp": ref_logp}
         loss, pull, head_aux = jax.vjp(lambda hp_, h: head_fn(hp_, h, head_in), hp, h_bTD,
@@ -157,16 +154,16 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
             lambda hp, h: reference.head_fn(hp, h, jax.tree.map(lambda a: a[0], head_in_M)),
             reference.head_params, x_MbTD[0])
     loss_shape, aux_shape, _, _ = jax.eval_shape(
-        head, head_params, x_MbTD[0], 0,
+        head, head_params, x_MbTD[0], jax.tree.map(lambda a: a[0], head_in_M),
         None if ref_shape is None else jnp.zeros(ref_shape.shape, ref_shape.dtype))
     stage_spec = lambda tree: jax.tree.map(lambda _: P("stage"), tree)  # noqa: E731
     whole_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
 
     def program(w_1V, hp, x_M, aux, live, ref):
         if replicate_heads:
-            hp = _replicated(hp)
+            hp = replicated(hp)
             if ref is not None:
-                ref = {**ref, "head_params": _replicated(ref["head_params"])}
+                ref = {**ref, "head_params": replicated(ref["head_params"])}
         w_V = jax.tree.map(lambda a: a[0], w_1V)
         stage = jax.lax.axis_index("stage")
         layers = jax.tree.leaves(w_V)[0].shape[1]
@@ -238,11 +235,6 @@ def _deliver(inbox, out, row, p: int):
     for slot, payload in ((slot_prev, from_prev), (slot_next, from_next), (slot_for(3), out)):
         inbox = inbox.at[jnp.where(slot >= 0, slot, nowhere)].set(payload, mode="drop")
     return inbox
-
-
-def _replicated(tree):
-    """`tree` gathered whole on every device of the automatic axes."""
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, P()), tree)
 
 
 def _spec(a, drop: int) -> jax.ShapeDtypeStruct:
