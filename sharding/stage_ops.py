@@ -40,9 +40,10 @@ class StageModel:
     """What one stage's ops compute with. `head(hp, h, head_in, ref_logp)` -> (loss, head
     aux, head params' gradient, h's cotangent) for one microbatch's head inputs `head_in`;
     `w_V` this stage's chunks [V, Lc, ...]; `x_M` the first chunk's inputs [M, b, T, D];
-    `aux_M` the layers' extra inputs per microbatch; `split` the layer's B/W split (None when the table has none);
-    `ref` the reference model's arrays on this stage (w_V, head_params, x_M) or None;
-    `replicate_heads`: the heads run on whole copies of their inputs (`run_schedule`)."""
+    `aux_M` the layers' extra inputs per microbatch; `split` the layer's B/W split (None when
+    the table has none); `ref` the reference model's arrays on this stage (w_V, head_params,
+    x_M) or None; `replicate_heads`: the heads run on whole copies of their inputs
+    (`run_schedule`)."""
 
     layer_fn: Callable
     head: Callable
