@@ -41,8 +41,8 @@ from sharding.schedule_table import (B, BUSY, F, IDLE, OPS, R, TICKS, W, X, Op, 
                                      weighted_makespan)
 
 # The schedules' whole API: tables, their ops and checks, and the reference fill.
-__all__ = ["TABLE_SCHEDULES", "V_SCHEDULES", "SPLIT_SCHEDULES", "placement", "build", "Op", "Schedule", "OPS",
-           "IDLE", "F", "B", "W", "X", "BUSY", "R", "TICKS", "check", "as_arrays",
+__all__ = ["TABLE_SCHEDULES", "V_SCHEDULES", "SPLIT_SCHEDULES", "placement", "build", "Op",
+           "Schedule", "OPS", "IDLE", "F", "B", "W", "X", "BUSY", "R", "TICKS", "check", "as_arrays",
            "weighted_bubble", "weighted_makespan", "with_reference", "absorbed"]
 
 TABLE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "v-half", "v-min", "v-zb")
