@@ -37,8 +37,11 @@ run: $(VENV)/.run-deps
 # Two pytest-xdist workers: most of the suite's time is XLA compiling, one core per program.
 # --dist loadscope keeps a module's tests (and its module-scoped runs) on one worker; every TPU
 # compile is in tests/sharding/test_tpu_aot.py, since libtpu allows one process per machine.
+# --max-worker-restart 0: a crashed worker ends the run, failed, with the test it crashed in.
+# Replacing it under loadscope can hang pytest-xdist 3.8 for good (pytest-xdist#1323, #1378).
 test: $(VENV)/.test-deps
-	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PY) -m pytest tests -m "not gpu" -n 2 --dist loadscope --durations=30
+	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PY) -m pytest tests -m "not gpu" -n 2 --dist loadscope \
+	  --max-worker-restart 0 --durations=30
 
 # Re-resolves pyproject.toml's ranges (run and test extras) in a scratch venv and pins the result.
 # The CPU wheel of torch carries a "+cpu" local label; "==2.13.0" matches it, so the label is cut.

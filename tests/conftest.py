@@ -1,15 +1,15 @@
 import os
-import tempfile
 
 # Eight CPU devices for meshes and collectives, compiled at -O0 as `make test` does (see its
 # TEST_XLA_FLAGS); must be set before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
                       "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One XLA compilation cache for the session (subprocesses of the CLI tests included): the RL
-# runs build the same train step and engine programs again and again.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxrl-xla-cache-"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# No persistent XLA compilation cache: with one, every compile ends in `executable.serialize()`.
+# Full runs crashed a worker five times in XLA:CPU: three inside that call (two aborts and a
+# segfault, the last in CI on a serving engine's thread), two in compiles on such threads; each
+# time pytest-xdist then stalled, once until CI's limit. Tests share compiled functions in-process.
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 import pytest  # noqa: E402
 

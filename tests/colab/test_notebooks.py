@@ -2,8 +2,7 @@
 
 A cell that raises fails the test. The kernel runs on one CPU device, as on Colab's CPU runtime
 (the library's meshes are tested elsewhere); its working directory and run folder are
-temporary, so nothing is written into the repository. The kernel inherits conftest.py's XLA
-compilation cache, so the notebooks after the first reuse its compiled programs."""
+temporary, so nothing is written into the repository."""
 
 import json
 import re
