@@ -1,4 +1,6 @@
 import os
+import threading
+import time
 
 # Eight CPU devices for meshes and collectives, compiled at -O0 as `make test` does (see its
 # TEST_XLA_FLAGS); must be set before jax is imported anywhere.
@@ -51,3 +53,19 @@ def pytest_collection_modifyitems(items):
         path = item.nodeid.split("::")[0].removeprefix("tests/")
         return _HEAVY_FIRST.index(path) if path in _HEAVY_FIRST else len(_HEAVY_FIRST)
     items.sort(key=rank)     # stable: the order within a module is kept
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_engine_loop_outlives_its_module(request):
+    """Fails a module that leaves a serving engine's loop running. A leaked loop keeps its
+    thread, decode state and engine for the rest of the worker, and the crashes inside XLA
+    (README, "Crashes in the suite") all came in workers that held such threads."""
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    deadline = time.monotonic() + 10.0      # a stopping loop finishes its current call first
+    while leaked := [t for t in threading.enumerate()
+                     if t.name == "engine-loop" and t.ident not in before and t.is_alive()]:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{request.module.__name__} left {len(leaked)} engine loop(s) running: "
+                        "stop every Orchestrator it starts (use it as a context manager)")
+        time.sleep(0.05)

@@ -25,7 +25,7 @@ def engine(params):
     return e
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")   # its loop ends with the module (tests/conftest.py checks)
 def orchestrator(engine):
     with Orchestrator(engine) as o:
         yield o
