@@ -39,9 +39,12 @@ run: $(VENV)/.run-deps
 # compile is in tests/sharding/test_tpu_aot.py, since libtpu allows one process per machine.
 # --max-worker-restart 0: a crashed worker ends the run, failed, with the test it crashed in.
 # Replacing it under loadscope can hang pytest-xdist 3.8 for good (pytest-xdist#1323, #1378).
+# A test (setup included) still running after 15 minutes (the slowest took 241 s) is hung: its
+# worker prints every thread's stack and exits, which ends the run the same way.
 test: $(VENV)/.test-deps
 	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PY) -m pytest tests -m "not gpu" -n 2 --dist loadscope \
-	  --max-worker-restart 0 --durations=30
+	  --max-worker-restart 0 -o faulthandler_timeout=900 -o faulthandler_exit_on_timeout=true \
+	  --durations=30
 
 # Re-resolves pyproject.toml's ranges (run and test extras) in a scratch venv and pins the result.
 # The CPU wheel of torch carries a "+cpu" local label; "==2.13.0" matches it, so the label is cut.
