@@ -9,8 +9,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No persistent XLA compilation cache: with one, every compile ends in `executable.serialize()`.
 # Full runs crashed a worker five times in XLA:CPU: three inside that call (two aborts and a
-# segfault, the last in CI on a serving engine's thread), two in compiles on such threads; each
-# time pytest-xdist then stalled, once until CI's limit. Tests share compiled functions in-process.
+# segfault, the last in CI on a serving engine's thread), two in compiles on such threads; twice
+# pytest-xdist then stalled, once until CI's limit. Tests share compiled functions in-process.
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 import pytest  # noqa: E402
