@@ -170,6 +170,7 @@ from jaxrl.models.config import ModelConfig  # noqa: E402
 from jaxrl.rl.config import RLConfig  # noqa: E402
 from jaxrl.rl.tasks.arithmetic import ArithmeticConfig  # noqa: E402
 from jaxrl.rl.tasks.countdown import CountdownConfig  # noqa: E402
+from jaxrl.rl.tasks.custom import CustomConfig  # noqa: E402
 from jaxrl.rl.tasks.math import MathConfig  # noqa: E402
 from jaxrl.rl.tasks.toolcalc import ToolCalcConfig  # noqa: E402
 from jaxrl.optim_config import OptimConfig  # noqa: E402
@@ -211,7 +212,8 @@ class RunConfig:
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
-    task: ArithmeticConfig | MathConfig | CountdownConfig | ToolCalcConfig = ArithmeticConfig()
+    task: (ArithmeticConfig | MathConfig | CountdownConfig | ToolCalcConfig
+           | CustomConfig) = ArithmeticConfig()
     rl: RLConfig = RLConfig()
     log: LogConfig = LogConfig()
 

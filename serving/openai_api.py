@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxrl.models.chat import ChatTemplateError, render_chat
 from jaxrl.models.tokenizer import prompt_ids
 from serving.orchestrator import InvalidRequest, QueueFull
 from serving.sampling import SamplingParams
@@ -85,22 +86,6 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-
-
-def render_chat(template: str, messages: list[dict], tokenizer) -> str:
-    """The conversation as the model's Hugging Face chat template writes it, ending with the
-    assistant's turn opened (add_generation_prompt), in a sandboxed Jinja environment."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise OpenAIError(400, f"the chat template refused the messages: {message}", "messages")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(
-        messages=messages, add_generation_prompt=True,
-        bos_token=getattr(tokenizer, "bos_token", "") or "",
-        eos_token=getattr(tokenizer, "eos_token", "") or "")
 
 
 class _Choice:
@@ -201,8 +186,11 @@ class OpenAIApp:
             raise OpenAIError(400, f"model {self.model_name!r} has no chat template (its "
                               f"tokenizer_config.json names none): use /v1/completions",
                               "messages")
-        text = render_chat(template, [m.model_dump(exclude_none=True) for m in body.messages],
-                           self.tokenizer)
+        try:
+            text = render_chat(template, [m.model_dump(exclude_none=True)
+                                          for m in body.messages], self.tokenizer)
+        except ChatTemplateError as e:
+            raise OpenAIError(400, str(e), "messages") from None
         limit = body.max_completion_tokens or body.max_tokens
         ids = self.tokenizer.encode(text)
         key = self._trajectory(body, request, 1)

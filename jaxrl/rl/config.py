@@ -122,6 +122,13 @@ class RLConfig:
     normalize_std: bool = False     # divide advantages by the group's reward std
     filter_zero_advantage: bool = True  # drop groups whose rewards are all equal
     filter_overlong: bool = True    # drop samples cut off by max_new_tokens
+    # When no sample has passed the filters for this long, the run stops with an error naming
+    # the filter that dropped them (it also says which filters drop most, every few steps).
+    filter_wait_s: float = 300.0
+    # A reward that raises or takes longer than reward_timeout_s costs its group (dropped and
+    # reported with the sample); after max_reward_failures groups in a row, the run stops.
+    reward_timeout_s: float = 60.0
+    max_reward_failures: int = 10
     # Drop samples more than this many optimizer steps behind the trainer's weights, judged
     # when the pipeline reads the sample (up to `prefetch` batches before the step that trains
     # on it, so the reported lag can exceed it by that much).
@@ -156,6 +163,11 @@ class RLConfig:
         if self.group_size > self.slots:
             raise ValueError(f"rl.group_size={self.group_size} exceeds rl.slots={self.slots}: "
                              f"a group's samples decode side by side")
+        for name in ("filter_wait_s", "reward_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rl.{name}={getattr(self, name)} must be > 0")
+        if self.max_reward_failures < 1:
+            raise ValueError(f"rl.max_reward_failures={self.max_reward_failures} must be >= 1")
         if self.temperature <= 0:
             raise ValueError(f"rl.temperature={self.temperature} must be > 0 (sampling)")
         if self.tis_cap < 1:

@@ -24,11 +24,13 @@ from typing import Callable
 import numpy as np
 
 from jaxrl.config import ConfigError
+from jaxrl.errors import UserError
 from jaxrl.data.rollouts import Rollout, RolloutLog
 from jaxrl.models.tokenizer import Tokenizer, prompt_ids
 from jaxrl.rl.advantages import group_advantages, keep_group
 from jaxrl.rl.config import RLConfig
 from jaxrl.rl.env import Trajectory, is_multi_turn
+from jaxrl.rl.rewards import Scorer
 from jaxrl.rl.tasks.base import Problem, Task
 from jaxrl.run.episodes import EpisodeGroup
 from serving.generation import Generation
@@ -71,6 +73,11 @@ class Actor:
         self._skipped_in_a_row = 0
         self._last_progress = time.monotonic()    # when a rollout last reached the log
         self._lengths: collections.deque[int] = collections.deque()  # see take_lengths
+        self.scorer = Scorer(task, timeout_s=cfg.reward_timeout_s,
+                             max_failures=cfg.max_reward_failures, warn=warn)
+        self._since_progress = self.stats.copy()  # the counters when a rollout was last kept
+        self._last_warned = float("-inf")
+        self._reports, self._report_stats = 0, self.stats.copy()   # see drop_report
 
     # -- problems and requests -----------------------------------------------------------------
     def problem(self, index: int) -> Problem:
@@ -148,6 +155,7 @@ class Actor:
                 self.log.append(rollouts)
                 if rollouts:
                     self._last_progress = time.monotonic()
+                    self._since_progress = self.stats.copy()
                 self.stats["samples"] += len(rollouts)
                 self.stats["groups"] += 1
                 del self._in_flight[index]
@@ -156,12 +164,13 @@ class Actor:
 
     def _score(self, index, problem, prompt, samples) -> list[Rollout]:
         eos = self.tokenizer.eos_id
-        rewards = []
-        for s in samples:
-            tokens = s.tokens[:-1] if s.tokens and s.tokens[-1] == eos else s.tokens
-            rewards.append(self.task.score(problem, self.tokenizer.decode(tokens)))
-        rewards = np.asarray(rewards, np.float32)
+        completions = [self.tokenizer.decode(s.tokens[:-1] if s.tokens and s.tokens[-1] == eos
+                                             else s.tokens) for s in samples]
         self._lengths.extend(len(s.tokens) for s in samples)
+        rewards = self.scorer.group(problem, completions)
+        if rewards is None:      # reported by the scorer; the run goes on without the group
+            self.stats["dropped_reward_error"] += len(samples)
+            return []
         self.stats["reward_sum"] += float(rewards.sum())
         self.stats["solved"] += int((rewards >= 1).sum())
         self.stats["scored"] += len(rewards)
@@ -247,17 +256,39 @@ class Actor:
                 raise self.error
 
     def _check_progress(self, patience_s: float = 60.0) -> None:
-        """Says so, with the counters, when nothing has reached the trainer for a minute: the
-        filters may be dropping everything (e.g. a model that never emits EOS)."""
-        idle = time.monotonic() - self._last_progress
-        if idle > patience_s:
-            s = self.stats
-            self._warn(f"actor: no rollout kept for {idle:.0f} s; {s['groups']} groups kept, "
-                       f"dropped: {s['dropped_zero_advantage']} zero-advantage, "
-                       f"{s['dropped_overlong']} overlong (rl.filter_overlong), "
-                       f"{s['dropped_agent']} lost by the agents, "
-                       f"{s['prompts_too_long']} prompts too long")
-            self._last_progress = time.monotonic()
+        """Says so, with the counters, when nothing has reached the trainer for a minute; when
+        the filters have dropped every sample generated for rl.filter_wait_s, stops the run
+        with an error that names the filter (e.g. a model that never emits EOS)."""
+        now = time.monotonic()
+        idle = now - self._last_progress
+        if idle <= min(patience_s, self.cfg.filter_wait_s):
+            return
+        with self._lock:
+            why = describe_drops(self.stats, self._since_progress, self.cfg)
+        if idle > self.cfg.filter_wait_s and why:
+            raise FilterStall(f"no sample reached the trainer for {idle:.0f} s "
+                              f"(rl.filter_wait_s={self.cfg.filter_wait_s:g}): {why}")
+        if now - self._last_warned >= patience_s:
+            self._warn(f"actor: no rollout kept for {idle:.0f} s ({self.stats['groups']} "
+                       f"groups kept so far); since the last one, "
+                       f"{why or 'no group has finished'}")
+            self._last_warned = now
+
+    def drop_report(self, every: int = 5) -> str | None:
+        """Called once a step: every `every` steps, which filters dropped more than half of
+        the samples generated since the last report, and how many; else None."""
+        self._reports += 1
+        if self._reports % every:
+            return None
+        with self._lock:
+            now, before = self.stats.copy(), self._report_stats
+            self._report_stats = now
+        generated = _generated(now) - _generated(before)
+        dropped = sum(filter_drops(now, before).values())
+        if not generated or 2 * dropped <= generated:
+            return None
+        return (f"filters, last {every} steps: {describe_drops(now, before, self.cfg)}; "
+                f"{generated - dropped} kept")
 
     def take_lengths(self) -> list[int]:
         """Completion lengths of every sample scored since the last call, before any filter:
@@ -313,3 +344,42 @@ def _carried_tokens(partial) -> int:
         return sum(len(t["tokens"]) for t in partial["trajectories"]) + sum(
             len(s["tokens"]) for s in partial["turns"] if s)
     return sum(len(s.tokens) for s in partial)
+
+
+class FilterStall(UserError):
+    """The filters dropped every sample for rl.filter_wait_s; the message names them."""
+
+
+# The counters of samples dropped before the trainer, and the setting behind each.
+FILTERS = {"dropped_overlong": "rl.filter_overlong",
+           "dropped_zero_advantage": "rl.filter_zero_advantage",
+           "dropped_reward_error": "the reward's failures",
+           "dropped_agent": "the agents' lost episodes"}
+
+
+def filter_drops(now: dict, before: dict) -> dict[str, int]:
+    """Samples each filter dropped between two snapshots of the actor's counters."""
+    return {k: now.get(k, 0) - before.get(k, 0) for k in FILTERS}
+
+
+def _generated(stats: dict) -> int:
+    """Samples that reached the filters: scored, or lost to the reward or the agents."""
+    return stats.get("scored", 0) + stats.get("dropped_reward_error", 0) + \
+        stats.get("dropped_agent", 0)
+
+
+def describe_drops(now: dict, before: dict, cfg: RLConfig) -> str:
+    """Which filters dropped how many samples between two snapshots of the actor's counters,
+    the largest first, with what to change for each; "" when none dropped any."""
+    advice = {
+        "dropped_overlong": f"samples cut at rl.max_new_tokens={cfg.max_new_tokens}: raise it, "
+                            f"or train on them with rl.filter_overlong=false",
+        "dropped_zero_advantage": "groups whose rewards were all equal: a denser reward, a "
+                                  "larger rl.group_size, or rl.filter_zero_advantage=false",
+        "dropped_reward_error": "the reward raised or timed out (see its reports above)",
+        "dropped_agent": "episodes the agent programs lost (see their stderr)"}
+    generated = _generated(now) - _generated(before)
+    dropped = filter_drops(now, before)
+    parts = [f"{n} of {generated} samples by {FILTERS[k]} ({advice[k]})"
+             for k, n in sorted(dropped.items(), key=lambda kv: -kv[1]) if n]
+    return "dropped " + "; ".join(parts) if parts else ""

@@ -13,6 +13,7 @@ from jaxrl.models.tokenizer import Tokenizer, prompt_ids
 from jaxrl.models.transformer import Transformer, split_params
 from jaxrl.rl.config import RLConfig
 from jaxrl.rl.env import is_multi_turn
+from jaxrl.rl.rewards import Scorer
 from jaxrl.rl.tasks.base import Problem, Task
 from jaxrl.run.episodes import EpisodeGroup
 from serving.engine import Engine, EngineConfig
@@ -34,14 +35,19 @@ def evaluate(orchestrator: Orchestrator, task: Task, tokenizer: Tokenizer, num_p
         return _evaluate_episodes(orchestrator, task, tokenizer, problems, rl)
     prompts = _prompts(problems, tokenizer)
     completions = greedy_completions(orchestrator, prompts, max_new_tokens)
+    # A reward that raises or hangs scores the problem as unsolved (counted in reward_errors).
+    scorer = Scorer(task, timeout_s=(rl or RLConfig()).reward_timeout_s,
+                    max_failures=len(problems) + 1, warn=lambda _: None)
     scores, examples = [], []
     for problem, ids in zip(problems, completions):
         completion = tokenizer.decode(ids) if ids is not None else ""
-        scores.append(float(ids is not None and task.score(problem, completion) >= 1.0))
+        reward = scorer.group(problem, [completion]) if ids is not None else None
+        scores.append(float(reward is not None and reward[0] >= 1.0))
         if len(examples) < 5:
             examples.append(f"{problem.prompt}{completion}")
     return {"accuracy": sum(scores) / max(len(scores), 1), "problems": len(scores),
-            "examples": examples, "too_long": sum(c is None for c in completions)}
+            "examples": examples, "too_long": sum(c is None for c in completions),
+            "reward_errors": scorer.failures}
 
 
 def _evaluate_episodes(generation, task, tokenizer, problems: Sequence[Problem],

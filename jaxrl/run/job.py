@@ -12,6 +12,7 @@ import rich.table
 
 from jaxrl.config import RunConfig
 from jaxrl.errors import UserError
+from jaxrl.rl.tasks.base import Task
 from jaxrl.run import rl, warmup
 from jaxrl.train.checkpoint import CheckpointError, Checkpointer
 
@@ -32,7 +33,9 @@ def check_run_dir(path) -> None:
             return
 
 
-def run(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
+def run(cfg: RunConfig, log: Callable[[str], None] = print, task: Task | None = None) -> dict:
+    """The warm-up, then RL, each resumed from the newest checkpoint. `task`: a task object
+    (e.g. `CustomTask.from_rows(rows, reward)`) instead of the config's `task` section."""
     check_run_dir(cfg.run_dir)
     check_run_dir(cfg.checkpoint_dir)
     ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep)
@@ -49,9 +52,10 @@ def run(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
         log(f"{ckpt.path} already holds the last step ({latest}); nothing to train")
     summary = {"warmup": None, "rl": None}
     if cfg.train.steps and (latest is None or latest < cfg.train.steps):
-        summary["warmup"] = warmup.train(cfg, log, evaluate_at_end=cfg.rl.steps == 0)
+        summary["warmup"] = warmup.train(cfg, log, evaluate_at_end=cfg.rl.steps == 0,
+                                         task=task)
     if cfg.rl.steps and (latest is None or latest < end):
-        summary["rl"] = rl.reinforce(cfg, log)
+        summary["rl"] = rl.reinforce(cfg, log, task)
     return summary
 
 

@@ -28,6 +28,7 @@ from jaxrl.config import ConfigError, RunConfig, to_dict
 from jaxrl.errors import UserError
 from jaxrl.data.pipeline import pack, rl_batches
 from jaxrl.data.rollouts import Rollout, RolloutLog, source_position
+from jaxrl.rl.tasks.base import Task
 from jaxrl.run import generation
 from jaxrl.run.actor import Actor
 from jaxrl.run.agents import Agents
@@ -76,11 +77,13 @@ class _Clock:
         self._paused += seconds
 
 
-def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict | None:
+def reinforce(cfg: RunConfig, log: Callable[[str], None] = print,
+              task: Task | None = None) -> dict | None:
     """Runs (or resumes) the RL phase: optimizer steps train.steps .. train.steps + rl.steps.
     Needs a checkpoint at train.steps or later in the checkpoint directory (the warm-up's).
     On several processes (jaxrl/run/lockstep.py) process 0 leads and returns the summary; the
-    others train beside it and return None."""
+    others train beside it and return None. `task`: the Python API's task, instead of the
+    config's."""
     model_cfg = model_config(cfg)
     trainer_devices, engine_devices = generation.placement(cfg)
     mesh = shd.make_mesh(cfg.mesh, trainer_devices)
@@ -99,7 +102,7 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print) -> dict | None
         return _follow(cfg, trainer, lockstep, weights)
     try:
         return _lead(cfg, model_cfg, trainer, lockstep, weights, first_weights,
-                     engine_devices, log)
+                     engine_devices, log, task)
     except BaseException:
         lockstep.abort()
         raise
@@ -129,13 +132,14 @@ def _follow(cfg: RunConfig, trainer: RLTrainer, lockstep: Lockstep, weights) -> 
 
 
 def _lead(cfg: RunConfig, model_cfg, trainer: RLTrainer, lockstep: Lockstep, weights,
-          first_weights, engine_devices, log: Callable[[str], None]) -> dict:
+          first_weights, engine_devices, log: Callable[[str], None],
+          task: Task | None) -> dict:
     """Process 0 (the only one on a single host): the actor, the fleet, the rollout pipeline,
     evaluation and metrics, and the trainer's steps."""
     rl, first_rl = cfg.rl, cfg.train.steps
     end = first_rl + rl.steps
     mesh, multi = trainer.mesh, lockstep.processes > 1
-    task, tokenizer = build_task(cfg, model_cfg)
+    task, tokenizer = build_task(cfg, model_cfg, task)
     step = trainer.step
     gen = generation.start(cfg, model_cfg, tokenizer, first_weights, step, engine_devices, log)
     fleet, publisher = gen.fleet, gen.publisher
@@ -239,6 +243,8 @@ def _lead(cfg: RunConfig, model_cfg, trainer: RLTrainer, lockstep: Lockstep, wei
             metrics_log.histogram(step, "completion_len", lengths)
             rows.append({"step": step, **row})
             progress.update(step, row)
+            if (drops := actor.drop_report()) is not None:
+                log(drops)
             if _saves(cfg, step):
                 lockstep.sync()
                 with lockstep.collective():

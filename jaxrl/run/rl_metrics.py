@@ -24,13 +24,15 @@ def sample_counts(actor_stats: dict, trained: int, dropped_lag: int) -> dict:
     """Where every sample went, cumulative over the run (a resumed run continues the counts):
     generated = dropped_zero_advantage + dropped_overlong + kept, and
     kept = trained + dropped_lag + what waits in the rollout stream (a checkpoint's `rollouts`,
-    when the checkpoint is taken). dropped_agent: episodes an external agent lost (never
-    scored, so not generated)."""
+    when the checkpoint is taken). dropped_agent: episodes an external agent lost, and
+    dropped_reward_error: samples whose reward raised or timed out (neither scored, so not
+    generated)."""
     return {"samples_generated": actor_stats["scored"], "samples_kept": actor_stats["samples"],
             "samples_trained": trained, "dropped_lag": dropped_lag,
             "dropped_zero_advantage": actor_stats["dropped_zero_advantage"],
             "dropped_overlong": actor_stats["dropped_overlong"],
             "dropped_agent": actor_stats["dropped_agent"],
+            "dropped_reward_error": actor_stats["dropped_reward_error"],
             "carried_tokens": actor_stats["carried_tokens"]}
 
 

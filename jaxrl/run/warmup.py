@@ -20,6 +20,7 @@ from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from jaxrl.models.transformer import split_params
 from jaxrl.rl.tasks.arithmetic import ArithmeticTask
 from jaxrl.rl.tasks.countdown import CountdownTask
+from jaxrl.rl.tasks.custom import CustomTask, load_object
 from jaxrl.rl.tasks.toolcalc import ToolCalcTask
 from jaxrl.rl.tasks.base import Task
 from jaxrl.rl.tasks.math import MathTask
@@ -46,23 +47,45 @@ def model_config(cfg: RunConfig) -> ModelConfig:
     return model_cfg
 
 
-def build_task(cfg: RunConfig, model_cfg: ModelConfig) -> tuple[Task, Tokenizer]:
-    if cfg.task.name == "math":
-        if not cfg.hf_path:
-            raise ConfigError("task.name=math needs hf_path: a Hugging Face model folder with "
-                              "its tokenizer.json (the demo model only knows arithmetic)")
-        task = MathTask(cfg.task)
-    elif cfg.task.name == "countdown":
-        task = CountdownTask(cfg.task)
-    elif cfg.task.name == "toolcalc":
-        task = ToolCalcTask(cfg.task)
-    else:
-        task = ArithmeticTask(cfg.task)
-    tokenizer = HFTokenizer(cfg.hf_path) if cfg.hf_path else CharTokenizer(task.alphabet)
+def build_task(cfg: RunConfig, model_cfg: ModelConfig,
+               task: Task | None = None) -> tuple[Task, Tokenizer]:
+    """The run's task (`task` when the Python API gives one, else the config's) and tokenizer
+    (the model folder's, else the built-in task's characters)."""
+    tokenizer = HFTokenizer(cfg.hf_path) if cfg.hf_path else None
+    if task is None:
+        task = _task_from_config(cfg, tokenizer)
+    if tokenizer is None:
+        alphabet = getattr(task, "alphabet", None)
+        if alphabet is None:
+            raise ConfigError(f"the {task.name!r} task writes text the built-in character "
+                              f"tokenizer cannot encode: set hf_path to a Hugging Face model "
+                              f"folder (its tokenizer.json is used)")
+        tokenizer = CharTokenizer(alphabet)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but "
                           f"model.vocab_size={model_cfg.vocab_size}")
     return task, tokenizer
+
+
+def _task_from_config(cfg: RunConfig, tokenizer: Tokenizer | None) -> Task:
+    name = cfg.task.name
+    if name == "math":
+        if not cfg.hf_path:
+            raise ConfigError("task.name=math needs hf_path: a Hugging Face model folder with "
+                              "its tokenizer.json (the demo model only knows arithmetic)")
+        return MathTask(cfg.task)
+    if name == "custom":
+        if cfg.task.factory:
+            task = load_object(cfg.task.factory, "task.factory")(cfg.task)
+            missing = [m for m in ("sample", "held_out", "score") if not hasattr(task, m)]
+            if missing:
+                raise ConfigError(f"task.factory={cfg.task.factory!r} returned "
+                                  f"{type(task).__name__}, which lacks {', '.join(missing)} "
+                                  f"(jaxrl/rl/tasks/base.py: the Task API)")
+            return task
+        return CustomTask.from_config(cfg.task, tokenizer)
+    return {"countdown": CountdownTask, "toolcalc": ToolCalcTask,
+            "arithmetic": ArithmeticTask}[name](cfg.task)
 
 
 def _check_batch(cfg: RunConfig, mesh) -> None:
@@ -90,8 +113,9 @@ def _check_same_model(saved: dict, model_cfg: ModelConfig, path: Path) -> None:
 
 
 def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
-          evaluate_at_end: bool = True) -> dict:
-    """Runs (or resumes) supervised warm-up; returns a summary of the run."""
+          evaluate_at_end: bool = True, task: Task | None = None) -> dict:
+    """Runs (or resumes) supervised warm-up; returns a summary of the run. `task`: the Python
+    API's task, instead of the config's."""
     # Everything that can be wrong with the user's input is checked before anything is written.
     ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save)
@@ -101,7 +125,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
             f"{str(ckpt.path)!r} already holds checkpoints up to step {latest}; set "
             f"checkpoint.resume=true to continue that run, or choose a new checkpoint.dir")
     model_cfg = model_config(cfg)
-    task, tokenizer = build_task(cfg, model_cfg)
+    task, tokenizer = build_task(cfg, model_cfg, task)
     mesh = make_mesh(cfg.mesh)
     _check_batch(cfg, mesh)
     # This process builds only the rows of each batch its devices hold (all of them on one

@@ -9,21 +9,18 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-import torch
-import transformers
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from jaxrl.config import load_run_config
 from jaxrl.models import from_hf, split_params
 from jaxrl.run import job
 from jaxrl.run.metrics import read_metrics
 from jaxrl.train.checkpoint import Checkpointer
+from tests.tiny_hf import tiny_qwen
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 QWEN_RECIPE = ROOT / "configs" / "qwen2_5_0_5b_gsm8k.yaml"
 GSM8K = ROOT / "tests" / "data" / "gsm8k_tiny.jsonl"
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]   # Qwen2.5-Instruct's, same roles
 STEP_KEYS = ("reward", "lag_mean", "ess", "kl_new_old", "entropy", "trained_tokens_per_s",
              "trainer_wait_s", "update_pause_ms", "slots_busy_fraction")
 
@@ -33,28 +30,6 @@ def test_every_config_loads(path):
     load_run_config(path)
 
 
-def _tiny_qwen(path: Path, texts: list[str]) -> None:
-    """A Hugging Face folder as Qwen2.5-Instruct's is laid out: a random 2-layer Qwen2 and a
-    word-level tokenizer over `texts`, with Qwen's chat tokens as special tokens and
-    <|im_end|> as eos_token."""
-    split = pre_tokenizers.Whitespace()
-    words = sorted({w for t in texts for w, _ in split.pre_tokenize_str(t)} - set(SPECIALS))
-    vocab = {w: i for i, w in enumerate(["<unk>"] + SPECIALS + words)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = split
-    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=vocab["<|endoftext|>"],
-        eos_token_id=vocab["<|im_end|>"])
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-
-
 def test_qwen_gsm8k_recipe_runs_end_to_end(tmp_path):
     rows = [json.loads(line) for line in GSM8K.read_text().splitlines() if line.strip()]
     eval_path = tmp_path / "test.jsonl"
@@ -62,7 +37,7 @@ def test_qwen_gsm8k_recipe_runs_end_to_end(tmp_path):
     template = load_run_config(QWEN_RECIPE).task.prompt_template
     hf = tmp_path / "qwen"
     hf.mkdir()
-    _tiny_qwen(hf, [template.format(question=r["question"]) + r["answer"] for r in rows])
+    tiny_qwen(hf, [template.format(question=r["question"]) + r["answer"] for r in rows])
 
     run_dir = tmp_path / "run"
     cfg = load_run_config(QWEN_RECIPE, [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -12,6 +12,8 @@ import numpy as np
 class Problem:
     prompt: str   # what the model is given
     answer: str   # the reference answer (also the supervised warm-up target)
+    # The rest of the problem's row (a custom task's data set), passed to its reward.
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
 
 class Task(Protocol):
@@ -30,3 +32,11 @@ class Task(Protocol):
     def score(self, problem: Problem, completion: str) -> float:
         """Reward in [0, 1] for `completion` (the text after the prompt, before EOS); 1.0 means
         correct, which is what accuracy counts."""
+
+
+class GroupScoredTask(Task, Protocol):
+    """A task that scores a group's completions together (a batched reward, TRL's form);
+    jaxrl/rl/rewards.py calls `score_group` when a task has it, else `score` per sample."""
+
+    def score_group(self, problem: Problem, completions: Sequence[str]) -> Sequence[float]:
+        """One reward per completion, in order."""

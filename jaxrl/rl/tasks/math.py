@@ -13,7 +13,6 @@ besides: a signal cannot interrupt a long call inside C code, nor save a child o
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -29,12 +28,11 @@ import numpy as np
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
-from jaxrl.errors import UserError
 from jaxrl.rl.tasks.base import Problem
+from jaxrl.rl.tasks.rows import EXTENSIONS, TaskDataError, is_held_out, read_rows
 
 DEFAULT_PROMPT = ("{question}\n"
                   "Please reason step by step, and put your final answer within \\boxed{{}}.")
-EXTENSIONS = (".jsonl", ".json", ".parquet")
 # Auto-detected columns: (question key, answer key) -> where the final answer sits in the answer.
 KNOWN_KEYS = {("question", "answer"): "gsm8k", ("problem", "solution"): "math"}
 
@@ -75,46 +73,8 @@ class MathConfig:
                              "(math_verify's alarm counts whole seconds)")
 
 
-class TaskDataError(UserError):
-    pass
-
-
 # ---------------------------------------------------------------------------------------------
 # Loading.
-
-def _read_rows(path: Path) -> list[tuple[int, object]]:
-    """(row number from 1, row) pairs; in JSON lines the row number is the line number."""
-    if not path.is_file():
-        raise TaskDataError(f"task data file {path} does not exist")
-    suffix = path.suffix.lower()
-    if suffix not in EXTENSIONS:
-        raise TaskDataError(f"task data file {path} has extension {suffix!r}; "
-                            f"allowed: {', '.join(EXTENSIONS)}")
-    if suffix == ".parquet":
-        import pyarrow  # only parquet users pay for importing pyarrow
-        import pyarrow.parquet as pq
-        try:
-            return list(enumerate(pq.read_table(path).to_pylist(), 1))
-        except pyarrow.ArrowException as e:
-            raise TaskDataError(f"{path} is not a readable parquet file: {e}") from e
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise TaskDataError(f"{path} is not UTF-8 text: {e}") from e
-    if suffix == ".json" and text.lstrip().startswith("["):
-        try:
-            return list(enumerate(json.loads(text), 1))
-        except json.JSONDecodeError as e:
-            raise TaskDataError(f"{path} is not valid JSON: {e}") from e
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise TaskDataError(f"{path} row {n} is not valid JSON: {e}") from e
-    return rows
-
 
 def last_boxed(text: str) -> str | None:
     """The contents of the last \\boxed{...} or \\fbox{...} (braces balanced), else None."""
@@ -152,7 +112,7 @@ def _final_answer(text: str, style: str, where: str) -> str:
 
 def load_problems(path: Path, cfg: MathConfig) -> list[tuple[str, Problem]]:
     """(question, problem) pairs from one file."""
-    rows = _read_rows(path)
+    rows = read_rows(path)
     if cfg.max_problems:
         rows = rows[:cfg.max_problems]
     if not rows:
@@ -295,9 +255,7 @@ class MathTask:
         self._worker = VerifyWorker(cfg.verify_timeout_s, backstop_s=12 * cfg.verify_timeout_s)
 
     def _is_held_out(self, question: str) -> bool:
-        # By the question text, so duplicates share a split and the prompt template cannot move it.
-        digest = hashlib.blake2b(question.encode(), digest_size=4).digest()
-        return int.from_bytes(digest, "little") % 100 < self.cfg.held_out_percent
+        return is_held_out(question, self.cfg.held_out_percent)
 
     def __len__(self) -> int:
         """Training problems."""
