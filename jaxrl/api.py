@@ -29,8 +29,12 @@ def train(config: RunConfig | str | Path | None = None, overrides: Sequence[str]
           task: Task | None = None, log: Callable[[str], None] = print) -> dict:
     """Runs `jaxrl train` in this process: `config` is a RunConfig or a YAML file (None: the
     defaults), `overrides` are `section.key=value` strings, `task` replaces the config's task.
-    Returns the run's summary (the warm-up's and RL's)."""
+    Returns the run's summary (the warm-up's and RL's). Compiled programs are cached as
+    `jaxrl train` caches them (jaxrl/platform.py)."""
+    from jaxrl.platform import use_compilation_cache
     from jaxrl.run.job import run
+
+    use_compilation_cache()
 
     if isinstance(config, RunConfig):
         if overrides:

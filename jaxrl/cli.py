@@ -15,8 +15,10 @@ def _train(args) -> None:
     from jaxrl.config import load_run_config
 
     cfg = load_run_config(args.config, args.overrides)  # before the heavy imports: errors fast
+    from jaxrl.platform import use_compilation_cache
     from jaxrl.run import distributed
 
+    use_compilation_cache()       # a second run of the same config starts in seconds
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     from jaxrl.run.job import print_summary, run
 

@@ -35,3 +35,24 @@ def choose_platforms(environ=os.environ) -> str | None:
         return None
     environ["JAX_PLATFORMS"] = "cuda,cpu" if has_cuda() else "cpu"
     return environ["JAX_PLATFORMS"]
+
+
+DEFAULT_CACHE = "~/.cache/jaxrl/xla"
+
+
+def use_compilation_cache(environ=os.environ) -> str | None:
+    """Turns on JAX's persistent compilation cache for this process, so the second run of a
+    config loads its programs instead of compiling them (the train step, every serving
+    program). The directory is $JAX_COMPILATION_CACHE_DIR when set (empty: no cache), else
+    ~/.cache/jaxrl/xla. Every program is cached, however quickly it compiled: an engine's many
+    small programs add up. Returns the directory used, or None."""
+    path = environ.get("JAX_COMPILATION_CACHE_DIR", DEFAULT_CACHE)
+    if not path:
+        return None
+    import jax
+
+    path = os.path.expanduser(path)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path

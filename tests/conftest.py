@@ -11,7 +11,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Full runs crashed a worker five times in XLA:CPU: three inside that call (two aborts and a
 # segfault, the last in CI on a serving engine's thread), two in compiles on such threads; twice
 # pytest-xdist then stalled, once until CI's limit. Tests share compiled functions in-process.
-os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+# Empty: also off in the `jaxrl train` and notebook processes the tests start (jaxrl/platform.py).
+os.environ["JAX_COMPILATION_CACHE_DIR"] = ""
 
 import pytest  # noqa: E402
 

@@ -4,6 +4,7 @@ last step, where every sample went, the engines' and the weight publisher's coun
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -97,6 +98,8 @@ class StepMetrics:
         delta = {k: engine.get(k, 0) - self._engine.get(k, 0)
                  for k in ("generated_tokens", "busy_slot_steps", "slot_steps", "held_tokens")}
         row = {**train_metrics, **stats, "time_s": now, "samples_per_s": self.batch_size / dt,
+               # the process's CPU seconds so far (all threads) and the wall-clock time
+               "process_cpu_s": time.process_time(), "unix_time": time.time(),
                "generated_tokens_per_s": delta["generated_tokens"] / dt,
                "trainer_wait_s": wait_s, "step_s": step_s, **update,
                "slots_busy_fraction": delta["busy_slot_steps"] / max(delta["slot_steps"], 1),

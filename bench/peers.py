@@ -1,0 +1,166 @@
+"""Peers: the same small GRPO job in jaxrl (sync and async) and TRL's GRPOTrainer, side by side.
+
+Each stack runs in a process of its own, one after the other, on the same random Llama folder
+(bench/peers/job.py: the job, the model, the prompts and the reward); TRL in a virtual
+environment this benchmark builds from bench/peers/requirements-trl.txt (so the project's own
+dependencies stay as they are). Printed per stack: s/step (median over steps 3..N), samples/s,
+generated tokens/s, the generation and train shares of a step, CPU seconds per step, time to
+the end of the first step, and samples/s against the best peer. Before each stack it checks
+that nothing else is using the cores (shared cores distort every stack differently) and
+refuses to report otherwise.
+
+    jaxrl bench peers [--sizes 3m 30m] [--lengths 64 512] [--steps 10]
+
+Tunix (google-tunix, bench/peers/requirements-tunix.txt) is not run yet: its runner is still
+to be written (issue 29).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "peers"
+sys.path.insert(0, str(HERE))
+from job import Job, write_model  # noqa: E402
+
+# What cannot be made equal across the stacks, printed with the results.
+DIFFERENCES = [
+    "loss: jaxrl truncated importance-sampling REINFORCE (rl.loss=tis) on leave-one-out "
+    "advantages; TRL its default GRPO loss (group-normalised advantages)",
+    "batch layout: jaxrl packs samples into rows of prompt + max_new_tokens; TRL pads each "
+    "sample to the longest in the batch",
+    "generation: jaxrl its paged engine (jit, XLA:CPU); TRL Hugging Face `generate` "
+    "(PyTorch eager)",
+    "jaxrl sync generates a step's samples with fixed weights and then trains, as TRL does; "
+    "jaxrl async overlaps the two (PipelineRL)",
+]
+
+
+def busy_share(seconds: float = 2.0) -> float:
+    """The share of the machine's CPU time other processes used over `seconds` (/proc/stat)."""
+    def sample():
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+        idle = fields[3] + fields[4]
+        return sum(fields), idle
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return 1.0 - (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def wait_until_quiet(limit: float, patience_s: float = 120.0) -> None:
+    deadline = time.monotonic() + patience_s
+    while (share := busy_share()) > limit:
+        if time.monotonic() > deadline:
+            sys.exit(f"peers: the machine is busy ({share:.0%} of its CPU used by other "
+                     f"processes, the limit is {limit:.0%}); refusing to measure")
+    return None
+
+
+def venv(name: str, root: Path) -> Path:
+    """The python of a virtual environment built from bench/peers/requirements-NAME.txt."""
+    path = root / name
+    python = path / "bin" / "python"
+    stamp = path / ".requirements"
+    wanted = (HERE / f"requirements-{name}.txt").read_text()
+    if not python.exists() or not stamp.exists() or stamp.read_text() != wanted:
+        print(f"peers: building the {name} environment in {path} (once)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-r",
+                        str(HERE / f"requirements-{name}.txt")], check=True)
+        stamp.write_text(wanted)
+    return python
+
+
+def run(cmd: list[str], env: dict | None = None) -> dict:
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if out.returncode or line is None:
+        sys.exit(f"peers: {' '.join(cmd[:3])} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def summarize(r: dict) -> dict:
+    steps = r["steps"][2:] or r["steps"]          # steps 3..N: compilation and warm-up done
+    wall = statistics.median(s["wall_s"] for s in steps)
+    train = statistics.median(s["train_s"] for s in steps)
+    return {"stack": r["stack"], "s_per_step": wall,
+            "samples_per_s": statistics.median(s["samples"] / s["wall_s"] for s in steps),
+            "tokens_per_s": statistics.median(s["generated_tokens"] / s["wall_s"]
+                                              for s in steps),
+            "train_share": train / wall, "cpu_s_per_step":
+                statistics.median(s["cpu_s"] for s in steps),
+            "first_step_s": r["first_step_s"],
+            "second_step_s": r["steps"][1]["wall_s"] if len(r["steps"]) > 1 else None}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sizes", nargs="+", default=["3m"], choices=["3m", "30m"])
+    p.add_argument("--lengths", nargs="+", type=int, default=[64])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--stacks", nargs="+", default=["jaxrl-sync", "jaxrl-async", "trl"],
+                   choices=["jaxrl-sync", "jaxrl-async", "trl"])
+    p.add_argument("--venvs", default=str(Path.home() / ".cache" / "jaxrl" / "peers"),
+                   help="where the peers' virtual environments are built")
+    p.add_argument("--busy-limit", type=float, default=0.15,
+                   help="refuse to measure while other processes use more of the CPU")
+    args = p.parse_args(argv)
+    trl_python = venv("trl", Path(args.venvs)) if "trl" in args.stacks else None
+    repo_python = sys.executable
+    work = Path(tempfile.mkdtemp(prefix="jaxrl-peers-"))
+    print("settings that differ between the stacks:\n  - " + "\n  - ".join(DIFFERENCES))
+    for size in args.sizes:
+        for length in args.lengths:
+            job = Job(size=size, max_new_tokens=length, steps=args.steps)
+            model = work / f"model-{size}"
+            if not model.exists():
+                write_model(job, model)
+            params = int((model / "job_params.txt").read_text())
+            results = []
+            for stack in args.stacks:
+                wait_until_quiet(args.busy_limit)
+                out = work / f"{stack}-{size}-{length}"
+                # A fresh compilation cache: time to first step on a first run.
+                env = {"JAX_COMPILATION_CACHE_DIR": str(out / "xla-cache")}
+                if stack == "trl":
+                    r = run([str(trl_python), str(HERE / "run_trl.py"), job.to_json(),
+                             str(model), str(out)])
+                else:
+                    r = run([repo_python, str(HERE / "run_jaxrl.py"), job.to_json(), str(model),
+                             str(out), stack.split("-")[1]], env)
+                results.append(summarize(r))
+                print(f"  {stack}: {results[-1]['s_per_step']:.2f} s/step", flush=True)
+            report(job, params, results)
+
+
+def report(job: Job, params: int, results: list[dict]) -> None:
+    peers = [r for r in results if not r["stack"].startswith("jaxrl")]
+    best = max((r["samples_per_s"] for r in peers), default=None)
+    print(f"\n{job.size} ({params / 1e6:.1f}M parameters), {job.prompts_per_step} prompts x "
+          f"{job.group_size} samples, up to {job.max_new_tokens} new tokens, {job.steps} steps "
+          f"(medians over steps 3..{job.steps})")
+    print(f"  {'stack':<12} {'s/step':>7} {'samples/s':>9} {'tokens/s':>9} {'train':>6} "
+          f"{'gen':>6} {'CPU s':>6} {'1st step':>8} {'2nd':>5} {'vs best peer':>12}")
+    for r in results:
+        ratio = f"{r['samples_per_s'] / best:.2f}x" if best else "-"
+        print(f"  {r['stack']:<12} {r['s_per_step']:7.2f} {r['samples_per_s']:9.1f} "
+              f"{r['tokens_per_s']:9.0f} {r['train_share']:6.0%} {1 - r['train_share']:6.0%} "
+              f"{r['cpu_s_per_step']:6.1f} {r['first_step_s']:7.1f}s "
+              f"{r['second_step_s']:4.1f}s {ratio:>12}")
+    print("  (train: the optimizer step's share of a step; jaxrl async overlaps generation "
+          "with it, so its gen column is what remains)")
+
+
+if __name__ == "__main__":
+    main()
