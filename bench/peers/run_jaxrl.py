@@ -38,10 +38,10 @@ def main(job_json: str, model: str, work: str, mode: str, *overrides: str) -> No
     metrics = [m for m in metrics if "step_s" in m]
     steps, before = [], (START, 0.0)
     for m in metrics:
-        steps.append({"wall_s": m["unix_time"] - before[0], "train_s": m["step_s"],
-                      "wait_s": m["trainer_wait_s"], "cpu_s": m["process_cpu_s"] - before[1],
-                      "samples": job.samples_per_step,
-                      "generated_tokens": m["generated_tokens_per_s"] * (m["unix_time"] - before[0])})
+        wall = m["unix_time"] - before[0]
+        steps.append({"wall_s": wall, "train_s": m["step_s"], "wait_s": m["trainer_wait_s"],
+                      "cpu_s": m["process_cpu_s"] - before[1], "samples": job.samples_per_step,
+                      "generated_tokens": m["generated_tokens_per_s"] * wall})
         before = (m["unix_time"], m["process_cpu_s"])
     print("RESULT " + json.dumps(result(job, f"jaxrl {mode}", steps,
                                         metrics[0]["unix_time"] - START)))
