@@ -1,18 +1,15 @@
-"""Peers: the same small GRPO job in jaxrl (sync and async) and TRL's GRPOTrainer, side by side.
+"""Peers: the same small GRPO job in jaxrl (sync, async), TRL and Tunix, side by side.
 
 Each stack runs in a process of its own, one after the other, on the same random Llama folder
-(bench/peers/job.py: the job, the model, the prompts and the reward); TRL in a virtual
-environment this benchmark builds from bench/peers/requirements-trl.txt (so the project's own
-dependencies stay as they are). Printed per stack: s/step (median over steps 3..N), samples/s,
+(bench/peers/job.py: the job, the model, the prompts and the reward). TRL's GRPOTrainer and
+Tunix's GRPO learner each run in a virtual environment this benchmark builds from
+bench/peers/requirements-{trl,tunix}.txt, so the project's own dependencies stay as they are. Printed per stack: s/step (median over steps 3..N), samples/s,
 generated tokens/s, the generation and train shares of a step, CPU seconds per step, time to
 the end of the first step, and samples/s against the best peer. Before each stack it checks
 that nothing else is using the cores (shared cores distort every stack differently) and
 refuses to report otherwise.
 
     jaxrl bench peers [--sizes 3m 30m] [--lengths 64 512] [--steps 10]
-
-Tunix (google-tunix, bench/peers/requirements-tunix.txt) is not run yet: its runner is still
-to be written (issue 29).
 """
 
 from __future__ import annotations
@@ -34,14 +31,22 @@ from job import Job, write_model  # noqa: E402
 # What cannot be made equal across the stacks, printed with the results.
 DIFFERENCES = [
     "loss: jaxrl truncated importance-sampling REINFORCE (rl.loss=tis) on leave-one-out "
-    "advantages; TRL its default GRPO loss (group-normalised advantages)",
+    "advantages; TRL and Tunix their default GRPO loss (group-normalised advantages), "
+    "Tunix with beta=0 and epsilon=0.2",
     "batch layout: jaxrl packs samples into rows of prompt + max_new_tokens; TRL pads each "
-    "sample to the longest in the batch",
+    "sample to the longest in the batch; Tunix pads prompts and completions to their limits",
     "generation: jaxrl its paged engine (jit, XLA:CPU); TRL Hugging Face `generate` "
-    "(PyTorch eager)",
+    "(PyTorch eager); Tunix its vanilla sampler (jit, XLA:CPU, a dense KV cache)",
+    "model: jaxrl and Tunix each load the folder's safetensors into their own Llama (Flax "
+    "NNX); TRL runs transformers' LlamaForCausalLM",
     "jaxrl sync generates a step's samples with fixed weights and then trains, as TRL does; "
     "jaxrl async overlaps the two (PipelineRL)",
 ]
+
+
+# name: (runner in bench/peers/, its extra arguments); a peer's name is also its venv's.
+STACKS = {"jaxrl-sync": ("run_jaxrl.py", "sync"), "jaxrl-async": ("run_jaxrl.py", "async"),
+          "trl": ("run_trl.py",), "tunix": ("run_tunix.py",)}
 
 
 def busy_share(seconds: float = 2.0) -> float:
@@ -109,15 +114,14 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", nargs="+", default=["3m"], choices=["3m", "30m"])
     p.add_argument("--lengths", nargs="+", type=int, default=[64])
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--stacks", nargs="+", default=["jaxrl-sync", "jaxrl-async", "trl"],
-                   choices=["jaxrl-sync", "jaxrl-async", "trl"])
+    p.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
     p.add_argument("--venvs", default=str(Path.home() / ".cache" / "jaxrl" / "peers"),
                    help="where the peers' virtual environments are built")
     p.add_argument("--busy-limit", type=float, default=0.15,
                    help="refuse to measure while other processes use more of the CPU")
     args = p.parse_args(argv)
-    trl_python = venv("trl", Path(args.venvs)) if "trl" in args.stacks else None
-    repo_python = sys.executable
+    python = {name: venv(name, Path(args.venvs)) for name in ("trl", "tunix")
+              if name in args.stacks}
     work = Path(tempfile.mkdtemp(prefix="jaxrl-peers-"))
     print("settings that differ between the stacks:\n  - " + "\n  - ".join(DIFFERENCES))
     for size in args.sizes:
@@ -133,12 +137,9 @@ def main(argv=None) -> None:
                 out = work / f"{stack}-{size}-{length}"
                 # A fresh compilation cache: time to first step on a first run.
                 env = {"JAX_COMPILATION_CACHE_DIR": str(out / "xla-cache")}
-                if stack == "trl":
-                    r = run([str(trl_python), str(HERE / "run_trl.py"), job.to_json(),
-                             str(model), str(out)])
-                else:
-                    r = run([repo_python, str(HERE / "run_jaxrl.py"), job.to_json(), str(model),
-                             str(out), stack.split("-")[1]], env)
+                runner, *mode = STACKS[stack]
+                r = run([str(python.get(stack, sys.executable)), str(HERE / runner),
+                         job.to_json(), str(model), str(out), *mode], env)
                 results.append(summarize(r))
                 print(f"  {stack}: {results[-1]['s_per_step']:.2f} s/step", flush=True)
             report(job, params, results)
