@@ -53,6 +53,12 @@ class ModelConfig:
     # cudnn: the most packed segments a row may hold (its ragged layout is sized by it, and its
     # softmax statistics grow with it); rl.max_segments must not exceed it.
     max_segments: int = 16
+    # How the layer stack runs: one lax.scan over the stacked layers (compile time does not
+    # grow with depth: MaxText's scan_layers), unrolled (XLA schedules and lays out each layer
+    # on its own), or auto: unrolled on CPU, where the scan's per-layer slicing and transposed
+    # weight-gradient layouts cost ~8% of a train step (README, "Against the peers"), scanned
+    # on accelerators.
+    scan_layers: Literal["auto", "scan", "unroll"] = "auto"
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",

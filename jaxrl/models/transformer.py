@@ -106,8 +106,9 @@ def apply_layer(cfg: ModelConfig, p: dict, x_BTD, positions_BT, segment_ids_BT=N
 def run_layers(cfg: ModelConfig, stacked: dict, x_BTD, positions_BT, segment_ids_BT=None,
                layer_fn=None):
     """Runs the layers stacked in `stacked` (each parameter with a leading `layers` axis, any
-    number of layers) over x [B, T, D] as one `lax.scan`. `layer_fn` (default `decoder_layer`)
-    lets sharding/ wrap each layer in a remat or offload policy."""
+    number of layers) over x [B, T, D] as one `lax.scan`, unrolled or not (`layer_unroll`).
+    `layer_fn` (default `decoder_layer`) lets sharding/ wrap each layer in a remat or offload
+    policy."""
     cos_BTH, sin_BTH = ops.rope_tables(cfg, positions_BT)
     mask_BTS = ops.causal_mask(segment_ids_BT, x_BTD.shape[1])
     layer_fn = layer_fn or decoder_layer
@@ -115,7 +116,14 @@ def run_layers(cfg: ModelConfig, stacked: dict, x_BTD, positions_BT, segment_ids
     def body(x, p):
         return layer_fn(cfg, p, x, cos_BTH, sin_BTH, mask_BTS, segment_ids_BT), None
 
-    return jax.lax.scan(body, x_BTD, stacked)[0]
+    return jax.lax.scan(body, x_BTD, stacked, unroll=layer_unroll(cfg))[0]
+
+
+def layer_unroll(cfg: ModelConfig) -> bool:
+    """Whether the layer scan is unrolled (model.scan_layers; auto: on the CPU backend)."""
+    if cfg.scan_layers == "auto":
+        return jax.default_backend() == "cpu"
+    return cfg.scan_layers == "unroll"
 
 
 class Transformer(nnx.Module):

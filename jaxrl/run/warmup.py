@@ -42,7 +42,9 @@ def model_config(cfg: RunConfig) -> ModelConfig:
     if cfg.hf_path is None:
         return cfg.model
     model_cfg = load_hf_config(cfg.hf_path, dtype=cfg.model.dtype,
-                               param_dtype=cfg.model.param_dtype, attention=cfg.model.attention)
+                               param_dtype=cfg.model.param_dtype, attention=cfg.model.attention,
+                               max_segments=cfg.model.max_segments,
+                               scan_layers=cfg.model.scan_layers)
     cfg.check_pipeline(model_cfg.num_layers)
     return model_cfg
 
@@ -105,7 +107,8 @@ def _check_same_model(saved: dict, model_cfg: ModelConfig, path: Path) -> None:
     saved_model = from_dict(RunConfig, saved).model if saved.get("hf_path") is None else \
         load_hf_config(saved["hf_path"])
     ours, theirs = to_dict(model_cfg), to_dict(saved_model)
-    diff = [k for k in ours if k not in ("dtype", "attention") and ours[k] != theirs[k]]
+    diff = [k for k in ours if k not in ("dtype", "attention", "scan_layers")
+            and ours[k] != theirs[k]]
     if diff:
         k = diff[0]
         raise CheckpointError(f"the checkpoint in {str(path)!r} is of another model: "

@@ -1,5 +1,6 @@
 """Logits parity with Hugging Face transformers (PyTorch, CPU) for each supported family."""
 
+import dataclasses
 import json
 import shutil
 
@@ -73,6 +74,14 @@ def test_logits_match_transformers(hf_checkpoint, report_table):
                  (family, "from_hf", f"{diff:.2e}", "1e-4"))
     assert got.shape == expected.shape
     assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("scan_layers", ["scan", "unroll"])
+def test_scanned_and_unrolled_layer_stacks_both_match_transformers(hf_checkpoint, scan_layers):
+    family, path, ids, expected = hf_checkpoint
+    model = from_hf(path, dtype="float32")
+    model.cfg = dataclasses.replace(model.cfg, scan_layers=scan_layers)
+    np.testing.assert_allclose(np.asarray(model(ids)), expected, rtol=0, atol=1e-4)
 
 
 def test_round_trip_through_to_hf(hf_checkpoint, tmp_path, report_table):
