@@ -53,11 +53,12 @@ class ModelConfig:
     # cudnn: the most packed segments a row may hold (its ragged layout is sized by it, and its
     # softmax statistics grow with it); rl.max_segments must not exceed it.
     max_segments: int = 16
-    # How the layer stack runs: one lax.scan over the stacked layers (compile time does not
-    # grow with depth: MaxText's scan_layers), unrolled (XLA schedules and lays out each layer
-    # on its own), or auto: unrolled on CPU, where the scan's per-layer slicing and transposed
-    # weight-gradient layouts cost ~8% of a train step (README, "Against the peers"), scanned
-    # on accelerators.
+    # How the train step runs the layer stack: one lax.scan over the stacked layers (compile
+    # time does not grow with depth: MaxText's scan_layers), unrolled (XLA schedules and lays
+    # out each layer on its own), or auto: unrolled when the trainer's devices are CPUs, where
+    # the scan's per-layer slicing and transposed weight-gradient layouts cost ~8% of an RL
+    # step (README, "Against TRL and Tunix"), scanned on accelerators (and ahead-of-time TPU
+    # compiles). Everything else (evaluation, serving) scans unless this says unroll.
     scan_layers: Literal["auto", "scan", "unroll"] = "auto"
 
     def __post_init__(self):
@@ -70,6 +71,13 @@ class ModelConfig:
                              f"model.num_heads={self.num_heads}")
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim={self.head_dim} must be even for RoPE")
+
+    def for_platform(self, platform: str) -> "ModelConfig":
+        """This config with scan_layers=auto decided for a trainer on `platform` ("cpu",
+        "gpu", "tpu")."""
+        if self.scan_layers != "auto":
+            return self
+        return dataclasses.replace(self, scan_layers="unroll" if platform == "cpu" else "scan")
 
     @property
     def compute_dtype(self):

@@ -120,9 +120,8 @@ def run_layers(cfg: ModelConfig, stacked: dict, x_BTD, positions_BT, segment_ids
 
 
 def layer_unroll(cfg: ModelConfig) -> bool:
-    """Whether the layer scan is unrolled (model.scan_layers; auto: on the CPU backend)."""
-    if cfg.scan_layers == "auto":
-        return jax.default_backend() == "cpu"
+    """Whether the layer scan is unrolled: model.scan_layers=unroll, or auto once the trainer
+    has resolved it for CPU devices (`ModelConfig.for_platform`); unresolved, it scans."""
     return cfg.scan_layers == "unroll"
 
 

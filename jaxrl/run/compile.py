@@ -47,7 +47,7 @@ def compile_train_step(cfg: RunConfig, topology: str) -> dict:
     """Per-device bytes of the supervised train step of `cfg` compiled for `topology`."""
     devices = tpu_devices(topology)
     mesh = shd.make_mesh(cfg.mesh, devices)
-    model_cfg = model_config(cfg)
+    model_cfg = model_config(cfg).for_platform(devices[0].platform)   # as the trainer does
     tx = make_optimizer(cfg.optim, cfg.train.steps or 1)
     shardings = state_shardings(model_cfg, tx, mesh,
                                 offload_optimizer=cfg.train.offload_optimizer)

@@ -38,6 +38,7 @@ class RLTrainer:
     def __init__(self, cfg: RunConfig, model_cfg, mesh, log: Callable[[str], None] = print):
         rl, first_rl = cfg.rl, cfg.train.steps
         self.mesh = mesh
+        model_cfg = model_cfg.for_platform(mesh.devices.flat[0].platform)
         self.ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep,
                                  async_save=cfg.checkpoint.async_save)
         tx = make_optimizer(rl.optim, rl.steps)

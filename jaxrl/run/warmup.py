@@ -130,6 +130,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     model_cfg = model_config(cfg)
     task, tokenizer = build_task(cfg, model_cfg, task)
     mesh = make_mesh(cfg.mesh)
+    model_cfg = model_cfg.for_platform(mesh.devices.flat[0].platform)
     _check_batch(cfg, mesh)
     # This process builds only the rows of each batch its devices hold (all of them on one
     # host): batch rows laid out as the step takes them, [microbatch, row], cut to its box.
