@@ -92,8 +92,6 @@ class PagedKV:
         kv_BSCH = self.kv[layer, self.table].reshape(b, w * self.page_size, *self.kv.shape[3:])
         kv_BSCH = kv_BSCH.astype(q_BTNH.dtype)
         mask_BTS = jnp.arange(w * self.page_size)[None, None, :] <= positions_BT[:, :, None]
-        if q_BTNH.shape[1] == 1:
-            return _decode_attention(q_BTNH, kv_BSCH, mask_BTS)
         return ops.attention(q_BTNH, kv_BSCH[:, :, 0::2], kv_BSCH[:, :, 1::2], mask_BTS, "xla")
 
     def _attend_kernel(self, layer, q_B1NH, positions_B1):
@@ -114,25 +112,6 @@ class PagedKV:
         out = kernel(q_B1NH[:, 0].astype(self.kv.dtype), self.kv, jnp.asarray(layer, jnp.int32),
                      lengths_B.astype(jnp.int32), self.table.astype(jnp.int32))
         return out.astype(q_B1NH.dtype)[:, None]
-
-
-def _decode_attention(q_B1NH, kv_BSCH, mask_B1S):
-    """One query per row, as products and sums over the gathered block in the layout it is
-    gathered in. As two batched dots (ops.attention), XLA:CPU first copies the block into
-    [B, G, H, S] and [B, G, S, H] transposes, about a third of a decode step at 128 slots; a
-    decode query is a matrix-vector product per row and head, which this reads once."""
-    b, _, n, h = q_B1NH.shape
-    g = kv_BSCH.shape[2] // 2
-    k_BSGH, v_BSGH = kv_BSCH[:, :, 0::2], kv_BSCH[:, :, 1::2]
-    q_BGRH = q_B1NH[:, 0].reshape(b, g, n // g, h).astype(jnp.float32)
-    scores_BSGR = jnp.sum(k_BSGH[:, :, :, None, :].astype(jnp.float32) * q_BGRH[:, None],
-                          axis=-1) / math.sqrt(h)
-    scores_BSGR = jnp.where(mask_B1S[:, 0, :, None, None], scores_BSGR,
-                            jnp.finfo(jnp.float32).min)
-    probs_BSGR = jax.nn.softmax(scores_BSGR, axis=1)
-    out_BGRH = jnp.sum(probs_BSGR[..., None] * v_BSGH[:, :, :, None, :].astype(jnp.float32),
-                       axis=1)
-    return out_BGRH.reshape(b, 1, n, h).astype(q_B1NH.dtype)
 
 
 def interleave(k_BTGH, v_BTGH):
