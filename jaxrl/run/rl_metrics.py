@@ -87,7 +87,9 @@ class StepMetrics:
         stats, lags = batch_stats(batch["rollouts"], step - 1)
         self.trained += len(batch["rollouts"])
         dt = max(now - self._t, 1e-9)
-        engine, actor_now = self.fleet.metrics(), self.actor.stats
+        # One snapshot for this row's deltas and the next row's baseline: the collectors keep
+        # counting while the row is built, and a count made in between must land in a row.
+        engine, actor_now = self.fleet.metrics(), self.actor.stats.copy()
         # Reward and success of everything generated since the last step, before filters.
         # NaN (logged as null) when nothing finished since the last step.
         scored = actor_now["scored"] - self._actor["scored"]
@@ -117,5 +119,5 @@ class StepMetrics:
         row.update(episode_stats(actor_now, self._actor))
         lengths = self.actor.take_lengths()
         row.update(length_quantiles(lengths))
-        self._engine, self._actor, self._t = engine, actor_now.copy(), now
+        self._engine, self._actor, self._t = engine, actor_now, now
         return row, lags, lengths
