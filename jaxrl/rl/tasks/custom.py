@@ -239,9 +239,9 @@ def _name(fn) -> str:
 
 
 def _problem(row: Mapping, prompt_key: str, answer_key: str, tokenizer, where: str) -> Problem:
-    where = row.get(_ROW, where)
     if not isinstance(row, Mapping):
         raise TaskDataError(f"{where} is a {type(row).__name__}, not a mapping")
+    where = row.get(_ROW, where)
     fields = {k: v for k, v in row.items() if k not in (prompt_key, _ROW)}
     clash = [k for k in fields if k in _RESERVED]
     if clash:
