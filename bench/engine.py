@@ -86,7 +86,7 @@ def main(argv=None):
         max_concurrent_decodes=args.batch, max_len=args.prompt + args.new + 8,
         max_prefill_length=args.prompt, prefill_chunk=args.prompt, min_bucket=args.prompt))
     params = split_params(model)[1]
-    engine.load_params(params)
+    placed = engine.prepare_params(params)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new, stop_at_eos=False)
     # The bare decode step, no orchestration: what the device needs per step for every slot,
     # each slot on pages of its own as wide as its longest sequence.
@@ -97,14 +97,14 @@ def main(argv=None):
     def steps():
         nonlocal state
         for _ in range(100):
-            state, _, _ = engine.generate(engine.params, state, table)
+            state, _, _ = engine.generate(placed, state, table)
         jax.block_until_ready(state)
 
     steps()
     step_s = best_of(steps, 5)[0] / 100
     del state
 
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         def run_engine():
             streams = [o.submit(p.tolist(), greedy) for p in prompts]
             for s in streams:
@@ -141,10 +141,10 @@ def main(argv=None):
         ckpt.wait_until_finished()
         restored = ckpt.restore(path, jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), new_params))
-        engine.load_params(restored, 99)
+        restored = engine.prepare_params(restored)
         state = engine.init_decode_state()
         slots = list(range(args.batch))
-        state, logits = engine.prefill(engine.params, state, prompts, [0] * args.batch,
+        state, logits = engine.prefill(restored, state, prompts, [0] * args.batch,
                                        [args.prompt] * args.batch, table)
         first, _ = engine.sample_first(logits, slots, [greedy] * args.batch, [0] * args.batch)
         state = engine.insert(state, slots, [args.prompt] * args.batch, first,

@@ -124,8 +124,7 @@ def push_rate(embed: int, layers: int, pushes: int) -> dict:
     params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1]
     engine = Engine(cfg, EngineConfig(max_concurrent_decodes=4, max_len=128,
                                       max_prefill_length=16, prefill_chunk=16))
-    engine.load_params(params, version=-1)
-    server = Server(Orchestrator(engine, eos_id=None).start(), port=0,
+    server = Server(Orchestrator(engine, params, version=-1, eos_id=None).start(), port=0,
                     update_token=TOKEN).start()
     paths = {"grpc": RemoteGeneration(server.address, token=TOKEN),
              "transfer": RemoteGeneration(server.address, token=TOKEN,

@@ -116,15 +116,14 @@ def train(cfg: ModelConfig, tokens: int, seq: int, remat: str, peak: float) -> d
             "device_temp_bytes": int(temp)}
 
 
-def engine_for(cfg: ModelConfig, slots: int, max_len: int) -> Engine:
+def engine_for(cfg: ModelConfig, slots: int, max_len: int) -> tuple[Engine, dict]:
     engine = Engine(cfg, EngineConfig(max_concurrent_decodes=slots, max_len=max_len,
                                       max_prefill_length=64, prefill_chunk=64, page_size=16,
                                       dtype="bfloat16"))
-    engine.load_params(split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
-    return engine
+    return engine, engine.prepare_params(split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
 
 
-def decode(engine: Engine, held: int, steps: int, bandwidth: float) -> dict:
+def decode(engine: Engine, params, held: int, steps: int, bandwidth: float) -> dict:
     """Per-step time of `steps` decode steps with every slot at `held` tokens."""
     cfg, s = engine.model_cfg, engine.cfg.max_concurrent_decodes
     width = engine.cfg.table_width(held + steps)
@@ -138,10 +137,10 @@ def decode(engine: Engine, held: int, steps: int, bandwidth: float) -> dict:
 
     def run():
         rewind()
-        state[0], tokens, _ = engine.generate_steps(engine.params, state[0], table, steps)
+        state[0], tokens, _ = engine.generate_steps(params, state[0], table, steps)
         return tokens
     per_step = timed(run, 5) / steps      # the rewind is a few scatters: counted, small
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.params))
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     kv = s * (held + steps / 2) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     roofline = s / ((weights + kv) / bandwidth)
     return {"slots": s, "held": held, "step_ms": per_step * 1e3, "tokens_per_s": s / per_step,
@@ -149,15 +148,14 @@ def decode(engine: Engine, held: int, steps: int, bandwidth: float) -> dict:
             "weight_bytes": weights, "kv_bytes": int(kv)}
 
 
-def update_pause(engine: Engine, prompt_len: int) -> dict:
+def update_pause(engine: Engine, params, prompt_len: int) -> dict:
     """The decode pause of in-flight updates while every slot decodes, against one device copy
     of the weights."""
-    params = engine.params
     copy = jax.jit(lambda p: jax.tree.map(lambda x: x + 0, p))
     one_copy = timed(lambda: copy(params), 5)
     max_tokens = engine.cfg.max_len - prompt_len - 1
     sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=0)
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         streams = [o.submit(list(range(3, 3 + prompt_len)), sampling)
                    for _ in range(engine.cfg.max_concurrent_decodes)]
         while o.metrics()["steps"] < 8:      # every slot decoding
@@ -220,9 +218,9 @@ def main(argv=None) -> None:
         none, offload = row["train"]
         row["offload_vs_none_time"] = offload["step_s"] / none["step_s"]
         row["offload_vs_none_temp"] = offload["device_temp_bytes"] / none["device_temp_bytes"]
-        engine = engine_for(cfg, args.slots, args.held + 128)
-        row["decode"] = decode(engine, args.held, 16, out["copy_bytes_per_s"])
-        row["update"] = update_pause(engine, 16)
+        engine, params = engine_for(cfg, args.slots, args.held + 128)
+        row["decode"] = decode(engine, params, args.held, 16, out["copy_bytes_per_s"])
+        row["update"] = update_pause(engine, params, 16)
         del engine
         out["models"][name] = row
         print(f"{name}: MFU {none['mfu']:.1%} (offload {offload['mfu']:.1%}, temp "

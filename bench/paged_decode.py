@@ -73,7 +73,7 @@ def measure(model, args, held: int) -> dict:
     engine_cfg = dataclasses.replace(sizes, num_pages=max(s * width,
                                                           sizes.pages_per_sequence) + 1)
     engine = Engine(cfg, engine_cfg)
-    engine.load_params(params)
+    placed = engine.prepare_params(params)
     table = 1 + np.arange(s * width, dtype=np.int32).reshape(s, width)
     greedy = [SamplingParams(temperature=0.0)] * s
     state = engine.init_decode_state()
@@ -85,7 +85,7 @@ def measure(model, args, held: int) -> dict:
 
     def paged():
         nonlocal state
-        state, tokens, _ = engine.generate_steps(engine.params, state, table, k)
+        state, tokens, _ = engine.generate_steps(placed, state, table, k)
         return tokens
 
     tokens0, start = jnp.full((s,), 3, jnp.int32), jnp.full((s,), held, jnp.int32)
@@ -96,7 +96,7 @@ def measure(model, args, held: int) -> dict:
 
         def run():
             nonlocal cache
-            cache, tokens = contiguous_steps(graphdef, engine.params, cache, tokens0, k, start)
+            cache, tokens = contiguous_steps(graphdef, placed, cache, tokens0, k, start)
             return tokens
         return run
 

@@ -13,44 +13,29 @@ the pages before it (Sarathi-Serve's chunked prefill); decode does the same with
 slot. Both run `Transformer.extend` on a `PagedKV`, sized to the longest row they hold (a page
 table width from a few buckets per doubling), so a step's cost follows the tokens held, not
 `max_len`.
-`update_params` swaps the weights between two steps and keeps every page (PipelineRL).
+The engine holds no weights: `prepare_params` places a set, every call takes one, and the
+orchestrator swaps them between two steps, keeping every page (PipelineRL). Its programs are
+compiled once per shape, before serving starts (serving/programs.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl.models import ModelConfig, abstract_model, merge_params, param_axes, split_params
-from serving.paged_kv import IMPLEMENTATIONS, PagedKV, table_width
-from serving.sampling import sample, slot_keys
+from jaxrl.models import ModelConfig
+from serving.paged_kv import IMPLEMENTATIONS, table_width
+from serving.programs import DecodeState, Programs, Spec, programs_for
 from sharding import mesh as shd
 from sharding.reshard import reshard
 
-POOL_AXES = ("layers", "pages", "page", "kv_heads", "head_dim")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DecodeState:
-    """The page pool and everything `generate` needs about every slot."""
-
-    kv: jax.Array             # [L, P, K, 2G, H]: the pool (serving/paged_kv.py)
-    lengths: jax.Array        # int32 [S]: tokens of each slot's sequence in the pool
-    tokens: jax.Array         # int32 [S]: the token each slot feeds next
-    counts: jax.Array         # int32 [S]: tokens sampled so far (drives the RNG)
-    temperature: jax.Array    # float32 [S]
-    top_k: jax.Array          # int32 [S]
-    top_p: jax.Array          # float32 [S]
-    seeds: jax.Array          # uint32 [S]
-    sample_index: jax.Array   # int32 [S]: which of the request's n samples
-
+__all__ = ["DecodeState", "Engine", "EngineConfig"]
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -74,6 +59,10 @@ class EngineConfig:
     # Page-table widths per doubling: a step reads its longest row's pages rounded up to one of
     # these (4: at most 25% more than held, 4 programs per doubling; 1: up to 2x, 1 program).
     page_buckets: int = 4
+    # Page tables are at least this many tokens wide: fewer programs to compile at start (one
+    # per width and row size, about 0.5 s each for a small model on a CPU), at the cost of
+    # reading more pages per step while sequences are short.
+    min_table_tokens: int = 0
     # Pages in the pool, the null page included. 0: from memory_fraction if set, else enough
     # for every slot at max_len (no oversubscription).
     num_pages: int = 0
@@ -112,44 +101,85 @@ class EngineConfig:
     def pages_per_sequence(self) -> int:
         return math.ceil(self.max_len / self.page_size)
 
-    def row_bucket(self, busy: int) -> int:
-        """Rows of a decode batch for `busy` slots: S/16, S/4 or S of the S slots (always S up
-        to 8 slots), so 3 programs per page-table width."""
+    # -- the shapes of the engine's calls (serving/programs.py compiles each of them) --------
+    @functools.cached_property
+    def row_sizes(self) -> tuple[int, ...]:
+        """Rows of a decode batch, an insert, a page copy or a first-token draw: S/16, S/4 or S
+        of the S slots (always S up to 8 slots)."""
         s = self.max_concurrent_decodes
-        sizes = (s,) if s <= 8 else (-(-s // 16), -(-s // 4), s)
-        return next(size for size in sizes if size >= busy)
+        return (s,) if s <= 8 else tuple(sorted({-(-s // 16), -(-s // 4), s}))
+
+    def row_bucket(self, n: int) -> int:
+        return next(size for size in self.row_sizes if size >= n)
+
+    @functools.cached_property
+    def buckets(self) -> tuple[int, ...]:
+        """Prefill chunk lengths: powers of two from min_bucket, then prefill_chunk."""
+        return tuple(b for b in (self.min_bucket * 2**i for i in range(32))
+                     if b < self.prefill_chunk) + (self.prefill_chunk,)
+
+    def bucket(self, length: int) -> int:
+        for b in self.buckets:
+            if length <= b:
+                return b
+        raise ValueError(f"chunk of {length} tokens exceeds prefill_chunk={self.prefill_chunk}")
+
+    def prefill_rows(self, bucket: int) -> int:
+        """Rows of a prefill call whose longest chunk pads to `bucket`: the padded grid stays
+        within the prefill budget (rounded up to a power of two), and a call has at most one
+        row per slot."""
+        grid = 1 << (max(self.prefill_budget, self.prefill_chunk) - 1).bit_length()
+        return max(1, min(grid // bucket, self.max_concurrent_decodes))
+
+    @property
+    def max_prefill_rows(self) -> int:
+        return self.prefill_rows(self.buckets[0])
 
     def table_width(self, tokens: int) -> int:
-        """Page-table width of a call whose longest row needs `tokens` positions."""
-        return table_width(tokens, self.page_size, self.pages_per_sequence, self.page_buckets)
+        """Page-table width of a decode call whose longest row needs `tokens` positions."""
+        return table_width(max(tokens, self.min_table_tokens), self.page_size,
+                           self.pages_per_sequence, self.page_buckets)
+
+    def prefill_width(self, tokens: int) -> int:
+        """Page-table width of a prefill call (one width per doubling: prefill is compute-bound
+        and its programs are many)."""
+        return table_width(max(tokens, self.min_table_tokens), self.page_size,
+                           self.pages_per_sequence, 1)
+
+    @functools.cached_property
+    def decode_widths(self) -> tuple[int, ...]:
+        ends = range(1, self.max_len + self.steps_per_dispatch + 1)
+        return tuple(sorted({self.table_width(t) for t in ends}))
+
+    @functools.cached_property
+    def prefill_widths(self) -> tuple[int, ...]:
+        return tuple(sorted({self.prefill_width(t) for t in range(1, self.max_len + 1)}))
 
 
 class Engine:
+    """The programs of one model on one mesh, and the host-side padding of their arguments.
+    It holds no weights: the caller passes them to every call (the orchestrator owns them)."""
+
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig = EngineConfig(),
                  mesh: Mesh | None = None):
         self.cfg = cfg
         self.model_cfg = dataclasses.replace(model_cfg, dtype=cfg.dtype, param_dtype=cfg.dtype,
                                              attention="xla")
         self.mesh = mesh or shd.make_mesh(shd.MeshConfig(fsdp=1), jax.devices()[:1])
-        self.graphdef, abstract = split_params(abstract_model(self.model_cfg))
-        shardings = shd.tree_shardings(param_axes(self.model_cfg), abstract, self.mesh)
-        self.param_target = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-        self.buckets = tuple(b for b in (cfg.min_bucket * 2**i for i in range(32))
-                             if b < cfg.prefill_chunk) + (cfg.prefill_chunk,)
-        self.num_pages = cfg.num_pages or (
-            self._pages_from_memory() if cfg.memory_fraction else
-            cfg.max_concurrent_decodes * cfg.pages_per_sequence + 1)
-        c = self.model_cfg
         platform = self.mesh.devices.flat[0].platform
         if cfg.attention == "pallas" and platform not in ("tpu", "cpu"):
             raise ValueError(f"attention='pallas' is a TPU (Mosaic) kernel; on {platform} use "
                              f"attention='reference'")
-        self.pool_shape = (c.num_layers, self.num_pages, cfg.page_size, 2 * c.num_kv_heads,
-                           c.head_dim)
-        self.pool_sharding = self._pool_sharding(self.num_pages)
-        self.params = None
-        self.version = -1
+        self.num_pages = cfg.num_pages or (
+            self._pages_from_memory() if cfg.memory_fraction else
+            cfg.max_concurrent_decodes * cfg.pages_per_sequence + 1)
+        self.spec = Spec(self.model_cfg, cfg, self.mesh, self.num_pages)
+        self.programs: Programs = programs_for(self.spec)
+        self.graphdef = self.spec.graphdef
+        self.param_target = self.spec.param_target
+        self.pool_shape = self.spec.pool_shape
+        self.pool_sharding = self.spec.pool_sharding()
+        self.buckets = cfg.buckets
 
     def _pages_from_memory(self) -> int:
         """Pages that fit in `memory_fraction` of the free memory of the most loaded device
@@ -163,22 +193,14 @@ class Engine:
         free = min(s["bytes_limit"] - s["bytes_in_use"] for s in stats)
         c = self.model_cfg
         page = (c.num_layers, 1, self.cfg.page_size, 2 * c.num_kv_heads, c.head_dim)
-        share = math.prod(self._pool_sharding(1).shard_shape(page)) * \
-            jnp.dtype(c.compute_dtype).itemsize
+        one_page = Spec(self.model_cfg, self.cfg, self.mesh, 1).pool_sharding(1)
+        share = math.prod(one_page.shard_shape(page)) * jnp.dtype(c.compute_dtype).itemsize
         return max(int(self.cfg.memory_fraction * free) // share, 2)
 
-    def _pool_sharding(self, pages: int):
-        """The pool's sharding: over kv heads where the tensor axis divides them. Decided on
-        the G kv heads, not the 2G interleaved ones, so a head's keys and values stay on one
-        device."""
-        c = self.model_cfg
-        per_head = (c.num_layers, pages, self.cfg.page_size, c.num_kv_heads, c.head_dim)
-        return shd.logical_to_sharding(POOL_AXES, per_head, self.mesh)
-
-    def _cache(self, state: "DecodeState", table) -> PagedKV:
-        spec = tuple(self.pool_sharding.spec) + (None,) * 5
-        return PagedKV(state.kv, table, self.cfg.attention, self.mesh, spec[3],
-                       interpret=self.mesh.devices.flat[0].platform != "tpu")
+    def compile(self) -> int:
+        """Compiles every program the engine can run, on this thread (serving/programs.py);
+        returns how many were compiled now (0 when an engine of the same spec did it)."""
+        return self.programs.compile_all()
 
     # -- JetStream Engine API ------------------------------------------------------------------
     @property
@@ -189,90 +211,72 @@ class Engine:
     def max_prefill_length(self) -> int:
         return self.cfg.max_prefill_length
 
-    def load_params(self, params, version: int = 0):
-        """Places `params` (a pure dict, any placement) on the serving mesh in the serving dtype
-        and makes them current."""
-        self.update_params(params, version)
-        return self.params
-
     def prepare_params(self, params):
-        """The expensive half of an update (checks, transfer, cast); safe in any thread."""
+        """`params` (a pure dict, any placement) checked, placed on the serving mesh and cast
+        to the serving dtype: what every call takes. Safe in any thread; a bad tree, shape,
+        dtype or a NaN raises WeightUpdateError before anything is copied."""
         return reshard(params, self.param_target)
 
-    def update_params(self, params, version: int, *, prepared: bool = False) -> None:
-        """Makes `params` current. Call it between two `generate` steps; the pool is kept.
-        A bad update raises WeightUpdateError and leaves the current weights in place."""
-        self.params = params if prepared else self.prepare_params(params)
-        self.version = version
-
     def init_decode_state(self) -> DecodeState:
-        return jax.jit(self._empty_state, out_shardings=self._state_shardings())()
+        return self.programs("init", ())
 
     def abstract_decode_state(self) -> DecodeState:
         """Shapes, dtypes and shardings of a decode state, no memory (ahead-of-time compiles)."""
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            jax.eval_shape(self._empty_state), self._state_shardings())
-
-    def _empty_state(self) -> DecodeState:
-        s = self.cfg.max_concurrent_decodes
-        zeros = lambda d: jnp.zeros((s,), d)  # noqa: E731
-        pool = jnp.zeros(self.pool_shape, self.model_cfg.compute_dtype)
-        return DecodeState(kv=pool, lengths=zeros(jnp.int32), tokens=zeros(jnp.int32),
-                           counts=zeros(jnp.int32), temperature=zeros(jnp.float32),
-                           top_k=zeros(jnp.int32), top_p=zeros(jnp.float32),
-                           seeds=zeros(jnp.uint32), sample_index=zeros(jnp.int32))
-
-    def _state_shardings(self) -> DecodeState:
-        rep = shd.replicated(self.mesh)
-        fields = {f.name: rep for f in dataclasses.fields(DecodeState)}
-        return DecodeState(**{**fields, "kv": self.pool_sharding})
+        return self.spec.abstract_state()
 
     def bucket(self, length: int) -> int:
-        for b in self.buckets:
-            if length <= b:
-                return b
-        raise ValueError(f"chunk of {length} tokens exceeds prefill_chunk={self.cfg.prefill_chunk}")
+        return self.cfg.bucket(length)
 
     def prefill(self, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
         """Writes the next chunk of P prompts into their pages: row i's `lengths_P[i]` tokens
         sit at positions starts_P[i].. and go into the pages of `table_PW[i]`. Returns
-        (state, logits [P, V] after each row's last token). Rows are padded to a power of two
-        (padding rows write only to the null page) so that few programs are compiled."""
+        (state, logits [P, V] after each row's last token; more rows may follow, padding).
+        Rows are padded to `cfg.prefill_rows` of their chunk bucket (padding rows write only to
+        the null page), tokens to the bucket, the table to a prefill width."""
         tokens_PT = np.asarray(tokens_PT, np.int32)
-        p = tokens_PT.shape[0]
-        rows = _pad_to_pow2(p)
-        pad = lambda a, dtype: np.concatenate(  # noqa: E731
-            [np.asarray(a, dtype), np.zeros((rows - p, *np.shape(a)[1:]), dtype)])
-        state, logits = self._prefill(params, state, pad(tokens_PT, np.int32),
-                                      pad(starts_P, np.int32), pad(lengths_P, np.int32),
-                                      pad(table_PW, np.int32))
-        return state, logits[:p]
+        p, t = tokens_PT.shape
+        bucket = self.cfg.bucket(t)
+        rows = self.cfg.prefill_rows(bucket)
+        if p > rows:
+            raise ValueError(f"a prefill of {p} chunks of up to {bucket} tokens: at most {rows} "
+                             f"(EngineConfig.prefill_rows)")
+        table_PW = np.asarray(table_PW, np.int32)
+        width = self.cfg.prefill_width(table_PW.shape[1] * self.cfg.page_size)
+        grid = np.zeros((rows, bucket), np.int32)
+        grid[:p, :t] = tokens_PT
+        table = np.zeros((rows, width), np.int32)
+        table[:p, : table_PW.shape[1]] = table_PW[:, :width]
+        state, logits = self.programs("prefill", (rows, bucket, width), params, state, grid,
+                                      _rows(starts_P, rows), _rows(lengths_P, rows), table)
+        return state, logits     # [max_prefill_rows, V]: rows past P are padding
 
     def sample_first(self, logits_PV, rows, samplings, sample_indices):
         """First tokens and logprobs for K samples: entry i is drawn from logits row `rows[i]`
         with `samplings[i]` as sample `sample_indices[i]` of its request."""
-        args = _sampling_arrays(samplings, _pad_to_pow2(len(rows)))
-        idx = _padded(rows, len(args[0]), np.int32)
-        index = _padded(sample_indices, len(args[0]), np.int32)
-        tokens, logprobs = self._sample_first(logits_PV, idx, index, *args)
-        return tokens[: len(rows)], logprobs[: len(rows)]
+        k = self.cfg.row_bucket(len(rows))
+        tokens, logprobs = self.programs(
+            "sample_first", (k,), logits_PV, _padded(rows, k, np.int32),
+            _padded(sample_indices, k, np.int32), *_sampling_arrays(samplings, k))
+        return np.asarray(tokens)[: len(rows)], np.asarray(logprobs)[: len(rows)]
 
     def insert(self, state: DecodeState, slots, lengths, next_tokens, counts, samplings,
                sample_indices) -> DecodeState:
         """JetStream's insert for K sequences whose pages are written: slot `slots[i]` decodes
         on from `next_tokens[i]` at position `lengths[i]`, having sampled `counts[i]` tokens.
         Nothing is copied: the slot reaches its pages through the page table."""
-        k = _pad_to_pow2(len(slots))
+        k = self.cfg.row_bucket(len(slots))
         # Padding repeats the last insert: writing the same slot twice with the same data.
-        return self._insert(state, _padded(slots, k, np.int32), _padded(lengths, k, np.int32),
-                            _padded(next_tokens, k, np.int32), _padded(counts, k, np.int32),
-                            *_sampling_arrays(samplings, k), _padded(sample_indices, k, np.int32))
+        return self.programs("insert", (k,), state, _padded(slots, k, np.int32),
+                             _padded(lengths, k, np.int32), _padded(next_tokens, k, np.int32),
+                             _padded(counts, k, np.int32), *_sampling_arrays(samplings, k),
+                             _padded(sample_indices, k, np.int32))
 
     def copy_pages(self, state: DecodeState, src, dst) -> DecodeState:
         """Pool page src[i] copied to dst[i] in every layer (the partly filled last prompt page
         of a group, once per sample beyond the first)."""
-        k = _pad_to_pow2(len(src))
-        return self._copy_pages(state, _padded(src, k, np.int32), _padded(dst, k, np.int32))
+        k = self.cfg.row_bucket(len(src))
+        return self.programs("copy_pages", (k,), state, _padded(src, k, np.int32),
+                             _padded(dst, k, np.int32))
 
     def generate(self, params, state: DecodeState, table_SW):
         """One decode step for every slot: (state, tokens [S], logprobs [S])."""
@@ -280,8 +284,8 @@ class Engine:
         return state, tokens[0], logprobs[0]
 
     def generate_steps(self, params, state: DecodeState, table_SW, steps: int, slots=None):
-        """`steps` decode steps in one dispatch: (state, tokens [K, S], logprobs [K, S]). The
-        page table must already hold the pages the steps write.
+        """`steps` decode steps: (state, tokens [K, S], logprobs [K, S]). The page table must
+        already hold the pages the steps write; `steps` is 1 or cfg.steps_per_dispatch.
 
         With `slots` (R of them, table_SW then [R, W] in the same order), only those slots are
         decoded: their rows are gathered into a batch of S/16, S/4 or S rows (S slots; always S
@@ -289,92 +293,35 @@ class Engine:
         whose state is left as it was (another batch of the same step may be decoding them). A
         long tail with few busy slots then costs those rows, not every slot. Returns tokens and
         logprobs [K, R]."""
+        s = self.cfg.max_concurrent_decodes
+        slots = list(range(s)) if slots is None else list(slots)
         table = np.asarray(table_SW, np.int32)
-        if slots is None:
-            return self._generate_steps(params, state, table, steps)
-        slots = list(slots)
         rows = self.cfg.row_bucket(len(slots))
+        width = self.cfg.table_width(table.shape[1] * self.cfg.page_size)
         taken = set(slots)
-        idle = [s for s in range(self.cfg.max_concurrent_decodes) if s not in taken]
+        idle = [i for i in range(s) if i not in taken]
         padded = np.asarray(slots + idle[: rows - len(slots)], np.int32)
-        table = np.concatenate([table, np.zeros((rows - len(slots), table.shape[1]), np.int32)])
+        grid = np.zeros((rows, width), np.int32)
+        grid[: len(slots), : table.shape[1]] = table[:, :width]
         real = np.arange(rows) < len(slots)
-        state, tokens, logprobs = self._generate_rows(params, state, table, padded, real, steps)
-        return state, tokens[:, : len(slots)], logprobs[:, : len(slots)]
-
-    # -- compiled programs ---------------------------------------------------------------------
-    @partial(jax.jit, static_argnums=0, donate_argnums=2)
-    def _prefill(self, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
-        model = merge_params(self.graphdef, params)
-        cache = self._cache(state, table_PW)
-        x_PTD, cache = model.extend(tokens_PT, starts_P, cache, valid_B=lengths_P)
-        last_P11 = jnp.maximum(lengths_P - 1, 0)[:, None, None]
-        logits_PV = model.logits(jnp.take_along_axis(x_PTD, last_P11, axis=1))[:, 0]
-        return dataclasses.replace(state, kv=cache.kv), logits_PV
-
-    @partial(jax.jit, static_argnums=0)
-    def _sample_first(self, logits_PV, rows_K, sample_index_K, temperature_K, top_k_K, top_p_K,
-                      seeds_K):
-        keys = slot_keys(seeds_K, sample_index_K, jnp.zeros_like(sample_index_K))
-        return sample(logits_PV[rows_K], temperature_K, top_k_K, top_p_K, keys)
-
-    @partial(jax.jit, static_argnums=0, donate_argnums=1)
-    def _insert(self, state: DecodeState, slots_K, lengths_K, tokens_K, counts_K, temperature_K,
-                top_k_K, top_p_K, seeds_K, sample_index_K):
-        at = lambda a, x: a.at[slots_K].set(x)  # noqa: E731
-        return dataclasses.replace(
-            state, lengths=at(state.lengths, lengths_K), tokens=at(state.tokens, tokens_K),
-            counts=at(state.counts, counts_K), temperature=at(state.temperature, temperature_K),
-            top_k=at(state.top_k, top_k_K), top_p=at(state.top_p, top_p_K),
-            seeds=at(state.seeds, seeds_K), sample_index=at(state.sample_index, sample_index_K))
-
-    @partial(jax.jit, static_argnums=0, donate_argnums=1)
-    def _copy_pages(self, state: DecodeState, src_K, dst_K):
-        return dataclasses.replace(state, kv=state.kv.at[:, dst_K].set(state.kv[:, src_K]))
-
-    @partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
-    def _generate_steps(self, params, state: DecodeState, table_SW, steps: int):
-        return self._scan_steps(params, state, table_SW, steps)
-
-    @partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
-    def _generate_rows(self, params, state: DecodeState, table_RW, slots_R, real_R, steps: int):
-        per_slot = [f.name for f in dataclasses.fields(DecodeState) if f.name != "kv"]
-        before = {n: getattr(state, n)[slots_R] for n in per_slot}
-        rows = dataclasses.replace(state, **before)
-        rows, tokens, logprobs = self._scan_steps(params, rows, table_RW, steps)
-
-        def kept(name):   # padding rows keep their slots' state: only the real rows advance
-            new, old = getattr(rows, name), before[name]
-            real = real_R.reshape(real_R.shape + (1,) * (new.ndim - 1))
-            return jnp.where(real, new, old)
-
-        state = dataclasses.replace(state, kv=rows.kv, **{
-            n: getattr(state, n).at[slots_R].set(kept(n)) for n in per_slot})
-        return state, tokens, logprobs
-
-    def _scan_steps(self, params, state: DecodeState, table_SW, steps: int):
-        def body(state, _):
-            state, tokens, logprobs = self._step(params, state, table_SW)
-            return state, (tokens, logprobs)
-
-        state, (tokens, logprobs) = jax.lax.scan(body, state, length=steps)
-        return state, tokens, logprobs
-
-    def _step(self, params, state: DecodeState, table_SW):
-        model = merge_params(self.graphdef, params)
-        cache = self._cache(state, table_SW)
-        x_S1D, cache = model.extend(state.tokens[:, None], state.lengths, cache)
-        logits_SV = model.logits(x_S1D)[:, 0]
-        keys = slot_keys(state.seeds, state.sample_index, state.counts)
-        tokens, logprobs = sample(logits_SV, state.temperature, state.top_k, state.top_p, keys)
-        lengths = jnp.minimum(state.lengths + 1, self.cfg.max_len)
-        state = dataclasses.replace(state, kv=cache.kv, lengths=lengths, tokens=tokens,
-                                    counts=state.counts + 1)
-        return state, tokens, logprobs
+        if steps == 1:
+            state, logits = self.programs("decode", (rows, width), params, state, grid, padded)
+            state, tokens, logprobs = self.programs("advance", (rows,), state, logits, padded,
+                                                    real)
+            tokens, logprobs = np.asarray(tokens)[None], np.asarray(logprobs)[None]
+        else:
+            state, tokens, logprobs = self.programs("decode_steps", (rows, width, steps),
+                                                    params, state, grid, padded, real)
+            tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        n = len(slots)     # host arrays: slicing them compiles nothing
+        return state, tokens[:, :n], logprobs[:, :n]
 
 
-def _pad_to_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def _rows(values, rows: int) -> np.ndarray:
+    """`values` as int32 padded with zeros to `rows`."""
+    out = np.zeros((rows,), np.int32)
+    out[: len(values)] = values
+    return out
 
 
 def _padded(values, k: int, dtype) -> np.ndarray:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxrl.models.chat import ChatTemplateError, render_chat
 from jaxrl.models.tokenizer import prompt_ids
-from serving.orchestrator import InvalidRequest, QueueFull
+from serving.orchestrator import EngineStopped, InvalidRequest, QueueFull
 from serving.sampling import SamplingParams
 from serving.stream import TokenEvent
 from serving.trajectories import TrajectoryStore
@@ -262,6 +262,8 @@ class OpenAIApp:
                        for ids, s in zip(prompts, samplings)]
         except QueueFull as e:
             raise OpenAIError(429, str(e), kind="rate_limit_error") from None
+        except EngineStopped as e:
+            raise OpenAIError(503, str(e), kind="server_error") from None
         return streams, stops
 
     def _respond(self, body, prompts, max_tokens, kind: str, logprobs: bool, key=None):

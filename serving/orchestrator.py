@@ -35,8 +35,8 @@ from serving.sequence import Prefill, Request, Sequence
 from serving.stream import DoneEvent, RequestStream, Sample, TokenEvent
 from serving.weight_stream import StaleVersion
 
-__all__ = ["DoneEvent", "InvalidRequest", "Orchestrator", "QueueFull", "RequestStream",
-           "Sample", "TokenEvent", "UpdateResult"]
+__all__ = ["DoneEvent", "EngineStopped", "InvalidRequest", "Orchestrator", "QueueFull",
+           "RequestStream", "Sample", "TokenEvent", "UpdateResult"]
 
 
 class InvalidRequest(UserError):
@@ -45,6 +45,11 @@ class InvalidRequest(UserError):
 
 class QueueFull(Exception):
     """Backpressure: the request queue is at its limit; retry later."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop is not running (stopped, or ended by an error): nothing more will be
+    served (gRPC UNAVAILABLE, HTTP 503)."""
 
 
 @dataclasses.dataclass
@@ -64,34 +69,42 @@ class UpdateResult:
 
 
 class Orchestrator:
-    def __init__(self, engine: Engine, *, eos_id: int | None = None, max_queued: int = 1024,
-                 longest_first: bool = False):
-        """`longest_first`: admit the requests predicted to generate the most tokens first
+    def __init__(self, engine: Engine, params, *, version: int = 0, eos_id: int | None = None,
+                 max_queued: int = 1024, longest_first: bool = False):
+        """Serves `engine` with the weights `params` (any placement: they are checked and
+        placed on the engine's mesh here), numbered `version`; it owns them from now on and
+        `update_params` replaces them.
+        `longest_first`: admit the requests predicted to generate the most tokens first
         (StreamRL), by the caller's `predicted_len` or else a LengthPredictor that learns from
         every finished request; otherwise first come, first served."""
-        if engine.params is None:
-            raise ValueError("engine has no weights: call engine.load_params first")
         self.engine = engine
+        self.params = engine.prepare_params(params)
+        self.version = version
         self.eos_id = eos_id
         self.vocab_size = engine.model_cfg.vocab_size
         e = engine.cfg
         self.scheduler = Scheduler(slots=e.max_concurrent_decodes, num_pages=engine.num_pages,
                                    page_size=e.page_size, max_len=e.max_len,
                                    prefill_chunk=e.prefill_chunk,
-                                   prefill_budget=e.prefill_budget, longest_first=longest_first)
+                                   prefill_budget=e.prefill_budget,
+                                   prefill_rows=lambda n: e.prefill_rows(e.bucket(n)),
+                                   longest_first=longest_first)
         self._max_queued = max_queued
         self.length_predictor = LengthPredictor() if longest_first else None
         self._wake = threading.Event()
         self._updates: queue.SimpleQueue[_Update] = queue.SimpleQueue()
         self._update_lock = threading.Lock()     # one update checked and queued at a time
-        self._accepted_version = engine.version  # the newest version queued or served
+        self._accepted_version = version         # the newest version queued or served
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._hold = threading.Event()      # set: dispatch nothing until resume()
         self._held = threading.Event()      # set by the loop once it honours the hold
         self._hold_lock = threading.Lock()
-        self._stats = collections.Counter()
+        self._stats = collections.Counter()     # written by the loop, read by metrics()
+        self._stats_lock = threading.Lock()
+        self._closed = False                    # no request is taken once the loop has ended
+        self._admit_lock = threading.Lock()
         self._carried_tokens = 0            # tokens replayed from `carry`, never regenerated
         self._carry_lock = threading.Lock()
         self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()   # sessions to forget
@@ -100,15 +113,37 @@ class Orchestrator:
 
     # -- public --------------------------------------------------------------------------------
     def start(self) -> "Orchestrator":
+        """Compiles every program the engine can run (on this thread; nothing when an engine
+        of the same shapes did), then starts the loop: no request ever waits for a compile."""
+        if self._thread is not None:
+            raise RuntimeError("this orchestrator was started already")
+        t0 = time.perf_counter()
+        self.compiled_at_start = self.engine.compile()
+        self.compile_s = time.perf_counter() - t0
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Ends the loop (every request not finished ends with reason "shutdown") and returns
+        once its thread has ended; raises TimeoutError naming it if it has not in `timeout`."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"thread {self._thread.name!r} did not end within "
+                                   f"{timeout} s of stop()")
+        else:
+            self._shutdown("shutdown")
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _stopped_error(self) -> EngineStopped:
+        why = f": {type(self.error).__name__}: {self.error}" if self.error else ""
+        return EngineStopped(f"the engine loop has stopped{why}")
 
     def pause(self, timeout: float = 60.0) -> None:
         """Stops dispatching prefill and decode calls between two of them and returns once the
@@ -184,8 +219,6 @@ class Orchestrator:
         prompt = [int(t) for t in prompt]
         self.validate(prompt, sampling, session)
         carried = self._carried(prompt, sampling, carry) if carry is not None else None
-        if self._stop.is_set():
-            raise QueueFull("the orchestrator is shutting down")
         stream = RequestStream(next(self._ids), sampling.n)
         if predicted_len is None and self.length_predictor is not None:
             predicted_len = self.length_predictor.predict(prompt)
@@ -210,9 +243,12 @@ class Orchestrator:
                 self._carried_tokens += sum(len(seq.tokens) for seq in carried if seq)
             if not request.fresh and not request.carried:
                 return stream              # every sample had finished
-        if not self.scheduler.add(request, self._max_queued):
-            raise QueueFull(f"{self.scheduler.queued()} requests are queued (max_queued="
-                            f"{self._max_queued})")
+        with self._admit_lock:        # the loop's end takes every request queued before it
+            if self._closed or self._stop.is_set():
+                raise self._stopped_error()
+            if not self.scheduler.add(request, self._max_queued):
+                raise QueueFull(f"{self.scheduler.queued()} requests are queued (max_queued="
+                                f"{self._max_queued})")
         self._wake.set()
         return stream
 
@@ -261,8 +297,10 @@ class Orchestrator:
         old weights serving, if the update is bad, and StaleVersion if `version` is not newer
         than every version served or accepted before it (versions never go back), unless
         `resume`: a trainer resumed from a checkpoint restarts the sequence at its version."""
-        if self._thread is None or not self._thread.is_alive():
+        if self._thread is None:
             raise RuntimeError("the orchestrator is not running: call start() first")
+        if not self._thread.is_alive():
+            raise self._stopped_error()
         with self._update_lock:
             if version <= self.newest_version and not resume:
                 raise StaleVersion(f"weight update version {version} is not newer than the "
@@ -274,16 +312,22 @@ class Orchestrator:
             self._accepted_version = version
             self._updates.put(update)
         self._wake.set()
-        if not update.applied.wait(timeout):
-            raise TimeoutError(f"weight update {version} not applied within {timeout} s")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not update.applied.wait(0.05):
+            if not self._thread.is_alive():
+                raise self._stopped_error()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"weight update {version} not applied within {timeout} s")
         update.retired = None       # the replaced weights are freed here, beside decoding
         return UpdateResult(version, transfer, update.pause_s)
 
     def metrics(self) -> dict:
-        s, sched = self._stats, self.scheduler
+        with self._stats_lock:
+            s = collections.Counter(self._stats)
+        sched = self.scheduler
         steps = max(s["steps"], 1)
         pauses = self.pauses_s or [0.0]
-        return {"version": self.engine.version, "slots": sched.num_slots,
+        return {"version": self.version, "slots": sched.num_slots,
                 "max_len": self.engine.cfg.max_len, "max_prefill_length":
                 self.engine.cfg.max_prefill_length, "vocab_size": self.vocab_size,
                 "eos_id": self.eos_id, "steps": s["steps"],
@@ -301,7 +345,9 @@ class Orchestrator:
                 "prefix_reused_tokens": sched.sessions.reused_tokens,
                 "carried_tokens": self._carried_tokens,
                 "updates": len(self.pauses_s), "update_pause_ms_max": 1e3 * max(pauses),
-                "update_pause_ms_mean": 1e3 * sum(pauses) / len(pauses)}
+                "update_pause_ms_mean": 1e3 * sum(pauses) / len(pauses),
+                "programs": self.engine.programs.compiled,
+                "late_compiles": self.engine.programs.late_compiles}
 
     # -- engine loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -319,6 +365,7 @@ class Orchestrator:
                     continue
                 state, prefilled = self._prefill(state)
                 state, decoded = self._decode(state)
+                self.scheduler.publish_load()
                 if not (prefilled or decoded):
                     self._wake.wait(0.05)
         except BaseException as e:  # a bug: fail every request loudly instead of hanging them
@@ -326,6 +373,10 @@ class Orchestrator:
             self._shutdown("error")
             raise
         self._shutdown("shutdown")
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            self._stats.update(deltas)
 
     def _holding(self) -> bool:
         with self._hold_lock:
@@ -341,8 +392,8 @@ class Orchestrator:
             # The old weights are released by the caller's thread (update_params), not here:
             # freeing a model's buffers takes time that grows with its size, and decoding would
             # wait for it.
-            update.retired = self.engine.params
-            self.engine.update_params(update.params, update.version, prepared=True)
+            update.retired = self.params
+            self.params, self.version = update.params, update.version
             update.pause_s = time.perf_counter() - t0
             update.params = None
             self.pauses_s.append(update.pause_s)
@@ -354,17 +405,16 @@ class Orchestrator:
         if not chunks:
             return state, False
         engine, sched = self.engine, self.scheduler
-        width = engine.cfg.table_width(max(start + len(t) for _, start, t in chunks))
+        width = engine.cfg.prefill_width(max(start + len(t) for _, start, t in chunks))
         tokens = np.zeros((len(chunks), engine.bucket(max(len(t) for _, _, t in chunks))),
                           np.int32)
         for i, (_, _, t) in enumerate(chunks):
             tokens[i, : len(t)] = t
-        state, logits = engine.prefill(engine.params, state, tokens,
+        state, logits = engine.prefill(self.params, state, tokens,
                                        [start for _, start, _ in chunks],
                                        [len(t) for _, _, t in chunks],
                                        sched.table([p.pages for p, _, _ in chunks], width))
-        self._stats["prefill_chunks"] += 1
-        self._stats["prefill_tokens"] += sum(len(t) for _, _, t in chunks)
+        self._count(prefill_chunks=1, prefill_tokens=sum(len(t) for _, _, t in chunks))
         complete = [(row, p) for row, (p, _, t) in enumerate(chunks)
                     if sched.prefilled(p, len(t))]
         if complete:
@@ -390,7 +440,7 @@ class Orchestrator:
                 [s.index for _, s in fresh])
             for (_, seq), token, logprob in zip(fresh, np.asarray(tokens).tolist(),
                                                 np.asarray(logprobs).tolist()):
-                self._push(seq, token, logprob, engine.version)
+                self._push(seq, token, logprob, self.version)
         live = [s for s in started if not s.finished]
         if live:
             state = engine.insert(state, [s.slot for s in live], [s.cached for s in live],
@@ -408,7 +458,7 @@ class Orchestrator:
         sched.reserve(k)
         if not sched.running:
             return state, False
-        version = engine.version
+        version = self.version
         for group in decode_groups(engine.cfg, sorted(sched.running.items()), k):
             state = self._decode_group(state, group, k, version)
         return state, True
@@ -419,11 +469,10 @@ class Orchestrator:
         engine = self.engine
         width = engine.cfg.table_width(max(s.cached for _, s in owners) + k)
         state, tokens, logprobs = engine.generate_steps(
-            engine.params, state, self.scheduler.table([s.pages for _, s in owners], width), k,
+            self.params, state, self.scheduler.table([s.pages for _, s in owners], width), k,
             slots=[slot for slot, _ in owners])
-        self._stats["steps"] += k
-        self._stats["busy_slot_steps"] += k * len(owners)
-        self._stats["held_tokens"] += k * sum(s.cached for _, s in owners)
+        self._count(steps=k, busy_slot_steps=k * len(owners),
+                    held_tokens=k * sum(s.cached for _, s in owners))
         tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
         for step_tokens, step_logprobs in zip(tokens, logprobs):
             for row, (_, seq) in enumerate(owners):
@@ -441,7 +490,7 @@ class Orchestrator:
         seq.logprobs.append(logprob)
         seq.versions.append(version)
         req.stream.put(TokenEvent(seq.index, token, logprob, version))
-        self._stats["tokens"] += 1
+        self._count(tokens=1)
         reason = self._stop_reason(seq)
         if reason is not None:
             self._finish(seq, reason)
@@ -470,7 +519,7 @@ class Orchestrator:
         req.done[index] = True
         req.stream.put(DoneEvent(index, reason))
         if all(req.done):
-            self._stats["requests_done"] += 1
+            self._count(requests_done=1)
             if self.length_predictor is not None and reason in ("eos", "stop", "length"):
                 # A group takes as long as its longest sample.
                 self.length_predictor.update(req.prompt, req.longest)
@@ -480,8 +529,11 @@ class Orchestrator:
             self._done(req, i, reason)
 
     def _shutdown(self, reason: str) -> None:
-        """Ends every request not yet finished: queued, being prefilled, preempted, running."""
+        """Ends every request not yet finished: queued, being prefilled, preempted, running;
+        and refuses every new one."""
         sched = self.scheduler
+        with self._admit_lock:
+            self._closed = True
         for req in sched.take_waiting():
             self._finish_request(req, reason)
         for p in list(sched.prefilling):

@@ -34,16 +34,21 @@ from serving.sessions import Continuation, SessionCache
 
 class Scheduler:
     def __init__(self, *, slots: int, num_pages: int, page_size: int, max_len: int,
-                 prefill_chunk: int, prefill_budget: int, longest_first: bool = False):
+                 prefill_chunk: int, prefill_budget: int, prefill_rows=None,
+                 longest_first: bool = False):
+        """`prefill_rows(n)`: the most chunks a prefill call may hold when its longest has n
+        tokens (the engine's compiled shapes); None: no limit."""
         self.pool = PagePool(num_pages, page_size)
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_budget
+        self.prefill_rows = prefill_rows or (lambda n: 1 << 30)
         self.longest_first = longest_first
         self.free_slots = collections.deque(range(slots))
         self.num_slots = slots
         self.waiting: collections.deque[Request] = collections.deque()   # guarded by _lock
         self._lock = threading.Lock()
+        self._busy = 0          # sequences held by the loop, as it last published them
         self.resumes: collections.deque[Sequence] = collections.deque()   # preempted
         self.prefilling: list[Prefill] = []
         self.running: dict[int, Sequence] = {}                            # slot -> sequence
@@ -69,8 +74,13 @@ class Scheduler:
         full this engine is, for a dispatcher choosing between engines."""
         with self._lock:
             waiting = sum(r.sampling.n for r in self.waiting)
-        busy = len(self.running) + sum(len(p.slots) for p in list(self.prefilling))
-        return (busy + len(self.resumes) + waiting) / self.num_slots
+            return (self._busy + waiting) / self.num_slots
+
+    def publish_load(self) -> None:
+        """The loop's side of `load`: what it holds, counted on its own thread."""
+        busy = len(self.running) + sum(len(p.slots) for p in self.prefilling) + len(self.resumes)
+        with self._lock:
+            self._busy = busy
 
     def take_cancelled(self) -> list[Request]:
         """Removes queued requests whose client went away."""
@@ -99,16 +109,23 @@ class Scheduler:
     def plan_prefill(self) -> list[tuple[Prefill, int, list[int]]]:
         """(prefill, start, tokens) of each chunk to write in this iteration's prefill call."""
         budget, chunks = self.prefill_budget, []
+
+        def fits(chunk) -> bool:   # one more row still within the call's compiled shapes
+            longest = max([len(c[2]) for c in chunks] + [len(chunk[2])])
+            return len(chunks) < self.prefill_rows(longest)
+
         for p in self.prefilling:
-            if budget <= 0:
-                break
+            if budget <= 0 or not fits(self._chunk(p)):
+                return chunks
             chunks.append(self._chunk(p))
             budget -= len(chunks[-1][2])
         while budget > 0:
             p = self._admit()
             if p is None:
                 break
-            self.prefilling.append(p)
+            self.prefilling.append(p)      # a chunk that does not fit goes in the next call
+            if not fits(self._chunk(p)):
+                break
             chunks.append(self._chunk(p))
             budget -= len(chunks[-1][2])
         return chunks

@@ -17,7 +17,8 @@ import grpc
 import jax
 
 from jaxrl.models.tokenizer import Tokenizer
-from serving.orchestrator import DoneEvent, InvalidRequest, Orchestrator, QueueFull, Sample
+from serving.orchestrator import (DoneEvent, EngineStopped, InvalidRequest, Orchestrator,
+                                  QueueFull, Sample)
 from serving.proto import generation_pb2 as gen_pb2
 from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.proto import jetstream_pb2 as js_pb2
@@ -39,6 +40,8 @@ def _submit(orchestrator: Orchestrator, context, prompt, sampling_fn, carry=None
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except QueueFull as e:
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+    except EngineStopped as e:
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
     context.add_callback(stream.cancel)  # runs when the RPC ends, including a client cancel
     return stream, sampling
 

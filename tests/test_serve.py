@@ -50,9 +50,8 @@ def test_serves_a_hugging_face_folder(tmp_path):
     assert what == f"qwen2 from {tmp_path}" and tokenizer.eos_id == 2
     engine = Engine(model.cfg, EngineConfig(max_concurrent_decodes=2, max_len=32,
                                             max_prefill_length=16, prefill_chunk=8))
-    engine.load_params(split_params(model)[1])
     prompt = tokenizer.encode("w3 w7 w1 w30")
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, split_params(model)[1]) as o:
         out = o.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6))[0].tokens
     assert out == greedy_generate(model, [prompt], 6, eos_id=-1)[0]
     assert np.all(np.asarray(out) < 40)

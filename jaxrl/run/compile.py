@@ -37,10 +37,9 @@ def compile_generate_step(cfg: RunConfig, topology: str) -> dict:
     engine = Engine(model_cfg, engine_config(cfg, model_cfg),
                     mesh=shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), devices))
     slots, pages = engine.cfg.max_concurrent_decodes, engine.cfg.pages_per_sequence
-    table = jax.ShapeDtypeStruct((slots, pages), jnp.int32,
-                                 sharding=shd.replicated(engine.mesh))
-    args = (engine.param_target, engine.abstract_decode_state(), table)
-    return _memory(Engine._generate_steps.lower(engine, *args, 1), args, topology)
+    program = engine.programs
+    args = program.args("decode", (slots, pages))[1:]
+    return _memory(program.lower("decode", (slots, pages)), args, topology)
 
 
 def compile_train_step(cfg: RunConfig, topology: str) -> dict:

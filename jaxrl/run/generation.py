@@ -75,8 +75,7 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
     if not g.remote:
         engine = Engine(model_cfg, engine_config(cfg, model_cfg),
                         mesh=shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), engine_devices))
-        engine.load_params(params, version=version)
-        local = Orchestrator(engine, eos_id=tokenizer.eos_id,
+        local = Orchestrator(engine, params, version=version, eos_id=tokenizer.eos_id,
                              max_queued=4 * cfg.rl.batch_size,
                              longest_first=cfg.rl.admission == "longest_first").start()
         members = [Member("local", local, cfg.rl.slots, remote=False, version=version,

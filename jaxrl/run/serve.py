@@ -113,14 +113,12 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
     engine_cfg = engines[0].cfg
     engines += [Engine(model.cfg, engine_cfg, mesh=mesh) for mesh in meshes[1:]]
     params = split_params(model)[1]
-    del model   # each engine holds its own copy of the weights, in the serving dtype
-    for engine in engines:
-        # Version -1: the weights it was started with, no trainer's; a trainer's first push
-        # (any version >= 0) replaces them.
-        engine.load_params(params, version=-1)
+    del model   # each orchestrator holds its own copy of the weights, in the serving dtype
+    # Version -1: the weights it was started with, no trainer's; a trainer's first push (any
+    # version >= 0) replaces them.
+    orchestrators = [Orchestrator(e, params, version=-1, eos_id=tokenizer.eos_id,
+                                  max_queued=max_queued) for e in engines]
     del params
-    orchestrators = [Orchestrator(e, eos_id=tokenizer.eos_id, max_queued=max_queued)
-                     for e in engines]
     orchestrator = (orchestrators[0] if replicas == 1 else Replicas(orchestrators)).start()
     try:
         server = Server(orchestrator, tokenizer, host=host, port=port,

@@ -112,8 +112,7 @@ def test_engine_greedy_tokens_in_bfloat16_follow_float32():
         engine = Engine(CFG, EngineConfig(max_concurrent_decodes=8, max_len=64,
                                           max_prefill_length=16, prefill_chunk=16,
                                           dtype=dtype))
-        engine.load_params(params)
-        with Orchestrator(engine, eos_id=None) as o:
+        with Orchestrator(engine, params, eos_id=None) as o:
             tokens[dtype] = [o.submit(p, SamplingParams(max_tokens=16, temperature=0.0))
                              .result()[0].tokens for p in prompts]
     # A random model's logits are nearly flat, so bf16 may flip a near tie and then diverge:
@@ -164,8 +163,7 @@ def test_in_flight_update_during_generation_on_gpu():
     other = jax.tree.map(lambda x: x * 1.5, params)
     engine = Engine(CFG, EngineConfig(max_concurrent_decodes=4, max_len=256,
                                       max_prefill_length=16, prefill_chunk=16))
-    engine.load_params(params, version=0)
-    with Orchestrator(engine, eos_id=None) as o:
+    with Orchestrator(engine, params, eos_id=None) as o:
         stream = o.submit([5, 6, 7], SamplingParams(max_tokens=200, temperature=0.0))
         for _ in range(6000):                     # at most a minute: some tokens under v0
             if o.metrics()["generated_tokens"] >= 5:

@@ -33,8 +33,8 @@ def parts():
     engine = Engine(model_cfg, EngineConfig(max_concurrent_decodes=8, max_len=33,
                                             max_prefill_length=8, prefill_chunk=8,
                                             page_size=4, steps_per_dispatch=2))
-    engine.load_params(split_params(Transformer(model_cfg, rngs=nnx.Rngs(0)))[1])
-    return engine, task, tokenizer
+    params = split_params(Transformer(model_cfg, rngs=nnx.Rngs(0)))[1]
+    return engine, params, task, tokenizer
 
 
 def actor(orchestrator, task, tokenizer, log, **kwargs):
@@ -43,9 +43,9 @@ def actor(orchestrator, task, tokenizer, log, **kwargs):
 
 
 def test_groups_in_flight_continue_after_a_restart(parts):
-    engine, task, tokenizer = parts
+    engine, params, task, tokenizer = parts
     # The first run: two groups start, and the engine is stopped part-way through them.
-    with Orchestrator(engine, eos_id=tokenizer.eos_id) as o:
+    with Orchestrator(engine, params, eos_id=tokenizer.eos_id) as o:
         first = actor(o, task, tokenizer, RolloutLog())
         o.pause()
         first._submit_next()
@@ -61,7 +61,7 @@ def test_groups_in_flight_continue_after_a_restart(parts):
     assert 0 < carried
 
     # What an uninterrupted run generates for the same two groups.
-    with Orchestrator(engine, eos_id=tokenizer.eos_id) as o:
+    with Orchestrator(engine, params, eos_id=tokenizer.eos_id) as o:
         bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
         expected = [[s.tokens for s in o.generate(
             bos + tokenizer.encode(first.problem(i).prompt),
@@ -70,7 +70,7 @@ def test_groups_in_flight_continue_after_a_restart(parts):
 
     # The resumed run redoes them first, from what the checkpoint kept.
     log = RolloutLog()
-    with Orchestrator(engine, eos_id=tokenizer.eos_id) as o:
+    with Orchestrator(engine, params, eos_id=tokenizer.eos_id) as o:
         second = actor(o, task, tokenizer, log, redo=tuple(saved["redo"]),
                        next_problem=saved["next_problem"], carry=Actor.carry_from(saved))
         second.generate(2 * GROUP)

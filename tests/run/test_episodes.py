@@ -38,9 +38,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def engine(params):
-    e = Engine(CFG, ENGINE)
-    e.load_params(params)
-    return e
+    return Engine(CFG, ENGINE)
 
 
 def _group(o, state=None, temperature=0.0):
@@ -64,8 +62,8 @@ def _fresh_turns(o, t):
     return out
 
 
-def test_turns_continue_from_kept_pages_and_equal_a_fresh_decode(engine):
-    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+def test_turns_continue_from_kept_pages_and_equal_a_fresh_decode(engine, params):
+    with Orchestrator(engine, params, eos_id=TOKENIZER.eos_id) as o:
         [t] = _group(o).run()
         metrics = o.metrics()
         o.generate(PROMPT, SamplingParams(max_tokens=1))     # the loop has ended the session
@@ -82,13 +80,13 @@ def test_turns_continue_from_kept_pages_and_equal_a_fresh_decode(engine):
     assert all(t.logprobs[i] == 0.0 for i in range(len(t.tokens)) if not t.trained[i])
 
 
-def test_a_group_cut_mid_turn_continues_exactly(engine):
+def test_a_group_cut_mid_turn_continues_exactly(engine, params):
     """A group of three sampled episodes, snapshotted while its second turn is being generated
     and the engine stopped (a checkpoint, then a crash), continues on a new engine to exactly
     the episodes of an uninterrupted run, generating only what was missing."""
-    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+    with Orchestrator(engine, params, eos_id=TOKENIZER.eos_id) as o:
         whole = _group(o, temperature=None).run()
-    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+    with Orchestrator(engine, params, eos_id=TOKENIZER.eos_id) as o:
         group = _group(o, temperature=None)
         out = {}
         runner = threading.Thread(target=lambda: out.update(result=group.run()))
@@ -104,7 +102,7 @@ def test_a_group_cut_mid_turn_continues_exactly(engine):
     runner.join(30)
     assert out["result"] is None                       # cut: stays in flight
     assert any(len(t["turns"]) >= 1 for t in state["trajectories"])
-    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+    with Orchestrator(engine, params, eos_id=TOKENIZER.eos_id) as o:
         resumed = _group(o, state=state, temperature=None).run()
         generated = o.metrics()["generated_tokens"]
     for a, b in zip(resumed, whole):
@@ -119,7 +117,7 @@ def test_a_group_cut_mid_turn_continues_exactly(engine):
 def test_weight_update_mid_episode(engine, params):
     """The same weights pushed as version 1 while the episode runs: the same episode, its later
     tokens tagged with version 1."""
-    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+    with Orchestrator(engine, params, eos_id=TOKENIZER.eos_id) as o:
         [plain] = _group(o).run()
         group = _group(o)
         out = {}
@@ -135,7 +133,7 @@ def test_weight_update_mid_episode(engine, params):
     assert versions[-1] == 1 and versions == sorted(versions)
 
 
-def test_the_example_openai_agent_runs_episodes_through_the_endpoint(engine):
+def test_the_example_openai_agent_runs_episodes_through_the_endpoint(engine, params):
     """examples/tool_calc_agent.py, unchanged, against the HTTP endpoint: every episode's
     trajectory comes back (and is ended) with the model's tokens marked and their versions;
     greedy, the same episode twice."""
@@ -150,7 +148,7 @@ def test_the_example_openai_agent_runs_episodes_through_the_endpoint(engine):
     agent = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(agent)
     assert agent.calculator("37*45+12") == "1677" and agent.calculator("2**99") == "?"
-    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+    with Orchestrator(engine, params, eos_id=TOKENIZER.eos_id) as o:
         app = OpenAIApp(o, TOKENIZER, "jaxrl", ENGINE.max_len)
         server, port = start_http(app.app, "127.0.0.1", 0)
         try:
@@ -170,7 +168,7 @@ def test_the_example_openai_agent_runs_episodes_through_the_endpoint(engine):
     # the text prompt begins with BOS, as the trainer's prompts do
     assert record["prompt"] == [TOKENIZER.bos_id] + TOKENIZER.encode("37*45+12=")
     assert e["transcript"].startswith(TOKENIZER.decode(record["prompt"] + record["tokens"]))
-    assert set(record["versions"]) == {engine.version}   # the module's engine was updated once
+    assert set(record["versions"]) == {o.version} == {0}    # no update: its first weights
 
 
 def test_agents_episodes_carry_the_trained_policys_tokens_and_logprobs(engine, params, tmp_path):
@@ -191,7 +189,7 @@ def test_agents_episodes_carry_the_trained_policys_tokens_and_logprobs(engine, p
 
     cfg = dataclasses.replace(RL, temperature=1.0, agent=AgentConfig(
         command=(sys.executable, "examples/tool_calc_agent.py", "--worker")))
-    with Orchestrator(engine, eos_id=TOKENIZER.eos_id) as o:
+    with Orchestrator(engine, params, eos_id=TOKENIZER.eos_id) as o:
         agents = Agents(cfg, o, TOKENIZER, "jaxrl", tmp_path, warn=print)
         try:
             group = agents.group(PROBLEM, cfg, index=0, seed=1)

@@ -245,16 +245,14 @@ def test_a_killed_server_s_group_ends_as_if_uninterrupted():
     params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
 
     def engine():
-        e = Engine(CFG, ENGINE)
-        e.load_params(params)
-        return e
+        return Engine(CFG, ENGINE)
 
-    stalling = StallingOrchestrator(engine(), eos_id=1, after=17).start()
+    stalling = StallingOrchestrator(engine(), params, eos_id=1, after=17).start()
     a = Server(stalling, port=0).start()
-    b = Server(Orchestrator(engine(), eos_id=1).start(), port=0).start()
+    b = Server(Orchestrator(engine(), params, eos_id=1).start(), port=0).start()
     prompt = prompts(6, seed=9)[0]
     sampling = SamplingParams(max_tokens=40, temperature=0.9, seed=5, n=3, stop_at_eos=False)
-    with Orchestrator(engine(), eos_id=1) as reference:
+    with Orchestrator(engine(), params, eos_id=1) as reference:
         want = reference.submit(prompt, sampling).result()
     ra, rb = RemoteGeneration(a.address), RemoteGeneration(b.address)
     fleet = Fleet([member("a", ra), member("b", rb)], eos_id=1, heartbeat_s=60,
@@ -296,8 +294,7 @@ def test_a_resumed_trainer_brings_a_server_back_to_its_version():
     its tokens then carry version 5."""
     params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
     engine = Engine(CFG, ENGINE)
-    engine.load_params(params, version=-1)
-    server = Server(Orchestrator(engine, eos_id=1).start(), port=0, update_token="t").start()
+    server = Server(Orchestrator(engine, params, version=-1, eos_id=1).start(), port=0, update_token="t").start()
     before = RemoteGeneration(server.address, token="t")
     before.update_params(params, 7, timeout=60)
     before.close()

@@ -123,14 +123,14 @@ def async_run(warm, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sync_split_run(warm, tmp_path_factory):
-    """Sync, split placement: devices 0-3 train (fsdp=4), devices 4-7 serve. Records the engine
-    and the device sets of the trainer state the loop checkpoints."""
-    engines, saved = [], []
+    """Sync, split placement: devices 0-3 train (fsdp=4), devices 4-7 serve. Records the local
+    orchestrator and the device sets of the trainer state the loop checkpoints."""
+    served, saved = [], []
 
-    class RecordingEngine(generation.Engine):
+    class RecordingOrchestrator(generation.Orchestrator):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            engines.append(self)
+            served.append(self)
 
     class RecordingCheckpointer(rl_trainer.Checkpointer):
         def save(self, state, *args, **kwargs):
@@ -139,11 +139,11 @@ def sync_split_run(warm, tmp_path_factory):
 
     run_dir = rl_run_dir(warm, tmp_path_factory.mktemp("sync_split"))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(generation, "Engine", RecordingEngine)
+        mp.setattr(generation, "Orchestrator", RecordingOrchestrator)
         mp.setattr(rl_trainer, "Checkpointer", RecordingCheckpointer)
         summary = job.run(config(run_dir, "rl.mode=sync", "rl.placement=split",
                                  "rl.engine_devices=4"), log=quiet)
-    return {"run_dir": run_dir, "summary": summary, "engines": engines, "saved": saved}
+    return {"run_dir": run_dir, "summary": summary, "served": served, "saved": saved}
 
 
 @pytest.fixture(scope="module")
@@ -214,13 +214,13 @@ def test_partial_rollouts_pause_the_engine_and_carry_unfinished_samples(partial_
 def test_split_placement_keeps_trainer_and_engine_apart(sync_split_run):
     devices = jax.devices()
     trainer, serving = frozenset(devices[:4]), frozenset(devices[4:])
-    (engine,) = sync_split_run["engines"]
-    assert frozenset(engine.mesh.devices.flat) == serving
-    assert {frozenset(a.sharding.device_set) for a in jax.tree.leaves(engine.params)} == {serving}
+    (local,) = sync_split_run["served"]
+    assert frozenset(local.engine.mesh.devices.flat) == serving
+    assert {frozenset(a.sharding.device_set) for a in jax.tree.leaves(local.params)} == {serving}
     # The trainer's whole state (parameters, AdamW moments, step, rng) lives on its 4 devices.
     (state,) = sync_split_run["saved"]   # saved once, at the last step
     assert set(jax.tree.leaves(state)) == {trainer}
-    assert engine.version == WARMUP + RL_STEPS   # the engine got the last step's weights
+    assert local.version == WARMUP + RL_STEPS   # the engine got the last step's weights
 
 
 # -- resume ------------------------------------------------------------------------------------

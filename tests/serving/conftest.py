@@ -20,12 +20,10 @@ def params(model):
 
 @pytest.fixture(scope="session")
 def engine(params):
-    e = Engine(CFG, ENGINE)
-    e.load_params(params)
-    return e
+    return Engine(CFG, ENGINE)     # no weights and no state: shared safely
 
 
 @pytest.fixture(scope="module")   # its loop ends with the module (tests/conftest.py checks)
-def orchestrator(engine):
-    with Orchestrator(engine) as o:
+def orchestrator(engine, params):
+    with Orchestrator(engine, params) as o:
         yield o

@@ -59,14 +59,13 @@ def check_two_decode_batches_per_step() -> int:
     orch.decode_groups = recording
     engine = Engine(CFG, EngineConfig(max_concurrent_decodes=32, max_len=13,
                                       max_prefill_length=8, prefill_chunk=8, prefill_budget=8))
-    engine.load_params(params)
     rng = np.random.default_rng(0)
     # Stop tokens 3..9: a sample stops after a token with probability ~7/32, so a group's
     # samples end at different lengths and the running slots hold sequences of many lengths.
     sampling = [SamplingParams(max_tokens=6, temperature=1.0, seed=i, n=8,
                                stop_token_ids=tuple(range(3, 10))) for i in range(16)]
     requests = [[1] + rng.integers(3, 32, 4).tolist() for _ in sampling]
-    with Orchestrator(engine, eos_id=2) as o:
+    with Orchestrator(engine, params, eos_id=2) as o:
         streams = [o.submit(p, s) for p, s in zip(requests, sampling)]
         results = [s.result() for s in streams]
     assert max(splits) == 2          # some steps decoded two batches

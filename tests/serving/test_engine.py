@@ -1,6 +1,7 @@
 """The engine and orchestrator against references that share none of their machinery: greedy
 decoding by full recompute, full-forward log-probabilities, one-request-at-a-time runs."""
 
+import dataclasses
 import threading
 import time
 
@@ -13,7 +14,7 @@ from serving.engine import Engine, EngineConfig
 from serving.orchestrator import InvalidRequest, Orchestrator
 from serving.sampling import SamplingParams, sample
 
-from tests.serving.common import CFG, prompts
+from tests.serving.common import CFG, ENGINE, prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -25,16 +26,17 @@ def test_greedy_matches_no_cache_reference(model, orchestrator):
     assert got == greedy_generate(model, ps, 12, eos_id=-1)
 
 
-def _prefill_by_hand(engine, prompt, chunk, sampling, slot=1):
+def _prefill_by_hand(engine, params, prompt, chunk, sampling, slot=1):
     """Prefills `prompt` in chunks of `chunk` tokens into pool pages 1, 2, ... and inserts it
-    into `slot`: (state, logits after the prompt, first token, page table of the slot)."""
+    into `slot` (`params` as `engine.prepare_params` returns them): (state, logits after the
+    prompt, first token, page table of the slot)."""
     pages = list(range(1, engine.cfg.pages_per_sequence + 1))
     state = engine.init_decode_state()
     for start in range(0, len(prompt), chunk):
         piece = prompt[start: start + chunk]
         padded = np.zeros((1, engine.bucket(len(piece))), np.int32)
         padded[0, : len(piece)] = piece
-        state, logits = engine.prefill(engine.params, state, padded, [start], [len(piece)],
+        state, logits = engine.prefill(params, state, padded, [start], [len(piece)],
                                        [pages])
     first, _ = engine.sample_first(logits, [0], [sampling], [0])
     state = engine.insert(state, [slot], [len(prompt)], [int(first[0])], [1], [sampling], [0])
@@ -49,12 +51,12 @@ def test_chunked_prefill_equals_unchunked(params):
     for chunk in (4, 8, 64):
         e = Engine(CFG, EngineConfig(max_concurrent_decodes=2, max_len=64, page_size=8,
                                      max_prefill_length=40, prefill_chunk=chunk, min_bucket=4))
-        e.load_params(params)
         greedy = SamplingParams(temperature=0.0)
-        state, logits, first, table = _prefill_by_hand(e, prompt, chunk, greedy)
+        placed = e.prepare_params(params)
+        state, logits, first, table = _prefill_by_hand(e, placed, prompt, chunk, greedy)
         tokens = [first]
         for _ in range(8):
-            state, t, _ = e.generate(e.params, state, table)
+            state, t, _ = e.generate(placed, state, table)
             tokens.append(int(t[1]))
         k = np.asarray(state.kv[:, 1:6]).reshape(CFG.num_layers, 40, -1)[:, :len(prompt)]
         results.append((logits, k, tokens))
@@ -107,12 +109,12 @@ def test_n_samples_share_one_prefill(orchestrator):
     assert len({tuple(s.tokens) for s in samples}) == 4
 
 
-def test_stop_rules(engine, model):
+def test_stop_rules(engine, model, params):
     prompt = prompts(7, seed=5)[0]
     ref = greedy_generate(model, [prompt], 12, eos_id=-1)[0]
     stop = ref[3]
     first = ref.index(stop)
-    with Orchestrator(engine, eos_id=stop) as o:
+    with Orchestrator(engine, params, eos_id=stop) as o:
         s = o.generate(prompt, GREEDY)[0]
         assert (s.tokens, s.finish_reason) == (ref[: first + 1], "eos")
         s = o.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, stop_at_eos=False,
@@ -176,43 +178,46 @@ def test_sampling_frequencies_match_reference(temperature, top_k, top_p):
                                atol=0.015)
 
 
-def test_multi_step_dispatch_equals_single_steps(engine):
+def test_multi_step_dispatch_equals_single_steps(params):
+    engine = Engine(CFG, dataclasses.replace(ENGINE, steps_per_dispatch=6))
+    params = engine.prepare_params(params)
     sampling = SamplingParams(temperature=1.0, seed=2)
-    state, _, _, table = _prefill_by_hand(engine, prompts(9, seed=15)[0], 16, sampling, slot=0)
+    state, _, _, table = _prefill_by_hand(engine, params, prompts(9, seed=15)[0], 16, sampling,
+                                          slot=0)
     state_b = jax.tree.map(lambda x: x.copy(), state)
     one = []
     for _ in range(6):
-        state, t, lp = engine.generate(engine.params, state, table)
+        state, t, lp = engine.generate(params, state, table)
         one.append((int(t[0]), float(lp[0])))
-    state_b, t, lp = engine.generate_steps(engine.params, state_b, table, 6)
+    state_b, t, lp = engine.generate_steps(params, state_b, table, 6)
     assert [x for x, _ in one] == np.asarray(t)[:, 0].tolist()
     np.testing.assert_allclose([y for _, y in one], np.asarray(lp)[:, 0], atol=1e-6)
 
 
-def test_backpressure_refuses_past_the_queue_limit(engine):
+def test_backpressure_refuses_past_the_queue_limit(engine, params):
     from serving.orchestrator import QueueFull
 
-    o = Orchestrator(engine, max_queued=2)  # not started: nothing leaves the queue
+    o = Orchestrator(engine, params, max_queued=2)  # not started: nothing leaves the queue
     o.submit([3, 4], GREEDY)
     o.submit([3, 4], GREEDY)
     with pytest.raises(QueueFull, match=r"2 requests are queued \(max_queued=2\)"):
         o.submit([3, 4], GREEDY)
 
 
-def test_greedy_completions_wait_for_a_full_queue(engine, model):
+def test_greedy_completions_wait_for_a_full_queue(engine, model, params):
     """Held-out evaluation submits more prompts than the queue takes: it waits for its oldest
     request instead of failing, and refuses nothing it can serve."""
     from jaxrl.run.evaluate import greedy_completions
 
     ps = prompts(5, 9, 3, 12, 7, 4, 11, seed=21)
-    with Orchestrator(engine, max_queued=2) as o:
+    with Orchestrator(engine, params, max_queued=2) as o:
         got = greedy_completions(o, ps + [[3] * 41], 6)   # the last is over the prompt limit
     assert got == greedy_generate(model, ps, 6, eos_id=-1) + [None]
 
 
-def test_longest_first_serves_the_same_tokens(engine, model):
+def test_longest_first_serves_the_same_tokens(engine, model, params):
     ps = prompts(5, 21, 9, 3, seed=22)
-    with Orchestrator(engine, longest_first=True) as o:
+    with Orchestrator(engine, params, longest_first=True) as o:
         streams = [o.submit(p, GREEDY) for p in ps]
         got = [s.result()[0].tokens for s in streams]
         o.generate(ps[0], GREEDY)          # predicted from what the first four taught it

@@ -55,18 +55,18 @@ def test_loopback_addresses():
     assert not any(map(is_loopback, ["0.0.0.0", "::", "10.0.0.7", "example.org"]))
 
 
-def test_a_reachable_host_needs_allow_remote(engine):
-    orchestrator = Orchestrator(engine)
+def test_a_reachable_host_needs_allow_remote(engine, params):
+    orchestrator = Orchestrator(engine, params)
     for host in ("0.0.0.0", "::"):
         with pytest.raises(ValueError, match=f"host '{host}' is reachable from other machines; "
                                              f"pass allow_remote"):
             Server(orchestrator, host=host, port=0)
 
 
-def test_tls_serves_encrypted_and_refuses_plaintext(engine, tmp_path):
+def test_tls_serves_encrypted_and_refuses_plaintext(engine, tmp_path, params):
     cert_path, key_path = self_signed(tmp_path)
     tls = read_tls(str(cert_path), str(key_path))
-    server = Server(Orchestrator(engine).start(), port=0, tls=tls).start()
+    server = Server(Orchestrator(engine, params).start(), port=0, tls=tls).start()
     try:
         creds = grpc.ssl_channel_credentials(root_certificates=cert_path.read_bytes())
         with grpc.secure_channel(f"localhost:{server.port}", creds) as channel:
@@ -92,8 +92,8 @@ def test_bad_tls_flags_are_one_line(tmp_path, cert, key, message):
         read_tls(str(tmp_path / cert), key and str(tmp_path / key))
 
 
-def test_rpcs_past_the_bound_get_resource_exhausted(engine):
-    server = Server(Orchestrator(engine).start(), port=0, max_concurrent_rpcs=2).start()
+def test_rpcs_past_the_bound_get_resource_exhausted(engine, params):
+    server = Server(Orchestrator(engine, params).start(), port=0, max_concurrent_rpcs=2).start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             # Two streams held open (not read past their first token) fill the bound.

@@ -56,7 +56,7 @@ def test_update_mid_generation(engine, params, model):
     silent["final_norm"] = jnp.zeros_like(params["final_norm"])  # all logits 0: argmax is 0
     del graphdef
     prompt = prompts(8, seed=7)[0]
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         chunks = o.metrics()["prefill_chunks"]
         # 1. a clearly different model: every token after the swap is 0 with logprob -log(V)
         tokens, result = _swap_after(o, prompt, silent, version=1)
@@ -81,7 +81,6 @@ def test_update_mid_generation(engine, params, model):
         assert [t.token for t in tokens] == expected
         assert versions == [2] * k + [3] * (N - k)
         assert o.metrics()["updates"] == 3
-    engine.update_params(params, 0)
 
 
 def _bad_updates(params):
@@ -103,31 +102,31 @@ def _bad_updates(params):
 def test_bad_update_is_rejected_and_serving_goes_on(engine, params, model, case):
     bad, message = _bad_updates(params)[case]
     prompt = prompts(6, seed=8)[0]
-    with Orchestrator(engine) as o:
-        version = engine.version
+    with Orchestrator(engine, params) as o:
+        version = o.version
         with pytest.raises(WeightUpdateError, match=message):
             o.update_params(bad, 99)
-        assert engine.version == version
+        assert o.version == version
         s = o.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6))[0]
         assert s.tokens == greedy_generate(model, [prompt], 6, -1)[0]
         assert set(s.versions) == {version}
 
 
 def test_versions_never_go_back(engine, params):
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         o.update_params(params, 4)
         for stale in (4, 3, 0):
             with pytest.raises(StaleVersion, match=f"version {stale} is not newer than the "
                                                    f"served version 4"):
                 o.update_params(params, stale)
-        assert engine.version == 4 and o.metrics()["updates"] == 1
-    engine.update_params(params, 0)
+        assert o.version == 4 and o.metrics()["updates"] == 1
 
 
 def test_update_needs_a_running_orchestrator(engine, params):
+    o = Orchestrator(engine, params)
     with pytest.raises(RuntimeError, match="not running: call start"):
-        Orchestrator(engine).update_params(params, 5)
-    assert engine.version != 5
+        o.update_params(params, 5)
+    assert o.version == 0 and o.newest_version == 0
 
 
 def test_pause_holds_the_engine_and_resume_continues_under_new_weights(engine, params, model):
@@ -137,7 +136,7 @@ def test_pause_holds_the_engine_and_resume_continues_under_new_weights(engine, p
     noisy = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape),
                          params)
     prompt = prompts(8, seed=9)[0]
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         stream = o.submit(prompt, GREEDY)
         events = iter(stream)
         head = [next(events) for _ in range(4)]
@@ -153,7 +152,6 @@ def test_pause_holds_the_engine_and_resume_continues_under_new_weights(engine, p
         o.resume()
         tokens = [e for e in head + list(events) if isinstance(e, TokenEvent)]
         assert len(late.result()[0].tokens) == 3
-    engine.update_params(params, 0)
     versions = [t.version for t in tokens]
     k = versions.index(1)
     assert k >= 4 and versions == [0] * k + [1] * (N - k)

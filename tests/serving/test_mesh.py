@@ -15,15 +15,16 @@ from tests.serving.common import CFG, ENGINE, prompts
 def test_tensor_parallel_serving_equals_one_device(params, orchestrator):
     mesh = make_mesh(MeshConfig(fsdp=1, tensor=2), jax.devices()[2:4])
     engine = Engine(CFG, ENGINE, mesh=mesh)
-    placed = engine.load_params(params)
+    placed = engine.prepare_params(params)
     assert placed["layers"]["q_proj"].sharding.spec == P(None, None, "tensor", None)
     # Keys at even, values at odd heads: each device holds whole kv heads, keys and values.
-    assert engine.init_decode_state().kv.sharding.spec == P(None, None, None, "tensor", None)
+    heads = jax.sharding.NamedSharding(mesh, P(None, None, None, "tensor", None))
+    assert engine.init_decode_state().kv.sharding.is_equivalent_to(heads, 5)
     ps = prompts(7, 23, 12, seed=11)
     sampling = [SamplingParams(temperature=0.0, max_tokens=10),
                 SamplingParams(temperature=1.0, seed=5, max_tokens=10),
                 SamplingParams(temperature=0.8, top_k=8, n=2, seed=6, max_tokens=10)]
-    with Orchestrator(engine) as sharded:
+    with Orchestrator(engine, placed) as sharded:
         for p, s in zip(ps, sampling):
             want = orchestrator.generate(p, s)
             got = sharded.generate(p, s)
@@ -43,10 +44,10 @@ def test_replicas_serve_as_one_engine_and_update_together(params, orchestrator):
 
     engines = []
     for devices in (jax.devices()[4:6], jax.devices()[6:8]):
-        e = Engine(CFG, ENGINE, mesh=make_mesh(MeshConfig(fsdp=1, tensor=2), devices))
-        e.load_params(params)
-        engines.append(e)
-    replicas = Replicas([Orchestrator(e) for e in engines]).start()
+        engines.append(Engine(CFG, ENGINE, mesh=make_mesh(MeshConfig(fsdp=1, tensor=2),
+                                                          devices)))
+    members = [Orchestrator(e, params) for e in engines]
+    replicas = Replicas(members).start()
     try:
         ps = prompts(5, 9, 14, 20, seed=3)
         sampling = SamplingParams(temperature=0.9, seed=2, n=2, max_tokens=12)
@@ -58,11 +59,11 @@ def test_replicas_serve_as_one_engine_and_update_together(params, orchestrator):
         assert min(replicas.metrics()["replica_requests_done"]) > 0
         version = replicas.newest_version + 1
         replicas.update_params(params, version)
-        assert [e.version for e in engines] == [version, version]
+        assert [o.version for o in members] == [version, version]
         bad = jax.tree.map(lambda a: jnp.full(a.shape, jnp.nan, a.dtype), params)
         with pytest.raises(WeightUpdateError):
             replicas.update_params(bad, version + 1)
-        assert [e.version for e in engines] == [version, version]
+        assert [o.version for o in members] == [version, version]
         assert replicas.newest_version == version
     finally:
         replicas.stop()

@@ -39,9 +39,9 @@ def tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(engine, tokenizer):
+def served(engine, tokenizer, params):
     """(openai client, orchestrator, port) over the session's engine."""
-    with Orchestrator(engine, eos_id=tokenizer.eos_id) as o:
+    with Orchestrator(engine, params, eos_id=tokenizer.eos_id) as o:
         server, port = start_http(OpenAIApp(o, tokenizer, "tiny", ENGINE.max_len).app,
                                   "127.0.0.1", 0)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",

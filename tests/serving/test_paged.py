@@ -3,6 +3,7 @@ fed one token at a time, and greedy decoding by full recompute. Under continuous
 pages reused many times, staggered arrivals, chunked prefill, groups sharing prompt pages,
 in-flight weight updates and a pool too small for the demand (preemption)."""
 
+import dataclasses
 import threading
 import time
 
@@ -60,7 +61,7 @@ def _check_against_references(engine, params_by_version, requests, results, mode
 
 def test_paged_serving_equals_references(engine, params, model):
     requests = _requests(seed=0) + _requests(seed=1)
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         pool = o.scheduler.pool
         results = _run_staggered(o, requests)
         assert pool.free == pool.capacity                     # every page came back
@@ -76,7 +77,7 @@ def test_weight_update_mid_sequence_under_load(engine, params, model):
     noisy = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape),
                          params)
     requests = _requests(seed=2, lengths=(5, 9, 3, 14, 7, 11, 4, 16), max_tokens=48)
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         events = iter(o.submit(*requests[0]))
         seen = [next(events), next(events)]
         rest = [o.submit(*r) for r in requests[1:]]
@@ -87,20 +88,18 @@ def test_weight_update_mid_sequence_under_load(engine, params, model):
                        versions=[e.version for e in seen if isinstance(e, TokenEvent)],
                        finish_reason=seen[-1].reason)
         results = [[first]] + [s.result() for s in rest]
-    engine.update_params(params, 0)
     assert {0, 1} <= set(results[0][0].versions)
     _check_against_references(engine, {0: params, 1: noisy}, requests, results, model)
 
 
 def test_pool_exhaustion_preempts_and_loses_nothing(params, model):
     # 24 pages of 4 tokens: one 60-token sequence fits, four do not.
-    tight = Engine(CFG, EngineConfig(**{**ENGINE.__dict__, "num_pages": 25, "page_buckets": 4}))
-    tight.load_params(params)
+    tight = Engine(CFG, dataclasses.replace(ENGINE, num_pages=25, page_buckets=4))
     requests = [(p, SamplingParams(temperature=0.0, max_tokens=44)) for p in
                 prompts(9, 16, 5, 12, seed=4)]
     requests.append((prompts(10, seed=5)[0],
                      SamplingParams(temperature=1.0, seed=7, max_tokens=40, n=2)))
-    with Orchestrator(tight) as o:
+    with Orchestrator(tight, params) as o:
         results = _run_staggered(o, requests)
         metrics = o.metrics()
         assert metrics["preemptions"] > 0
@@ -109,10 +108,10 @@ def test_pool_exhaustion_preempts_and_loses_nothing(params, model):
     _check_against_references(tight, {0: params}, requests, results, model)
 
 
-def test_prompt_pages_shared_by_a_group(engine):
+def test_prompt_pages_shared_by_a_group(engine, params):
     """While a group of 4 decodes, its prompt's full pages are held once, not four times."""
     prompt = prompts(30, seed=9)[0]       # 7 full pages of 4 and a partial one
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         pool = o.scheduler.pool
         stream = o.submit(prompt, SamplingParams(temperature=1.0, n=4, max_tokens=30, seed=1))
         events = iter(stream)
@@ -130,8 +129,7 @@ def test_only_busy_slots_are_decoded(params, model):
     """16 slots: the decode batch is the busy slots gathered into 1, 4 or 16 rows. As requests
     of different lengths finish, the busy count passes through every size, and every token
     still equals the references."""
-    wide = Engine(CFG, EngineConfig(**{**ENGINE.__dict__, "max_concurrent_decodes": 16}))
-    wide.load_params(params)
+    wide = Engine(CFG, dataclasses.replace(ENGINE, max_concurrent_decodes=16))
     busy = []
     generate_steps = wide.generate_steps
 
@@ -145,26 +143,26 @@ def test_only_busy_slots_are_decoded(params, model):
                     (4, 8, 12, 16, 20, 24, 28, 32, 40, 52))]
     requests.append((prompts(12, seed=8)[0],
                      SamplingParams(temperature=1.0, seed=3, max_tokens=24, n=3)))
-    with Orchestrator(wide) as o:
+    with Orchestrator(wide, params) as o:
         results = [s.result() for s in [o.submit(*r) for r in requests]]
     assert {1, 4, 16} <= {next(b for b in (1, 4, 16) if b >= n) for n in busy}
     _check_against_references(wide, {0: params}, requests, results, model)
 
 
-def test_carried_samples_continue_where_they_stopped(engine):
+def test_carried_samples_continue_where_they_stopped(engine, params):
     """A request resubmitted with what a previous run had generated (a checkpoint's groups in
     flight) ends with exactly the samples of an uninterrupted run, and the engine generates
     only the missing tokens: finished samples are replayed, cut ones recomputed from their
     prefix and decoded on with the same draws, untouched ones start from the prompt."""
     prompt = prompts(13, seed=11)[0]
     sampling = SamplingParams(temperature=1.0, top_k=12, seed=5, max_tokens=30, n=4)
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         whole = o.generate(prompt, sampling)
     cut = [whole[0],                                               # finished
            Sample(whole[1].tokens[:7], whole[1].logprobs[:7], whole[1].versions[:7]),
            Sample(whole[2].tokens[:1], whole[2].logprobs[:1], whole[2].versions[:1]),
            Sample()]                                               # not started
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         resumed = o.submit(prompt, sampling, carry=cut).result()
         metrics = o.metrics()
     assert [s.tokens for s in resumed] == [s.tokens for s in whole]
@@ -175,7 +173,7 @@ def test_carried_samples_continue_where_they_stopped(engine):
     assert metrics["generated_tokens"] == sum(len(s.tokens) for s in whole) - (30 + 7 + 1)
 
     # The same from a real snapshot: a run stopped while the group was being generated.
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         stream = o.submit(prompt, sampling)
         for _ in stream:
             if sum(len(s.tokens) for s in stream.snapshot()) >= 20:
@@ -183,16 +181,16 @@ def test_carried_samples_continue_where_they_stopped(engine):
                 break
     saved = stream.snapshot()
     assert any(s.finish_reason == "shutdown" for s in saved)
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         assert [s.tokens for s in o.submit(prompt, sampling, carry=saved).result()] == \
             [s.tokens for s in whole]
         assert o.metrics()["generated_tokens"] == sum(len(s.tokens) for s in whole) - \
             sum(len(s.tokens) for s in saved)
 
 
-def test_bad_carry_is_refused(engine):
+def test_bad_carry_is_refused(engine, params):
     prompt, sampling = prompts(5, seed=3)[0], SamplingParams(max_tokens=8, n=2)
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         for carry, message in [([Sample()], "carry holds 1 samples"),
                                ([Sample([3, 4], [0.0]), Sample()], "2 tokens, 1 log-probs"),
                                ([Sample([3] * 9, [0.0] * 9, [0] * 9), Sample()], "max_tokens=8"),

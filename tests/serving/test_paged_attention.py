@@ -3,6 +3,7 @@ TPU interpreter, against attention computed in numpy float64 from the pool; then
 decoding through it (attention='pallas'), on one device and tensor-parallel, against the
 references of test_paged.py. That it compiles for TPU is in tests/sharding/test_tpu_aot.py."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,10 +73,9 @@ def test_engine_decoding_through_the_kernel_equals_the_references(params, model,
     """Continuous batching, staggered arrivals, groups, pages reused; tensor=2 runs the kernel
     in shard_map over the kv heads. Tokens equal, log-probs within 1e-5."""
     mesh = make_mesh(MeshConfig(fsdp=1, tensor=tensor), jax.devices()[4:4 + tensor])
-    engine = Engine(CFG, EngineConfig(**{**vars(ENGINE), "attention": "pallas"}), mesh=mesh)
-    engine.load_params(params)
+    engine = Engine(CFG, dataclasses.replace(ENGINE, attention="pallas"), mesh=mesh)
     requests = _requests(seed=3, lengths=(5, 21, 9, 37, 3, 14))
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         results = _run_staggered(o, requests)
         assert o.scheduler.pool.free == o.scheduler.pool.capacity
     _check_against_references(engine, {0: params}, requests, results, model)

@@ -26,8 +26,7 @@ TOKEN = "secret"
 @pytest.fixture(scope="module")
 def server(params):
     engine = Engine(CFG, ENGINE)
-    engine.load_params(params)
-    s = Server(Orchestrator(engine, eos_id=1).start(), port=0, update_token=TOKEN).start()
+    s = Server(Orchestrator(engine, params, eos_id=1).start(), port=0, update_token=TOKEN).start()
     yield s
     s.stop(0)
 
@@ -42,8 +41,7 @@ def remote(server):
 @pytest.fixture(scope="module")
 def local(params):
     engine = Engine(CFG, ENGINE)
-    engine.load_params(params)
-    with Orchestrator(engine, eos_id=1) as o:
+    with Orchestrator(engine, params, eos_id=1) as o:
         yield o
 
 
@@ -168,9 +166,8 @@ def test_weights_pulled_device_to_device_are_served(server, params):
     result = puller.update_params(other, version, timeout=60)
     assert result.version == version == puller.newest_version
     engine = Engine(CFG, ENGINE)
-    engine.load_params(other, version=version)
     sampling = SamplingParams(max_tokens=16, temperature=0.0, n=2)
-    with Orchestrator(engine, eos_id=1) as want:
+    with Orchestrator(engine, other, version=version, eos_id=1) as want:
         for prompt in prompts(5, 11, seed=8):
             expected = want.submit(prompt, sampling).result()
             got = puller.submit(prompt, sampling).result()

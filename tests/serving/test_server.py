@@ -27,8 +27,8 @@ TOKEN = "test-secret"
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    orchestrator = Orchestrator(engine, eos_id=TOKENIZER.eos_id).start()
+def server(engine, params):
+    orchestrator = Orchestrator(engine, params, eos_id=TOKENIZER.eos_id).start()
     s = Server(orchestrator, TOKENIZER, port=0, update_token=TOKEN).start()
     yield s
     s.stop()
@@ -206,4 +206,3 @@ def test_weight_updates_need_the_secret(channel, server, params):
     assert {r.versions[0] for r in out if r.token_ids} == {7}
     metrics = json.loads(g.GetMetrics(gen.MetricsRequest()).json)
     assert metrics["version"] == 7 and metrics["updates"] == 1
-    server.orchestrator.engine.update_params(params, 0)

@@ -2,6 +2,7 @@
 prefills only its new tokens, and every token still equals the contiguous reference decoding
 the episode's whole history from scratch."""
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -34,7 +35,7 @@ def test_later_turns_prefill_only_their_new_tokens(engine, params, sampling):
     and on a page's edge. Turn k>1 prefills the last answer's final token (sampled, never fed)
     and the observation: nothing of the turns before."""
     first, *observations = prompts(6, 5, 4, seed=21)
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         history = first
         sample, prefilled = _turn(o, history, sampling, "episode")
         assert prefilled == len(first)
@@ -59,7 +60,7 @@ def test_a_group_starts_episodes_that_continue_apart(engine, params):
     not written."""
     prompt, obs = prompts(10, 3, seed=22)
     group = SamplingParams(temperature=1.0, top_k=12, seed=9, max_tokens=6, n=3)
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         samples = o.submit(prompt, group, session=["a", "b", "c"]).result()
         for i, s in enumerate(samples):
             tokens, _ = contiguous_decode(engine.graphdef, {0: params}, prompt, group, i,
@@ -85,11 +86,10 @@ def test_kept_pages_are_evicted_before_anything_is_preempted(params):
     """A pool of 24 pages: four kept sessions of 4 pages each fill most of it; new work evicts
     the least recent ones rather than preempt, and an evicted session's next turn prefills its
     whole history and still decodes the reference tokens."""
-    tight = Engine(CFG, EngineConfig(**{**ENGINE.__dict__, "num_pages": 25, "page_buckets": 4}))
-    tight.load_params(params)
+    tight = Engine(CFG, dataclasses.replace(ENGINE, num_pages=25, page_buckets=4))
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
     firsts = prompts(*([8] * 4), seed=23)
-    with Orchestrator(tight) as o:
+    with Orchestrator(tight, params) as o:
         answers = [o.submit(p, greedy, session=f"s{i}").result()[0] for i, p in
                    enumerate(firsts)]
         assert o.metrics()["sessions_kept"] == 4
@@ -111,10 +111,9 @@ def test_weight_update_between_turns_applies_mid_episode(params):
     pages (written by the old weights, as in-flight updates leave them mid-sequence) are used,
     not recomputed. Same weights under a new version: the same tokens as without the update."""
     engine = Engine(CFG, ENGINE)
-    engine.load_params(params)
     first, obs = prompts(7, 4, seed=25)
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         one, _ = _turn(o, first, greedy, "e")
         history = first + one.tokens + obs
         plain, _ = _turn(o, history, greedy, "e2-reference")      # no session: a fresh prefill
@@ -125,9 +124,9 @@ def test_weight_update_between_turns_applies_mid_episode(params):
     np.testing.assert_allclose(two.logprobs, plain.logprobs, atol=1e-5)
 
 
-def test_bad_sessions_are_refused(engine):
+def test_bad_sessions_are_refused(engine, params):
     prompt = prompts(5, seed=26)[0]
-    with Orchestrator(engine) as o:
+    with Orchestrator(engine, params) as o:
         with pytest.raises(InvalidRequest, match="session 'x' must have n=1, not n=2"):
             o.submit(prompt, SamplingParams(n=2), session="x")
         with pytest.raises(InvalidRequest, match="names n=2 distinct sessions"):

@@ -154,10 +154,7 @@ def test_paged_attention_compiles_into_the_decode_step_for_tpu(topology, tensor)
     mesh = shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=tensor), devices[:tensor])
     engine = Engine(KERNEL_CFG, KERNEL_ENGINE, mesh=mesh)
     assert engine.pool_sharding.spec[3] == "tensor"
-    table = jax.ShapeDtypeStruct((8, KERNEL_ENGINE.pages_per_sequence), jnp.int32,
-                                 sharding=shd.replicated(mesh))
-    compiled = Engine._generate_steps.lower(engine, engine.param_target,
-                                            engine.abstract_decode_state(), table, 1).compile()
+    compiled = engine.programs.lower("decode", (8, KERNEL_ENGINE.pages_per_sequence)).compile()
     text = compiled.as_text()
     assert "tpu_custom_call" in text and "_kernel" in text
 

@@ -1,0 +1,319 @@
+"""The engine's compiled programs: built once per shape, compiled before serving starts.
+
+Every program is a module-level function jitted with a `Spec` (model config, engine config,
+mesh, pool size) as its static first argument. XLA's caches are keyed by that spec, never by an
+Engine object: a second Engine with the same spec reuses every executable, and an Engine that
+is dropped is freed.
+
+`Programs.compile_all` compiles every program at every shape its calls can take (`shapes`),
+ahead of time, on the calling thread, before the engine loop starts; afterwards a call only
+looks its executable up. A call at a shape outside that set would be a bug in `shapes`: it is
+compiled on the spot, counted in `late_compiles` and logged, never silently.
+
+The shapes a call can take are fixed by a few ladders (serving/engine.py EngineConfig):
+- rows: a decode batch, an insert, a page copy or a sampling call holds S/16, S/4 or S rows
+  (S slots; always S up to 8 slots);
+- prefill: a chunk bucket b (a power of two from min_bucket, and prefill_chunk) with
+  `prefill_rows(b)` rows, so that a call's padded grid stays within the prefill budget;
+- page-table widths: `page_buckets` per doubling for decode, one per doubling for prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxrl.models import ModelConfig, abstract_model, merge_params, param_axes, split_params
+from serving.paged_kv import PagedKV
+from serving.sampling import sample, slot_keys
+from sharding import mesh as shd
+
+log = logging.getLogger(__name__)
+
+POOL_AXES = ("layers", "pages", "page", "kv_heads", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """The page pool and everything `generate` needs about every slot."""
+
+    kv: jax.Array             # [L, P, K, 2G, H]: the pool (serving/paged_kv.py)
+    lengths: jax.Array        # int32 [S]: tokens of each slot's sequence in the pool
+    tokens: jax.Array         # int32 [S]: the token each slot feeds next
+    counts: jax.Array         # int32 [S]: tokens sampled so far (drives the RNG)
+    temperature: jax.Array    # float32 [S]
+    top_k: jax.Array          # int32 [S]
+    top_p: jax.Array          # float32 [S]
+    seeds: jax.Array          # uint32 [S]
+    sample_index: jax.Array   # int32 [S]: which of the request's n samples
+
+
+PER_SLOT = tuple(f.name for f in dataclasses.fields(DecodeState) if f.name != "kv")
+SAMPLING_DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.uint32)   # temperature, k, p, seed
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What fixes every program of an engine: equal specs share their executables."""
+
+    model_cfg: ModelConfig
+    cfg: "EngineConfig"  # noqa: F821 (serving.engine; the two modules are one concern)
+    mesh: Mesh
+    num_pages: int
+
+    @functools.cached_property
+    def graphdef(self):
+        return split_params(abstract_model(self.model_cfg))[0]
+
+    @functools.cached_property
+    def param_target(self):
+        """ShapeDtypeStructs (with shardings) of the weights in the serving dtype and layout."""
+        _, abstract = split_params(abstract_model(self.model_cfg))
+        shardings = shd.tree_shardings(param_axes(self.model_cfg), abstract, self.mesh)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, shardings)
+
+    @property
+    def pool_shape(self) -> tuple[int, ...]:
+        c = self.model_cfg
+        return (c.num_layers, self.num_pages, self.cfg.page_size, 2 * c.num_kv_heads,
+                c.head_dim)
+
+    def pool_sharding(self, pages: int | None = None):
+        """The pool's sharding: over kv heads where the tensor axis divides them. Decided on
+        the G kv heads, not the 2G interleaved ones, so a head's keys and values stay on one
+        device."""
+        c = self.model_cfg
+        per_head = (c.num_layers, pages or self.num_pages, self.cfg.page_size, c.num_kv_heads,
+                    c.head_dim)
+        return shd.logical_to_sharding(POOL_AXES, per_head, self.mesh)
+
+    def state_shardings(self) -> DecodeState:
+        rep = shd.replicated(self.mesh)
+        return DecodeState(kv=self.pool_sharding(), **{n: rep for n in PER_SLOT})
+
+    def abstract_state(self) -> DecodeState:
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            jax.eval_shape(partial(_empty_state, self)), self.state_shardings())
+
+    def cache(self, kv, table) -> PagedKV:
+        head_axis = (tuple(self.pool_sharding().spec) + (None,) * 5)[3]
+        return PagedKV(kv, table, self.cfg.attention, self.mesh, head_axis,
+                       interpret=self.mesh.devices.flat[0].platform != "tpu")
+
+
+# -- the programs -----------------------------------------------------------------------------
+# Every output is pinned to one layout (the pool over kv heads, everything else replicated):
+# each program is compiled for the layouts the others produce, ahead of time.
+def _pinned(spec: Spec, state: DecodeState, *arrays):
+    rep = shd.replicated(spec.mesh)
+    state = jax.lax.with_sharding_constraint(state, spec.state_shardings())
+    return (state, *(jax.lax.with_sharding_constraint(a, rep) for a in arrays))
+
+
+def _empty_state(spec: Spec) -> DecodeState:
+    s = spec.cfg.max_concurrent_decodes
+    zeros = lambda d: jnp.zeros((s,), d)  # noqa: E731
+    return _pinned(spec, DecodeState(kv=jnp.zeros(spec.pool_shape, spec.model_cfg.compute_dtype),
+                       lengths=zeros(jnp.int32), tokens=zeros(jnp.int32),
+                       counts=zeros(jnp.int32), temperature=zeros(jnp.float32),
+                       top_k=zeros(jnp.int32), top_p=zeros(jnp.float32),
+                       seeds=zeros(jnp.uint32), sample_index=zeros(jnp.int32)))[0]
+
+
+def _prefill(spec: Spec, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
+    model = merge_params(spec.graphdef, params)
+    x_PTD, cache = model.extend(tokens_PT, starts_P, spec.cache(state.kv, table_PW),
+                                valid_B=lengths_P)
+    last_P11 = jnp.maximum(lengths_P - 1, 0)[:, None, None]
+    logits_PV = model.logits(jnp.take_along_axis(x_PTD, last_P11, axis=1))[:, 0]
+    # Padded to the most rows any prefill call has, so one sampling program serves them all.
+    logits_PV = jnp.pad(logits_PV, ((0, spec.cfg.max_prefill_rows - logits_PV.shape[0]), (0, 0)))
+    return _pinned(spec, dataclasses.replace(state, kv=cache.kv), logits_PV)
+
+
+def _sample_first(spec: Spec, logits_PV, rows_K, index_K, temperature_K, top_k_K, top_p_K,
+                  seeds_K):
+    keys = slot_keys(seeds_K, index_K, jnp.zeros_like(index_K))
+    tokens_K, logprobs_K = sample(logits_PV[rows_K], temperature_K, top_k_K, top_p_K, keys)
+    rep = shd.replicated(spec.mesh)
+    return (jax.lax.with_sharding_constraint(tokens_K, rep),
+            jax.lax.with_sharding_constraint(logprobs_K, rep))
+
+
+def _insert(spec: Spec, state: DecodeState, slots_K, lengths_K, tokens_K, counts_K,
+            temperature_K, top_k_K, top_p_K, seeds_K, index_K):
+    at = lambda a, x: a.at[slots_K].set(x)  # noqa: E731
+    return _pinned(spec, dataclasses.replace(
+        state, lengths=at(state.lengths, lengths_K), tokens=at(state.tokens, tokens_K),
+        counts=at(state.counts, counts_K), temperature=at(state.temperature, temperature_K),
+        top_k=at(state.top_k, top_k_K), top_p=at(state.top_p, top_p_K),
+        seeds=at(state.seeds, seeds_K), sample_index=at(state.sample_index, index_K)))[0]
+
+
+def _copy_pages(spec: Spec, state: DecodeState, src_K, dst_K):
+    return _pinned(spec, dataclasses.replace(
+        state, kv=state.kv.at[:, dst_K].set(state.kv[:, src_K])))[0]
+
+
+def _forward_rows(spec: Spec, params, kv, tokens_R, lengths_R, table_RW):
+    """One token per row through the model: (pool, logits [R, V])."""
+    model = merge_params(spec.graphdef, params)
+    x_R1D, cache = model.extend(tokens_R[:, None], lengths_R, spec.cache(kv, table_RW))
+    return cache.kv, model.logits(x_R1D)[:, 0]
+
+
+def _advance(spec: Spec, state: DecodeState, logits_RV, slots_R, real_R):
+    """Samples each row's next token and moves its slot on by one; padding rows (real_R false)
+    leave their slots as they were."""
+    rows = {n: getattr(state, n)[slots_R] for n in PER_SLOT}
+    keys = slot_keys(rows["seeds"], rows["sample_index"], rows["counts"])
+    tokens_R, logprobs_R = sample(logits_RV, rows["temperature"], rows["top_k"], rows["top_p"],
+                                  keys)
+    new = {"lengths": jnp.minimum(rows["lengths"] + 1, spec.cfg.max_len), "tokens": tokens_R,
+           "counts": rows["counts"] + 1}
+    state = dataclasses.replace(state, **{
+        n: getattr(state, n).at[slots_R].set(jnp.where(real_R, v, rows[n]))
+        for n, v in new.items()})
+    return _pinned(spec, state, tokens_R, logprobs_R)
+
+
+def _decode(spec: Spec, params, state: DecodeState, table_RW, slots_R):
+    """The forward half of one decode step for the rows `slots_R`: (state with their keys and
+    values written, logits [R, V]). Padding rows read and write only the null page."""
+    kv, logits_RV = _forward_rows(spec, params, state.kv, state.tokens[slots_R],
+                                  state.lengths[slots_R], table_RW)
+    return _pinned(spec, dataclasses.replace(state, kv=kv), logits_RV)
+
+
+def _decode_steps(spec: Spec, params, state: DecodeState, table_RW, slots_R, real_R,
+                  steps: int):
+    """`steps` whole decode steps (forward and sampling) in one program (steps_per_dispatch >
+    1): (state, tokens [steps, R], logprobs [steps, R])."""
+    def body(state, _):
+        state, logits_RV = _decode(spec, params, state, table_RW, slots_R)
+        state, tokens_R, logprobs_R = _advance(spec, state, logits_RV, slots_R, real_R)
+        return state, (tokens_R, logprobs_R)
+
+    state, (tokens, logprobs) = jax.lax.scan(body, state, length=steps)
+    return _pinned(spec, state, tokens, logprobs)
+
+
+JITTED = {
+    "init": jax.jit(_empty_state, static_argnums=0),
+    "prefill": jax.jit(_prefill, static_argnums=0, donate_argnums=2),
+    "sample_first": jax.jit(_sample_first, static_argnums=0),
+    "insert": jax.jit(_insert, static_argnums=0, donate_argnums=1),
+    "copy_pages": jax.jit(_copy_pages, static_argnums=0, donate_argnums=1),
+    "decode": jax.jit(_decode, static_argnums=0, donate_argnums=2),
+    "advance": jax.jit(_advance, static_argnums=0, donate_argnums=1),
+    "decode_steps": jax.jit(_decode_steps, static_argnums=(0, 6), donate_argnums=2),
+}
+
+
+# -- shapes and compilation -------------------------------------------------------------------
+class Programs:
+    """The executables of one spec, compiled ahead of time; `programs_for` shares them."""
+
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        self._compiled: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+        self.compile_s = 0.0
+        self.late_compiles = 0
+
+    def shapes(self) -> list[tuple]:
+        """(program, key) of every call the engine can make, key as in `args`."""
+        cfg, out = self.spec.cfg, [("init", ())]
+        rows = cfg.row_sizes
+        for b in cfg.buckets:
+            out += [("prefill", (cfg.prefill_rows(b), b, w)) for w in cfg.prefill_widths]
+        out += [(name, (k,)) for name in ("sample_first", "insert", "copy_pages") for k in rows]
+        k = cfg.steps_per_dispatch
+        for r in rows:
+            if k == 1:
+                out += [("decode", (r, w)) for w in cfg.decode_widths] + [("advance", (r,))]
+            else:
+                out += [("decode_steps", (r, w, k)) for w in cfg.decode_widths]
+        return out
+
+    def args(self, name: str, key: tuple) -> tuple:
+        """Abstract arguments (static spec first) of program `name` at shape `key`."""
+        spec = self.spec
+        rep = shd.replicated(spec.mesh)
+        arr = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
+        params, state = spec.param_target, spec.abstract_state()
+        sampling = lambda k: tuple(arr(k, dtype=d) for d in SAMPLING_DTYPES)  # noqa: E731
+        if name == "init":
+            return (spec,)
+        if name == "prefill":
+            p, t, w = key
+            return (spec, params, state, arr(p, t), arr(p), arr(p), arr(p, w))
+        if name == "sample_first":
+            (k,) = key
+            logits = arr(spec.cfg.max_prefill_rows, spec.model_cfg.vocab_size,
+                         dtype=jnp.float32)
+            return (spec, logits, arr(k), arr(k), *sampling(k))
+        if name == "insert":
+            (k,) = key
+            return (spec, state, arr(k), arr(k), arr(k), arr(k), *sampling(k), arr(k))
+        if name == "copy_pages":
+            (k,) = key
+            return (spec, state, arr(k), arr(k))
+        if name == "decode":
+            r, w = key
+            return (spec, params, state, arr(r, w), arr(r))
+        if name == "advance":
+            (r,) = key
+            logits = arr(r, spec.model_cfg.vocab_size, dtype=jnp.float32)
+            return (spec, state, logits, arr(r), arr(r, dtype=jnp.bool_))
+        if name == "decode_steps":
+            r, w, k = key
+            return (spec, params, state, arr(r, w), arr(r), arr(r, dtype=jnp.bool_), k)
+        raise KeyError(name)
+
+    def lower(self, name: str, key: tuple):
+        """The program lowered at `key` (ahead-of-time compiles for other devices, e.g. TPU)."""
+        return JITTED[name].lower(*self.args(name, key))
+
+    def compile_all(self) -> int:
+        """Compiles every program at every shape not compiled yet; returns how many it
+        compiled. Thread-safe; meant for the thread that starts the engine."""
+        with self._lock:
+            todo = [s for s in self.shapes() if s not in self._compiled]
+            t0 = time.perf_counter()
+            for name, key in todo:
+                self._compiled[(name, key)] = self.lower(name, key).compile()
+            self.compile_s += time.perf_counter() - t0
+        return len(todo)
+
+    @property
+    def compiled(self) -> int:
+        return len(self._compiled)
+
+    def __call__(self, name: str, key: tuple, *args):
+        exe = self._compiled.get((name, key))
+        if exe is None:
+            with self._lock:
+                exe = self._compiled.get((name, key))
+                if exe is None:
+                    self.late_compiles += 1
+                    log.warning("engine program %s%s was not compiled at start; compiling it "
+                                "now (a call outside Programs.shapes)", name, key)
+                    exe = self._compiled[(name, key)] = self.lower(name, key).compile()
+        return exe(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def programs_for(spec: Spec) -> Programs:
+    """The one Programs of `spec` in this process."""
+    return Programs(spec)
