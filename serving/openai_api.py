@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxrl.models.chat import ChatTemplateError, render_chat
 from jaxrl.models.tokenizer import prompt_ids
+from serving.detokenize import IncrementalDecoder
 from serving.orchestrator import EngineStopped, InvalidRequest, QueueFull
 from serving.sampling import SamplingParams
 from serving.stream import TokenEvent
@@ -89,36 +90,61 @@ class ChatRequest(_Sampling):
 
 
 class _Choice:
-    """One sample as the client sees it: text decoded so far, cut at a stop string."""
+    """One sample as the client sees it: its text, decoded a token at a time (serving/
+    detokenize.py), cut at a stop string. The work per token does not grow with the text: a
+    stop string is looked for where it could end (the new text and the `hold` characters before
+    it), and text no stop string can reach any more is set aside."""
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.stops = tokenizer, stops
-        self.tokens, self.logprobs, self.versions, self.text, self.sent = [], [], [], "", 0
+        self.tokens, self.logprobs, self.versions = [], [], []
         self.finish: str | None = None
+        self._decoder = IncrementalDecoder(tokenizer)
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._sent: list[str] = []        # handed to the client by `delta`
+        self._settled: list[str] = []     # not sent yet; no stop string can start in it
+        self._open = ""                   # not sent yet; a stop string may still be forming
+
+    @property
+    def text(self) -> str:
+        return "".join(self._sent) + "".join(self._settled) + self._open
 
     def add(self, token: int, logprob: float, version: int = 0) -> None:
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
-        self.text = self.tokenizer.decode(self.tokens)
-        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+        self._extend(self._decoder.add(token))
+
+    def end(self, finish: str) -> None:
+        """The sample has ended: the decoder's held-back text joins the text."""
+        self._extend(self._decoder.flush())
+        if self.finish is None:
+            self.finish = finish
+
+    def _extend(self, piece: str) -> None:
+        if not piece or self.finish is not None:
+            return
+        start = max(0, len(self._open) - self._hold)    # a stop string ends in the new piece
+        self._open += piece
+        cut = min((i for i in (self._open.find(s, start) for s in self.stops) if i >= 0),
+                  default=-1)
         if cut >= 0:
-            self.text, self.finish = self.text[:cut], "stop"
+            self._open, self.finish = self._open[:cut], "stop"
+        elif len(self._open) > self._hold + 4096:
+            self._settled.append(self._open[: len(self._open) - self._hold])
+            self._open = self._open[len(self._open) - self._hold:]
 
     def delta(self, final: bool) -> str:
-        """Text not sent yet; while running, held back where a stop string or a multi-byte
-        character might still be forming."""
-        end = len(self.text)
-        if not final:
-            end -= max((len(s) - 1 for s in self.stops), default=0)
-            while end > self.sent and self.text[end - 1] == "\ufffd":
-                end -= 1
-        out = self.text[self.sent:max(end, self.sent)]
-        self.sent += len(out)
+        """Text not sent yet; while running, the last characters are held back where a stop
+        string might still be forming (an unfinished character the decoder holds itself)."""
+        keep = 0 if final or self.finish is not None else min(self._hold, len(self._open))
+        out = "".join(self._settled) + self._open[: len(self._open) - keep]
+        self._settled, self._open = [], self._open[len(self._open) - keep:]
+        self._sent.append(out)
         return out
 
-    def token_texts(self) -> list[str]:
-        return [self.tokenizer.decode([t]) for t in self.tokens]
+    def token_texts(self, tokens: slice = slice(None)) -> list[str]:
+        return [self.tokenizer.decode([t]) for t in self.tokens[tokens]]
 
 
 class OpenAIApp:
@@ -341,7 +367,7 @@ def _events(streams, choices, n) -> Iterator[int]:
             if isinstance(event, TokenEvent):
                 c.add(event.token, event.logprob, event.version)
             elif event.reason in FINISH:
-                c.finish = FINISH[event.reason]
+                c.end(FINISH[event.reason])
             else:
                 for other in streams:
                     other.cancel()
@@ -359,7 +385,7 @@ def _choice_json(kind, index, c: _Choice, logprobs: bool, *, final: bool, text=N
     finish = c.finish if (final or c.finish) else None
     lp = None
     if logprobs:
-        names, values = c.token_texts()[tokens], c.logprobs[tokens]
+        names, values = c.token_texts(tokens), c.logprobs[tokens]
         if kind.startswith("chat"):
             lp = {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()),
                                "top_logprobs": []} for t, v in zip(names, values)]}

@@ -17,6 +17,7 @@ import grpc
 import jax
 
 from jaxrl.models.tokenizer import Tokenizer
+from serving.detokenize import IncrementalDecoder
 from serving.orchestrator import (DoneEvent, EngineStopped, InvalidRequest, Orchestrator,
                                   QueueFull, Sample)
 from serving.proto import generation_pb2 as gen_pb2
@@ -47,20 +48,17 @@ def _submit(orchestrator: Orchestrator, context, prompt, sampling_fn, carry=None
 
 
 class _Detokenizer:
-    """Incremental text per sample: the new text of all tokens so far minus what was sent."""
+    """Incremental text per sample (serving/detokenize.py): the text each token completes, and
+    what was held back when the sample ends."""
 
     def __init__(self, tokenizer: Tokenizer | None, n: int):
-        self.tokenizer = tokenizer
-        self.tokens = [[] for _ in range(n)]
-        self.sent = [""] * n
+        self.decoders = [IncrementalDecoder(tokenizer) if tokenizer else None for _ in range(n)]
 
     def add(self, i: int, token: int) -> str:
-        if self.tokenizer is None:
-            return ""
-        self.tokens[i].append(token)
-        text = self.tokenizer.decode(self.tokens[i])
-        delta, self.sent[i] = text[len(self.sent[i]):], text
-        return delta
+        return self.decoders[i].add(token) if self.decoders[i] else ""
+
+    def flush(self, i: int) -> str:
+        return self.decoders[i].flush() if self.decoders[i] else ""
 
 
 def _prompt(tokenizer, context, text: str | None, ids):
@@ -94,11 +92,16 @@ class JetStreamService(js_grpc.OrchestratorServicer):
             max_tokens=request.max_tokens, temperature=0.0, n=n))
         detok = _Detokenizer(self.tokenizer if kind == "text_content" else None, n)
         for event in stream:
-            if isinstance(event, DoneEvent) or self._ends(event.token):
-                continue  # JetStream streams content only, not the EOS / stop token
             samples = [js_pb2.DecodeResponse.StreamContent.Sample() for _ in range(n)]
-            samples[event.sample_index].token_ids.append(event.token)
-            samples[event.sample_index].text = detok.add(event.sample_index, event.token)
+            if isinstance(event, DoneEvent):      # text the decoder held back, if any
+                samples[event.sample_index].text = detok.flush(event.sample_index)
+                if not samples[event.sample_index].text:
+                    continue
+            elif self._ends(event.token):
+                continue  # JetStream streams content only, not the EOS / stop token
+            else:
+                samples[event.sample_index].token_ids.append(event.token)
+                samples[event.sample_index].text = detok.add(event.sample_index, event.token)
             yield js_pb2.DecodeResponse(
                 stream_content=js_pb2.DecodeResponse.StreamContent(samples=samples))
 
@@ -134,7 +137,8 @@ class GenerationService(gen_grpc.GenerationServicer):
         for event in stream:
             if isinstance(event, DoneEvent):
                 yield gen_pb2.GenerateResponse(sample_index=event.sample_index,
-                                               finish_reason=event.reason)
+                                               finish_reason=event.reason,
+                                               text=detok.flush(event.sample_index))
             else:
                 yield gen_pb2.GenerateResponse(
                     sample_index=event.sample_index, token_ids=[event.token],

@@ -1,0 +1,164 @@
+"""The serving runtime's contracts: every program is compiled before the loop serves (none after,
+under a workload that crosses every shape), engines share their programs and are freed when
+dropped, and a dead engine loop fails every client at once."""
+
+import collections
+import dataclasses
+import gc
+import threading
+import time
+import weakref
+
+import grpc
+import httpx
+import jax
+import numpy as np
+import pytest
+from jax import monitoring
+
+from jaxrl.models.tokenizer import CharTokenizer
+from serving.engine import Engine
+from serving.openai_api import OpenAIApp, start_http
+from serving.orchestrator import EngineStopped, Orchestrator
+from serving.proto import generation_pb2 as gen
+from serving.proto import generation_pb2_grpc as gen_grpc
+from serving.sampling import SamplingParams
+from serving.server import Server
+from serving.stream import DoneEvent, Sample
+
+from tests.serving.common import CFG, ENGINE, prompts
+
+# 16 slots (decode batches of 1, 4 or 16 rows), two table widths per doubling.
+RUNTIME = dataclasses.replace(ENGINE, max_concurrent_decodes=16, page_buckets=2)
+
+_compiles = collections.Counter()
+
+
+def _on_event(event: str, duration: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compiles["backend"] += 1
+
+
+monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def _workload(o: Orchestrator, noisy) -> list:
+    """Prompt lengths across every prefill bucket and chunk count, groups of 1-4 samples, greedy
+    and sampled with top-k/top-p, a weight update in flight, cancellations, a carried request
+    (a long prefix prefilled again) and a multi-turn session."""
+    lengths = [1, 3, 4, 5, 8, 9, 15, 16, 17, 24, 33, 40]
+    streams = []
+    for i, p in enumerate(prompts(*lengths, seed=40)):
+        sampling = SamplingParams(max_tokens=min(64 - len(p), 8 + 5 * i), n=1 + i % 4,
+                                  temperature=0.0 if i % 3 == 0 else 0.9, top_k=(i % 2) * 5,
+                                  top_p=0.8 if i % 5 == 0 else 1.0, seed=i, stop_at_eos=False)
+        streams.append(o.submit(p, sampling))
+    for s in streams[1::5]:
+        s.cancel()
+    while o.metrics()["generated_tokens"] < 40:
+        time.sleep(0.005)
+    o.update_params(noisy, 1)
+    results = [s.result() for s in streams]
+    done = results[10][0]            # a 33-token prompt's sample, carried 20 tokens in
+    assert done.finish_reason == "length" and len(done.tokens) > 20
+    carry = [Sample(done.tokens[:20], done.logprobs[:20], done.versions[:20])]
+    again = o.submit(prompts(*lengths, seed=40)[10],
+                     SamplingParams(max_tokens=len(done.tokens), n=1, temperature=0.0,
+                                    stop_at_eos=False), carry=carry).result()
+    first = o.submit(prompts(6, seed=41)[0], SamplingParams(max_tokens=5, temperature=0.0),
+                     session="turns").result()[0]
+    o.submit(prompts(6, seed=41)[0] + first.tokens + [4, 5], SamplingParams(max_tokens=5),
+             session="turns").result()
+    o.end_session("turns")
+    return results + [again]
+
+
+def test_nothing_compiles_after_start_whatever_the_requests(params):
+    noisy = jax.tree.map(lambda x: x * 1.01, params)
+    engine = Engine(CFG, RUNTIME)
+    o = Orchestrator(engine, params, eos_id=2)
+    o.start()
+    try:
+        assert o.compiled_at_start == len(engine.programs.shapes()) > 40
+        before = _compiles["backend"]
+        results = _workload(o, noisy)
+        assert _compiles["backend"] == before
+        metrics = o.metrics()
+        assert metrics["late_compiles"] == 0 and metrics["updates"] == 1
+    finally:
+        o.stop()
+    reasons = {s.finish_reason for r in results for s in r}
+    assert {"length", "cancelled"} <= reasons
+    assert {v for r in results for s in r for v in s.versions} == {0, 1}
+
+    # A second engine of the same shapes compiles nothing; a dropped one is freed.
+    second = Engine(CFG, RUNTIME)
+    assert second.compile() == 0 and second.programs is engine.programs
+    dropped = weakref.ref(engine)
+    del engine, o, second
+    gc.collect()
+    assert dropped() is None
+
+
+class FailingOrchestrator(Orchestrator):
+    """Its loop raises in the decode step once `fail` is set: a bug in the engine loop."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fail = threading.Event()
+
+    def _decode(self, state):
+        if self.fail.is_set():
+            raise RuntimeError("injected failure")
+        return super()._decode(state)
+
+
+def test_a_dead_engine_loop_fails_every_client_within_a_second(engine, params):
+    o = FailingOrchestrator(engine, params, eos_id=None).start()
+    tokenizer = CharTokenizer("0123456789+-*=")
+    server = Server(o, tokenizer, port=0).start()
+    http, port = start_http(OpenAIApp(o, tokenizer, "tiny", ENGINE.max_len).app,
+                            "127.0.0.1", 0)
+    try:
+        # Running, queued (8 samples for 4 slots) and every one read by a client thread.
+        streams = [o.submit(p, SamplingParams(max_tokens=50, n=2, stop_at_eos=False))
+                   for p in prompts(5, 6, 7, 8, seed=42)]
+        ended = {}
+
+        def read(i, stream):
+            reasons = [e.reason for e in stream if isinstance(e, DoneEvent)]
+            ended[i] = (time.monotonic(), reasons)
+
+        readers = [threading.Thread(target=read, args=(i, s)) for i, s in enumerate(streams)]
+        for r in readers:
+            r.start()
+        while o.metrics()["generated_tokens"] < 8:
+            time.sleep(0.005)
+        failed_at = time.monotonic()
+        o.fail.set()
+        for r in readers:
+            r.join(5)
+        assert sorted(ended) == [0, 1, 2, 3]
+        assert all(reasons == ["error", "error"] for _, reasons in ended.values())
+        assert max(t for t, _ in ended.values()) - failed_at < 1.0
+        assert "injected failure" in str(o.error)
+        o.stop(timeout=1)         # a dead loop's thread ends at once: stop returns
+        assert not o.running
+
+        # New work is refused at once, in each protocol's words.
+        with pytest.raises(EngineStopped, match="injected failure"):
+            o.submit([3, 4], SamplingParams())
+        with pytest.raises(EngineStopped):
+            o.update_params(params, 5)
+        stub = gen_grpc.GenerationStub(grpc.insecure_channel(server.address))
+        with pytest.raises(grpc.RpcError) as rpc:
+            list(stub.Generate(gen.GenerateRequest(token_ids=gen.TokenIds(ids=[3, 4]),
+                                                   sampling=gen.SamplingOptions(max_tokens=2)),
+                               timeout=5))
+        assert rpc.value.code() == grpc.StatusCode.UNAVAILABLE
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=5,
+                           json={"model": "tiny", "prompt": "1+1=", "max_tokens": 2})
+        assert reply.status_code == 503 and "engine loop has stopped" in reply.text
+    finally:
+        http.should_exit = True
+        server.stop(0)
