@@ -5,16 +5,25 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# Eight CPU devices, so meshes, FSDP, tensor axes and collectives run for real on one machine;
-# LLVM at -O0: most of the suite's time is compiling tiny programs, and -O0
-# cuts that by a quarter (tests/sharding/test_pipeline.py: 196 s -> 144 s) while the RL runs'
-# step time stays the same (test_rl.py's reward runs: 105 s either way).
-TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0
+# The suite's tiers (tests/conftest.py names them): unit and end-to-end tests on one CPU device,
+# then the multi-device tests (meshes, FSDP, tensor axes, collectives, pipelines) in their own
+# invocation on eight. LLVM at -O0 (tests/conftest.py): most of the suite's time is compiling
+# tiny programs, and -O0 cuts that by a quarter while the RL runs' step time stays the same.
+#
+# Two pytest-xdist workers: most of the suite's time is XLA compiling, one core per program.
+# --dist loadscope keeps a module's tests (and its module-scoped runs) on one worker; every TPU
+# compile is in tests/sharding/test_tpu_aot.py, since libtpu allows one process per machine.
+# --max-worker-restart 0: a crashed worker ends the run, failed, with the test it crashed in.
+# Replacing it under loadscope can hang pytest-xdist 3.8 for good (pytest-xdist#1323, #1378).
+# A test (setup included) still running after 15 minutes (the slowest took 241 s) is hung: its
+# worker prints every thread's stack and exits, which ends the run the same way.
+PYTEST := $(PY) -m pytest tests -n 2 --dist loadscope --max-worker-restart 0 \
+	  -o faulthandler_timeout=900 -o faulthandler_exit_on_timeout=true
 
 # Every transitive dependency is pinned in constraints.txt (refresh it with  make lock).
 LOCK   := constraints.txt
 
-.PHONY: run test lock protos clean
+.PHONY: run test test-fast test-multi lock protos clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,17 +43,17 @@ JAX_PLATFORMS ?= cpu
 run: $(VENV)/.run-deps
 	JAX_PLATFORMS=$(JAX_PLATFORMS) $(VENV)/bin/jaxrl train --config configs/demo_cpu.yaml
 
-# Two pytest-xdist workers: most of the suite's time is XLA compiling, one core per program.
-# --dist loadscope keeps a module's tests (and its module-scoped runs) on one worker; every TPU
-# compile is in tests/sharding/test_tpu_aot.py, since libtpu allows one process per machine.
-# --max-worker-restart 0: a crashed worker ends the run, failed, with the test it crashed in.
-# Replacing it under loadscope can hang pytest-xdist 3.8 for good (pytest-xdist#1323, #1378).
-# A test (setup included) still running after 15 minutes (the slowest took 241 s) is hung: its
-# worker prints every thread's stack and exits, which ends the run the same way.
+# The whole suite, as CI runs it: one device, then eight.
 test: $(VENV)/.test-deps
-	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PY) -m pytest tests -m "not gpu" -n 2 --dist loadscope \
-	  --max-worker-restart 0 -o faulthandler_timeout=900 -o faulthandler_exit_on_timeout=true \
-	  --durations=30
+	JAXRL_TEST_DEVICES=1 $(PYTEST) -m "not gpu and not multi_device" --durations=20
+	JAXRL_TEST_DEVICES=8 $(PYTEST) -m "not gpu and multi_device" --durations=20
+
+# The edit-test loop: unit tests only, on one device (a few minutes).
+test-fast: $(VENV)/.test-deps
+	JAXRL_TEST_DEVICES=1 $(PYTEST) -m "not gpu and not multi_device and not slow" --durations=10
+
+test-multi: $(VENV)/.test-deps
+	JAXRL_TEST_DEVICES=8 $(PYTEST) -m "not gpu and multi_device" --durations=20
 
 # Re-resolves pyproject.toml's ranges (run and test extras) in a scratch venv and pins the result.
 # The CPU wheel of torch carries a "+cpu" local label; "==2.13.0" matches it, so the label is cut.

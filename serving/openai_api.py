@@ -414,7 +414,7 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 
 def start_http(app: Any, host: str, port: int):
     """Serves `app` with uvicorn from a daemon thread; returns (server, port bound). Stop it
-    with `server.should_exit = True`."""
+    with `stop_http(server)`."""
     import socket
 
     import uvicorn
@@ -432,4 +432,14 @@ def start_http(app: Any, host: str, port: int):
         time.sleep(0.01)
     if not server.started:
         raise RuntimeError(f"the HTTP endpoint did not start on {host}:{port}")
+    server.thread = thread
     return server, sock.getsockname()[1]
+
+
+def stop_http(server, timeout: float = 10.0) -> None:
+    """Stops a server `start_http` started and returns once its thread has ended (open
+    streams get `timeout_graceful_shutdown`); raises TimeoutError naming the thread if not."""
+    server.should_exit = True
+    server.thread.join(timeout)
+    if server.thread.is_alive():
+        raise TimeoutError(f"thread {server.thread.name!r} did not end within {timeout} s")

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxrl.errors import UserError
 from serving.engine import Engine
+from serving.programs import process_compiles
 from serving.length_predictor import LengthPredictor
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
@@ -347,6 +348,7 @@ class Orchestrator:
                 "updates": len(self.pauses_s), "update_pause_ms_max": 1e3 * max(pauses),
                 "update_pause_ms_mean": 1e3 * sum(pauses) / len(pauses),
                 "programs": self.engine.programs.compiled,
+                "process_compiles": process_compiles(),
                 "late_compiles": self.engine.programs.late_compiles}
 
     # -- engine loop ---------------------------------------------------------------------------

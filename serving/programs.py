@@ -38,6 +38,22 @@ from sharding import mesh as shd
 
 log = logging.getLogger(__name__)
 
+_COMPILES = [0]
+
+
+def _count_compiles(event: str, duration: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def process_compiles() -> int:
+    """XLA compilations in this process so far, by anyone (the soak bench reads it through
+    the server's metrics: none may happen once the server is ready)."""
+    return _COMPILES[0]
+
 POOL_AXES = ("layers", "pages", "page", "kv_heads", "head_dim")
 
 

@@ -50,7 +50,7 @@ class Replicas:
     def stop(self, timeout: float = 30.0) -> None:
         for o in self.replicas:
             o.stop(timeout)
-        self._pool.shutdown(wait=False)
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     @property
     def error(self) -> BaseException | None:

@@ -2,9 +2,10 @@ import os
 import threading
 import time
 
-# Eight CPU devices for meshes and collectives, compiled at -O0 as `make test` does (see its
-# TEST_XLA_FLAGS); must be set before jax is imported anywhere.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+# One CPU device, or eight for the multi-device tier (JAXRL_TEST_DEVICES=8, `make test-multi`),
+# compiled at -O0 (see the Makefile); set before jax is imported anywhere.
+DEVICES = int(os.environ.get("JAXRL_TEST_DEVICES", "1"))
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES} "
                       "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No persistent XLA compilation cache: with one, every compile ends in `executable.serialize()`.
@@ -49,11 +50,44 @@ _HEAVY_FIRST = ["sharding/test_tpu_aot.py", "run/test_rl.py", "colab/test_notebo
                 "run/test_long_tail.py", "run/test_warmup_stop.py", "run/test_agents.py"]
 
 
+# The suite's tiers, named once (the Makefile selects them by marker):
+# - unit: everything else; one CPU device; `make test-fast` (a few minutes, the edit-test loop);
+# - slow: whole runs (jaxrl train, servers, processes, notebooks); one CPU device in-process,
+#   their own device counts in the processes they start;
+# - multi_device: meshes, collectives, pipelines, TPU compiles; eight CPU devices, their own
+#   pytest invocation (`make test-multi`). Single tests elsewhere carry the marker themselves.
+_MULTI_DEVICE = ["sharding/", "serving/test_mesh.py", "serving/test_paged_attention.py",
+                 "reliability/test_sigkill.py", "run/test_rl.py", "train/test_step.py"]
+_SLOW = ["colab/", "reliability/", "run/test_", "test_serve.py", "test_cli.py",
+         "train/test_checkpoint.py", "serving/test_decode_batches.py"]
+
+
 def pytest_collection_modifyitems(items):
+    def path(item):
+        return item.nodeid.split("::")[0].removeprefix("tests/")
+
     def rank(item):
-        path = item.nodeid.split("::")[0].removeprefix("tests/")
-        return _HEAVY_FIRST.index(path) if path in _HEAVY_FIRST else len(_HEAVY_FIRST)
+        p = path(item)
+        return _HEAVY_FIRST.index(p) if p in _HEAVY_FIRST else len(_HEAVY_FIRST)
+
+    for item in items:
+        if any(path(item).startswith(p) for p in _MULTI_DEVICE):
+            item.add_marker(pytest.mark.multi_device)
+        if any(path(item).startswith(p) for p in _SLOW):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=rank)     # stable: the order within a module is kept
+
+
+def _device_count() -> int:
+    import jax
+    return jax.device_count()
+
+
+@pytest.fixture(autouse=True)
+def multi_device_tests_get_their_devices(request):
+    """A multi-device test in a one-device run fails (never skips) and says how to run it."""
+    if request.node.get_closest_marker("multi_device") and _device_count() < 8:
+        pytest.fail("a multi-device test: run it with JAXRL_TEST_DEVICES=8 (make test-multi)")
 
 
 @pytest.fixture(scope="module", autouse=True)

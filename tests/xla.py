@@ -1,5 +1,5 @@
 """XLA_FLAGS for the processes tests start: `devices` CPU devices, plus the compile flags the
-suite runs with (tests/conftest.py, the Makefile's TEST_XLA_FLAGS)."""
+suite runs with (tests/conftest.py)."""
 
 import os
 

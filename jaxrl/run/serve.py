@@ -119,7 +119,11 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
     orchestrators = [Orchestrator(e, params, version=-1, eos_id=tokenizer.eos_id,
                                   max_queued=max_queued) for e in engines]
     del params
+    log(f"jaxrl serve: compiling the engine's programs ({len(engines[0].programs.shapes())} "
+        f"shapes{' per replica' if replicas > 1 else ''})")
     orchestrator = (orchestrators[0] if replicas == 1 else Replicas(orchestrators)).start()
+    log(f"jaxrl serve: compiled {sum(o.compiled_at_start for o in orchestrators)} programs in "
+        f"{sum(o.compile_s for o in orchestrators):.1f} s; none is compiled while serving")
     try:
         server = Server(orchestrator, tokenizer, host=host, port=port,
                         update_token=update_token, tls=tls, allow_remote=allow_remote,
@@ -129,7 +133,7 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
         raise UserError(f"cannot listen on {host}:{port}: {e}") from e
     http = None
     if http_port is not None:
-        from serving.openai_api import OpenAIApp, start_http
+        from serving.openai_api import OpenAIApp, start_http, stop_http
 
         name = Path(model_dir).name if model_dir else "jaxrl-demo"
         app = OpenAIApp(orchestrator, tokenizer, name, engine_cfg.max_len).app
@@ -162,7 +166,7 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
     # armed through interpreter exit, which runs JAX's and gRPC's own clean-up.
     faulthandler.dump_traceback_later(SHUTDOWN_DEADLINE_S, exit=True)
     if http is not None:
-        http.should_exit = True
+        stop_http(http)
     server.stop(grace=5.0)
     log("jaxrl serve: stopped")
 

@@ -53,6 +53,7 @@ def test_unknown_implementation():
         attention(q, k, v, causal_mask(None, q.shape[1]), "flash")
 
 
+@pytest.mark.multi_device
 def test_splash_in_shard_map_equals_xla_values_and_gradients():
     """The splash kernel (Pallas interpret mode on CPU) inside shard_map over a fsdp=4 x
     tensor=2 mesh of CPU devices, on packed rows (two segments each) with 4 query heads on 2

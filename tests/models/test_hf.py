@@ -149,6 +149,7 @@ def test_missing_and_misshaped_tensors(tmp_path):
         from_hf(tmp_path / "nowhere")
 
 
+@pytest.mark.multi_device
 def test_from_hf_places_each_tensor_on_the_mesh(hf_checkpoint):
     from jaxrl.models import abstract_model, param_axes, split_params
     from sharding.mesh import MeshConfig, make_mesh, tree_shardings

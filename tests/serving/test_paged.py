@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl.models.generate import greedy_generate
-from serving.engine import Engine, EngineConfig
+from serving.engine import Engine
 from serving.orchestrator import InvalidRequest, Orchestrator, Sample, TokenEvent
 from serving.sampling import SamplingParams
 

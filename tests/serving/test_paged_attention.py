@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from serving.engine import Engine, EngineConfig
+from serving.engine import Engine
 from serving.orchestrator import Orchestrator
 from serving.paged_attention import paged_decode_attention
 from sharding.mesh import MeshConfig, make_mesh

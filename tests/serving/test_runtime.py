@@ -12,7 +12,6 @@ import weakref
 import grpc
 import httpx
 import jax
-import numpy as np
 import pytest
 from jax import monitoring
 

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from serving.engine import Engine, EngineConfig
+from serving.engine import Engine
 from serving.orchestrator import InvalidRequest, Orchestrator
 from serving.sampling import SamplingParams
 
