@@ -164,6 +164,7 @@ def test_serve_on_a_mesh_equals_transformers_generate(tmp_path):
     assert min(metrics["replica_requests_done"]) > 0      # both replicas served
 
 
+@pytest.mark.multi_device
 def test_a_tensor_axis_that_does_not_divide_the_kv_heads_is_refused():
     """The KV cache would be held whole on every device: refused, with the values that work."""
     from jaxrl.errors import UserError

@@ -44,10 +44,12 @@ def engine_config(cfg: RunConfig, model_cfg: ModelConfig) -> EngineConfig:
         raise ConfigError(f"{rl.sample_len_names} = {rl.sample_len} exceeds "
                           f"the model's max_seq_len={model_cfg.max_seq_len}")
     chunk = max(8, min(2 ** math.ceil(math.log2(rl.max_prompt_len)), 512))
+    # Two prefill buckets (RL's prompts are of similar lengths; each bucket is a set of
+    # programs compiled at start) and four prompts of the longest per prefill call.
     return EngineConfig(max_concurrent_decodes=rl.slots, max_len=rl.sample_len + 1,
                         max_prefill_length=rl.prefill_len, prefill_chunk=chunk,
-                        prefill_budget=max(64, chunk), dtype=model_cfg.dtype,
-                        attention=rl.engine_attention)
+                        min_bucket=max(8, chunk // 2), prefill_budget=max(64, 4 * chunk),
+                        dtype=model_cfg.dtype, attention=rl.engine_attention)
 
 
 @dataclasses.dataclass
@@ -78,6 +80,9 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
         local = Orchestrator(engine, params, version=version, eos_id=tokenizer.eos_id,
                              max_queued=4 * cfg.rl.batch_size,
                              longest_first=cfg.rl.admission == "longest_first").start()
+        if local.compiled_at_start:
+            log(f"engine: compiled {local.compiled_at_start} programs in {local.compile_s:.1f} s "
+                f"(every shape it can run; none is compiled while it generates)")
         members = [Member("local", local, cfg.rl.slots, remote=False, version=version,
                           joined=True)]
         fleet = Fleet(members, eos_id=tokenizer.eos_id, wait_s=g.wait_s, warn=log)

@@ -123,6 +123,7 @@ def test_missing_checkpoint_for_eval(tmp_path):
         restore_for_eval(tmp_path / "empty")
 
 
+@pytest.mark.multi_device
 def test_pipelined_run_with_host_optimizer_state_resumes_and_matches_the_plain_run(tmp_path):
     """The trainer picks the pipeline and optimizer offload from the config: a 1f1b run over
     (stage 2 x fsdp 4) with the optimizer state in host memory, stopped, resumed with
