@@ -43,10 +43,15 @@ JAX_PLATFORMS ?= cpu
 run: $(VENV)/.run-deps
 	JAX_PLATFORMS=$(JAX_PLATFORMS) $(VENV)/bin/jaxrl train --config configs/demo_cpu.yaml
 
-# The whole suite, as CI runs it: one device, then eight.
+# The whole suite, as CI runs it: one device, then eight, sharing one persistent compilation
+# cache made for this run (its workers and the processes tests start read what others wrote).
 test: $(VENV)/.test-deps
-	JAXRL_TEST_DEVICES=1 $(PYTEST) -m "not gpu and not multi_device" --durations=20
-	JAXRL_TEST_DEVICES=8 $(PYTEST) -m "not gpu and multi_device" --durations=20
+	cache=$$(mktemp -d /tmp/jaxrl-test-cache.XXXXXX) && \
+	  JAXRL_TEST_CACHE_DIR=$$cache JAXRL_TEST_DEVICES=1 \
+	    $(PYTEST) -m "not gpu and not multi_device" --durations=20 && \
+	  JAXRL_TEST_CACHE_DIR=$$cache JAXRL_TEST_DEVICES=8 \
+	    $(PYTEST) -m "not gpu and multi_device" --durations=20; \
+	  status=$$?; rm -rf $$cache; exit $$status
 
 # The edit-test loop: unit tests only, on one device (a few minutes).
 test-fast: $(VENV)/.test-deps

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxrl.models.chat import ChatTemplateError, render_chat
 from jaxrl.models.tokenizer import prompt_ids
+from serving import threads
 from serving.detokenize import IncrementalDecoder
 from serving.orchestrator import EngineStopped, InvalidRequest, QueueFull
 from serving.sampling import SamplingParams
@@ -440,6 +441,4 @@ def stop_http(server, timeout: float = 10.0) -> None:
     """Stops a server `start_http` started and returns once its thread has ended (open
     streams get `timeout_graceful_shutdown`); raises TimeoutError naming the thread if not."""
     server.should_exit = True
-    server.thread.join(timeout)
-    if server.thread.is_alive():
-        raise TimeoutError(f"thread {server.thread.name!r} did not end within {timeout} s")
+    threads.join(server.thread, timeout)

@@ -27,9 +27,10 @@ from typing import Sequence as Seq
 import numpy as np
 
 from jaxrl.errors import UserError
+from serving import threads
 from serving.engine import Engine
-from serving.programs import process_compiles
 from serving.length_predictor import LengthPredictor
+from serving.programs import process_compiles
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
 from serving.sequence import Prefill, Request, Sequence
@@ -131,10 +132,7 @@ class Orchestrator:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise TimeoutError(f"thread {self._thread.name!r} did not end within "
-                                   f"{timeout} s of stop()")
+            threads.join(self._thread, timeout)
         else:
             self._shutdown("shutdown")
 

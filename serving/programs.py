@@ -31,7 +31,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxrl.models import ModelConfig, abstract_model, merge_params, param_axes, split_params
+from jaxrl.models import (
+    ModelConfig,
+    abstract_model,
+    merge_params,
+    param_axes,
+    split_params,
+)
 from serving.paged_kv import PagedKV
 from serving.sampling import sample, slot_keys
 from sharding import mesh as shd

@@ -18,15 +18,26 @@ import jax
 
 from jaxrl.models.tokenizer import Tokenizer
 from serving.detokenize import IncrementalDecoder
-from serving.orchestrator import (DoneEvent, EngineStopped, InvalidRequest, Orchestrator,
-                                  QueueFull, Sample)
+from serving.orchestrator import (
+    DoneEvent,
+    EngineStopped,
+    InvalidRequest,
+    Orchestrator,
+    QueueFull,
+    Sample,
+)
 from serving.proto import generation_pb2 as gen_pb2
 from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.proto import jetstream_pb2 as js_pb2
 from serving.proto import jetstream_pb2_grpc as js_grpc
 from serving.sampling import SamplingParams
 from serving.transfer import as_tree, check_specs
-from serving.weight_stream import StaleVersion, WeightAssembler, check_version, tensor_names
+from serving.weight_stream import (
+    StaleVersion,
+    WeightAssembler,
+    check_version,
+    tensor_names,
+)
 from sharding.reshard import WeightUpdateError
 
 log = logging.getLogger("jaxrl.serve")

@@ -8,12 +8,13 @@ DEVICES = int(os.environ.get("JAXRL_TEST_DEVICES", "1"))
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES} "
                       "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No persistent XLA compilation cache: with one, every compile ends in `executable.serialize()`.
-# Full runs crashed a worker five times in XLA:CPU: three inside that call (two aborts and a
-# segfault, the last in CI on a serving engine's thread), two in compiles on such threads; twice
-# pytest-xdist then stalled, once until CI's limit. Tests share compiled functions in-process.
-# Empty: also off in the `jaxrl train` and notebook processes the tests start (jaxrl/platform.py).
-os.environ["JAX_COMPILATION_CACHE_DIR"] = ""
+# The persistent XLA compilation cache: JAXRL_TEST_CACHE_DIR (`make test` gives each run a fresh
+# one, shared by its workers and the processes tests start); unset: no cache, here and in the
+# `jaxrl train` and notebook processes the tests start (jaxrl/platform.py).
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("JAXRL_TEST_CACHE_DIR", "")
+if os.environ["JAX_COMPILATION_CACHE_DIR"]:
+    from jaxrl.platform import use_compilation_cache
+    use_compilation_cache()
 
 import pytest  # noqa: E402
 

@@ -110,7 +110,7 @@ def test_help_shows_the_defaults_a_user_relies_on(capsys):
     (["serve", "--host", "0.0.0.0"],
      "--host 0.0.0.0 is reachable from other machines; add --allow-remote"),
     (["serve", "--tls-key", "key.pem"], "--tls-cert and --tls-key go together"),
-    (["bench", "nope"], "unknown benchmark 'nope'; choose one of: async_vs_sync, engine"),
+    (["bench", "nope"], "unknown benchmark 'nope'; choose one of: async_vs_sync, compile_stress, engine"),
 ])
 def test_user_errors_name_the_value_and_what_is_allowed(tmp_path, monkeypatch, capsys, args,
                                                         message):

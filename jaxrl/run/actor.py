@@ -24,8 +24,8 @@ from typing import Callable
 import numpy as np
 
 from jaxrl.config import ConfigError
-from jaxrl.errors import UserError
 from jaxrl.data.rollouts import Rollout, RolloutLog
+from jaxrl.errors import UserError
 from jaxrl.models.tokenizer import Tokenizer, prompt_ids
 from jaxrl.rl.advantages import group_advantages, keep_group
 from jaxrl.rl.config import RLConfig
@@ -33,9 +33,10 @@ from jaxrl.rl.env import Trajectory, is_multi_turn
 from jaxrl.rl.rewards import Scorer
 from jaxrl.rl.tasks.base import Problem, Task
 from jaxrl.run.episodes import EpisodeGroup
+from serving import threads
 from serving.generation import Generation
-from serving.stream import FINISHED, Sample
 from serving.sampling import SamplingParams
+from serving.stream import FINISHED, Sample
 
 
 class Actor:
@@ -327,8 +328,7 @@ class Actor:
         self._stop.set()
         with self._lock:
             self._lock.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        threads.join(self._thread, 30)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -27,11 +27,11 @@ import time
 from typing import Callable, Sequence
 
 from jaxrl.errors import UserError
+from serving import threads
 from serving.generation import Generation
 from serving.orchestrator import QueueFull
 from serving.sampling import SamplingParams
 from serving.stream import FINISHED, RequestStream, Sample
-
 
 _MAX_HOMES = 1 << 16     # sessions whose member is remembered (the least recent forgotten)
 
@@ -266,8 +266,7 @@ class Fleet:
         self._closed.set()
         with self._lock:
             self._lock.notify_all()
-        if self._monitor is not None:
-            self._monitor.join(timeout=30)
+        threads.join(self._monitor, 30)
 
 
 class FleetStream:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.run.fleet import Fleet, Member
+from serving import threads
 from serving.weight_stream import StaleVersion
 from sharding.reshard import WeightUpdateError
 
@@ -154,4 +155,4 @@ class WeightPublisher:
         with self.fleet._lock:
             self.fleet._lock.notify_all()
         for t in self._threads:
-            t.join(timeout=self.deadline_s + 5)
+            threads.join(t, self.deadline_s + 5)
