@@ -78,7 +78,8 @@ def main() -> None:
             o.submit([5, 6, 7, 8], SamplingParams(max_tokens=20, n=2)).result()
         del engine, o
         gc.collect()
-        print(f"round {rounds}: {programs} programs compiled, "
+        maps = sum(1 for _ in open("/proc/self/maps"))
+        print(f"round {rounds}: {programs} programs compiled, {maps} memory maps, "
               f"{time.monotonic() - start:.0f} s", flush=True)
     stop.set()
     for t in threads:

@@ -1,9 +1,9 @@
 """The engine's compiled programs: built once per shape, compiled before serving starts.
 
-Every program is a module-level function jitted with a `Spec` (model config, engine config,
-mesh, pool size) as its static first argument. XLA's caches are keyed by that spec, never by an
-Engine object: a second Engine with the same spec reuses every executable, and an Engine that
-is dropped is freed.
+Every program is a module-level function of a `Spec` (model config, engine config, mesh, pool
+size), jitted with the spec bound in by the one `Programs` of that spec (`programs_for`),
+never with an Engine as a static argument: a second Engine with the same spec reuses every
+executable, and when the last Engine of a spec is dropped, its executables go with it.
 
 `Programs.compile_all` compiles every program at every shape its calls can take (`shapes`),
 ahead of time, on the calling thread, before the engine loop starts; afterwards a call only
@@ -25,6 +25,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from functools import partial
 
 import jax
@@ -230,15 +231,16 @@ def _decode_steps(spec: Spec, params, state: DecodeState, table_RW, slots_R, rea
     return _pinned(spec, state, tokens, logprobs)
 
 
-JITTED = {
-    "init": jax.jit(_empty_state, static_argnums=0),
-    "prefill": jax.jit(_prefill, static_argnums=0, donate_argnums=2),
-    "sample_first": jax.jit(_sample_first, static_argnums=0),
-    "insert": jax.jit(_insert, static_argnums=0, donate_argnums=1),
-    "copy_pages": jax.jit(_copy_pages, static_argnums=0, donate_argnums=1),
-    "decode": jax.jit(_decode, static_argnums=0, donate_argnums=2),
-    "advance": jax.jit(_advance, static_argnums=0, donate_argnums=1),
-    "decode_steps": jax.jit(_decode_steps, static_argnums=(0, 6), donate_argnums=2),
+# (function, static argument numbers, donated argument numbers), the spec not counted.
+PROGRAMS = {
+    "init": (_empty_state, (), ()),
+    "prefill": (_prefill, (), (1,)),
+    "sample_first": (_sample_first, (), ()),
+    "insert": (_insert, (), (0,)),
+    "copy_pages": (_copy_pages, (), (0,)),
+    "decode": (_decode, (), (1,)),
+    "advance": (_advance, (), (0,)),
+    "decode_steps": (_decode_steps, (5,), (1,)),
 }
 
 
@@ -248,6 +250,12 @@ class Programs:
 
     def __init__(self, spec: Spec):
         self.spec = spec
+        # jits of their own (the spec bound in), not module-level ones with the spec static:
+        # JAX's lowering caches hold a module-level jit's executables for good, these go with
+        # this object (bench/compile_stress.py, `programs_for`).
+        self._jitted = {name: jax.jit(partial(fn, spec), static_argnums=static,
+                                      donate_argnums=donated)
+                        for name, (fn, static, donated) in PROGRAMS.items()}
         self._compiled: dict[tuple, object] = {}
         self._lock = threading.Lock()
         self.compile_s = 0.0
@@ -269,43 +277,43 @@ class Programs:
         return out
 
     def args(self, name: str, key: tuple) -> tuple:
-        """Abstract arguments (static spec first) of program `name` at shape `key`."""
+        """Abstract arguments of program `name` at shape `key`."""
         spec = self.spec
         rep = shd.replicated(spec.mesh)
         arr = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
         params, state = spec.param_target, spec.abstract_state()
         sampling = lambda k: tuple(arr(k, dtype=d) for d in SAMPLING_DTYPES)  # noqa: E731
         if name == "init":
-            return (spec,)
+            return ()
         if name == "prefill":
             p, t, w = key
-            return (spec, params, state, arr(p, t), arr(p), arr(p), arr(p, w))
+            return (params, state, arr(p, t), arr(p), arr(p), arr(p, w))
         if name == "sample_first":
             (k,) = key
             logits = arr(spec.cfg.max_prefill_rows, spec.model_cfg.vocab_size,
                          dtype=jnp.float32)
-            return (spec, logits, arr(k), arr(k), *sampling(k))
+            return (logits, arr(k), arr(k), *sampling(k))
         if name == "insert":
             (k,) = key
-            return (spec, state, arr(k), arr(k), arr(k), arr(k), *sampling(k), arr(k))
+            return (state, arr(k), arr(k), arr(k), arr(k), *sampling(k), arr(k))
         if name == "copy_pages":
             (k,) = key
-            return (spec, state, arr(k), arr(k))
+            return (state, arr(k), arr(k))
         if name == "decode":
             r, w = key
-            return (spec, params, state, arr(r, w), arr(r))
+            return (params, state, arr(r, w), arr(r))
         if name == "advance":
             (r,) = key
             logits = arr(r, spec.model_cfg.vocab_size, dtype=jnp.float32)
-            return (spec, state, logits, arr(r), arr(r, dtype=jnp.bool_))
+            return (state, logits, arr(r), arr(r, dtype=jnp.bool_))
         if name == "decode_steps":
             r, w, k = key
-            return (spec, params, state, arr(r, w), arr(r), arr(r, dtype=jnp.bool_), k)
+            return (params, state, arr(r, w), arr(r), arr(r, dtype=jnp.bool_), k)
         raise KeyError(name)
 
     def lower(self, name: str, key: tuple):
         """The program lowered at `key` (ahead-of-time compiles for other devices, e.g. TPU)."""
-        return JITTED[name].lower(*self.args(name, key))
+        return self._jitted[name].lower(*self.args(name, key))
 
     def compile_all(self) -> int:
         """Compiles every program at every shape not compiled yet; returns how many it
@@ -335,7 +343,18 @@ class Programs:
         return exe(*args)
 
 
-@functools.lru_cache(maxsize=None)
+_LIVE: "weakref.WeakValueDictionary[Spec, Programs]" = weakref.WeakValueDictionary()
+_LIVE_LOCK = threading.Lock()
+
+
 def programs_for(spec: Spec) -> Programs:
-    """The one Programs of `spec` in this process."""
-    return Programs(spec)
+    """The Programs of `spec`, shared by every Engine of that spec while one is alive, and
+    freed with the last of them. Kept any longer, executables pile up in a process that builds
+    engines of many shapes (a test worker): each holds ~90 memory maps of JIT code on XLA:CPU,
+    and at the kernel's limit (vm.max_map_count, 65,530) LLVM aborts the next compile with
+    "Unable to allocate section memory" (bench/compile_stress.py)."""
+    with _LIVE_LOCK:
+        programs = _LIVE.get(spec)
+        if programs is None:
+            programs = _LIVE[spec] = Programs(spec)
+        return programs

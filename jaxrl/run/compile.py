@@ -38,7 +38,7 @@ def compile_generate_step(cfg: RunConfig, topology: str) -> dict:
                     mesh=shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), devices))
     slots, pages = engine.cfg.max_concurrent_decodes, engine.cfg.pages_per_sequence
     program = engine.programs
-    args = program.args("decode", (slots, pages))[1:]
+    args = program.args("decode", (slots, pages))
     return _memory(program.lower("decode", (slots, pages)), args, topology)
 
 
