@@ -19,6 +19,7 @@ weights), each figure against a ceiling measured in the same run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
@@ -30,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import _rl_compare as compare
 from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer, abstract_model, split_params
@@ -171,6 +171,8 @@ def update_pause(engine: Engine, params, prompt_len: int) -> dict:
 
 def rl_modes(shape: str, steps: int) -> dict:
     """Async against sync RL steps/s, colocated on this device, from one short warm-up."""
+    import _rl_compare as compare     # the RL stack (gRPC, Grain): only for this section
+
     cfg = SHAPES[shape]
     model = [f"model.embed_dim={cfg.embed_dim}", f"model.num_layers={cfg.num_layers}",
              f"model.num_heads={cfg.num_heads}", f"model.num_kv_heads={cfg.num_kv_heads}",
@@ -198,7 +200,12 @@ def main(argv=None) -> None:
     p.add_argument("--slots", type=int, default=64, help="decode batch")
     p.add_argument("--held", type=int, default=1024, help="tokens each slot holds")
     p.add_argument("--rl-steps", type=int, default=20)
-    p.add_argument("--out", default="gpu_campaign.json")
+    p.add_argument("--attention", choices=["xla", "cudnn"], default=None,
+                   help="the train step's attention (default: cudnn on a GPU, else xla; xla "
+                        "holds every layer's T x T scores: 60 GiB at 0.5B and 4,096 tokens)")
+    p.add_argument("--out", default="gpu_campaign.json",
+                   help="written after every section, so a run cut short keeps what it measured")
+    p.add_argument("--no-rl", action="store_true", help="leave out the RL modes section")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes and sizes: checks the script, anywhere")
     args = p.parse_args(argv)
@@ -206,32 +213,43 @@ def main(argv=None) -> None:
         args.models, args.tokens, args.seq, args.slots, args.held, args.rl_steps = (
             ["smoke"], 256, 128, 4, 64, 3)
     device = jax.devices()[0]
-    out = {"device": device.device_kind, "platform": device.platform, "models": {}}
+    out = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+           "models": {}}
     t0 = time.perf_counter()
+
+    def save():
+        out["seconds"] = time.perf_counter() - t0
+        Path(args.out).write_text(json.dumps(out, indent=1))
     out.update(ceilings(*((256, 1 << 22) if args.smoke else (8192, 1 << 30))))
+    save()
     print(f"{device.device_kind}: bf16 matmul {out['peak_bf16_flops'] / 1e12:.0f} TFLOP/s, "
           f"copy {out['copy_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
+    attention = args.attention or ("cudnn" if device.platform == "gpu" else "xla")
+    out["attention"] = attention
     for name in args.models:
-        cfg = SHAPES[name]
-        row = {"train": [train(cfg, args.tokens, args.seq, remat, out["peak_bf16_flops"])
-                         for remat in ("none", "offload")]}
+        cfg = dataclasses.replace(SHAPES[name], attention=attention)
+        row = out["models"][name] = {"train": []}
+        for remat in ("none", "offload"):
+            row["train"].append(train(cfg, args.tokens, args.seq, remat, out["peak_bf16_flops"]))
+            save()
         none, offload = row["train"]
         row["offload_vs_none_time"] = offload["step_s"] / none["step_s"]
         row["offload_vs_none_temp"] = offload["device_temp_bytes"] / none["device_temp_bytes"]
         engine, params = engine_for(cfg, args.slots, args.held + 128)
         row["decode"] = decode(engine, params, args.held, 16, out["copy_bytes_per_s"])
+        save()
         row["update"] = update_pause(engine, params, 16)
+        save()
         del engine
-        out["models"][name] = row
         print(f"{name}: MFU {none['mfu']:.1%} (offload {offload['mfu']:.1%}, temp "
               f"{row['offload_vs_none_temp']:.2f}x); decode {row['decode']['tokens_per_s']:.0f} "
               f"tok/s = {row['decode']['fraction_of_roofline']:.1%} of roofline; update pause "
               f"{row['update']['update_pause_ms']:.2f} ms = {row['update']['pause_vs_copy']:.2f}x "
               f"one copy", flush=True)
-    out["rl"] = rl_modes(args.models[0], args.rl_steps)
-    print(f"RL on one device: async {out['rl']['async_vs_sync']:.2f}x sync steps/s")
-    out["seconds"] = time.perf_counter() - t0
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    if not args.no_rl:
+        out["rl"] = rl_modes(args.models[0], args.rl_steps)
+        print(f"RL on one device: async {out['rl']['async_vs_sync']:.2f}x sync steps/s")
+    save()
     print(f"wrote {args.out} ({out['seconds']:.0f} s)")
 
 

@@ -8,7 +8,8 @@ against XLA attention on packed rows (values and gradients); the engine's greedy
 bf16 against float32; every remat policy's gradients against `none`; `offload` lowering the
 peak device memory (`memory_stats`); an in-flight weight update during generation.
 
-Not yet run on a GPU: no GPU has been lent to a session that had this suite."""
+Passed 9 of 9 on one NVIDIA H200 (2026-11-26, jax 0.11.2); `tests/gpu/campaign.sh` runs it and
+then the GPU campaign."""
 
 import time
 
