@@ -105,3 +105,15 @@ def no_engine_loop_outlives_its_module(request):
             pytest.fail(f"{request.module.__name__} left {len(leaked)} engine loop(s) running: "
                         "stop every Orchestrator it starts (use it as a context manager)")
         time.sleep(0.05)
+
+
+# JAXRL_TEST_TIMELINE=file: each test's worker, start and end (setup to teardown) appended to
+# the file, to see how the suite's workers spend their time (idle tails, long fixtures).
+if os.environ.get("JAXRL_TEST_TIMELINE"):
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        start = time.time()
+        yield
+        with open(os.environ["JAXRL_TEST_TIMELINE"], "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {start:.2f} "
+                    f"{time.time():.2f} {item.nodeid}\n")
