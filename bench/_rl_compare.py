@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxrl.config import load_run_config
-from jaxrl.run import rl as rl_run
-from jaxrl.run import warmup
+from jaxrl.trainer import rl as rl_run
+from jaxrl.trainer import warmup
 
 VARIANTS = {
     "sync": ["rl.mode=sync"],

@@ -29,7 +29,7 @@ from flax import nnx  # noqa: E402
 
 from jaxrl.config import load_run_config  # noqa: E402
 from jaxrl.models import Transformer  # noqa: E402
-from jaxrl.run.warmup import model_config  # noqa: E402
+from jaxrl.recipe import model_config  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "long_tail_cpu.yaml"
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from jaxrl.commands.compile import compile_train_step  # noqa: E402
 from jaxrl.config import load_run_config  # noqa: E402
-from jaxrl.run.compile import compile_train_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,7 +11,7 @@ trains on) and ending it:
         --max-prefill-length 63 --max-len 64 &
     python examples/tool_calc_agent.py --url http://127.0.0.1:8000/v1 --episodes 8
 
-With `--worker`, `jaxrl train` runs it as the source of its RL episodes (jaxrl/run/agents.py):
+With `--worker`, `jaxrl train` runs it as the source of its RL episodes (jaxrl/rollout/agents.py):
 
     jaxrl train --config configs/tool_calc_cpu.yaml \
         'rl.agent.command=[python, examples/tool_calc_agent.py, --worker]'
@@ -80,7 +80,7 @@ def episode(client: openai.OpenAI, prompt: str, key: str, *, max_turns: int = 4,
 
 def serve_episodes(client: openai.OpenAI, concurrency: int) -> None:
     """`jaxrl train` with rl.agent.command: episodes arrive as JSON lines on stdin, each
-    report leaves as one JSON line on stdout (jaxrl/run/agents.py), several at once."""
+    report leaves as one JSON line on stdout (jaxrl/rollout/agents.py), several at once."""
     lock = threading.Lock()
 
     def run(line: str) -> None:

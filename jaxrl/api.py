@@ -31,8 +31,8 @@ def train(config: RunConfig | str | Path | None = None, overrides: Sequence[str]
     defaults), `overrides` are `section.key=value` strings, `task` replaces the config's task.
     Returns the run's summary (the warm-up's and RL's). Compiled programs are cached as
     `jaxrl train` caches them (jaxrl/platform.py)."""
+    from jaxrl.commands.job import run
     from jaxrl.platform import use_compilation_cache
-    from jaxrl.run.job import run
 
     use_compilation_cache()
 

@@ -1,5 +1,5 @@
 """`jaxrl train | eval | serve | compile | bench`: parse, dispatch, print. The work lives in
-jaxrl.run."""
+jaxrl.commands."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ def _train(args) -> None:
 
     cfg = load_run_config(args.config, args.overrides)  # before the heavy imports: errors fast
     from jaxrl.platform import use_compilation_cache
-    from jaxrl.run import distributed
+    from jaxrl.trainer import distributed
 
     use_compilation_cache()       # a second run of the same config starts in seconds
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    from jaxrl.run.job import print_summary, run
+    from jaxrl.commands.job import print_summary, run
 
     leader = distributed.is_leader()     # process 0 speaks for all of them
     summary = run(cfg, log=lambda m: print(m, flush=True) if leader else None)
@@ -29,8 +29,8 @@ def _train(args) -> None:
 
 
 def _eval(args) -> None:
-    from jaxrl.run.evaluate import evaluate_model
-    from jaxrl.run.warmup import restore_for_eval
+    from jaxrl.eval.evaluate import evaluate_model
+    from jaxrl.trainer.warmup import restore_for_eval
 
     model, task, tokenizer, step, cfg = restore_for_eval(args.checkpoint, args.step,
                                                          with_config=True)
@@ -50,7 +50,7 @@ _SERVE_NAMES = {"max_concurrent_decodes": "--slots", "max_len": "--max-len",
 def _serve(args) -> None:
     import logging
 
-    from jaxrl.run.serve import read_tls, read_update_token, serve
+    from jaxrl.commands.serve import read_tls, read_update_token, serve
     from serving.engine import EngineConfig
 
     def engine_config(context: int) -> EngineConfig:
@@ -92,7 +92,7 @@ def _compile(args) -> None:
     from jaxrl.config import load_run_config
 
     cfg = load_run_config(args.config, args.overrides)
-    from jaxrl.run.compile import compile_generate_step, compile_train_step
+    from jaxrl.commands.compile import compile_generate_step, compile_train_step
 
     try:
         train = compile_train_step(cfg, args.topology)
@@ -131,7 +131,7 @@ def _compile(args) -> None:
 
 
 def _bench(args) -> int:
-    from jaxrl.run.bench import benchmarks, listing, run_benchmark
+    from jaxrl.commands.bench import benchmarks, listing, run_benchmark
 
     if args.name is None:
         print(f"benchmarks (jaxrl bench NAME [args...]; NAME --help for a benchmark's own):\n"
@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_arguments(p, "train.remat=offload")
     p.set_defaults(run=_compile)
 
-    from jaxrl.run.bench import listing
+    from jaxrl.commands.bench import listing
 
     p = command("bench", "run a benchmark from the repository's bench/ folder; each prints "
                          "ratios measured side by side", epilog=f"benchmarks:\n{listing()}")

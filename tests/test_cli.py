@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxrl.cli import build_parser, main
-from jaxrl.run import bench
+from jaxrl.commands import bench
 from tests.xla import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,10 +17,10 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from jaxrl.commands.serve import load_model
 from jaxrl.models import split_params
 from jaxrl.models.generate import greedy_generate
 from jaxrl.models.tokenizer import HFTokenizer
-from jaxrl.run.serve import load_model
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from serving.proto import generation_pb2 as gen
@@ -167,9 +167,9 @@ def test_serve_on_a_mesh_equals_transformers_generate(tmp_path):
 @pytest.mark.multi_device
 def test_a_tensor_axis_that_does_not_divide_the_kv_heads_is_refused():
     """The KV cache would be held whole on every device: refused, with the values that work."""
+    from jaxrl.commands.serve import check_tensor, serving_meshes
     from jaxrl.errors import UserError
     from jaxrl.models import ModelConfig
-    from jaxrl.run.serve import check_tensor, serving_meshes
 
     cfg = ModelConfig(num_heads=8, num_kv_heads=2)
     check_tensor(cfg, 2, 8)

@@ -12,7 +12,7 @@ from jaxrl.optim_config import OptimConfig
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
     """Where rollouts are generated: this process's engine (no servers: `rl.placement` says on
-    which devices), or the `jaxrl serve` processes listed (jaxrl/run/fleet.py)."""
+    which devices), or the `jaxrl serve` processes listed (jaxrl/rollout/fleet.py)."""
 
     # host:port of each generation server, e.g. "127.0.0.1:9001,127.0.0.1:9002"; empty: local.
     servers: tuple[str, ...] = ()
@@ -49,7 +49,7 @@ class GenerationConfig:
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
     """An external agent program that produces the rollouts instead of the task's own
-    environment (jaxrl/run/agents.py): any program written against an OpenAI client, run as
+    environment (jaxrl/rollout/agents.py): any program written against an OpenAI client, run as
     `workers` processes that take episodes as JSON lines on stdin and report their rewards on
     stdout. Held-out evaluation still uses the task's own environment."""
 

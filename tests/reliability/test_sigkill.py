@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl.run.metrics import read_metrics
+from jaxrl.telemetry.metrics import read_metrics
 from jaxrl.train.checkpoint import Checkpointer
 
 pytestmark = pytest.mark.slow
@@ -123,9 +123,9 @@ def test_train_prints_its_mesh_and_phases_and_writes_plots(runs):
 def test_eval_scores_the_checkpoint_as_the_cacheless_path_does(runs):
     """`jaxrl eval` decodes with the serving engine; greedy decoding by full recompute (the old
     evaluator) gives the same completions and so the same accuracy."""
+    from jaxrl.eval.evaluate import greedy_completions, local_engine
     from jaxrl.models.generate import greedy_generate
-    from jaxrl.run.evaluate import greedy_completions, local_engine
-    from jaxrl.run.warmup import restore_for_eval
+    from jaxrl.trainer.warmup import restore_for_eval
 
     checkpoints = runs[0] / "checkpoints"
     out = subprocess.run([sys.executable, "-m", "jaxrl.cli", "eval", "--checkpoint",

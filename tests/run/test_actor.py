@@ -11,8 +11,8 @@ from flax import nnx
 from jaxrl.config import load_run_config
 from jaxrl.data.rollouts import RolloutLog
 from jaxrl.models import Transformer, split_params
-from jaxrl.run.actor import Actor
-from jaxrl.run.warmup import build_task, model_config
+from jaxrl.recipe import build_task, model_config
+from jaxrl.rollout.actor import Actor
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams

@@ -1,4 +1,4 @@
-"""External agent programs as the rollout source (jaxrl/run/agents.py): the worker pool against
+"""External agent programs as the rollout source (jaxrl/rollout/agents.py): the worker pool against
 scripted agents (reports in any order, errors, crashes and restarts, timeouts, noise on stdout,
 an agent that cannot run), the endpoint's records as trajectories, and `jaxrl train` with the
 example `openai` agent end to end."""
@@ -11,7 +11,12 @@ import textwrap
 import pytest
 
 from jaxrl.rl.config import AgentConfig
-from jaxrl.run.agents import AgentFailed, AgentPool, EpisodeFailed, trajectory_from_record
+from jaxrl.rollout.agents import (
+    AgentFailed,
+    AgentPool,
+    EpisodeFailed,
+    trajectory_from_record,
+)
 from tests.run import one_device
 
 # Behaves as its problem's prompt says; reports out of order (a "slow" episode answers after

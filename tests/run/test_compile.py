@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxrl.run.compile import _out_of_memory
+from jaxrl.commands.compile import _out_of_memory
 
 ARGS = [jax.ShapeDtypeStruct((4, 1024), jnp.float32,
                              sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))]

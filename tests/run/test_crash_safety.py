@@ -4,10 +4,11 @@ one before it used; a run directory with a file in the way is one line."""
 
 import pytest
 
+from jaxrl.commands import job
 from jaxrl.config import load_run_config
 from jaxrl.errors import UserError
-from jaxrl.run import job, warmup
-from jaxrl.run.metrics import read_metrics
+from jaxrl.telemetry.metrics import read_metrics
+from jaxrl.trainer import warmup
 
 TINY = ["model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64", "model.num_heads=2",
         "model.num_kv_heads=1", "model.head_dim=16", "model.max_seq_len=16",

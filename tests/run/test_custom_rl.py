@@ -1,4 +1,4 @@
-"""RL on a user's own task through `jaxrl train`'s path (jaxrl.run.job.run), from a tiny random
+"""RL on a user's own task through `jaxrl train`'s path (jaxrl.commands.job.run), from a tiny random
 Qwen2 folder: the shipped example (examples/custom_reward) trains with its rewards named by file
 path, each call getting its row's fields; a reward that keeps raising stops the run with the
 sample that broke it; filters that drop everything stop the run with the filter's name instead
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from jaxrl.commands import job
 from jaxrl.config import load_run_config
 from jaxrl.rl.rewards import RewardFailure
-from jaxrl.run import job
-from jaxrl.run.actor import FilterStall
-from jaxrl.run.metrics import read_metrics
+from jaxrl.rollout.actor import FilterStall
+from jaxrl.telemetry.metrics import read_metrics
 from tests.tiny_hf import tiny_qwen
 
 ROOT = Path(__file__).resolve().parents[2]

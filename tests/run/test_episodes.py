@@ -1,4 +1,4 @@
-"""The trajectory manager (jaxrl/run/episodes.py) on the paged engine with a random model and the
+"""The trajectory manager (jaxrl/rollout/episodes.py) on the paged engine with a random model and the
 calculator task's environment: each later turn prefills only its new tokens and equals a fresh
 decode of the whole history; an episode group cut mid-turn (checkpoint) or updated mid-episode
 continues with the same tokens."""
@@ -16,11 +16,10 @@ from jaxrl.models.tokenizer import CharTokenizer
 from jaxrl.rl.config import RLConfig
 from jaxrl.rl.tasks.base import Problem
 from jaxrl.rl.tasks.toolcalc import ToolCalcTask
-from jaxrl.run.episodes import EpisodeGroup
+from jaxrl.rollout.episodes import EpisodeGroup
 from serving.engine import Engine
 from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams
-
 from tests.serving.common import CFG, ENGINE
 
 TASK = ToolCalcTask()
@@ -172,7 +171,7 @@ def test_the_example_openai_agent_runs_episodes_through_the_endpoint(engine, par
 
 
 def test_agents_episodes_carry_the_trained_policys_tokens_and_logprobs(engine, params, tmp_path):
-    """A group run by the example agent in worker mode (jaxrl/run/agents.py) at temperature 1:
+    """A group run by the example agent in worker mode (jaxrl/rollout/agents.py) at temperature 1:
     each trajectory's model tokens carry the log-probs a plain forward pass of the served
     weights gives them at that temperature; everything else is the agent's own text (its
     tool results), untrained; a request at another temperature is refused."""
@@ -185,7 +184,7 @@ def test_agents_episodes_carry_the_trained_policys_tokens_and_logprobs(engine, p
 
     from jaxrl.models import merge_params
     from jaxrl.rl.config import AgentConfig
-    from jaxrl.run.agents import Agents
+    from jaxrl.rollout.agents import Agents
 
     cfg = dataclasses.replace(RL, temperature=1.0, agent=AgentConfig(
         command=(sys.executable, "examples/tool_calc_agent.py", "--worker")))

@@ -1,4 +1,4 @@
-"""The rollout fleet (jaxrl/run/fleet.py) and the weight publisher (jaxrl/run/publisher.py):
+"""The rollout fleet (jaxrl/rollout/fleet.py) and the weight publisher (jaxrl/rollout/publisher.py):
 dispatch by load, a lost member's groups continued elsewhere from their tokens (against an
 uninterrupted run), members set aside and brought back to the newest weights, pushes that pass
 their deadline, and a fleet with no member left failing instead of hanging."""
@@ -11,15 +11,14 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import Transformer, split_params
-from jaxrl.run.fleet import Fleet, Member, NoGeneration
-from jaxrl.run.publisher import WeightPublisher
+from jaxrl.rollout.fleet import Fleet, Member, NoGeneration
+from jaxrl.rollout.publisher import WeightPublisher
 from serving.client import RemoteGeneration
 from serving.engine import Engine
 from serving.orchestrator import Orchestrator, UpdateResult
 from serving.sampling import SamplingParams
 from serving.server import Server
 from serving.stream import RequestStream, Sample, TokenEvent
-
 from tests.serving.common import CFG, ENGINE, hung_generation_server, prompts
 
 

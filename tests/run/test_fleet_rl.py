@@ -1,4 +1,4 @@
-"""RL with generation in other processes: the trainer (this process, through `jaxrl.run.job.run`
+"""RL with generation in other processes: the trainer (this process, through `jaxrl.commands.job.run`
 as `jaxrl train` runs it) and two `jaxrl serve` subprocesses serving the warm-up's checkpoint.
 One server is SIGKILLed part-way through the run and started again at once; it rejoins while
 the run goes on.
@@ -19,10 +19,10 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl.run import job, rl_metrics
+from jaxrl.commands import job
+from jaxrl.telemetry import rl_metrics
 from jaxrl.train.checkpoint import Checkpointer
 from serving.client import RemoteGeneration
-
 from tests.run.test_rl import RL_STEPS, WARMUP, config, quiet, rl_rows, rl_run_dir
 
 pytestmark = pytest.mark.slow

@@ -14,10 +14,16 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from jaxrl.errors import UserError
-from jaxrl.run.metrics import METRICS_FILE, MetricsLogger, read_metrics
-from jaxrl.run.rl_metrics import length_quantiles
-from jaxrl.run.plots import (figure_lag_histogram, figure_lengths, figure_reward_curves,
-                             lag_histogram, reward_curves, save_run_plots)
+from jaxrl.telemetry.metrics import METRICS_FILE, MetricsLogger, read_metrics
+from jaxrl.telemetry.plots import (
+    figure_lag_histogram,
+    figure_lengths,
+    figure_reward_curves,
+    lag_histogram,
+    reward_curves,
+    save_run_plots,
+)
+from jaxrl.telemetry.rl_metrics import length_quantiles
 
 
 def _crc32c(data: bytes) -> int:

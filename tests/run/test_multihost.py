@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxrl.run.metrics import read_metrics
+from jaxrl.telemetry.metrics import read_metrics
 from tests.xla import xla_flags
 
 pytestmark = pytest.mark.slow

@@ -10,10 +10,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from jaxrl.commands import job
 from jaxrl.config import load_run_config
 from jaxrl.models import from_hf, split_params
-from jaxrl.run import job
-from jaxrl.run.metrics import read_metrics
+from jaxrl.telemetry.metrics import read_metrics
 from jaxrl.train.checkpoint import Checkpointer
 from tests.tiny_hf import tiny_qwen
 

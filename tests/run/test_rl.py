@@ -1,10 +1,10 @@
-"""The RL loop (jaxrl/run/rl.py) on the demo arithmetic task with a tiny model: the reward rises
+"""The RL loop (jaxrl/trainer/rl.py) on the demo arithmetic task with a tiny model: the reward rises
 in all three modes, split placement keeps trainer and engine on their own devices, partial
 rollouts pause the engine while the trainer steps, a run interrupted mid-way resumes the same
 rollout stream, and bad configurations are refused.
 
 One supervised warm-up is trained for the module. Three RL runs start from copies of its
-checkpoint, through `jaxrl.run.job.run` as `jaxrl train` does, and serve several tests each
+checkpoint, through `jaxrl.commands.job.run` as `jaxrl train` does, and serve several tests each
 (every run compiles its own trainer and engine, which is most of its cost on CPU):
 - async, colocated, interrupted after step 11 and resumed from its checkpoint at step 10;
 - sync, split placement (4 devices train, 4 serve);
@@ -18,12 +18,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from jaxrl.commands import job
 from jaxrl.config import ConfigError, load_run_config
 from jaxrl.data.rollouts import Rollout
-from jaxrl.run import generation, job, rl_metrics, rl_trainer
-from jaxrl.run.actor import Actor
-from jaxrl.run.metrics import read_metrics
+from jaxrl.rollout import generation
+from jaxrl.rollout.actor import Actor
+from jaxrl.telemetry import rl_metrics
+from jaxrl.telemetry.metrics import read_metrics
 from jaxrl.train.checkpoint import Checkpointer
+from jaxrl.trainer import rl_trainer
 from serving.orchestrator import Orchestrator
 
 WARMUP = 20      # supervised steps; RL steps are numbered on from there
@@ -343,7 +346,7 @@ def test_the_rl_trainer_keeps_pipeline_order_inside_and_canonical_outside(tmp_pa
 
     from jaxrl.models import Transformer
     from jaxrl.models.transformer import split_params
-    from jaxrl.run.warmup import model_config
+    from jaxrl.recipe import model_config
     from sharding import mesh as shd
     from sharding.layer_order import LayerOrder
 

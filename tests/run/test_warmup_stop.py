@@ -12,8 +12,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxrl.config import ConfigError, RunConfig, from_dict, load_run_config
-from jaxrl.run.warmup import restore_for_eval
-from jaxrl.run.warmup_stop import AccuracyStop
+from jaxrl.trainer.warmup import restore_for_eval
+from jaxrl.trainer.warmup_stop import AccuracyStop
 from tests.run import one_device
 
 STEPS, EVERY, TARGET = 300, 10, 0.5

@@ -13,7 +13,6 @@ from jaxrl.models.generate import greedy_generate
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import InvalidRequest, Orchestrator
 from serving.sampling import SamplingParams, sample
-
 from tests.serving.common import CFG, ENGINE, prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -207,7 +206,7 @@ def test_backpressure_refuses_past_the_queue_limit(engine, params):
 def test_greedy_completions_wait_for_a_full_queue(engine, model, params):
     """Held-out evaluation submits more prompts than the queue takes: it waits for its oldest
     request instead of failing, and refuses nothing it can serve."""
-    from jaxrl.run.evaluate import greedy_completions
+    from jaxrl.eval.evaluate import greedy_completions
 
     ps = prompts(5, 9, 3, 12, 7, 4, 11, seed=21)
     with Orchestrator(engine, params, max_queued=2) as o:

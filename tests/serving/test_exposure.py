@@ -12,13 +12,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from jaxrl.commands.serve import read_tls
 from jaxrl.errors import UserError
-from jaxrl.run.serve import read_tls
 from serving.orchestrator import Orchestrator
 from serving.proto import generation_pb2 as gen
 from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.server import Server, is_loopback
-
 from tests.serving.common import prompts
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jaxrl.config import load_run_config
-from jaxrl.run.warmup import restore_for_eval, train
 from jaxrl.train.checkpoint import CheckpointError
+from jaxrl.trainer.warmup import restore_for_eval, train
 
 TINY = ["model.embed_dim=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
         "model.head_dim=8", "model.mlp_dim=64", "model.max_seq_len=32", "train.batch_size=8",

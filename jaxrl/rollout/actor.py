@@ -8,7 +8,7 @@ In async mode a thread keeps the engine's slots busy, at most two steps' samples
 trainer; in sync mode the loop asks for one step's samples and waits.
 
 A multi-turn task's group is n episodes run turn by turn by the trajectory manager
-(jaxrl/run/episodes.py); each episode becomes one rollout, its environment tokens untrained,
+(jaxrl/rollout/episodes.py); each episode becomes one rollout, its environment tokens untrained,
 scored by its return.
 """
 
@@ -32,7 +32,7 @@ from jaxrl.rl.config import RLConfig
 from jaxrl.rl.env import Trajectory, is_multi_turn
 from jaxrl.rl.rewards import Scorer
 from jaxrl.rl.tasks.base import Problem, Task
-from jaxrl.run.episodes import EpisodeGroup
+from jaxrl.rollout.episodes import EpisodeGroup
 from serving import threads
 from serving.generation import Generation
 from serving.sampling import SamplingParams
@@ -47,7 +47,7 @@ class Actor:
                  agents=None):
         """`redo`: the groups in flight when the run was saved, submitted first; `carry`: what
         had been generated of them (see `snapshot`), continued rather than regenerated.
-        `agents`: external agent programs run the episodes (jaxrl/run/agents.py) instead of the
+        `agents`: external agent programs run the episodes (jaxrl/rollout/agents.py) instead of the
         task's environment."""
         self.generation = generation
         self.agents = agents

@@ -1,4 +1,4 @@
-"""The weight publisher: brings every member of the rollout fleet (jaxrl/run/fleet.py) to the
+"""The weight publisher: brings every member of the rollout fleet (jaxrl/rollout/fleet.py) to the
 trainer's newest weights, without letting a slow or dead member hold the trainer up.
 
 - In-process members get each version at once, device to device (the orchestrator swaps it in
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.run.fleet import Fleet, Member
+from jaxrl.rollout.fleet import Fleet, Member
 from serving import threads
 from serving.weight_stream import StaleVersion
 from sharding.reshard import WeightUpdateError

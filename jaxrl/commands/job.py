@@ -13,8 +13,8 @@ import rich.table
 from jaxrl.config import RunConfig
 from jaxrl.errors import UserError
 from jaxrl.rl.tasks.base import Task
-from jaxrl.run import rl, warmup
-from jaxrl.train.checkpoint import CheckpointError, Checkpointer
+from jaxrl.train.checkpoint import Checkpointer, CheckpointError
+from jaxrl.trainer import rl, warmup
 
 
 def check_run_dir(path) -> None:

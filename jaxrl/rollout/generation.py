@@ -1,6 +1,6 @@
 """Where an RL run generates, from its config: this process's engine on some of its devices
 (`rl.placement`), or the `jaxrl serve` processes of `rl.generation.servers`; either way a
-rollout fleet (jaxrl/run/fleet.py) and its weight publisher (jaxrl/run/publisher.py).
+rollout fleet (jaxrl/rollout/fleet.py) and its weight publisher (jaxrl/rollout/publisher.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import jax
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.tokenizer import Tokenizer
-from jaxrl.run.fleet import Fleet, Member
-from jaxrl.run.publisher import WeightPublisher
+from jaxrl.rollout.fleet import Fleet, Member
+from jaxrl.rollout.publisher import WeightPublisher
 from serving.client import RemoteGeneration
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator

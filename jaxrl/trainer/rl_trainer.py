@@ -14,8 +14,13 @@ from jaxrl.models.transformer import split_params
 from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.train.objectives import PolicyGradientLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
-from jaxrl.train.step import (abstract_state, init_state, make_train_step,
-                              optimizer_on_device, state_shardings)
+from jaxrl.train.step import (
+    abstract_state,
+    init_state,
+    make_train_step,
+    optimizer_on_device,
+    state_shardings,
+)
 from sharding import hosts
 from sharding import mesh as shd
 from sharding.layer_order import LayerOrder, converter

@@ -15,7 +15,7 @@ from jaxrl.rl.config import RLConfig
 from jaxrl.rl.env import is_multi_turn
 from jaxrl.rl.rewards import Scorer
 from jaxrl.rl.tasks.base import Problem, Task
-from jaxrl.run.episodes import EpisodeGroup
+from jaxrl.rollout.episodes import EpisodeGroup
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import InvalidRequest, Orchestrator, QueueFull
 from serving.sampling import SamplingParams

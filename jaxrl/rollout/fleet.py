@@ -6,7 +6,7 @@ where a group is generated.
   slot (ties: the one that waited longest). A multi-turn episode's later turns go where its
   first went, where its KV pages are kept, while that member is ready.
 - A member is ready when it answers and serves the newest weights published when it (re)joined;
-  the weight publisher (jaxrl/run/publisher.py) brings it there. Only weights this trainer gave
+  the weight publisher (jaxrl/rollout/publisher.py) brings it there. Only weights this trainer gave
   it count: a server's start-up weights, or a newer version left by a trainer that crashed and
   resumed from an older checkpoint, are replaced first.
 - A member that fails (its stream is lost, a heartbeat passes its deadline, a weight push fails)

@@ -38,7 +38,7 @@ def load_model(model_dir: str | None, checkpoint_dir: str | Path, log: Callable[
         model = from_hf(model_dir, dtype, shardings=shardings)
         return model, HFTokenizer(model_dir), f"{model.cfg.family} from {model_dir}"
     if has_checkpoint(checkpoint_dir):
-        from jaxrl.run.warmup import restore_for_eval
+        from jaxrl.trainer.warmup import restore_for_eval
         model, _, tokenizer, step = restore_for_eval(checkpoint_dir)
         return model, tokenizer, f"the demo model, step {step} of {checkpoint_dir}"
     cfg = RunConfig()

@@ -25,21 +25,21 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig, to_dict
-from jaxrl.errors import UserError
 from jaxrl.data.pipeline import pack, rl_batches
 from jaxrl.data.rollouts import Rollout, RolloutLog, source_position
+from jaxrl.errors import UserError
+from jaxrl.eval.evaluate import evaluate
+from jaxrl.recipe import build_task, model_config
 from jaxrl.rl.tasks.base import Task
-from jaxrl.run import generation
-from jaxrl.run.actor import Actor
-from jaxrl.run.agents import Agents
-from jaxrl.run.evaluate import evaluate
-from jaxrl.run.lockstep import Lockstep
-from jaxrl.run.metrics import MetricsLogger
-from jaxrl.run.plots import save_run_plots
-from jaxrl.run.progress import Progress
-from jaxrl.run.rl_metrics import StepMetrics, rate
-from jaxrl.run.rl_trainer import RLTrainer
-from jaxrl.run.warmup import build_task, model_config
+from jaxrl.rollout import generation
+from jaxrl.rollout.actor import Actor
+from jaxrl.rollout.agents import Agents
+from jaxrl.telemetry.metrics import MetricsLogger
+from jaxrl.telemetry.plots import save_run_plots
+from jaxrl.telemetry.progress import Progress
+from jaxrl.telemetry.rl_metrics import StepMetrics, rate
+from jaxrl.trainer.lockstep import Lockstep
+from jaxrl.trainer.rl_trainer import RLTrainer
 from sharding import mesh as shd
 
 
@@ -81,7 +81,7 @@ def reinforce(cfg: RunConfig, log: Callable[[str], None] = print,
               task: Task | None = None) -> dict | None:
     """Runs (or resumes) the RL phase: optimizer steps train.steps .. train.steps + rl.steps.
     Needs a checkpoint at train.steps or later in the checkpoint directory (the warm-up's).
-    On several processes (jaxrl/run/lockstep.py) process 0 leads and returns the summary; the
+    On several processes (jaxrl/trainer/lockstep.py) process 0 leads and returns the summary; the
     others train beside it and return None. `task`: the Python API's task, instead of the
     config's."""
     model_cfg = model_config(cfg)

@@ -15,79 +15,33 @@ import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig, from_dict, to_dict
 from jaxrl.data.sft import sft_dataset
-from jaxrl.models import ModelConfig, abstract_model, from_hf, load_hf_config, merge_params
-from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from jaxrl.eval.evaluate import evaluate_model
+from jaxrl.models import (
+    ModelConfig,
+    abstract_model,
+    from_hf,
+    load_hf_config,
+    merge_params,
+)
 from jaxrl.models.transformer import split_params
-from jaxrl.rl.tasks.arithmetic import ArithmeticTask
-from jaxrl.rl.tasks.countdown import CountdownTask
-from jaxrl.rl.tasks.custom import CustomTask, load_object
-from jaxrl.rl.tasks.toolcalc import ToolCalcTask
+from jaxrl.recipe import build_task, model_config
 from jaxrl.rl.tasks.base import Task
-from jaxrl.rl.tasks.math import MathTask
-from jaxrl.run.evaluate import evaluate_model
-from jaxrl.run.distributed import is_leader
-from jaxrl.run.metrics import open_metrics
-from jaxrl.run.warmup_stop import AccuracyStop
-from jaxrl.train.checkpoint import CheckpointError, Checkpointer
+from jaxrl.telemetry.metrics import open_metrics
+from jaxrl.train.checkpoint import Checkpointer, CheckpointError
 from jaxrl.train.objectives import SupervisedLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
-from jaxrl.train.step import (abstract_state, init_state, jit_train_step,
-                              optimizer_on_device, state_shardings)
+from jaxrl.train.step import (
+    abstract_state,
+    init_state,
+    jit_train_step,
+    optimizer_on_device,
+    state_shardings,
+)
+from jaxrl.trainer.distributed import is_leader
+from jaxrl.trainer.warmup_stop import AccuracyStop
 from sharding.hosts import fully_addressable, global_batch, local_box
 from sharding.layer_order import LayerOrder, converter
 from sharding.mesh import batch_sharding, data_parallel_size, make_mesh
-
-
-def model_config(cfg: RunConfig) -> ModelConfig:
-    if cfg.hf_path is None:
-        return cfg.model
-    model_cfg = load_hf_config(cfg.hf_path, dtype=cfg.model.dtype,
-                               param_dtype=cfg.model.param_dtype, attention=cfg.model.attention,
-                               max_segments=cfg.model.max_segments,
-                               scan_layers=cfg.model.scan_layers)
-    cfg.check_pipeline(model_cfg.num_layers)
-    return model_cfg
-
-
-def build_task(cfg: RunConfig, model_cfg: ModelConfig,
-               task: Task | None = None) -> tuple[Task, Tokenizer]:
-    """The run's task (`task` when the Python API gives one, else the config's) and tokenizer
-    (the model folder's, else the built-in task's characters)."""
-    tokenizer = HFTokenizer(cfg.hf_path) if cfg.hf_path else None
-    if task is None:
-        task = _task_from_config(cfg, tokenizer)
-    if tokenizer is None:
-        alphabet = getattr(task, "alphabet", None)
-        if alphabet is None:
-            raise ConfigError(f"the {task.name!r} task writes text the built-in character "
-                              f"tokenizer cannot encode: set hf_path to a Hugging Face model "
-                              f"folder (its tokenizer.json is used)")
-        tokenizer = CharTokenizer(alphabet)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but "
-                          f"model.vocab_size={model_cfg.vocab_size}")
-    return task, tokenizer
-
-
-def _task_from_config(cfg: RunConfig, tokenizer: Tokenizer | None) -> Task:
-    name = cfg.task.name
-    if name == "math":
-        if not cfg.hf_path:
-            raise ConfigError("task.name=math needs hf_path: a Hugging Face model folder with "
-                              "its tokenizer.json (the demo model only knows arithmetic)")
-        return MathTask(cfg.task)
-    if name == "custom":
-        if cfg.task.factory:
-            task = load_object(cfg.task.factory, "task.factory")(cfg.task)
-            missing = [m for m in ("sample", "held_out", "score") if not hasattr(task, m)]
-            if missing:
-                raise ConfigError(f"task.factory={cfg.task.factory!r} returned "
-                                  f"{type(task).__name__}, which lacks {', '.join(missing)} "
-                                  f"(jaxrl/rl/tasks/base.py: the Task API)")
-            return task
-        return CustomTask.from_config(cfg.task, tokenizer)
-    return {"countdown": CountdownTask, "toolcalc": ToolCalcTask,
-            "arithmetic": ArithmeticTask}[name](cfg.task)
 
 
 def _check_batch(cfg: RunConfig, mesh) -> None:

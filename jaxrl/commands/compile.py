@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxrl.config import RunConfig
 from jaxrl.models import abstract_model
 from jaxrl.models.transformer import split_params
-from jaxrl.run.warmup import model_config
+from jaxrl.recipe import model_config
 from jaxrl.train.objectives import SupervisedLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
 from jaxrl.train.step import abstract_state, jit_train_step, state_shardings
@@ -29,7 +29,7 @@ def compile_generate_step(cfg: RunConfig, topology: str) -> dict:
     the engine sized as `jaxrl train` sizes it for RL (rl.slots, rl.max_prompt_len +
     rl.max_new_tokens), its weights over all the slice's chips (tensor axis), and every slot's
     page table as wide as the longest sequence (the step's worst case)."""
-    from jaxrl.run.generation import engine_config
+    from jaxrl.rollout.generation import engine_config
     from serving.engine import Engine
 
     devices = tpu_devices(topology)

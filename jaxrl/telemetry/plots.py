@@ -56,7 +56,7 @@ def figure_lag_histogram(lags: Sequence[int], *, title: str | None = None) -> Fi
 
 def figure_lengths(rows: Sequence[dict], *, title: str | None = None) -> Figure:
     """The output-length distribution over training, from rows with completion_len_p10/p50/
-    p90/max (jaxrl/run/rl.py logs them every step): the median, the 10-90% band and the
+    p90/max (jaxrl/trainer/rl.py logs them every step): the median, the 10-90% band and the
     longest sample of each step, on a log scale (long-tailed tasks span orders of magnitude)."""
     fig = Figure(figsize=FIGSIZE, dpi=DPI)
     ax = fig.add_subplot()

@@ -16,12 +16,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxrl.config import RunConfig
+from jaxrl.eval.evaluate import evaluate, task_engine
 from jaxrl.models import merge_params
 from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.models.transformer import split_params
 from jaxrl.rl.tasks.base import Task
-from jaxrl.run.distributed import is_leader
-from jaxrl.run.evaluate import evaluate, task_engine
+from jaxrl.trainer.distributed import is_leader
 from sharding.hosts import fully_addressable
 
 _PROBLEM_STREAM = 0x5709   # seeds the check's problems apart from the warm-up's data order

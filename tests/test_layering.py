@@ -1,0 +1,83 @@
+"""Imports point down. The parts of jaxrl/, serving/ and sharding/, lowest first; a module may
+import its own part and the parts below it, never one above (lazy imports inside functions
+included). This list is the one place the layering is written."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS = [
+    ("jaxrl.errors", "jaxrl.platform", "jaxrl.optim_config"),    # no jaxrl imports
+    ("jaxrl.models",),                       # the transformer, HF loading and export
+    ("sharding",),                           # meshes, pipelines, offload, resharding, AOT
+    ("serving",),                            # the engine, its orchestrator, servers, clients
+    ("jaxrl.data", "jaxrl.rl"),              # batches and rollouts; tasks, rewards, losses
+    ("jaxrl.train",),                        # one train step, optimizer, checkpoints
+    ("jaxrl.config",),                       # the run's configuration, every key
+    ("jaxrl.recipe",),                       # what a config builds: model config, task
+    ("jaxrl.telemetry",),                    # metrics files, plots, progress
+    ("jaxrl.rollout",),                      # fleet, publisher, actor, episodes, agents
+    ("jaxrl.eval",),                         # held-out evaluation
+    ("jaxrl.trainer",),                      # the warm-up and RL runs
+    ("jaxrl.commands",),                     # train, serve, compile, bench
+    ("jaxrl.api", "jaxrl.cli"),              # the Python API and the command line
+]
+RANK = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+TOP_LEVEL = ("jaxrl", "serving", "sharding")
+
+
+def part_of(module: str) -> str | None:
+    """The layer part a dotted module name belongs to (its longest listed prefix)."""
+    bits = module.split(".")
+    for n in range(len(bits), 0, -1):
+        if ".".join(bits[:n]) in RANK:
+            return ".".join(bits[:n])
+    return None
+
+
+def modules():
+    for top in TOP_LEVEL:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if "proto" in path.parts:               # generated gRPC stubs
+                continue
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            yield name.removesuffix(".__init__"), path
+
+
+def imported(path: Path) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from jaxrl import x` names the module jaxrl.x when x is one
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return [(line, name) for line, name in out if name.split(".")[0] in TOP_LEVEL]
+
+
+def test_every_module_belongs_to_a_listed_part():
+    unlisted = [name for name, _ in modules() if part_of(name) is None and name != "jaxrl"]
+    assert unlisted == [], f"add these to LAYERS: {unlisted}"
+
+
+def test_no_module_imports_a_part_above_its_own():
+    upward = []
+    for name, path in modules():
+        mine = part_of(name)
+        if mine is None:
+            continue
+        for line, target in imported(path):
+            theirs = part_of(target)
+            if theirs is not None and RANK[theirs] > RANK[mine]:
+                upward.append(f"{path.relative_to(ROOT)}:{line} ({mine}) imports {target} "
+                              f"({theirs}, above it)")
+    assert upward == [], "\n".join(upward)
+
+
+def test_the_check_finds_an_upward_import(tmp_path):
+    """The checker itself: serving importing the trainer is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from jaxrl.trainer import rl\nimport jaxrl.models\n")
+    found = [t for _, t in imported(bad) if RANK[part_of(t)] > RANK["serving"]]
+    assert found == ["jaxrl.trainer.rl"]
