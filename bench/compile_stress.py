@@ -1,6 +1,6 @@
 """Stress: the conditions of the suite's old XLA:CPU crashes, for --minutes or until it crashes.
 
-The crashes (README, "Crashes in the suite") came in long-lived processes that compiled on one
+The crashes (docs/testing.md, "Time and crashes") came in long-lived processes that compiled on one
 thread while other threads executed, with engines created and dropped and the persistent
 compilation cache on. This script does exactly that, in a loop: a serving engine decodes a
 stream of requests on its loop thread, a train-step-like program executes on another thread,

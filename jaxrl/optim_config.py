@@ -15,9 +15,9 @@ class OptimConfig:
     decay_steps: int = 0          # cosine decay length after warm-up; 0: until train.steps
     min_lr_ratio: float = 0.1     # final lr = lr * min_lr_ratio
     weight_decay: float = 0.01    # decoupled, on matrices only (not norms or biases)
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    b1: float = 0.9               # AdamW's first-moment decay
+    b2: float = 0.95              # AdamW's second-moment decay
+    eps: float = 1e-8             # AdamW's denominator epsilon
     clip_norm: float = 1.0        # global gradient-norm clip; 0 disables
 
     def __post_init__(self):

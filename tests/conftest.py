@@ -95,7 +95,7 @@ def multi_device_tests_get_their_devices(request):
 def no_engine_loop_outlives_its_module(request):
     """Fails a module that leaves a serving engine's loop running. A leaked loop keeps its
     thread, decode state and engine for the rest of the worker, and the crashes inside XLA
-    (README, "Crashes in the suite") all came in workers that held such threads."""
+    (docs/testing.md, "Time and crashes") all came in workers that held such threads."""
     before = {t.ident for t in threading.enumerate()}
     yield
     deadline = time.monotonic() + 10.0      # a stopping loop finishes its current call first

@@ -14,8 +14,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 class RopeScaling:
     """Long-context RoPE frequency scaling, as in Hugging Face's `rope_scaling`."""
 
-    type: Literal["linear", "llama3"] = "llama3"
-    factor: float = 8.0
+    type: Literal["linear", "llama3"] = "llama3"    # linear: positions divided by factor
+    factor: float = 8.0           # how much longer the context becomes
     # llama3 only: wavelengths longer than original/low_freq_factor are divided by `factor`,
     # shorter than original/high_freq_factor are kept, and the band between is interpolated.
     low_freq_factor: float = 1.0
@@ -28,22 +28,22 @@ class ModelConfig:
     """One transformer. Defaults are the built-in demo model (a few hundred thousand parameters)."""
 
     family: Literal["llama", "qwen2", "qwen3"] = "llama"  # HF model_type written by to_hf
-    vocab_size: int = 32
+    vocab_size: int = 32          # embedding rows and logits (at least the tokenizer's size)
     embed_dim: int = 128          # HF hidden_size
-    num_layers: int = 4
+    num_layers: int = 4           # transformer blocks
     num_heads: int = 4            # query heads
     num_kv_heads: int = 2         # key/value heads (GQA); must divide num_heads
     head_dim: int = 32            # explicit, as Qwen3 (not always embed_dim / num_heads)
     mlp_dim: int = 384            # HF intermediate_size (SwiGLU)
     max_seq_len: int = 2048       # HF max_position_embeddings
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0   # RoPE base
     rope_scaling: RopeScaling | None = None
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-6        # RMSNorm epsilon
     qkv_bias: bool = False        # Qwen2/2.5: bias on q, k and v projections
     qk_norm: bool = False         # Qwen3: RMSNorm over head_dim on q and k before RoPE
     tie_embeddings: bool = False  # lm_head shares the embedding matrix
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    bos_token_id: int | None = None  # written to config.json by to_hf; read from it by from_hf
+    eos_token_id: int | None = None  # likewise; generation stops at it
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"        # compute
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # master weights
     # xla: reference einsum path, runs everywhere; cudnn: cuDNN's fused flash attention on
@@ -57,7 +57,7 @@ class ModelConfig:
     # time does not grow with depth: MaxText's scan_layers), unrolled (XLA schedules and lays
     # out each layer on its own), or auto: unrolled when the trainer's devices are CPUs, where
     # the scan's per-layer slicing and transposed weight-gradient layouts cost ~8% of an RL
-    # step (README, "Against TRL and Tunix"), scanned on accelerators (and ahead-of-time TPU
+    # step (docs/benchmarks.md, "Against TRL and Tunix"), scanned on accelerators (and ahead-of-time TPU
     # compiles). Everything else (evaluation, serving) scans unless this says unroll.
     scan_layers: Literal["auto", "scan", "unroll"] = "auto"
 

@@ -117,7 +117,7 @@ class RLConfig:
     # since the step's loss computes them anyway). Tokens of older weights keep the engine's.
     behaviour_logprobs: Literal["engine", "trainer"] = "engine"
     clip_low: float = 0.2           # ppo/gspo: ratio clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.2
+    clip_high: float = 0.2          # the upper side (DAPO's clip-higher: above clip_low)
     kl_coef: float = 0.0            # k3 KL penalty to the frozen warm-up model; 0: none
     normalize_std: bool = False     # divide advantages by the group's reward std
     filter_zero_advantage: bool = True  # drop groups whose rewards are all equal
@@ -137,7 +137,7 @@ class RLConfig:
     # token was drawn under: how long it waited since it finished), oldest (its first token:
     # also how long it took to generate, so every sample that takes more than max_lag steps to
     # write is dropped, and long answers with it), or mean (token-weighted). Each token's own
-    # lag is corrected by its importance weight either way; see the README.
+    # lag is corrected by its importance weight either way; see docs/guides/rl.md.
     lag: Literal["newest", "oldest", "mean"] = "newest"
     pack_len: int = 64              # tokens per packed row
     microbatch_rows: int = 16       # packed rows per microbatch

@@ -150,7 +150,7 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, p
         mesh = shd.make_mesh(shd.MeshConfig(stage=pipeline.stages), jax.devices()[:pipeline.stages])
     # XLA's SPMD partitioner aborts (spmd_partitioner_util.cc, "Check failed:
     # partition_group_list...") on a head sharded over both fsdp and tensor inside the
-    # per-stage `lax.switch`: beside both, the heads run replicated (README, Pipelines).
+    # per-stage `lax.switch`: beside both, the heads run replicated (docs/guides/pipelines-tpu.md).
     replicate_heads = mesh.shape.get("fsdp", 1) > 1 and mesh.shape.get("tensor", 1) > 1
 
     def embed(o):

@@ -60,7 +60,7 @@ def writing_checkpoint(run_dir: Path) -> bool:
 
 
 # Kills per run: 3 in `make test` (one of each kind); JAXRL_SIGKILLS=10 for the goal
-# of 10 (README, "Reliability"), in phase order: warm-up kills, then kills while a checkpoint is
+# of 10 (docs/testing.md), in phase order: warm-up kills, then kills while a checkpoint is
 # being written, then RL kills.
 KILLS = int(os.environ.get("JAXRL_SIGKILLS", "3"))
 

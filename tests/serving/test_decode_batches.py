@@ -12,7 +12,7 @@ suite's long-lived xdist workers this test's process crashed four times in fresh
 (2026-11-23 to -25), each time inside XLA compiling one of its programs: a segfault in an eager
 compile, two aborts in the persistent-cache write, a segfault in the engine thread's compile.
 Not seen when it ran alone; the workers by then hold engine threads and compiled
-programs of earlier tests. Not root-caused (README, Tests)."""
+programs of earlier tests. Not root-caused (docs/testing.md)."""
 
 import os
 import subprocess

@@ -20,7 +20,7 @@ from jaxrl.rl.tasks.base import Problem
 class ArithmeticConfig:
     """The demo task's problem space."""
 
-    name: Literal["arithmetic"] = "arithmetic"
+    name: Literal["arithmetic"] = "arithmetic"  # two-operand arithmetic (the demo)
     max_operand: int = 99                   # operands are drawn from [0, max_operand]
     ops: tuple[str, ...] = ("+", "-")       # any of + - *
     held_out_percent: int = 5               # share of triples reserved for evaluation

@@ -31,7 +31,7 @@ BITS = 8
 class CountdownConfig:
     """The countdown task's length distribution."""
 
-    name: Literal["countdown"] = "countdown"
+    name: Literal["countdown"] = "countdown"  # count down in binary
     median_steps: float = 8.0       # n ~ log-normal with this median ...
     sigma: float = 1.1              # ... and this log-space spread (the tail's weight)
     max_steps: int = 180            # n is clipped to [1, max_steps]; answers up to 9n-1 tokens

@@ -47,7 +47,7 @@ class CustomConfig:
     """A task of the user's: prompts from a file and reward functions by import path, or a
     factory that builds the whole task."""
 
-    name: Literal["custom"] = "custom"
+    name: Literal["custom"] = "custom"  # the user's prompts and reward (task.factory or task.prompts + task.reward)
     factory: str = ""               # "module:function" -> a Task; then leave the rest unset
     prompts: str = ""               # .jsonl / .json / .parquet, one object per problem
     eval_prompts: str = ""          # held-out problems; "" = a hash-selected share of prompts

@@ -41,7 +41,7 @@ KNOWN_KEYS = {("question", "answer"): "gsm8k", ("problem", "solution"): "math"}
 class MathConfig:
     """Where the problems are and how they are posed. Files are read when the task is built."""
 
-    name: Literal["math"] = "math"
+    name: Literal["math"] = "math"  # GSM8K/MATH-style problem files, graded with math-verify
     train_path: str = ""            # .jsonl / .json / .parquet of training problems
     eval_path: str = ""             # held-out problems; "" = a hash-selected share of train_path
     held_out_percent: int = 5       # that share, when eval_path is ""

@@ -32,11 +32,11 @@ from jaxrl.rl.tools import calculator
 
 @dataclasses.dataclass(frozen=True)
 class ToolCalcConfig:
-    name: Literal["toolcalc"] = "toolcalc"
-    min_operand: int = 10
-    max_operand: int = 99
+    name: Literal["toolcalc"] = "toolcalc"  # a chain of operations solved by calling a calculator tool
+    min_operand: int = 10                   # smallest operand drawn
+    max_operand: int = 99                   # largest operand drawn
     ops: tuple[str, ...] = ("*", "+")       # the chain's operations, left to right
-    held_out_percent: int = 5
+    held_out_percent: int = 5               # share of problems reserved for evaluation
 
     def __post_init__(self):
         if not 0 <= self.min_operand <= self.max_operand:
