@@ -176,22 +176,30 @@ def build_parser() -> argparse.ArgumentParser:
                                   "serve, compile for a TPU slice, benchmark.", 79),
         epilog="`jaxrl COMMAND --help` lists a command's options and their defaults.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_train_arguments, _eval_arguments, _serve_arguments, _compile_arguments,
+                _bench_arguments):
+        add(sub)
+    return parser
 
-    def command(name: str, summary: str, **kwargs) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=summary, formatter_class=_HelpFormatter,
-                              description=textwrap.fill(summary[0].upper() + summary[1:] + ".", 79),
-                              **kwargs)
 
-    def config_arguments(p: argparse.ArgumentParser, example: str) -> None:
-        p.add_argument("--config", default=None,
-                       help="YAML run config, e.g. configs/demo_cpu.yaml (default: none, the "
-                            "dataclass defaults)")
-        p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                       help="override a config value (the dataclasses give the defaults, "
-                            "--config overrides them, these override both), e.g. " + example)
+def _command(sub, name: str, summary: str, **kwargs) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=summary, formatter_class=_HelpFormatter,
+                          description=textwrap.fill(summary[0].upper() + summary[1:] + ".", 79),
+                          **kwargs)
 
-    p = command("train", "train a model: supervised warm-up, then RL (async or sync)")
-    config_arguments(p, "train.steps=100")
+
+def _config_arguments(p: argparse.ArgumentParser, example: str) -> None:
+    p.add_argument("--config", default=None,
+                   help="YAML run config, e.g. configs/demo_cpu.yaml (default: none, the "
+                        "dataclass defaults)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="override a config value (the dataclasses give the defaults, "
+                        "--config overrides them, these override both), e.g. " + example)
+
+
+def _train_arguments(sub) -> None:
+    p = _command(sub, "train", "train a model: supervised warm-up, then RL (async or sync)")
+    _config_arguments(p, "train.steps=100")
     hosts = p.add_argument_group(
         "several hosts (jax.distributed; detected on TPU slices, SLURM and GKE without these)")
     hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
@@ -203,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="this process's index, 0 .. num-processes - 1 (default: none)")
     p.set_defaults(run=_train)
 
-    p = command("eval", "held-out accuracy of a checkpoint written by `jaxrl train`")
+
+def _eval_arguments(sub) -> None:
+    p = _command(sub, "eval", "held-out accuracy of a checkpoint written by `jaxrl train`")
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory written by `jaxrl train` (CheckpointManager "
                         "layout), e.g. runs/demo/checkpoints")
@@ -215,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy completion budget per problem")
     p.set_defaults(run=_eval)
 
-    p = command("serve", "serve a model over gRPC (JetStream's protocol + weight updates)")
+
+def _serve_arguments(sub) -> None:
+    p = _command(sub, "serve", "serve a model over gRPC (JetStream's protocol + weight updates)")
     p.add_argument("--model", default=None,
                    help="Hugging Face folder to serve (default: the demo model)")
     p.add_argument("--checkpoint", default="runs/demo/checkpoints",
@@ -272,23 +284,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "refused)")
     p.set_defaults(run=_serve)
 
-    p = command("compile", "compile the train step and the engine's generate step ahead of "
+
+def _compile_arguments(sub) -> None:
+    p = _command(sub, "compile", "compile the train step and the engine's generate step ahead of "
                             "time for a TPU slice (needs libtpu, not a TPU) and print their "
                             "per-device memory")
     p.add_argument("--topology", default="v5e:2x4", help="TPU slice, GEN:AxB[xC]")
-    config_arguments(p, "train.remat=offload")
+    _config_arguments(p, "train.remat=offload")
     p.set_defaults(run=_compile)
 
+
+
+def _bench_arguments(sub) -> None:
     from jaxrl.commands.bench import listing
 
-    p = command("bench", "run a benchmark from the repository's bench/ folder; each prints "
+    p = _command(sub, "bench", "run a benchmark from the repository's bench/ folder; each prints "
                          "ratios measured side by side", epilog=f"benchmarks:\n{listing()}")
     p.add_argument("name", nargs="?", default=None, metavar="NAME",
                    help="benchmark to run (default: list them)")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="...",
                    help="passed to the benchmark; `jaxrl bench NAME --help` shows its options")
     p.set_defaults(run=_bench)
-    return parser
 
 
 def parse(argv=None) -> argparse.Namespace:

@@ -70,6 +70,57 @@ def check_tensor(model_cfg, tensor: int, devices: int) -> None:
                         f"{max(devices // max(fits), 1)})")
 
 
+def _load_engines(model_dir: str | None, checkpoint_dir: str,
+                  engine_config: Callable[[int], EngineConfig], meshes, tensor: int,
+                  log: Callable[[str], None]) -> tuple[list[Engine], dict, object, str]:
+    """One engine per mesh and the weights they serve (a Hugging Face folder loads straight
+    onto the first engine's mesh), the tokenizer, and what was loaded, in words."""
+    def first_engine(model_cfg) -> Engine:
+        check_tensor(model_cfg, tensor, tensor * len(meshes))
+        engine_cfg = engine_config(model_cfg.max_seq_len)
+        if engine_cfg.max_len > model_cfg.max_seq_len:
+            raise UserError(f"--max-len {engine_cfg.max_len} exceeds the model's max_seq_len "
+                            f"{model_cfg.max_seq_len}")
+        try:
+            return Engine(model_cfg, engine_cfg, mesh=meshes[0])
+        except ValueError as e:     # e.g. --attention pallas on a GPU
+            raise UserError(str(e).replace("attention=", "--attention ")) from None
+
+    engines: list[Engine] = []
+
+    def place(model_cfg):
+        engines.append(first_engine(model_cfg))
+        return engines[0].cfg.dtype, jax.tree.map(lambda a: a.sharding,
+                                                  engines[0].param_target)
+
+    model, tokenizer, what = load_model(model_dir, checkpoint_dir, log, place)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise UserError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
+                        f"{model.cfg.vocab_size}")
+    if not engines:
+        engines.append(first_engine(model.cfg))
+    engines += [Engine(model.cfg, engines[0].cfg, mesh=mesh) for mesh in meshes[1:]]
+    return engines, split_params(model)[1], tokenizer, what
+
+
+def _open_http(orchestrator, tokenizer, model_dir: str | None, max_len: int, host: str,
+               http_port: int, server: Server, log: Callable[[str], None]):
+    """The OpenAI-compatible HTTP API beside the gRPC server; both stop if it cannot listen."""
+    from serving.openai_api import OpenAIApp, start_http
+
+    name = Path(model_dir).name if model_dir else "jaxrl-demo"
+    app = OpenAIApp(orchestrator, tokenizer, name, max_len).app
+    try:
+        http, bound = start_http(app, host, http_port)
+    except (OSError, RuntimeError) as e:
+        server.stop(grace=0)
+        orchestrator.stop()
+        raise UserError(f"cannot listen on {host}:{http_port} (--http-port): {e}") from e
+    log(f"jaxrl serve: OpenAI-compatible API on http://{host}:{bound}/v1 (model {name!r}; "
+        f"plain HTTP{', reachable from other machines' if not is_loopback(host) else ''})")
+    return http
+
+
 def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
           engine_config: Callable[[int], EngineConfig], update_token: str | None,
           log: Callable[[str], None] = print, ready: threading.Event | None = None,
@@ -84,36 +135,10 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
         raise UserError(f"--host {host} is reachable from other machines; add --allow-remote "
                         f"to bind it (and --tls-cert/--tls-key, or the weight-update token "
                         f"crosses the network in clear)")
-    meshes = serving_meshes(tensor, replicas)
-
-    def first_engine(model_cfg) -> Engine:
-        check_tensor(model_cfg, tensor, tensor * replicas)
-        engine_cfg = engine_config(model_cfg.max_seq_len)
-        if engine_cfg.max_len > model_cfg.max_seq_len:
-            raise UserError(f"--max-len {engine_cfg.max_len} exceeds the model's max_seq_len "
-                            f"{model_cfg.max_seq_len}")
-        try:
-            return Engine(model_cfg, engine_cfg, mesh=meshes[0])
-        except ValueError as e:     # e.g. --attention pallas on a GPU
-            raise UserError(str(e).replace("attention=", "--attention ")) from None
-
-    engines: list[Engine] = []
-
-    def place(model_cfg):     # a Hugging Face folder loads straight onto replica 0's mesh
-        engines.append(first_engine(model_cfg))
-        return engines[0].cfg.dtype, jax.tree.map(lambda a: a.sharding,
-                                                  engines[0].param_target)
-
-    model, tokenizer, what = load_model(model_dir, checkpoint_dir, log, place)
-    if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise UserError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
-                        f"{model.cfg.vocab_size}")
-    if not engines:
-        engines.append(first_engine(model.cfg))
+    engines, params, tokenizer, what = _load_engines(
+        model_dir, checkpoint_dir, engine_config, serving_meshes(tensor, replicas), tensor,
+        log)
     engine_cfg = engines[0].cfg
-    engines += [Engine(model.cfg, engine_cfg, mesh=mesh) for mesh in meshes[1:]]
-    params = split_params(model)[1]
-    del model   # each orchestrator holds its own copy of the weights, in the serving dtype
     # Version -1: the weights it was started with, no trainer's; a trainer's first push (any
     # version >= 0) replaces them.
     orchestrators = [Orchestrator(e, params, version=-1, eos_id=tokenizer.eos_id,
@@ -133,18 +158,8 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
         raise UserError(f"cannot listen on {host}:{port}: {e}") from e
     http = None
     if http_port is not None:
-        from serving.openai_api import OpenAIApp, start_http, stop_http
-
-        name = Path(model_dir).name if model_dir else "jaxrl-demo"
-        app = OpenAIApp(orchestrator, tokenizer, name, engine_cfg.max_len).app
-        try:
-            http, bound = start_http(app, host, http_port)
-        except (OSError, RuntimeError) as e:
-            server.stop(grace=0)
-            orchestrator.stop()
-            raise UserError(f"cannot listen on {host}:{http_port} (--http-port): {e}") from e
-        log(f"jaxrl serve: OpenAI-compatible API on http://{host}:{bound}/v1 (model {name!r}; "
-            f"plain HTTP{', reachable from other machines' if not is_loopback(host) else ''})")
+        http = _open_http(orchestrator, tokenizer, model_dir, engine_cfg.max_len, host,
+                          http_port, server, log)
     # The handler only appends to a list: a handler that takes a lock (Event.set) deadlocks
     # when the signal lands while the main thread holds that lock.
     stopping: list[int] = []
@@ -166,6 +181,8 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
     # armed through interpreter exit, which runs JAX's and gRPC's own clean-up.
     faulthandler.dump_traceback_later(SHUTDOWN_DEADLINE_S, exit=True)
     if http is not None:
+        from serving.openai_api import stop_http
+
         stop_http(http)
     server.stop(grace=5.0)
     log("jaxrl serve: stopped")

@@ -1,22 +1,22 @@
-"""Reinforcement learning after the warm-up: the trainer loop. The parts it wires, each in a
-module of its own: the trainer's state and step (rl_trainer.py), the rollout fleet and weight
-publisher (generation.py, fleet.py, publisher.py: this process's engine or `jaxrl serve`
-processes), the actor that feeds the fleet problems (actor.py), the Grain pipeline that feeds
-the trainer rollouts (jaxrl/data/pipeline.py) and the per-step metrics (rl_metrics.py).
+"""Reinforcement learning after the warm-up: one loop object, `RLRun`, run by every process.
 
-mode=async (PipelineRL): the actor keeps every slot busy; after each optimizer step the trainer
-publishes its weights and the engines swap them in between two decode steps, so sequences in
-flight continue under the new weights (every token records the version that produced it).
-mode=sync (conventional RL): generate one step's samples with fixed weights, train, publish,
-repeat; the engines idle while the trainer trains and the trainer while the engines generate.
-mode=partial (sync with partial rollouts; in-process engine only): the actor keeps the engine
-full as in async mode, but the engine pauses while the trainer steps; sequences unfinished when
-a batch is complete are not waited for: they keep their tokens and continue under the new
-weights after the step.
+It wires parts that live in modules of their own: the trainer's state and step
+(rl_trainer.py), the rollout fleet and weight publisher (jaxrl/rollout/generation.py: this
+process's engine or `jaxrl serve` processes), the actor that feeds the fleet problems
+(jaxrl/rollout/actor.py), the Grain pipeline that feeds the trainer rollouts
+(jaxrl/data/pipeline.py), how generation and training take turns (modes.py: sync, async,
+partial), what a checkpoint carries to resume the same stream (resume.py) and the per-step
+metrics (jaxrl/telemetry/rl_metrics.py).
+
+On several processes (lockstep.py) every process runs the same collectives in the same order
+(the train step, the gather of the weights to publish, the checkpoint); process 0 alone leads:
+it runs the actor, the fleet, the pipeline, evaluation and metrics, and shares each batch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -39,6 +39,8 @@ from jaxrl.telemetry.plots import save_run_plots
 from jaxrl.telemetry.progress import Progress
 from jaxrl.telemetry.rl_metrics import StepMetrics, rate
 from jaxrl.trainer.lockstep import Lockstep
+from jaxrl.trainer.modes import MODES
+from jaxrl.trainer.resume import ResumeState
 from jaxrl.trainer.rl_trainer import RLTrainer
 from sharding import mesh as shd
 
@@ -63,6 +65,16 @@ def check_rl_config(cfg: RunConfig, mesh) -> None:
                           f"{dp}-way data-parallel trainer mesh (mesh.data x mesh.fsdp)")
 
 
+def reinforce(cfg: RunConfig, log: Callable[[str], None] = print,
+              task: Task | None = None) -> dict | None:
+    """Runs (or resumes) the RL phase: optimizer steps train.steps .. train.steps + rl.steps.
+    Needs a checkpoint at train.steps or later in the checkpoint directory (the warm-up's).
+    Process 0 returns the summary; the others return None. `task`: the Python API's task,
+    instead of the config's."""
+    with RLRun(cfg, log, task) as run:
+        return run.run()
+
+
 class _Clock:
     """Wall time of the run without the time spent on held-out evaluation."""
 
@@ -77,220 +89,234 @@ class _Clock:
         self._paused += seconds
 
 
-def reinforce(cfg: RunConfig, log: Callable[[str], None] = print,
-              task: Task | None = None) -> dict | None:
-    """Runs (or resumes) the RL phase: optimizer steps train.steps .. train.steps + rl.steps.
-    Needs a checkpoint at train.steps or later in the checkpoint directory (the warm-up's).
-    On several processes (jaxrl/trainer/lockstep.py) process 0 leads and returns the summary; the
-    others train beside it and return None. `task`: the Python API's task, instead of the
-    config's."""
-    model_cfg = model_config(cfg)
-    trainer_devices, engine_devices = generation.placement(cfg)
-    mesh = shd.make_mesh(cfg.mesh, trainer_devices)
-    check_rl_config(cfg, mesh)
-    if not cfg.rl.generation.remote:
-        generation.engine_config(cfg, model_cfg)
-    trainer = RLTrainer(cfg, model_cfg, mesh, log)
-    lockstep = Lockstep()
-    if lockstep.processes == 1:
-        weights = lambda: trainer.params      # noqa: E731
-    else:     # process 0 pushes the weights: every process helps gather them
-        weights = lambda: trainer.gathered_params(model_cfg.dtype)   # noqa: E731
-    with lockstep.collective():
-        first_weights = weights()
-    if not lockstep.leader:
-        return _follow(cfg, trainer, lockstep, weights)
-    try:
-        return _lead(cfg, model_cfg, trainer, lockstep, weights, first_weights,
-                     engine_devices, log, task)
-    except BaseException:
-        lockstep.abort()
-        raise
+class RLRun:
+    """The RL phase on this process. Every resource it builds (the trainer, the fleet, the
+    agents, the rollout log, the actor, the pipeline, the metrics files, the progress bar) is
+    owned by one ExitStack and closed, in the reverse order, when the run ends or when a later
+    one fails to build; a leader that fails between collectives releases the other processes
+    first (Lockstep.abort)."""
 
-
-def _saves(cfg: RunConfig, step: int) -> bool:
-    return step % cfg.checkpoint.every == 0 or step == cfg.train.steps + cfg.rl.steps
-
-
-def _follow(cfg: RunConfig, trainer: RLTrainer, lockstep: Lockstep, weights) -> None:
-    """A process other than 0: the same collectives as process 0's loop, in the same order,
-    on the batches it shares."""
-    end, config_dict = cfg.train.steps + cfg.rl.steps, to_dict(cfg)
-    like = pack([], cfg.rl)["arrays"]
-    try:
-        while trainer.step < end:
-            arrays = lockstep.share(None, like)
-            with lockstep.collective():
-                trainer.train(arrays)
-                weights()
-            if _saves(cfg, trainer.step):
-                lockstep.sync()
-                with lockstep.collective():
-                    trainer.save(config_dict, {})    # process 0 writes the data item
-    finally:
-        trainer.close()
-
-
-def _lead(cfg: RunConfig, model_cfg, trainer: RLTrainer, lockstep: Lockstep, weights,
-          first_weights, engine_devices, log: Callable[[str], None],
-          task: Task | None) -> dict:
-    """Process 0 (the only one on a single host): the actor, the fleet, the rollout pipeline,
-    evaluation and metrics, and the trainer's steps."""
-    rl, first_rl = cfg.rl, cfg.train.steps
-    end = first_rl + rl.steps
-    mesh, multi = trainer.mesh, lockstep.processes > 1
-    task, tokenizer = build_task(cfg, model_cfg, task)
-    step = trainer.step
-    gen = generation.start(cfg, model_cfg, tokenizer, first_weights, step, engine_devices, log)
-    fleet, publisher = gen.fleet, gen.publisher
-    agents = None
-    if rl.agent.command:
+    def __init__(self, cfg: RunConfig, log: Callable[[str], None] = print,
+                 task: Task | None = None):
+        self.cfg, self.log = cfg, log
+        self.lockstep: Lockstep | None = None
+        self._stack = contextlib.ExitStack()
         try:
-            agents = Agents(rl, gen.local, tokenizer, "jaxrl", Path(cfg.run_dir), warn=log)
+            self._build_trainer()
+            if self.leader:
+                self._build_leader(task)
         except BaseException:
-            gen.close()
+            self.__exit__(*sys.exc_info())
             raise
-        log(f"agents: {rl.agent.workers} x {list(rl.agent.command)} against {agents.url} "
-            f"(their stderr: {Path(cfg.run_dir) / 'agents'})")
-    data = trainer.data or {"position": 0, "rollouts": [], "redo": [], "next_problem": 0,
-                            "iterator": None, "time_s": 0.0, "eval_before": None}
-    rollout_log = RolloutLog(data["position"],
-                             [Rollout.from_json(r) for r in data["rollouts"]])
-    actor = Actor(fleet, task, tokenizer, rollout_log, rl, seed=cfg.train.seed,
-                  next_problem=data["next_problem"], redo=tuple(data["redo"]),
-                  carry=Actor.carry_from(data), stats=data.get("stats"), warn=log,
-                  agents=agents)
-    actor.notify_trained(data["position"])
-    trainer_step = [step]
-    # One process: batches go onto the trainer's devices in the pipeline's thread. Several:
-    # they stay in host memory, are shared, and each process puts its own rows (trainer.train).
-    dataset, lag_stats = rl_batches(
-        rollout_log, rl, current_step=lambda: trainer_step[0],
-        put=(lambda a: a) if multi else (lambda a: jax.device_put(a, trainer.batch_sharding)),
-        start=data["position"], lag_state=data.get("lag_stats"))
-    batches = iter(dataset)
-    if data["iterator"] is not None:
-        batches.set_state(data["iterator"])
 
-    run_dir = Path(cfg.run_dir)
-    config_dict = to_dict(cfg)
-    clock = _Clock(data["time_s"])
-    metrics_log = MetricsLogger(run_dir, wandb=cfg.log.wandb,
-                                wandb_project=cfg.log.wandb_project, config=config_dict,
-                                resume_step=step, name="RL", phase="rl",
-                                phase_restarts=trainer.restarted)
+    def __enter__(self) -> "RLRun":
+        return self
 
-    def held_out() -> dict:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and self.lockstep is not None:
+            self.lockstep.abort()    # before the clean-up: the others may wait at a share
+        self._stack.close()
+
+    @property
+    def leader(self) -> bool:
+        return self.lockstep.leader
+
+    # -- building ------------------------------------------------------------------------------
+    def _build_trainer(self) -> None:
+        cfg = self.cfg
+        self.model_cfg = model_config(cfg)
+        trainer_devices, self.engine_devices = generation.placement(cfg)
+        mesh = shd.make_mesh(cfg.mesh, trainer_devices)
+        check_rl_config(cfg, mesh)
+        if not cfg.rl.generation.remote:
+            generation.engine_config(cfg, self.model_cfg)
+        self.trainer = RLTrainer(cfg, self.model_cfg, mesh, self.log)
+        self._stack.callback(self.trainer.close)
+        self.lockstep = Lockstep()
+        self.end = cfg.train.steps + cfg.rl.steps
+        self.config_dict = to_dict(cfg)
+        with self.lockstep.collective():
+            self.first_weights = self._weights()
+
+    def _weights(self):
+        """The weights to publish; with several processes every one helps gather them."""
+        if self.lockstep.processes == 1:
+            return self.trainer.params
+        return self.trainer.gathered_params(self.model_cfg.dtype)
+
+    def _build_leader(self, task: Task | None) -> None:
+        cfg, rl, log, stack = self.cfg, self.cfg.rl, self.log, self._stack
+        r = self.resume = ResumeState.from_saved(self.trainer.data)
+        self.task, self.tokenizer = build_task(cfg, self.model_cfg, task)
+        step = self.trainer.step
+        gen = self.gen = generation.start(cfg, self.model_cfg, self.tokenizer,
+                                          self.first_weights, step, self.engine_devices, log)
+        stack.callback(gen.close)
+        self.agents = None
+        if rl.agent.command:
+            self.agents = Agents(rl, gen.local, self.tokenizer, "jaxrl", Path(cfg.run_dir),
+                                 warn=log)
+            stack.callback(self.agents.close)
+            log(f"agents: {rl.agent.workers} x {list(rl.agent.command)} against "
+                f"{self.agents.url} (their stderr: {Path(cfg.run_dir) / 'agents'})")
+        self.rollout_log = RolloutLog(r.position, [Rollout.from_json(x) for x in r.rollouts])
+        stack.callback(self.rollout_log.close)
+        self.actor = Actor(gen.fleet, self.task, self.tokenizer, self.rollout_log, rl,
+                           seed=cfg.train.seed, next_problem=r.next_problem,
+                           redo=tuple(r.redo), carry=Actor.carry_from({"partial": r.partial}),
+                           stats=r.stats, warn=log, agents=self.agents)
+        stack.callback(self.actor.stop)
+        self.actor.notify_trained(r.position)
+        self.trainer_step = [step]
+        self._build_pipeline(r)
+        self.clock = _Clock(r.time_s)
+        self.metrics_log = MetricsLogger(Path(cfg.run_dir), wandb=cfg.log.wandb,
+                                         wandb_project=cfg.log.wandb_project,
+                                         config=self.config_dict, resume_step=step, name="RL",
+                                         phase="rl", phase_restarts=self.trainer.restarted)
+        stack.callback(self.metrics_log.close)
+        self.mode = MODES[rl.mode](self.actor, gen.publisher, self.batches, self.rollout_log,
+                                   rl.batch_size, local=gen.local)
+
+    def _build_pipeline(self, r: ResumeState) -> None:
+        """The rollout pipeline. One process: batches go onto the trainer's devices in the
+        pipeline's thread. Several: they stay in host memory, are shared, and each process
+        puts its own rows (RLTrainer.train)."""
+        multi, sharding = self.lockstep.processes > 1, self.trainer.batch_sharding
+        dataset, self.lag_stats = rl_batches(
+            self.rollout_log, self.cfg.rl, current_step=lambda: self.trainer_step[0],
+            put=(lambda a: a) if multi else (lambda a: jax.device_put(a, sharding)),
+            start=r.position, lag_state=r.lag_stats)
+        self.batches = iter(dataset)
+        self._stack.callback(_close, self.batches)
+        self._stack.callback(self.rollout_log.close)    # first: it wakes the prefetch thread
+        if r.iterator is not None:
+            self.batches.set_state(r.iterator)
+
+    # -- running -------------------------------------------------------------------------------
+    def run(self) -> dict | None:
+        """Steps until train.steps + rl.steps; the leader's summary, None elsewhere."""
+        lead = self.leader
+        if lead:
+            self._begin()
+        like = None if lead else pack([], self.cfg.rl)["arrays"]
+        while self.trainer.step < self.end:
+            t0 = time.perf_counter()
+            batch = self._next_batch() if lead else None
+            arrays = self.lockstep.share((lambda: batch["arrays"]) if lead else None, like)
+            wait_s = time.perf_counter() - t0
+            with self.mode.stepping() if lead else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                with self.lockstep.collective():
+                    train_metrics = self.trainer.train(arrays)
+                    published = self._weights()
+                step_s = time.perf_counter() - t0
+                step = self.trainer.step
+                if lead:
+                    self.trainer_step[0] = step     # the pipeline's lag filter reads it
+                update = self.gen.publisher.publish(published, step) if lead else None
+            if lead:
+                self._record(step, batch, train_metrics, wait_s, step_s, update)
+            if self._saves(step):
+                self.lockstep.sync()
+                with self.lockstep.collective():
+                    self.trainer.save(self.config_dict, self._resume_data() if lead else {})
+                if lead:
+                    self.rollout_log.release(self.position)
+        return self._summary() if lead else None
+
+    def _begin(self) -> None:
+        rl, step = self.cfg.rl, self.trainer.step
+        self.eval_before = self.resume.eval_before
+        if self.eval_before is None and self.cfg.train.eval_problems:
+            self.eval_before = self._held_out()["accuracy"]
+            self.metrics_log.log(step, {"eval_accuracy": self.eval_before,
+                                        "time_s": self.clock()})
+        mesh, processes = self.trainer.mesh, self.lockstep.processes
+        where = (f"{len(self.gen.fleet.members)} server(s) {', '.join(rl.generation.servers)}"
+                 if rl.generation.remote else
+                 f"an engine on {len(self.engine_devices)} device(s)")
+        self.log(f"RL ({rl.mode}, {'remote' if rl.generation.remote else rl.placement}, loss "
+                 f"{rl.loss}): steps {step}..{self.end}; {rl.prompts_per_step} prompts x "
+                 f"{rl.group_size} samples per step; trainer on {mesh.size} device(s)"
+                 f"{f' in {processes} processes' if processes > 1 else ''} {dict(mesh.shape)}, "
+                 f"generation on {where}; held-out accuracy {self.eval_before}")
+        self.all_lags, self.rows = [], []
+        self.recorder = StepMetrics(rl.batch_size, self.actor, self.gen.fleet,
+                                    self.gen.publisher, self.lag_stats, self.resume.trained,
+                                    self.clock())
+        self.t_start = self.clock()
+        self.position = self.resume.position
+        self.mode.start()
+        self.progress = Progress(total=self.end, completed=step, enabled=self.cfg.log.progress,
+                                 log=self.log)
+        self._stack.callback(self.progress.close)
+
+    def _next_batch(self) -> dict:
+        """The next training batch; an actor failure (it closes the log) surfaces here."""
+        self.mode.before_batch(self.trainer.step)
+        try:
+            return next(self.batches)
+        except StopIteration:
+            if isinstance(self.actor.error, UserError):     # e.g. no server answers: one line
+                raise self.actor.error from None
+            raise RuntimeError("the rollout stream ended early") from self.actor.error
+
+    def _record(self, step: int, batch: dict, train_metrics, wait_s: float, step_s: float,
+                update) -> None:
+        """The leader's bookkeeping after a step: the stream's position, metrics, evaluation."""
+        self.position = source_position(self.batches.get_state())
+        self.actor.notify_trained(self.position)
+        self.now = self.clock()
+        row, lags, lengths = self.recorder.row(step, batch, train_metrics, now=self.now,
+                                               wait_s=wait_s, step_s=step_s, update=update)
+        self.all_lags.extend(lags.tolist())
+        rl, first_rl = self.cfg.rl, self.cfg.train.steps
+        if rl.eval_every and (step - first_rl) % rl.eval_every == 0 and step < self.end:
+            row["eval_accuracy"] = self._held_out()["accuracy"]
+        self.metrics_log.log(step, row)
+        self.metrics_log.histogram(step, "lag", lags)
+        self.metrics_log.histogram(step, "completion_len", lengths)
+        self.rows.append({"step": step, **row})
+        self.progress.update(step, row)
+        if (drops := self.actor.drop_report()) is not None:
+            self.log(drops)
+
+    def _saves(self, step: int) -> bool:
+        return step % self.cfg.checkpoint.every == 0 or step == self.end
+
+    def _resume_data(self) -> dict:
+        snapshot = self.actor.snapshot(self.position)
+        return ResumeState(**snapshot, iterator=self.batches.get_state(),
+                           lag_stats=self.lag_stats.state(), trained=self.recorder.trained,
+                           time_s=self.now, eval_before=self.eval_before).to_saved()
+
+    def _held_out(self) -> dict:
         """Greedy accuracy of the weights the fleet serves (the trainer's newest), decoded by
         the engines beside the rollouts."""
         t0 = time.perf_counter()
-        out = evaluate(fleet, task, tokenizer, cfg.train.eval_problems,
-                       max_new_tokens=rl.max_new_tokens, rl=rl)
-        clock.exclude(time.perf_counter() - t0)
+        out = evaluate(self.gen.fleet, self.task, self.tokenizer, self.cfg.train.eval_problems,
+                       max_new_tokens=self.cfg.rl.max_new_tokens, rl=self.cfg.rl)
+        self.clock.exclude(time.perf_counter() - t0)
         return out
 
-    eval_before = data["eval_before"]
-    if eval_before is None and cfg.train.eval_problems:
-        eval_before = held_out()["accuracy"]
-        metrics_log.log(step, {"eval_accuracy": eval_before, "time_s": clock()})
-    where = (f"{len(fleet.members)} server(s) {', '.join(rl.generation.servers)}"
-             if rl.generation.remote else f"an engine on {len(engine_devices)} device(s)")
-    processes = f" in {lockstep.processes} processes" if multi else ""
-    log(f"RL ({rl.mode}, {'remote' if rl.generation.remote else rl.placement}, loss {rl.loss}):"
-        f" steps {step}..{end}; {rl.prompts_per_step} prompts x {rl.group_size} samples per "
-        f"step; trainer on {mesh.size} device(s){processes} {dict(mesh.shape)}, generation on "
-        f"{where}; held-out accuracy {eval_before}")
-
-    all_lags, rows = [], []
-    recorder = StepMetrics(rl.batch_size, actor, fleet, publisher, lag_stats,
-                           data.get("trained", 0), clock())
-    t_start = clock()
-    if rl.mode in ("async", "partial"):
-        actor.start()
-    progress = Progress(total=end, completed=step, enabled=cfg.log.progress, log=log)
-    try:
-        while step < end:
-            if rl.mode == "sync":
-                publisher.wait(step)
-                trained = source_position(batches.get_state())
-                actor.generate(max(0, rl.batch_size - (rollout_log.end - trained)))
-            t0 = time.perf_counter()
-            batch = _next_batch(batches, actor)
-            arrays = lockstep.share(lambda: batch["arrays"], None)
-            wait_s = time.perf_counter() - t0
-            if rl.mode == "partial":
-                gen.local.pause()
-            t0 = time.perf_counter()
-            with lockstep.collective():
-                train_metrics = trainer.train(arrays)
-                published = weights()
-            step_s = time.perf_counter() - t0
-            step = trainer_step[0] = trainer.step
-            update = publisher.publish(published, step)
-            if rl.mode == "partial":
-                gen.local.resume()
-            position = source_position(batches.get_state())
-            actor.notify_trained(position)
-
-            now = clock()
-            row, lags, lengths = recorder.row(step, batch, train_metrics, now=now,
-                                              wait_s=wait_s, step_s=step_s, update=update)
-            all_lags.extend(lags.tolist())
-            if rl.eval_every and (step - first_rl) % rl.eval_every == 0 and step < end:
-                row["eval_accuracy"] = held_out()["accuracy"]
-            metrics_log.log(step, row)
-            metrics_log.histogram(step, "lag", lags)
-            metrics_log.histogram(step, "completion_len", lengths)
-            rows.append({"step": step, **row})
-            progress.update(step, row)
-            if (drops := actor.drop_report()) is not None:
-                log(drops)
-            if _saves(cfg, step):
-                lockstep.sync()
-                with lockstep.collective():
-                    trainer.save(config_dict, {
-                        **actor.snapshot(position), "iterator": batches.get_state(),
-                        "lag_stats": lag_stats.state(), "trained": recorder.trained,
-                        "time_s": now, "eval_before": eval_before})
-                rollout_log.release(position)
-        if cfg.train.eval_problems:
-            final_eval = held_out()
-    except BaseException:
-        lockstep.abort()     # before the clean-up below: the others may wait at a share
-        raise
-    finally:
-        progress.close()
-        actor.stop()
-        if agents is not None:
-            agents.close()
-        rollout_log.close()
-        gen.close()
-        _close(batches)
-        trainer.close()
-    summary = {"mode": rl.mode, "steps": end, "rl_steps": len(rows),
-               "samples_per_s": rate(rows, rl.batch_size),
-               "lag_mean": float(np.mean(all_lags)) if all_lags else None,
-               "lag_max": int(np.max(all_lags)) if all_lags else None,
-               "checkpoint": str(trainer.ckpt.path / str(end)), "eval_before": eval_before,
-               "seconds": clock() - t_start}
-    if cfg.train.eval_problems:
-        result = final_eval
-        summary["eval_after"] = result["accuracy"]
-        summary["examples"] = result["examples"]
-        metrics_log.log(end, {"eval_accuracy": result["accuracy"], "time_s": clock()})
-    metrics_log.close()
-    summary["plots"] = {k: str(v) for k, v in save_run_plots(run_dir, rows, all_lags).items()}
-    return summary
-
-
-def _next_batch(batches, actor: Actor) -> dict:
-    """The next training batch; an actor failure (it closes the log) surfaces here."""
-    try:
-        return next(batches)
-    except StopIteration:
-        if isinstance(actor.error, UserError):     # e.g. no server answers: one line
-            raise actor.error from None
-        raise RuntimeError("the rollout stream ended early") from actor.error
+    def _summary(self) -> dict:
+        rl, end, lags = self.cfg.rl, self.end, self.all_lags
+        final = self._held_out() if self.cfg.train.eval_problems else None
+        summary = {"mode": rl.mode, "steps": end, "rl_steps": len(self.rows),
+                   "samples_per_s": rate(self.rows, rl.batch_size),
+                   "lag_mean": float(np.mean(lags)) if lags else None,
+                   "lag_max": int(np.max(lags)) if lags else None,
+                   "checkpoint": str(self.trainer.ckpt.path / str(end)),
+                   "eval_before": self.eval_before, "seconds": self.clock() - self.t_start}
+        if final is not None:
+            summary["eval_after"] = final["accuracy"]
+            summary["examples"] = final["examples"]
+            self.metrics_log.log(end, {"eval_accuracy": final["accuracy"],
+                                       "time_s": self.clock()})
+        plots = save_run_plots(Path(self.cfg.run_dir), self.rows, lags)
+        summary["plots"] = {k: str(v) for k, v in plots.items()}
+        return summary
 
 
 def _close(iterator) -> None:

@@ -227,14 +227,17 @@ class StallingOrchestrator(Orchestrator):
         super().__init__(*args, **kwargs)
         self.after, self.pushed = after, 0
         self.stalled, self.release = threading.Event(), threading.Event()
+        push = self._loop._push
 
-    def _push(self, seq, token, logprob, version):
-        if self.pushed == self.after:
-            self.stalled.set()
-            self.release.wait(60)
-            return
-        self.pushed += 1
-        super()._push(seq, token, logprob, version)
+        def stalling_push(seq, token, logprob, version):
+            if self.pushed == self.after:
+                self.stalled.set()
+                self.release.wait(60)
+                return
+            self.pushed += 1
+            push(seq, token, logprob, version)
+
+        self._loop._push = stalling_push
 
 
 def test_a_killed_server_s_group_ends_as_if_uninterrupted():

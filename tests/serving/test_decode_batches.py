@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer, merge_params, split_params
-from serving import orchestrator as orch
+from serving import engine_loop
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams
@@ -49,14 +49,14 @@ def check_two_decode_batches_per_step() -> int:
     graphdef, params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))
     model = merge_params(graphdef, params)
     splits = []
-    decode_groups = orch.decode_groups
+    decode_groups = engine_loop.decode_groups
 
     def recording(*args, **kwargs):
         groups = decode_groups(*args, **kwargs)
         splits.append(len(groups))
         return groups
 
-    orch.decode_groups = recording
+    engine_loop.decode_groups = recording
     engine = Engine(CFG, EngineConfig(max_concurrent_decodes=32, max_len=13,
                                       max_prefill_length=8, prefill_chunk=8, prefill_budget=8))
     rng = np.random.default_rng(0)

@@ -105,11 +105,14 @@ class FailingOrchestrator(Orchestrator):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fail = threading.Event()
+        decode = self._loop._decode
 
-    def _decode(self, state):
-        if self.fail.is_set():
-            raise RuntimeError("injected failure")
-        return super()._decode(state)
+        def failing(state):
+            if self.fail.is_set():
+                raise RuntimeError("injected failure")
+            return decode(state)
+
+        self._loop._decode = failing
 
 
 def test_a_dead_engine_loop_fails_every_client_within_a_second(engine, params):

@@ -1,0 +1,304 @@
+"""The loop that owns the device: one thread runs `EngineLoop.run`, and only it touches the
+engine's decode state, the scheduler's running sequences and the served weights.
+
+Each iteration it
+1. swaps in a pending weight update (between two decode dispatches; every page is kept),
+2. has the scheduler plan a prefill call (chunks of prompts being prefilled, new admissions,
+   preempted sequences recomputed) and runs it; each prompt that completes is forked into its
+   n samples, whose first tokens are drawn and which take their slots,
+3. has the scheduler give every running sequence the pages of the next `steps_per_dispatch`
+   tokens (preempting the youngest when the pool runs dry), runs the decode steps, and appends
+   each token to its sequence and its request's stream, applying the stop rules (EOS, stop
+   tokens, max_tokens, max_len, client gone). A finished sequence's pages and slot are free for
+   the next iteration.
+
+Other threads reach it only through its inbox: `updates` (weights to swap in), `ended`
+(sessions to forget), `wake`, `stop`, and `hold` / `release` (partial rollouts).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+import time
+
+import numpy as np
+
+from serving.engine import Engine
+from serving.length_predictor import LengthPredictor
+from serving.scheduler import Scheduler
+from serving.sequence import Prefill, Request, Sequence
+from serving.stream import DoneEvent, TokenEvent
+
+
+@dataclasses.dataclass
+class Update:
+    """Weights queued for the loop to swap in; `applied` is set once they serve."""
+    params: object
+    version: int
+    applied: threading.Event = dataclasses.field(default_factory=threading.Event)
+    pause_s: float = 0.0
+    retired: object = None      # the weights it replaced, freed off the decode path
+
+
+def stop_reason(seq: Sequence, eos_id: int | None, max_len: int) -> str | None:
+    """Why `seq` ends after its last token, if it does."""
+    s, token = seq.request.sampling, seq.tokens[-1]
+    if s.stop_at_eos and eos_id is not None and token == eos_id:
+        return "eos"
+    if token in s.stop_token_ids:
+        return "stop"
+    if len(seq.tokens) >= s.max_tokens or seq.total_len() >= max_len:
+        return "length"
+    return None
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, params, version: int, scheduler: Scheduler,
+                 eos_id: int | None, length_predictor: LengthPredictor | None):
+        self.engine, self.scheduler = engine, scheduler
+        self.params, self.version = params, version
+        self.eos_id, self.length_predictor = eos_id, length_predictor
+        # the inbox
+        self.wake, self.stop = threading.Event(), threading.Event()
+        self.updates: queue.SimpleQueue[Update] = queue.SimpleQueue()
+        self.ended: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._hold = threading.Event()      # set: dispatch nothing until release()
+        self.held = threading.Event()       # set by the loop once it honours the hold
+        self._hold_lock = threading.Lock()
+        # what it reports
+        self.pauses_s: list[float] = []
+        self.error: BaseException | None = None
+        self._stats = collections.Counter()
+        self._stats_lock = threading.Lock()
+        # closing: the loop's end takes every request queued before it, refuses later ones
+        self.admit_lock = threading.Lock()
+        self.closed = False
+
+    def hold(self) -> None:
+        self._hold.set()
+        self.wake.set()
+
+    def release(self) -> None:
+        with self._hold_lock:
+            self._hold.clear()
+            self.held.clear()
+        self.wake.set()
+
+    def stats(self) -> collections.Counter:
+        with self._stats_lock:
+            return collections.Counter(self._stats)
+
+    def stop_reason(self, seq: Sequence) -> str | None:
+        return stop_reason(seq, self.eos_id, self.engine.cfg.max_len)
+
+    def run(self) -> None:
+        """The thread's body: until `stop`, or an error (which fails every request)."""
+        try:
+            state = self.engine.init_decode_state()
+            while not self.stop.is_set():
+                self.wake.clear()
+                self._apply_updates()
+                while not self.ended.empty():
+                    self.scheduler.sessions.drop(self.ended.get())
+                for request in self.scheduler.take_cancelled():
+                    self._finish_request(request, "cancelled")
+                if self._holding():
+                    self.wake.wait(0.05)
+                    continue
+                state, prefilled = self._prefill(state)
+                state, decoded = self._decode(state)
+                self.scheduler.publish_load()
+                if not (prefilled or decoded):
+                    self.wake.wait(0.05)
+        except BaseException as e:  # a bug: fail every request loudly instead of hanging them
+            self.error = e
+            self.shutdown("error")
+            raise
+        self.shutdown("shutdown")
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            self._stats.update(deltas)
+
+    def _holding(self) -> bool:
+        with self._hold_lock:
+            if self._hold.is_set():
+                self.held.set()
+                return True
+            return False
+
+    def _apply_updates(self) -> None:
+        while not self.updates.empty():
+            update = self.updates.get()
+            t0 = time.perf_counter()
+            # The old weights are released by the caller's thread (update_params), not here:
+            # freeing a model's buffers takes time that grows with its size, and decoding would
+            # wait for it.
+            update.retired = self.params
+            self.params, self.version = update.params, update.version
+            update.pause_s = time.perf_counter() - t0
+            update.params = None
+            self.pauses_s.append(update.pause_s)
+            update.applied.set()
+
+    def _prefill(self, state):
+        """Runs this iteration's prefill call; starts the sequences of completed prompts."""
+        chunks = self.scheduler.plan_prefill()
+        if not chunks:
+            return state, False
+        engine, sched = self.engine, self.scheduler
+        width = engine.cfg.prefill_width(max(start + len(t) for _, start, t in chunks))
+        tokens = np.zeros((len(chunks), engine.bucket(max(len(t) for _, _, t in chunks))),
+                          np.int32)
+        for i, (_, _, t) in enumerate(chunks):
+            tokens[i, : len(t)] = t
+        state, logits = engine.prefill(self.params, state, tokens,
+                                       [start for _, start, _ in chunks],
+                                       [len(t) for _, _, t in chunks],
+                                       sched.table([p.pages for p, _, _ in chunks], width))
+        self._count(prefill_chunks=1, prefill_tokens=sum(len(t) for _, _, t in chunks))
+        complete = [(row, p) for row, (p, _, t) in enumerate(chunks)
+                    if sched.prefilled(p, len(t))]
+        if complete:
+            state = self._start(state, complete, logits)
+        return state, True
+
+    def _start(self, state, complete: list[tuple[int, Prefill]], logits):
+        """Forks completed prompts into their sequences, draws new requests' first tokens, and
+        puts every sequence still running into its slot."""
+        engine, sched = self.engine, self.scheduler
+        started, copies, fresh = [], [], []
+        for row, p in complete:
+            seqs, page_copies = sched.start(p)
+            copies += page_copies
+            started += seqs
+            if p.resumed is None:
+                fresh += [(row, seq) for seq in seqs]
+        if copies:
+            state = engine.copy_pages(state, *zip(*copies))
+        if fresh:
+            tokens, logprobs = engine.sample_first(
+                logits, [row for row, _ in fresh], [s.request.sampling for _, s in fresh],
+                [s.index for _, s in fresh])
+            for (_, seq), token, logprob in zip(fresh, np.asarray(tokens).tolist(),
+                                                np.asarray(logprobs).tolist()):
+                self._push(seq, token, logprob, self.version)
+        live = [s for s in started if not s.finished]
+        if live:
+            state = engine.insert(state, [s.slot for s in live], [s.cached for s in live],
+                                  [s.tokens[-1] for s in live], [len(s.tokens) for s in live],
+                                  [s.request.sampling for s in live], [s.index for s in live])
+        return state
+
+    def _decode(self, state):
+        """Runs `steps_per_dispatch` decode steps for every running sequence."""
+        engine, sched = self.engine, self.scheduler
+        for seq in list(sched.running.values()):
+            if seq.request.stream.cancelled:
+                self._finish(seq, "cancelled")
+        k = engine.cfg.steps_per_dispatch
+        sched.reserve(k)
+        if not sched.running:
+            return state, False
+        version = self.version
+        for group in decode_groups(engine.cfg, sorted(sched.running.items()), k):
+            state = self._decode_group(state, group, k, version)
+        return state, True
+
+    def _decode_group(self, state, owners: list[tuple[int, Sequence]], k: int, version: int):
+        """Decodes the slots of `owners` (gathered into a batch of their own) at the page-table
+        width of the longest of them."""
+        engine = self.engine
+        width = engine.cfg.table_width(max(s.cached for _, s in owners) + k)
+        state, tokens, logprobs = engine.generate_steps(
+            self.params, state, self.scheduler.table([s.pages for _, s in owners], width), k,
+            slots=[slot for slot, _ in owners])
+        self._count(steps=k, busy_slot_steps=k * len(owners),
+                    held_tokens=k * sum(s.cached for _, s in owners))
+        tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
+        for step_tokens, step_logprobs in zip(tokens, logprobs):
+            for row, (_, seq) in enumerate(owners):
+                if not seq.finished:
+                    self._push(seq, step_tokens[row], step_logprobs[row], version)
+        return state
+
+    def _push(self, seq: Sequence, token: int, logprob: float, version: int) -> None:
+        """Appends one token to `seq` and its stream, then applies the stop rules."""
+        req = seq.request
+        if req.stream.cancelled:
+            self._finish(seq, "cancelled")
+            return
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        seq.versions.append(version)
+        req.stream.put(TokenEvent(seq.index, token, logprob, version))
+        self._count(tokens=1)
+        reason = self.stop_reason(seq)
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.slot is not None:
+            self.scheduler.finish(seq, keep=reason in ("eos", "stop", "length"))
+        seq.finished = True
+        seq.request.longest = max(seq.request.longest, len(seq.tokens))
+        self._done(seq.request, seq.index, reason)
+
+    def _done(self, req: Request, index: int, reason: str) -> None:
+        if req.done[index]:
+            return
+        req.done[index] = True
+        req.stream.put(DoneEvent(index, reason))
+        if all(req.done):
+            self._count(requests_done=1)
+            if self.length_predictor is not None and reason in ("eos", "stop", "length"):
+                # A group takes as long as its longest sample.
+                self.length_predictor.update(req.prompt, req.longest)
+
+    def _finish_request(self, req: Request, reason: str) -> None:
+        for i in range(req.sampling.n):
+            self._done(req, i, reason)
+
+    def shutdown(self, reason: str) -> None:
+        """Ends every request not yet finished: queued, being prefilled, preempted, running;
+        and refuses every new one."""
+        sched = self.scheduler
+        with self.admit_lock:
+            self.closed = True
+        for req in sched.take_waiting():
+            self._finish_request(req, reason)
+        for p in list(sched.prefilling):
+            self._finish_request(p.request, reason)
+        for seq in list(sched.resumes) + list(sched.running.values()):
+            self._done(seq.request, seq.index, reason)
+
+
+# A row of a decode batch costs about this many pages of attention in the rest of the model
+# (projections, MLP, sampling), and a dispatch about this many row-pages of host overhead.
+_ROW_PAGES, _DISPATCH_ROW_PAGES = 4, 16
+_SPLIT_GAIN = 0.8     # two batches only when they cost at most this share of one
+
+
+def decode_groups(cfg, owners: list[tuple[int, Sequence]], k: int
+                  ) -> list[list[tuple[int, Sequence]]]:
+    """The running (slot, sequence) pairs in one decode batch, or two when that is cheaper: the
+    reference attention pads every row to the batch's longest, so in a long tail (many short
+    sequences, a few long ones) the short rows go in a batch at their own width. Cost of a batch:
+    its rows (bucketed) x (its page-table width + _ROW_PAGES), plus a dispatch; two batches
+    when they cost at most _SPLIT_GAIN of one."""
+    by_length = sorted(owners, key=lambda o: o[1].cached)
+
+    def cost(group):
+        width = cfg.table_width(group[-1][1].cached + k)
+        return cfg.row_bucket(len(group)) * (width + _ROW_PAGES) + _DISPATCH_ROW_PAGES
+
+    one = cost(by_length)
+    best, split = _SPLIT_GAIN * one, None    # split only for a clear gain
+    for i in range(len(by_length) - 1, 0, -1):   # on a tie, the fewest rows at the wide width
+        c = cost(by_length[:i]) + cost(by_length[i:])
+        if c < best:
+            best, split = c, i
+    return [by_length] if split is None else [by_length[:split], by_length[split:]]
