@@ -111,7 +111,7 @@ class Traffic:
             while not self.stop.is_set():
                 length, max_tokens, n = self._shape(rng)
                 cancel = rng.random() < 0.2
-                body = {"model": "any", "prompt": [rng.randrange(3, self.vocab)
+                body = {"prompt": [rng.randrange(3, self.vocab)
                                                    for _ in range(length)],
                         "max_tokens": max_tokens, "n": n, "stream": True, "temperature": 1.0}
                 try:

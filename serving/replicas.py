@@ -12,12 +12,12 @@ parallel within a replica), and the gRPC services see one engine.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import threading
 from typing import Sequence
 
 from serving.orchestrator import Orchestrator, UpdateResult
+from serving.router import Router, session_keys
 from serving.sampling import SamplingParams
 from serving.stream import RequestStream, Sample
 
@@ -38,9 +38,10 @@ class Replicas:
         self._update_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(len(self.replicas),
                                                            thread_name_prefix="replica-update")
-        # Each session's turns go to the replica holding its kept pages (newest last).
-        self._homes: collections.OrderedDict[str, Orchestrator] = collections.OrderedDict()
-        self._homes_lock = threading.Lock()
+        # Each session's turns go to the replica holding its kept pages; other groups to the
+        # least loaded (serving/router.py).
+        self._router = Router(lambda o: o.scheduler.load(), _MAX_HOMES)
+        self._router_lock = threading.Lock()
 
     def start(self) -> "Replicas":
         for o in self.replicas:
@@ -67,21 +68,14 @@ class Replicas:
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, *,
                predicted_len: float | None = None, carry: Sequence[Sample] | None = None,
                session: str | Sequence[str] | None = None) -> RequestStream:
-        keys = [session] if isinstance(session, str) else list(session or [])
-        with self._homes_lock:
-            home = self._homes.get(keys[0]) if keys else None
-            replica = home or min(self.replicas, key=lambda o: o.scheduler.load())
-            for key in keys:
-                self._homes[key] = replica
-                self._homes.move_to_end(key)
-            while len(self._homes) > _MAX_HOMES:
-                self._homes.popitem(last=False)
+        with self._router_lock:
+            replica = self._router.choose(self.replicas, session_keys(session))
         return replica.submit(prompt, sampling, predicted_len=predicted_len, carry=carry,
                               session=session)
 
     def end_session(self, key: str) -> None:
-        with self._homes_lock:
-            home = self._homes.pop(key, None)
+        with self._router_lock:
+            home = self._router.forget(key)
         if home is not None:
             home.end_session(key)
 

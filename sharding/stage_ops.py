@@ -86,52 +86,72 @@ def branches(model: StageModel, shapes: tuple) -> list[Callable]:
     grads, row), `bufs` the stage's activation buffers (read only), `grads` the accumulators
     {g_w, g_head}, and returns (grads, delta). `shapes` = (the loss's and head aux's shapes,
     the reference head's output shape or None)."""
-    take = lambda tree, j: jax.tree.map(lambda a: a[j], tree)  # noqa: E731
-    layer_fn, w_V = model.layer_fn, model.w_V
+    ops = _Ops(model)
+    split, ref = model.split is not None, model.ref is not None
+    nothing = ops.nothing
+    return [_complete(model, shapes, op) for op in (
+        nothing, ops.forward, ops.input_grads if split else nothing,
+        ops.weight_grads if split else nothing, ops.backward, nothing,
+        ops.reference_forward if ref else nothing, ops.forward_head,
+        ops.reference_head if ref else nothing)]
 
-    def delta(**fields):
-        """What an op produces: activations for the delta, gradients (dw, g_head) to add."""
-        return fields
 
-    def complete(op):
-        """The branch of `op`: its gradients added in place, its delta filled with zeros."""
-        def run(bufs, grads, row):
-            out = dict(op(bufs, row))
-            grads = dict(grads)
-            if "dw" in out:
-                grads["g_w"] = jax.tree.map(lambda acc, g: acc.at[row["chunk"]].add(g),
-                                            grads["g_w"], out.pop("dw"))
-            if "g_head" in out:
-                grads["g_head"] = jax.tree.map(jnp.add, grads["g_head"], out.pop("g_head"))
-            return grads, {**model.zero_delta(*shapes, skip=out), **out}
-        return run
+def _take(tree, j):
+    return jax.tree.map(lambda a: a[j], tree)
 
-    def chunk_inputs(row):
-        c, j = row["chunk"], row["microbatch"]
-        return take(w_V, c), take(model.aux_M, j)
 
-    def run_forward(bufs, row):
-        w_c, aux = chunk_inputs(row)
-        x = jnp.where(row["first"] == 1, model.x_M[row["microbatch"]],
+def _complete(model: StageModel, shapes: tuple, op: Callable) -> Callable:
+    """The branch of `op`: its gradients added in place, its delta filled with zeros."""
+    def run(bufs, grads, row):
+        out = dict(op(bufs, row))
+        grads = dict(grads)
+        if "dw" in out:
+            grads["g_w"] = jax.tree.map(lambda acc, g: acc.at[row["chunk"]].add(g),
+                                        grads["g_w"], out.pop("dw"))
+        if "g_head" in out:
+            grads["g_head"] = jax.tree.map(jnp.add, grads["g_head"], out.pop("g_head"))
+        return grads, {**model.zero_delta(*shapes, skip=out), **out}
+    return run
+
+
+class _Ops:
+    """What each op computes on one stage: (bufs, row) -> the fields of its delta, and the
+    gradients (dw, g_head) to add."""
+
+    def __init__(self, model: StageModel):
+        self.model = model
+
+    def _chunk_inputs(self, row):
+        return _take(self.model.w_V, row["chunk"]), _take(self.model.aux_M, row["microbatch"])
+
+    def _run_forward(self, bufs, row):
+        m = self.model
+        w_c, aux = self._chunk_inputs(row)
+        x = jnp.where(row["first"] == 1, m.x_M[row["microbatch"]],
                       bufs["inbox"][row["in_slot"]])
-        return jax.lax.scan(lambda h, w_l: (layer_fn(w_l, h, aux), h), x, w_c)
+        return jax.lax.scan(lambda h, w_l: (m.layer_fn(w_l, h, aux), h), x, w_c)
 
-    def forward(bufs, row):
-        y, xs = run_forward(bufs, row)
-        return delta(send=y, acts=xs)
+    def nothing(self, bufs, row):
+        return {}
 
-    def forward_head(bufs, row):
-        y, xs = run_forward(bufs, row)
+    def forward(self, bufs, row):
+        y, xs = self._run_forward(bufs, row)
+        return dict(send=y, acts=xs)
+
+    def forward_head(self, bufs, row):
+        m = self.model
+        y, xs = self._run_forward(bufs, row)
         j = row["microbatch"]
         ref_logp = bufs["ref_logp"][j] if "ref_logp" in bufs else None
-        loss, head_aux, g_hp, g_y = model.head(
-            model.hp, *model.head_input((y, take(model.head_in_M, j))), ref_logp)
-        return delta(send=g_y.astype(y.dtype), acts=xs, loss=loss, aux=head_aux,
-                     g_head=jax.tree.map(lambda g: g.astype(jnp.float32), g_hp))
+        loss, head_aux, g_hp, g_y = m.head(m.hp, *m.head_input((y, _take(m.head_in_M, j))),
+                                           ref_logp)
+        return dict(send=g_y.astype(y.dtype), acts=xs, loss=loss, aux=head_aux,
+                    g_head=jax.tree.map(lambda g: g.astype(jnp.float32), g_hp))
 
-    def backward(bufs, row):
+    def backward(self, bufs, row):
         """X: both gradients of the chunk, from each layer's input (the layer recomputed)."""
-        w_c, aux = chunk_inputs(row)
+        layer_fn = self.model.layer_fn
+        w_c, aux = self._chunk_inputs(row)
 
         def layer_back(g, w_x):
             dw, dx = jax.vjp(lambda w, x: layer_fn(w, x, aux), *w_x)[1](g)
@@ -140,54 +160,49 @@ def branches(model: StageModel, shapes: tuple) -> list[Callable]:
         g = bufs["inbox"][row["in_slot"]]
         dx, dws = jax.lax.scan(layer_back, g, (w_c, bufs["acts"][row["res_slot"]]),
                                reverse=True)
-        return delta(send=dx, dx=dx, dw=_f32(dws))
+        return dict(send=dx, dx=dx, dw=_f32(dws))
 
-    def input_grads(bufs, row):
+    def input_grads(self, bufs, row):
         """B: the chunk's input gradient, and each layer's stash (what its W reads)."""
-        w_c, aux = chunk_inputs(row)
+        split = self.model.split
+        w_c, aux = self._chunk_inputs(row)
 
         def layer_b(g, w_x):
-            dx, stash = model.split.input_grad(*w_x, aux, g)
+            dx, stash = split.input_grad(*w_x, aux, g)
             return dx.astype(g.dtype), stash
 
         g = bufs["inbox"][row["in_slot"]]
         dx, stash = jax.lax.scan(layer_b, g, (w_c, bufs["acts"][row["res_slot"]]),
                                  reverse=True)
-        return delta(send=dx, dx=dx, stash=stash)
+        return dict(send=dx, dx=dx, stash=stash)
 
-    def weight_grads(bufs, row):
+    def weight_grads(self, bufs, row):
         """W: the chunk's weight gradients from each layer's stash (no recomputation)."""
-        w_c, aux = chunk_inputs(row)
+        split = self.model.split
+        w_c, aux = self._chunk_inputs(row)
         stash = tuple(buf[row["w_slot"]] for buf in bufs["stash"])
         _, dws = jax.lax.scan(
-            lambda _, w_x_s: (None, model.split.weight_grads(*w_x_s[:2], aux, w_x_s[2])),
+            lambda _, w_x_s: (None, split.weight_grads(*w_x_s[:2], aux, w_x_s[2])),
             None, (w_c, bufs["acts"][row["res_slot"]], stash))
-        return delta(dw=_f32(dws))
+        return dict(dw=_f32(dws))
 
-    def nothing(bufs, row):
-        return delta()
-
-    def run_reference(row, bufs):
+    def _run_reference(self, row, bufs):
+        m = self.model
         c, j = row["chunk"], row["microbatch"]
-        x = jnp.where(row["first"] == 1, model.ref["x_M"][j], bufs["inbox"][row["in_slot"]])
-        aux = take(model.aux_M, j)
-        return jax.lax.scan(lambda h, w_l: (layer_fn(w_l, h, aux), None), x,
-                            take(model.ref["w_V"], c))[0]
+        x = jnp.where(row["first"] == 1, m.ref["x_M"][j], bufs["inbox"][row["in_slot"]])
+        aux = _take(m.aux_M, j)
+        return jax.lax.scan(lambda h, w_l: (m.layer_fn(w_l, h, aux), None), x,
+                            _take(m.ref["w_V"], c))[0]
 
-    def reference_forward(bufs, row):
-        return delta(send=run_reference(row, bufs))
+    def reference_forward(self, bufs, row):
+        return dict(send=self._run_reference(row, bufs))
 
-    def reference_head(bufs, row):
-        y = run_reference(row, bufs)
-        out = model.ref_head_fn(model.ref["head_params"],
-                                *model.head_input((y, take(model.head_in_M, row["microbatch"]))))
-        return delta(ref_logp=out)
-
-    split, ref = model.split is not None, model.ref is not None
-    return [complete(op) for op in (
-        nothing, forward, input_grads if split else nothing, weight_grads if split else nothing,
-        backward, nothing, reference_forward if ref else nothing, forward_head,
-        reference_head if ref else nothing)]
+    def reference_head(self, bufs, row):
+        m = self.model
+        y = self._run_reference(row, bufs)
+        out = m.ref_head_fn(m.ref["head_params"],
+                            *m.head_input((y, _take(m.head_in_M, row["microbatch"]))))
+        return dict(ref_logp=out)
 
 
 def _f32(tree):

@@ -31,6 +31,7 @@ deadlines (each microbatch's head reads its reference log-probs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -137,50 +138,28 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
     split = sched.split
     p, m = sched.stages, x_MbTD.shape[0]
     last_stage = sched.placement[-1][0]
-    if live_M is None:
-        live_M = jnp.ones((m,), bool)
+    live_M = jnp.ones((m,), bool) if live_M is None else live_M
 
-    def head(hp, h_bTD, head_in, ref_logp=None):
-        if ref_logp is not None:
-            head_in = {**head_in, "ref_logp": ref_logp}
-        loss, pull, head_aux = jax.vjp(lambda hp_, h: head_fn(hp_, h, head_in), hp, h_bTD,
-                                       has_aux=True)
-        g_hp, g_h = pull(jnp.ones_like(loss))
-        return loss, head_aux, g_hp, g_h
-
-    ref_shape = None
-    if reference is not None:
-        ref_shape = jax.eval_shape(
-            lambda hp, h: reference.head_fn(hp, h, jax.tree.map(lambda a: a[0], head_in_M)),
-            reference.head_params, x_MbTD[0])
-    loss_shape, aux_shape, _, _ = jax.eval_shape(
-        head, head_params, x_MbTD[0], jax.tree.map(lambda a: a[0], head_in_M),
-        None if ref_shape is None else jnp.zeros(ref_shape.shape, ref_shape.dtype))
-    stage_spec = lambda tree: jax.tree.map(lambda _: P("stage"), tree)  # noqa: E731
-    whole_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    head = functools.partial(_head_and_grads, head_fn)
+    ref_shape, loss_shape, aux_shape = _head_shapes(head, head_params, x_MbTD, head_in_M,
+                                                    reference)
 
     def program(w_1V, hp, x_M, aux, live, ref):
-        if replicate_heads:
-            hp = replicated(hp)
-            if ref is not None:
-                ref = {**ref, "head_params": replicated(ref["head_params"])}
+        hp, ref = _whole_heads(hp, ref) if replicate_heads else (hp, ref)
         w_V = jax.tree.map(lambda a: a[0], w_1V)
         stage = jax.lax.axis_index("stage")
         layers = jax.tree.leaves(w_V)[0].shape[1]
         mb_shape, dt = x_M.shape[1:], x_M.dtype
         f32 = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
-        state = {
+        state = {   # what a stage carries from tick to tick
             "inbox": jnp.zeros((slots["inbox"], *mb_shape), dt),
             "acts": jnp.zeros((slots["res"], layers, *mb_shape), dt),
             "g_w": jax.tree.map(f32, w_V), "g_head": jax.tree.map(f32, hp),
             "dx": jnp.zeros_like(x_M), "loss": jnp.zeros((m,), loss_shape.dtype),
-            "aux": jax.tree.map(lambda s: jnp.zeros((m, *s.shape), s.dtype), aux_shape),
-        }
+            "aux": jax.tree.map(lambda s: jnp.zeros((m, *s.shape), s.dtype), aux_shape)}
         split_b = None
         if split:
-            split_b = make_split(
-                split_how, layer_fn, jax.tree.map(lambda a: _spec(a, 2), w_V), _spec(x_M, 1),
-                jax.tree.map(lambda a: _spec(a, 1), aux))
+            split_b = _split_backward(split_how, layer_fn, w_V, x_M, aux)
             state["stash"] = tuple(jnp.zeros((slots["w"], layers, *s.shape), s.dtype)
                                    for s in split_b.stash_shapes())
         if ref is not None:
@@ -207,6 +186,57 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
                 jax.tree.map(lambda a: a[None], state["g_head"]), state["dx"][None],
                 state["loss"][None], jax.tree.map(lambda a: a[None], state["aux"]))
 
+    g_w, g_head, dx, loss, aux = _on_stages(program, mesh, aux_shape, w_PV, head_params,
+                                            x_MbTD, aux_M, live_M, reference)
+    take = lambda tree, s: jax.tree.map(lambda a: a[s], tree)  # noqa: E731
+    return (loss[last_stage], take(aux, last_stage), g_w, take(g_head, last_stage), dx[0])
+
+
+def _head_and_grads(head_fn, hp, h_bTD, head_in, ref_logp=None):
+    """The head on one microbatch: (loss, aux, its gradient w.r.t. the head's parameters and
+    w.r.t. its input), with the reference's log-probs in its inputs when given."""
+    if ref_logp is not None:
+        head_in = {**head_in, "ref_logp": ref_logp}
+    loss, pull, head_aux = jax.vjp(lambda hp_, h: head_fn(hp_, h, head_in), hp, h_bTD,
+                                   has_aux=True)
+    g_hp, g_h = pull(jnp.ones_like(loss))
+    return loss, head_aux, g_hp, g_h
+
+
+def _whole_heads(hp, ref):
+    """The heads' parameters (the policy's, and the reference's if any) whole on every device
+    of the automatic axes."""
+    if ref is not None:
+        ref = {**ref, "head_params": replicated(ref["head_params"])}
+    return replicated(hp), ref
+
+
+def _split_backward(split_how: str, layer_fn, w_V, x_M, aux):
+    """The layer's backward split into B and W halves for one microbatch's shapes."""
+    return make_split(split_how, layer_fn, jax.tree.map(lambda a: _spec(a, 2), w_V),
+                      _spec(x_M, 1), jax.tree.map(lambda a: _spec(a, 1), aux))
+
+
+def _head_shapes(head, head_params, x_MbTD, head_in_M, reference: Reference | None):
+    """Shapes of one microbatch's reference log-probs (None without a reference), the
+    policy head's loss and its aux."""
+    first = jax.tree.map(lambda a: a[0], head_in_M)
+    ref_shape = None
+    if reference is not None:
+        ref_shape = jax.eval_shape(lambda hp, h: reference.head_fn(hp, h, first),
+                                   reference.head_params, x_MbTD[0])
+    loss_shape, aux_shape, _, _ = jax.eval_shape(
+        head, head_params, x_MbTD[0], first,
+        None if ref_shape is None else jnp.zeros(ref_shape.shape, ref_shape.dtype))
+    return ref_shape, loss_shape, aux_shape
+
+
+def _on_stages(program, mesh: Mesh, aux_shape, w_PV, head_params, x_MbTD, aux_M, live_M,
+               reference: Reference | None):
+    """`program` run on every stage (shard_map over the stage axis): the chunks of layers and
+    the outputs split by stage, everything else whole."""
+    stage_spec = lambda tree: jax.tree.map(lambda _: P("stage"), tree)  # noqa: E731
+    whole_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
     ref = None if reference is None else {
         "w_1V": reference.w_PV, "head_params": reference.head_params, "x_M": reference.x_MbTD}
     ref_spec = None if ref is None else {
@@ -218,9 +248,7 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
                         in_specs=(stage_spec(w_PV), whole_spec(head_params), P(),
                                   whole_spec(aux_M), P(), ref_spec),
                         out_specs=out_specs)
-    g_w, g_head, dx, loss, aux = run(w_PV, head_params, x_MbTD, aux_M, live_M, ref)
-    take = lambda tree, s: jax.tree.map(lambda a: a[s], tree)  # noqa: E731
-    return (loss[last_stage], take(aux, last_stage), g_w, take(g_head, last_stage), dx[0])
+    return run(w_PV, head_params, x_MbTD, aux_M, live_M, ref)
 
 
 def _deliver(inbox, out, row, p: int):

@@ -13,8 +13,8 @@ import rich.table
 from jaxrl.config import RunConfig
 from jaxrl.errors import UserError
 from jaxrl.rl.tasks.base import Task
-from jaxrl.train.checkpoint import Checkpointer, CheckpointError
 from jaxrl.trainer import rl, warmup
+from jaxrl.trainer.trainer import check_resume
 
 
 def check_run_dir(path) -> None:
@@ -38,18 +38,12 @@ def run(cfg: RunConfig, log: Callable[[str], None] = print, task: Task | None = 
     (e.g. `CustomTask.from_rows(rows, reward)`) instead of the config's `task` section."""
     check_run_dir(cfg.run_dir)
     check_run_dir(cfg.checkpoint_dir)
-    ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep)
-    latest = ckpt.latest_step()
-    ckpt.close()
-    if latest is not None and not cfg.checkpoint.resume:
-        raise CheckpointError(
-            f"{str(ckpt.path)!r} already holds checkpoints up to step {latest}; set "
-            f"checkpoint.resume=true to continue that run, or choose a new checkpoint.dir")
+    latest = check_resume(cfg)
     end = cfg.train.steps + cfg.rl.steps
     if cfg.rl.steps:
         rl.check_config(cfg)
     if latest is not None and latest >= end:
-        log(f"{ckpt.path} already holds the last step ({latest}); nothing to train")
+        log(f"{cfg.checkpoint_dir} already holds the last step ({latest}); nothing to train")
     summary = {"warmup": None, "rl": None}
     if cfg.train.steps and (latest is None or latest < cfg.train.steps):
         summary["warmup"] = warmup.train(cfg, log, evaluate_at_end=cfg.rl.steps == 0,

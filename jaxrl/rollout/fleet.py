@@ -20,7 +20,6 @@ where a group is generated.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 import time
@@ -30,6 +29,7 @@ from jaxrl.errors import UserError
 from serving import threads
 from serving.generation import Generation
 from serving.orchestrator import QueueFull
+from serving.router import Router, session_keys
 from serving.sampling import SamplingParams
 from serving.stream import FINISHED, RequestStream, Sample
 
@@ -53,7 +53,6 @@ class Member:
     alive: bool = True              # answers (set aside on a failure until it answers again)
     joined: bool = False            # reached the weights published when it came (back)
     outstanding: int = 0            # samples submitted to it and not finished
-    last_used: float = 0.0
     why_down: str | None = None
     failures: int = 0
     last_metrics: dict = dataclasses.field(default_factory=dict)
@@ -63,6 +62,12 @@ class Member:
     @property
     def ready(self) -> bool:
         return self.alive and self.joined
+
+    @property
+    def state(self) -> str:
+        """joining (it answers, and is being brought to the newest weights), ready (it takes
+        work), or set aside (it failed; a remote one rejoins once it answers again)."""
+        return "set aside" if not self.alive else "ready" if self.joined else "joining"
 
 
 class Fleet:
@@ -81,7 +86,7 @@ class Fleet:
         self.latest_version = max((m.version for m in self.members if m.version is not None),
                                   default=-1)
         self.stats = {"groups_moved": 0, "members_set_aside": 0}
-        self._homes: collections.OrderedDict[str, Member] = collections.OrderedDict()
+        self._router = Router(lambda m: m.outstanding / m.slots, _MAX_HOMES)
         self._monitor = None
         if any(m.remote for m in self.members):
             self._monitor = threading.Thread(target=self._watch, name="fleet-heartbeat",
@@ -98,16 +103,18 @@ class Fleet:
 
     def end_session(self, key: str) -> None:
         with self._lock:
-            home = self._homes.pop(key, None)
+            home = self._router.forget(key)
         if home is not None:
             try:
                 home.generation.end_session(key)
             except ConnectionError:
                 pass            # a member that is gone holds nothing
 
-    def _place(self, prompt, sampling, predicted_len, carry, session=None
-               ) -> tuple[Member, RequestStream]:
-        keys = [session] if isinstance(session, str) else list(session or ())
+    def place(self, prompt, sampling, predicted_len, carry, session=None
+              ) -> tuple[Member, RequestStream]:
+        """Submits a group to the member the router chooses among the ready ones, waiting up to
+        `wait_s` for one; (member, its stream). `release` gives its samples back."""
+        keys = session_keys(session)
         deadline = time.monotonic() + self.wait_s
         while True:
             with self._lock:
@@ -119,27 +126,19 @@ class Fleet:
                             and time.monotonic() >= deadline:
                         raise NoGeneration(self._no_member_message())
                     continue
-                home = self._homes.get(keys[0]) if keys else None
-                member = home if home in ready else min(
-                    ready, key=lambda m: (m.outstanding / m.slots, m.last_used))
+                member = self._router.choose(ready, keys)
                 member.outstanding += sampling.n
-                member.last_used = time.monotonic()
-                for key in keys:
-                    self._homes[key] = member
-                    self._homes.move_to_end(key)
-                while len(self._homes) > _MAX_HOMES:
-                    self._homes.popitem(last=False)
             try:
                 stream = member.generation.submit(prompt, sampling, predicted_len=predicted_len,
                                                   carry=carry, session=session)
             except QueueFull:
-                self._release(member, sampling.n)
+                self.release(member, sampling.n)
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.05)     # its queue is full: wait for one to drain
                 continue
             except BaseException:
-                self._release(member, sampling.n)
+                self.release(member, sampling.n)
                 raise
             with self._lock:
                 member.streams.add(stream)
@@ -148,18 +147,39 @@ class Fleet:
                 stream.cancel()
             return member, stream
 
-    def _release(self, member: Member, n: int, stream: RequestStream | None = None) -> None:
+    def release(self, member: Member, n: int, stream: RequestStream | None = None) -> None:
+        """`n` samples of `member` (and its `stream`) have finished or moved."""
         with self._lock:
             member.outstanding -= n
             member.streams.discard(stream)
             self._lock.notify_all()
 
     def _no_member_message(self) -> str:
-        states = "; ".join(f"{m.name}: {'ready' if m.ready else m.why_down or 'joining'}"
-                           for m in self.members)
+        states = "; ".join(f"{m.name}: {m.why_down or m.state}" for m in self.members)
         return f"no generation member could take work for {self.wait_s:.0f} s ({states})"
 
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
     # -- membership ------------------------------------------------------------------------------
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Waits (up to `timeout`) until `predicate()`, evaluated under the fleet's lock each
+        time the members change (`notify`), holds; what it last returned."""
+        with self._lock:
+            return self._lock.wait_for(predicate, timeout=timeout)
+
+    def notify(self) -> None:
+        """Wakes whoever waits in `wait_for`: something they wait on has changed."""
+        with self._lock:
+            self._lock.notify_all()
+
+    def replaced(self, member: Member) -> None:
+        """`member` serves weights this trainer did not give it (someone pushed it newer ones):
+        it is to be brought to the trainer's again, whatever their version."""
+        with self._lock:
+            member.version = None
+
     def set_aside(self, member: Member, why: str) -> None:
         """`member` failed: no new work goes to it, and its groups move to the others."""
         with self._lock:
@@ -240,6 +260,10 @@ class Fleet:
                     m.counted[key] = m.counted.get(key, 0) + m.last_metrics[key]
             m.last_metrics = fresh
 
+    def count(self, stat: str) -> None:
+        with self._lock:
+            self.stats[stat] += 1
+
     def metrics(self) -> dict:
         """The members' counters summed over the run (a member that does not answer within 2 s
         counts with the last it said), with `slot_steps` = sum of steps x slots."""
@@ -279,16 +303,16 @@ class FleetStream:
         self._args = (prompt, sampling, predicted_len)
         self._session = session
         self._cancelled = False
-        self.member, self._stream = fleet._place(prompt, sampling, predicted_len, carry,
+        self.member, self._stream = fleet.place(prompt, sampling, predicted_len, carry,
                                                  session)
 
     def result(self) -> list[Sample]:
         fleet = self._fleet
         while True:
             samples = self._stream.result()
-            fleet._release(self.member, len(samples), self._stream)
+            fleet.release(self.member, len(samples), self._stream)
             reasons = {s.finish_reason for s in samples}
-            if reasons <= set(FINISHED) or self._cancelled or fleet._closed.is_set():
+            if reasons <= set(FINISHED) or self._cancelled or fleet.closed:
                 return samples
             if "refused" in reasons:
                 raise RuntimeError(f"generation: {self.member.name} refused a group: "
@@ -298,9 +322,8 @@ class FleetStream:
             elif self.member.alive:      # the in-process engine stopped: nothing to wait for
                 return samples
             carry = self._stream.snapshot()
-            with fleet._lock:
-                fleet.stats["groups_moved"] += 1
-            self.member, self._stream = fleet._place(*self._args, carry, self._session)
+            fleet.count("groups_moved")
+            self.member, self._stream = fleet.place(*self._args, carry, self._session)
 
     def snapshot(self) -> list[Sample]:
         return self._stream.snapshot()

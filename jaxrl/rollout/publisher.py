@@ -69,9 +69,8 @@ class WeightPublisher:
                            "update_transfer_ms": 1e3 * result.transfer_s}
                 self.fleet.advanced(m, version)
         if remote:
-            with self.fleet._lock:
-                self._latest = (version, copy)
-                self.fleet._lock.notify_all()
+            self._latest = (version, copy)
+            self.fleet.notify()
         return timings
 
     def _wire_copy(self, x):
@@ -97,12 +96,12 @@ class WeightPublisher:
     def _serve(self, m: Member) -> None:
         fleet, backoff = self.fleet, 0.0
         while not self._closed.is_set():
-            with fleet._lock:
-                fleet._lock.wait_for(lambda: self._closed.is_set() or self._due(m), timeout=1.0)
-                job = self._latest
-                if self._closed.is_set() or not self._due(m):
-                    continue
-                resume = m.version is None   # first weights from this trainer: any version
+            if not fleet.wait_for(lambda: self._closed.is_set() or self._due(m), timeout=1.0):
+                continue
+            job = self._latest
+            if self._closed.is_set() or not self._due(m):
+                continue
+            resume = m.version is None   # first weights from this trainer: any version
             version, params = job
             try:    # a server that pulls takes the device copy; a stream, host memory
                 pulls = getattr(m.generation, "transfer_host", None) is not None
@@ -112,8 +111,7 @@ class WeightPublisher:
                                                     resume=resume)
                 seconds = time.perf_counter() - t0
             except StaleVersion:     # someone else pushed it newer weights: replace them
-                with fleet._lock:
-                    m.version = None
+                fleet.replaced(m)
                 continue
             except (TimeoutError, ConnectionError) as e:
                 self._count("push_timeouts" if isinstance(e, TimeoutError) else "push_failures")
@@ -152,7 +150,6 @@ class WeightPublisher:
 
     def close(self) -> None:
         self._closed.set()
-        with self.fleet._lock:
-            self.fleet._lock.notify_all()
+        self.fleet.notify()
         for t in self._threads:
             threads.join(t, self.deadline_s + 5)

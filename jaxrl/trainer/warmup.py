@@ -29,18 +29,11 @@ from jaxrl.rl.tasks.base import Task
 from jaxrl.telemetry.metrics import open_metrics
 from jaxrl.train.checkpoint import Checkpointer, CheckpointError
 from jaxrl.train.objectives import SupervisedLoss
-from jaxrl.train.optim import lr_schedule, make_optimizer
-from jaxrl.train.step import (
-    abstract_state,
-    init_state,
-    jit_train_step,
-    optimizer_on_device,
-    state_shardings,
-)
+from jaxrl.train.step import abstract_state, init_state
 from jaxrl.trainer.distributed import is_leader
+from jaxrl.trainer.trainer import Trainer, check_resume
 from jaxrl.trainer.warmup_stop import AccuracyStop
 from sharding.hosts import fully_addressable, global_batch, local_box
-from sharding.layer_order import LayerOrder, converter
 from sharding.mesh import batch_sharding, data_parallel_size, make_mesh
 
 
@@ -74,82 +67,76 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     """Runs (or resumes) supervised warm-up; returns a summary of the run. `task`: the Python
     API's task, instead of the config's."""
     # Everything that can be wrong with the user's input is checked before anything is written.
-    ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep,
-                        async_save=cfg.checkpoint.async_save)
-    latest = ckpt.latest_step()
-    if latest is not None and not cfg.checkpoint.resume:
-        raise CheckpointError(
-            f"{str(ckpt.path)!r} already holds checkpoints up to step {latest}; set "
-            f"checkpoint.resume=true to continue that run, or choose a new checkpoint.dir")
+    latest = check_resume(cfg)
     model_cfg = model_config(cfg)
     task, tokenizer = build_task(cfg, model_cfg, task)
     mesh = make_mesh(cfg.mesh)
-    model_cfg = model_cfg.for_platform(mesh.devices.flat[0].platform)
     _check_batch(cfg, mesh)
     # This process builds only the rows of each batch its devices hold (all of them on one
     # host): batch rows laid out as the step takes them, [microbatch, row], cut to its box.
     t = cfg.train
     batch_shard = batch_sharding(mesh, 3, leading=1)
     shape = (t.microbatches, t.batch_size // t.microbatches, t.seq_len)
-    box = local_box(batch_shard, shape)
-    rows = np.arange(t.batch_size).reshape(shape[:2])[box[:2]]
+    rows = np.arange(t.batch_size).reshape(shape[:2])[local_box(batch_shard, shape)[:2]]
     dataset = sft_dataset(task, tokenizer, batch_size=t.batch_size, seq_len=t.seq_len,
                           seed=t.seed, rows=rows)
     dataset[0]  # fails here, naming the example, if train.seq_len is too short
+    trainer = Trainer(cfg, model_cfg, mesh, objective=SupervisedLoss(t.logits_chunk),
+                      optim=cfg.optim, steps=t.steps, first_step=0,
+                      restore=_restore_or_init(cfg, latest, log))
+    try:
+        return _train(cfg, trainer, task, tokenizer, dataset, rows, batch_shard, shape, log,
+                      evaluate_at_end)
+    finally:
+        trainer.close()
 
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    shardings = state_shardings(model_cfg, tx, mesh,
-                                offload_optimizer=cfg.train.offload_optimizer)
-    # Checkpoints hold the canonical layer order; the state, the pipeline's
-    # (sharding/layer_order.py).
-    order = LayerOrder.for_pipeline(cfg.sharding.pipeline, model_cfg.num_layers)
-    on_device = optimizer_on_device(shardings)
-    to_canonical = converter(order, "canonical", shardings, on_device)
-    canonical_params = converter(order, "canonical", shardings["params"])
-    if latest is not None:
-        target = abstract_state(model_cfg, tx, shardings)
 
-        def load(step):   # the model check first: another model's checkpoint is not broken
-            _check_same_model(ckpt.saved_config(step), model_cfg, ckpt.path)
-            return ckpt.restore(target, step)
+def _restore_or_init(cfg: RunConfig, latest: int | None, log: Callable[[str], None]):
+    """The warm-up's restore (jaxrl/trainer/trainer.py): the newest readable checkpoint of the
+    same model, else the Hugging Face folder's weights, else a random initialisation."""
+    def restore(ckpt, model_cfg, tx, shardings):
+        if latest is not None:
+            target = abstract_state(model_cfg, tx, shardings)
 
-        latest, state = ckpt.restore_newest(load, log)
-    if latest is not None:
-        log(f"resumed from {ckpt.path}/{latest}")
-    else:
+            def load(step):   # the model check first: another model's checkpoint is not broken
+                _check_same_model(ckpt.saved_config(step), model_cfg, ckpt.path)
+                return ckpt.restore(target, step)
+
+            step, state = ckpt.restore_newest(load, log)
+            if step is not None:
+                log(f"resumed from {ckpt.path}/{step}")
+                return None, state
         params = None
         if cfg.hf_path:
             params = split_params(from_hf(cfg.hf_path, model_cfg.dtype,
                                           param_dtype=model_cfg.param_dtype))[1]
-        state = init_state(model_cfg, tx, shardings, cfg.train.seed, params)
-    state = converter(order, "pipeline", shardings, on_device)(state)
-    graphdef, _ = split_params(abstract_model(model_cfg))
-    step_fn = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(cfg.optim, cfg.train.steps),
-                             remat=cfg.train.remat, pipeline=cfg.sharding.pipeline,
-                             objective=SupervisedLoss(cfg.train.logits_chunk),
-                             pipeline_order=order is not None)
+        return None, init_state(model_cfg, tx, shardings, cfg.train.seed, params)
+    return restore
 
+
+def _train(cfg: RunConfig, trainer: Trainer, task, tokenizer, dataset, rows, batch_shard, shape,
+           log: Callable[[str], None], evaluate_at_end: bool) -> dict:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_dict = to_dict(cfg)
     if is_leader():
         (run_dir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
-    first = int(state["step"])
+    first, model_cfg = trainer.step, trainer.model_cfg
     log(f"model: {model_cfg.family}, {model_cfg.num_params() / 1e6:.2f}M parameters; mesh "
-        f"{dict(mesh.shape)}; steps {first}..{cfg.train.steps}")
+        f"{dict(trainer.mesh.shape)}; steps {first}..{cfg.train.steps}")
     pending, last_metrics, start = [], {}, time.perf_counter()
     metrics_log = open_metrics(run_dir, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
                                config=config_dict, name="warm-up", phase="warm-up",
-                                # rows a crashed run logged past its checkpoint; never RL's
+                               # rows a crashed run logged past its checkpoint; never RL's
                                resume_step=first if first < cfg.train.steps else None)
-    stop = AccuracyStop(cfg, task, tokenizer, graphdef)
+    stop = AccuracyStop(cfg, task, tokenizer, trainer.graphdef)
     stopped_at = None
     try:
         for step in range(first, cfg.train.steps):
             local = {k: v.reshape(*rows.shape, *v.shape[1:]) for k, v in dataset[step].items()}
-            state, metrics = step_fn(state, global_batch(local, batch_shard,
-                                                         dict.fromkeys(local, shape)))
-            accuracy = stop.check(step + 1, lambda: canonical_params(state["params"]))
+            metrics = trainer.run_step(global_batch(local, batch_shard,
+                                                    dict.fromkeys(local, shape)))
+            accuracy = stop.check(step + 1, lambda: trainer.params)
             if accuracy is not None:
                 metrics["check_accuracy"] = accuracy
                 log(f"step {step + 1:>5}  greedy accuracy {accuracy:.1%} on "
@@ -161,8 +148,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
                         f"{cfg.train.steps}, where RL begins")
                     # The checkpoint's step is where RL's step numbers begin (the optimizer
                     # state inside still counts the steps taken).
-                    state["step"] = jax.device_put(np.int32(cfg.train.steps),
-                                                   state["step"].sharding)
+                    trainer.set_step(cfg.train.steps)
             pending.append((step + 1, metrics))
             done = step + 1 == cfg.train.steps or stopped_at is not None
             print_now = (step + 1) % cfg.train.log_every == 0 or done
@@ -176,26 +162,25 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
                 log(f"step {s:>5}  loss {row['loss']:.4f}  token_acc "
                     f"{row['token_accuracy']:.3f}  lr {row['lr']:.2e}")
             if save_now:
-                ckpt.save(to_canonical(state), config_dict)
+                trainer.save(config_dict)
             if stopped_at is not None:
                 break
     finally:
         stop.close()
         metrics_log.close()
-    ckpt.wait()
+    trainer.ckpt.wait()
     seconds = time.perf_counter() - start
     last = stopped_at or cfg.train.steps
     steps_run = last - first
     summary = {"steps": last, "loss": last_metrics.get("loss"), "stopped_at": stopped_at,
                "stop_accuracy": last_metrics.get("check_accuracy"),
-               "checkpoint": str(ckpt.path / str(ckpt.latest_step())),
+               "checkpoint": str(trainer.ckpt.path / str(trainer.ckpt.latest_step())),
                "samples_per_s": steps_run * cfg.train.batch_size / seconds if steps_run else 0.0,
                "seconds": seconds}
     if cfg.train.eval_problems and evaluate_at_end:
-        model = merge_params(graphdef, fully_addressable(canonical_params(state["params"])))
+        model = merge_params(trainer.graphdef, fully_addressable(trainer.params))
         summary["eval"] = evaluate_model(model, task, tokenizer, cfg.train.eval_problems,
                                          max_new_tokens=cfg.rl.max_new_tokens, rl=cfg.rl)
-    ckpt.close()
     return summary
 
 

@@ -27,6 +27,7 @@ from jaxrl.telemetry import rl_metrics
 from jaxrl.telemetry.metrics import read_metrics
 from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.trainer import rl_trainer
+from jaxrl.trainer import trainer as trainer_module
 from serving.orchestrator import Orchestrator
 
 WARMUP = 20      # supervised steps; RL steps are numbered on from there
@@ -135,7 +136,7 @@ def sync_split_run(warm, tmp_path_factory):
             super().__init__(*args, **kwargs)
             served.append(self)
 
-    class RecordingCheckpointer(rl_trainer.Checkpointer):
+    class RecordingCheckpointer(trainer_module.Checkpointer):
         def save(self, state, *args, **kwargs):
             saved.append(jax.tree.map(lambda a: frozenset(a.sharding.device_set), state))
             return super().save(state, *args, **kwargs)
@@ -143,7 +144,7 @@ def sync_split_run(warm, tmp_path_factory):
     run_dir = rl_run_dir(warm, tmp_path_factory.mktemp("sync_split"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(generation, "Orchestrator", RecordingOrchestrator)
-        mp.setattr(rl_trainer, "Checkpointer", RecordingCheckpointer)
+        mp.setattr(trainer_module, "Checkpointer", RecordingCheckpointer)
         summary = job.run(config(run_dir, "rl.mode=sync", "rl.placement=split",
                                  "rl.engine_devices=4"), log=quiet)
     return {"run_dir": run_dir, "summary": summary, "served": served, "saved": saved}

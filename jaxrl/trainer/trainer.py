@@ -1,0 +1,109 @@
+"""One trainer for the warm-up and RL: the model's state on the trainer's mesh, its jitted
+sharded step for an objective and an optimizer passed in, and its checkpoints.
+
+The state lives in the pipeline's layer order when a pipeline schedule asks for one; the
+checkpoints and the weights the engines serve are in the canonical order
+(sharding/layer_order.py). What differs between the phases is passed in: the objective (the
+supervised loss, or the policy-gradient loss), the optimizer settings and their horizon, the
+first step number (the learning-rate schedule counts from it), and how the phase restores or
+initialises its state (`restore`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+from jaxrl.config import RunConfig
+from jaxrl.models import abstract_model
+from jaxrl.models.transformer import split_params
+from jaxrl.optim_config import OptimConfig
+from jaxrl.train.checkpoint import Checkpointer, CheckpointError
+from jaxrl.train.optim import lr_schedule, make_optimizer
+from jaxrl.train.step import jit_train_step, optimizer_on_device, state_shardings
+from sharding import mesh as shd
+from sharding.layer_order import LayerOrder, converter
+
+# restore(checkpointer, model config, optimizer, shardings) -> (what the checkpoint saved
+# beside the state, or None; the state in canonical layer order)
+Restore = Callable[[Checkpointer, object, object, dict], tuple[dict | None, dict]]
+
+
+def check_resume(cfg: RunConfig) -> int | None:
+    """The newest checkpoint step in the run's checkpoint directory (None: none yet), or a
+    CheckpointError when there is one and checkpoint.resume is false. Creates nothing."""
+    ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep)
+    try:
+        latest = ckpt.latest_step()
+    finally:
+        ckpt.close()
+    if latest is not None and not cfg.checkpoint.resume:
+        raise CheckpointError(
+            f"{str(ckpt.path)!r} already holds checkpoints up to step {latest}; set "
+            f"checkpoint.resume=true to continue that run, or choose a new checkpoint.dir")
+    return latest
+
+
+class Trainer:
+    """`state` (restored or initialised by `restore`), `step` (the optimizer step reached),
+    `data` (what the checkpoint it resumed from saved beside the state, or None)."""
+
+    def __init__(self, cfg: RunConfig, model_cfg, mesh, *, objective, optim: OptimConfig,
+                 steps: int, first_step: int, restore: Restore, ref_params: bool = False):
+        self.mesh = mesh
+        self.model_cfg = model_cfg = model_cfg.for_platform(mesh.devices.flat[0].platform)
+        self.ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep,
+                                 async_save=cfg.checkpoint.async_save)
+        try:
+            self._build(cfg, objective, optim, steps, first_step, restore, ref_params)
+        except BaseException:
+            self.ckpt.close()
+            raise
+
+    def _build(self, cfg, objective, optim, steps, first_step, restore, ref_params) -> None:
+        model_cfg, mesh = self.model_cfg, self.mesh
+        tx = make_optimizer(optim, steps)
+        schedule = lr_schedule(optim, steps)
+        shardings = state_shardings(model_cfg, tx, mesh,
+                                    offload_optimizer=cfg.train.offload_optimizer)
+        if ref_params:
+            shardings["ref_params"] = shardings["params"]
+        order = LayerOrder.for_pipeline(cfg.sharding.pipeline, model_cfg.num_layers)
+        on_device = optimizer_on_device(shardings)
+        self._to_canonical = converter(order, "canonical", shardings, on_device)
+        self._canonical_params = converter(order, "canonical", shardings["params"])
+        self.data, state = restore(self.ckpt, model_cfg, tx, shardings)
+        self.state = converter(order, "pipeline", shardings, on_device)(state)
+        self.graphdef, _ = split_params(abstract_model(model_cfg))
+        self.batch_sharding = shd.batch_sharding(mesh, 3, leading=1)
+        self._step_fn = jit_train_step(self.graphdef, tx, shardings, mesh,
+                                       lambda s: schedule(s - first_step), remat=cfg.train.remat,
+                                       pipeline=cfg.sharding.pipeline, objective=objective,
+                                       pipeline_order=order is not None)
+        self.step = int(self.state["step"])
+
+    @property
+    def params(self):
+        """The parameters in canonical layer order (what checkpoints hold and engines serve)."""
+        return self._canonical_params(self.state["params"])
+
+    def run_step(self, batch) -> dict:
+        """One optimizer step on a batch already placed on the mesh; its metrics, left on the
+        device (the caller decides when to wait for them)."""
+        self.state, metrics = self._step_fn(self.state, batch)
+        self.step += 1
+        return metrics
+
+    def set_step(self, step: int) -> None:
+        """Numbers the state's step (the warm-up's early stop saves its weights as the step
+        where RL begins); the optimizer's own count is unchanged."""
+        self.state["step"] = jax.device_put(jax.numpy.int32(step), self.state["step"].sharding)
+        self.step = step
+
+    def save(self, config: dict, data: dict | None = None) -> None:
+        self.ckpt.save(self._to_canonical(self.state), config, data=data)
+
+    def close(self) -> None:
+        self.ckpt.wait()
+        self.ckpt.close()
