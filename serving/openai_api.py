@@ -33,10 +33,12 @@ from serving import threads
 from serving.detokenize import IncrementalDecoder
 from serving.openai_schema import (  # noqa: F401
     FINISH,
+    MAX_STOPS,
     ChatMessage,
     ChatRequest,
     CompletionRequest,
     OpenAIError,
+    refuse_unsupported,
 )
 from serving.orchestrator import EngineStopped, InvalidRequest, QueueFull
 from serving.sampling import SamplingParams
@@ -144,7 +146,16 @@ class OpenAIApp:
         self.generation.end_session(key)
         return record
 
+    def _check_model(self, body) -> None:
+        """Another model's name is a 404, as OpenAI's and vLLM's servers answer it."""
+        if body.model is not None and body.model != self.model_name:
+            raise OpenAIError(404, f"the model {body.model!r} does not exist: this server serves "
+                              f"{self.model_name!r} (GET /v1/models)", "model",
+                              "not_found_error")
+
     def completions(self, body: CompletionRequest, request: Request):
+        self._check_model(body)
+        refuse_unsupported(body)
         if body.echo:
             raise OpenAIError(400, "echo=true is not supported", "echo")
         if body.logprobs is not None and body.logprobs > 1:
@@ -159,6 +170,8 @@ class OpenAIApp:
                              logprobs=body.logprobs is not None, key=key)
 
     def chat(self, body: ChatRequest, request: Request):
+        self._check_model(body)
+        refuse_unsupported(body)
         if body.top_logprobs:
             raise OpenAIError(400, f"top_logprobs={body.top_logprobs}: only the sampled "
                               f"token's log-prob is known (use 0)", "top_logprobs")
@@ -219,8 +232,9 @@ class OpenAIApp:
         """One stream per prompt (each with body.n samples), all validated before any runs."""
         seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise OpenAIError(400, f"stop={body.stop!r}: up to 4 non-empty strings", "stop")
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise OpenAIError(400, f"stop={body.stop!r}: up to {MAX_STOPS} non-empty strings",
+                              "stop")
         samplings = []
         for ids in prompts:
             limit = max_tokens or max(self.max_len - len(ids), 1)

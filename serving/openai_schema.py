@@ -9,6 +9,30 @@ from typing import Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_STOPS = 16        # stop strings a request may give (code tasks give more than OpenAI's 4)
+
+# Fields of OpenAI's API this server does not implement: a request that sets one is refused
+# with HTTP 400 naming it, never answered as if it had not been set. (Their neutral values,
+# which change nothing, are accepted.)
+UNSUPPORTED = {"tools": None, "tool_choice": ("none", None), "functions": None,
+               "function_call": ("none", None), "response_format": ({"type": "text"}, None),
+               "logit_bias": ({}, None), "presence_penalty": (0, 0.0, None),
+               "frequency_penalty": (0, 0.0, None), "suffix": ("", None),
+               "best_of": (1, None)}
+
+
+def refuse_unsupported(body) -> None:
+    """OpenAIError(400) for the first field of UNSUPPORTED the request sets."""
+    extra = body.model_extra or {}
+    for name, neutral in UNSUPPORTED.items():
+        if name in extra:
+            value = extra[name]
+            allowed = neutral if isinstance(neutral, tuple) else (neutral,)
+            if not any(value == v for v in allowed):
+                raise OpenAIError(400, f"{name}={value!r} is not supported by this server "
+                                  f"(jaxrl serve): leave it out", name)
+
+
 # engine finish reasons -> OpenAI's; anything else means the engine failed the request
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -28,7 +52,7 @@ class OpenAIError(Exception):
 class _Sampling(BaseModel):
     """Fields both endpoints share (vLLM's `top_k` included)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")     # kept to be checked: refuse_unsupported
     model: str | None = None
     n: int = Field(1, ge=1, le=64)
     temperature: float = Field(1.0, ge=0, le=2)

@@ -40,7 +40,8 @@ def validate(cfg: EngineConfig, pool: PagePool, vocab_size: int, prompt: Seq[int
         raise InvalidRequest("prompt is empty")
     if len(prompt) > cfg.max_prefill_length:
         raise InvalidRequest(f"prompt has {len(prompt)} tokens; the limit is "
-                             f"{cfg.max_prefill_length}")
+                             f"{cfg.max_prefill_length} (the engine's max_prefill_length: "
+                             f"`jaxrl serve --max-prefill-length`)")
     check_tokens(prompt, vocab_size, "")
     room = cfg.max_len - len(prompt)
     if sampling.max_tokens > room:

@@ -123,7 +123,11 @@ def test_chat_renders_the_template_and_equals_the_engine(served, tokenizer):
     ({"logprobs": 3}, "logprobs"),
     ({"prompt": "w1 " * 60}, "prompt"),                      # past max_prefill_length
     ({"max_tokens": 500}, "max_tokens"),                     # past max_len
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [f"w{i}" for i in range(17)]}, "stop"),      # up to 16
+    ({"logit_bias": {"5": 10}}, "logit_bias"),              # not implemented: refused, named
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"best_of": 3}, "best_of"),
     ({"echo": True}, "echo"),
 ])
 def test_bad_requests_get_400_in_openais_error_shape(served, kwargs, param):
@@ -135,6 +139,32 @@ def test_bad_requests_get_400_in_openais_error_shape(served, kwargs, param):
     body = error.value.body
     assert body["type"] == "invalid_request_error" and body["param"] == param
     assert body["message"]
+
+
+def test_fields_it_does_not_implement_are_refused_by_name_and_neutral_values_pass(served):
+    client, _, _ = served
+    messages = [{"role": "user", "content": "w1 w2"}]
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    for kwargs, param in (({"tools": [tool]}, "tools"),
+                          ({"response_format": {"type": "json_object"}}, "response_format")):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=3,
+                                           **kwargs)
+        assert error.value.body["param"] == param and param in error.value.body["message"]
+    # Values that change nothing are taken, as are 16 stop strings.
+    got = client.completions.create(model="tiny", prompt="w1", max_tokens=3, logit_bias={},
+                                    presence_penalty=0, frequency_penalty=0.0,
+                                    stop=[f"w{i}" for i in range(16)])
+    assert got.choices[0].finish_reason in ("stop", "length")
+
+
+def test_another_model_s_name_is_a_404(served):
+    client, _, _ = served
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="gpt-4o", prompt="w1", max_tokens=2)
+    assert error.value.status_code == 404 and error.value.body["param"] == "model"
+    assert "'tiny'" in error.value.body["message"]
+    assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
 def test_malformed_json_and_missing_fields_get_400(served):
