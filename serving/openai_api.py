@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import json
 import secrets
-import threading
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,8 +28,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxrl.models.chat import ChatTemplateError, render_chat
 from jaxrl.models.tokenizer import prompt_ids
-from serving import threads
 from serving.detokenize import IncrementalDecoder
+from serving.http_server import start_http, stop_http  # noqa: F401 (the API's server)
 from serving.openai_schema import (  # noqa: F401
     FINISH,
     MAX_STOPS,
@@ -379,34 +378,3 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: "
                         f"{e.get('msg')}" for e in errors) or "invalid request"
     return OpenAIError(400, message, where).response()
-
-
-def start_http(app: Any, host: str, port: int):
-    """Serves `app` with uvicorn from a daemon thread; returns (server, port bound). Stop it
-    with `stop_http(server)`."""
-    import socket
-
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
-                              name="openai-http")
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if not server.started:
-        raise RuntimeError(f"the HTTP endpoint did not start on {host}:{port}")
-    server.thread = thread
-    return server, sock.getsockname()[1]
-
-
-def stop_http(server, timeout: float = 10.0) -> None:
-    """Stops a server `start_http` started and returns once its thread has ended (open
-    streams get `timeout_graceful_shutdown`); raises TimeoutError naming the thread if not."""
-    server.should_exit = True
-    threads.join(server.thread, timeout)
