@@ -238,7 +238,8 @@ class Orchestrator:
     def metrics(self) -> dict:
         s, sched, cfg = self._loop.stats(), self.scheduler, self.engine.cfg
         steps = max(s["steps"], 1)
-        pauses = list(self.pauses_s) or [0.0]
+        updates = list(self.pauses_s)
+        pauses = updates or [0.0]
         return {"version": self.version, "slots": sched.num_slots, "max_len": cfg.max_len,
                 "max_prefill_length": cfg.max_prefill_length, "vocab_size": self.vocab_size,
                 "eos_id": self.eos_id, "steps": s["steps"],
@@ -255,7 +256,7 @@ class Orchestrator:
                 "session_evictions": sched.sessions.evictions,
                 "prefix_reused_tokens": sched.sessions.reused_tokens,
                 "carried_tokens": self._carried_tokens,
-                "updates": len(pauses) if self.pauses_s else 0,
+                "updates": len(updates),
                 "update_pause_ms_max": 1e3 * max(pauses),
                 "update_pause_ms_mean": 1e3 * sum(pauses) / len(pauses),
                 "programs": self.engine.programs.compiled,

@@ -105,6 +105,7 @@ class RLRun:
             self._build_trainer()
             if self.leader:
                 self._build_leader(task)
+            self.first_weights = None    # served now (leader): not kept for the whole run
         except BaseException:
             self.__exit__(*sys.exc_info())
             raise
