@@ -118,7 +118,7 @@ class RemoteGeneration:
                 max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                 top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed, n=sampling.n,
                 stop_token_ids=list(sampling.stop_token_ids),
-                ignore_eos=not sampling.stop_at_eos),
+                ignore_eos=not sampling.stop_at_eos, min_tokens=sampling.min_tokens),
             carry=[gen_pb2.CarriedSample(token_ids=s.tokens, logprobs=s.logprobs,
                                          versions=s.versions) for s in carry or ()],
             sessions=[session] if isinstance(session, str) else list(session or ()))

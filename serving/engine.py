@@ -250,17 +250,18 @@ class Engine:
                                       _rows(starts_P, rows), _rows(lengths_P, rows), table)
         return state, logits     # [max_prefill_rows, V]: rows past P are padding
 
-    def sample_first(self, logits_PV, rows, samplings, sample_indices):
+    def sample_first(self, logits_PV, rows, samplings, sample_indices, eos_id=None):
         """First tokens and logprobs for K samples: entry i is drawn from logits row `rows[i]`
-        with `samplings[i]` as sample `sample_indices[i]` of its request."""
+        with `samplings[i]` as sample `sample_indices[i]` of its request (`eos_id`: the token
+        a sampling's min_tokens bans)."""
         k = self.cfg.row_bucket(len(rows))
         tokens, logprobs = self.programs(
             "sample_first", (k,), logits_PV, _padded(rows, k, np.int32),
-            _padded(sample_indices, k, np.int32), *_sampling_arrays(samplings, k))
+            _padded(sample_indices, k, np.int32), *_sampling_arrays(samplings, k, eos_id))
         return np.asarray(tokens)[: len(rows)], np.asarray(logprobs)[: len(rows)]
 
     def insert(self, state: DecodeState, slots, lengths, next_tokens, counts, samplings,
-               sample_indices) -> DecodeState:
+               sample_indices, eos_id=None) -> DecodeState:
         """JetStream's insert for K sequences whose pages are written: slot `slots[i]` decodes
         on from `next_tokens[i]` at position `lengths[i]`, having sampled `counts[i]` tokens.
         Nothing is copied: the slot reaches its pages through the page table."""
@@ -268,7 +269,8 @@ class Engine:
         # Padding repeats the last insert: writing the same slot twice with the same data.
         return self.programs("insert", (k,), state, _padded(slots, k, np.int32),
                              _padded(lengths, k, np.int32), _padded(next_tokens, k, np.int32),
-                             _padded(counts, k, np.int32), *_sampling_arrays(samplings, k),
+                             _padded(counts, k, np.int32),
+                             *_sampling_arrays(samplings, k, eos_id),
                              _padded(sample_indices, k, np.int32))
 
     def copy_pages(self, state: DecodeState, src, dst) -> DecodeState:
@@ -330,9 +332,14 @@ def _padded(values, k: int, dtype) -> np.ndarray:
     return np.asarray(values + values[-1:] * (k - len(values)), dtype)
 
 
-def _sampling_arrays(samplings, k: int):
-    """Per-entry (temperature, top_k, top_p, seed) arrays of length k."""
+def _sampling_arrays(samplings, k: int, eos_id: int | None):
+    """Per-entry (temperature, top_k, top_p, seed, banned token, min_tokens) arrays of length
+    k (serving/programs.py, SAMPLING_DTYPES). min_tokens bans EOS where the request stops at
+    it; stop tokens are drawn and ignored until then (serving/engine_loop.py, stop_reason)."""
+    ban = lambda s: eos_id if s.min_tokens and s.stop_at_eos and eos_id is not None else -1  # noqa: E731
     return (_padded([s.temperature for s in samplings], k, np.float32),
             _padded([s.top_k for s in samplings], k, np.int32),
             _padded([s.top_p for s in samplings], k, np.float32),
-            _padded([s.seed for s in samplings], k, np.uint32))
+            _padded([s.seed for s in samplings], k, np.uint32),
+            _padded([ban(s) for s in samplings], k, np.int32),
+            _padded([s.min_tokens for s in samplings], k, np.int32))

@@ -46,10 +46,11 @@ class Update:
 def stop_reason(seq: Sequence, eos_id: int | None, max_len: int) -> str | None:
     """Why `seq` ends after its last token, if it does."""
     s, token = seq.request.sampling, seq.tokens[-1]
-    if s.stop_at_eos and eos_id is not None and token == eos_id:
-        return "eos"
-    if token in s.stop_token_ids:
-        return "stop"
+    if len(seq.tokens) >= s.min_tokens:
+        if s.stop_at_eos and eos_id is not None and token == eos_id:
+            return "eos"
+        if token in s.stop_token_ids:
+            return "stop"
     if len(seq.tokens) >= s.max_tokens or seq.total_len() >= max_len:
         return "length"
     return None
@@ -182,7 +183,7 @@ class EngineLoop:
         if fresh:
             tokens, logprobs = engine.sample_first(
                 logits, [row for row, _ in fresh], [s.request.sampling for _, s in fresh],
-                [s.index for _, s in fresh])
+                [s.index for _, s in fresh], self.eos_id)
             for (_, seq), token, logprob in zip(fresh, np.asarray(tokens).tolist(),
                                                 np.asarray(logprobs).tolist()):
                 self._push(seq, token, logprob, self.version)
@@ -190,7 +191,8 @@ class EngineLoop:
         if live:
             state = engine.insert(state, [s.slot for s in live], [s.cached for s in live],
                                   [s.tokens[-1] for s in live], [len(s.tokens) for s in live],
-                                  [s.request.sampling for s in live], [s.index for s in live])
+                                  [s.request.sampling for s in live], [s.index for s in live],
+                                  self.eos_id)
         return state
 
     def _decode(self, state):

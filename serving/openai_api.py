@@ -240,7 +240,7 @@ class OpenAIApp:
             try:
                 sampling = SamplingParams(max_tokens=limit, temperature=body.temperature,
                                           top_p=body.top_p, top_k=body.top_k, seed=seed,
-                                          n=body.n)
+                                          n=body.n, min_tokens=body.min_tokens)
                 self.generation.validate(ids, sampling, key)
             except (ValueError, InvalidRequest) as e:
                 raise OpenAIError(400, str(e), "max_tokens" if "max_tokens" in str(e)

@@ -59,6 +59,7 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=0, lt=2**32)
+    min_tokens: int = Field(0, ge=0)   # vLLM's: no EOS or stop token id before this many
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None

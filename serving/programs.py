@@ -77,11 +77,14 @@ class DecodeState:
     top_k: jax.Array          # int32 [S]
     top_p: jax.Array          # float32 [S]
     seeds: jax.Array          # uint32 [S]
+    banned: jax.Array         # int32 [S]: the token (EOS) a slot may not draw before ...
+    min_tokens: jax.Array     # int32 [S]: ... it has sampled this many (-1: no ban)
     sample_index: jax.Array   # int32 [S]: which of the request's n samples
 
 
 PER_SLOT = tuple(f.name for f in dataclasses.fields(DecodeState) if f.name != "kv")
-SAMPLING_DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.uint32)   # temperature, k, p, seed
+# temperature, top_k, top_p, seed, banned, min_tokens: serving.engine's _sampling_arrays
+SAMPLING_DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.uint32, jnp.int32, jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +153,8 @@ def _empty_state(spec: Spec) -> DecodeState:
                        lengths=zeros(jnp.int32), tokens=zeros(jnp.int32),
                        counts=zeros(jnp.int32), temperature=zeros(jnp.float32),
                        top_k=zeros(jnp.int32), top_p=zeros(jnp.float32),
-                       seeds=zeros(jnp.uint32), sample_index=zeros(jnp.int32)))[0]
+                       seeds=zeros(jnp.uint32), banned=zeros(jnp.int32) - 1,
+                       min_tokens=zeros(jnp.int32), sample_index=zeros(jnp.int32)))[0]
 
 
 def _prefill(spec: Spec, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
@@ -164,23 +168,32 @@ def _prefill(spec: Spec, params, state: DecodeState, tokens_PT, starts_P, length
     return _pinned(spec, dataclasses.replace(state, kv=cache.kv), logits_PV)
 
 
+def _banned(banned_S, min_tokens_S, counts_S):
+    """The token each slot may not draw now: its ban while it has fewer than min_tokens."""
+    return jnp.where(counts_S < min_tokens_S, banned_S, -1)
+
+
 def _sample_first(spec: Spec, logits_PV, rows_K, index_K, temperature_K, top_k_K, top_p_K,
-                  seeds_K):
-    keys = slot_keys(seeds_K, index_K, jnp.zeros_like(index_K))
-    tokens_K, logprobs_K = sample(logits_PV[rows_K], temperature_K, top_k_K, top_p_K, keys)
+                  seeds_K, banned_K, min_tokens_K):
+    zeros = jnp.zeros_like(index_K)
+    keys = slot_keys(seeds_K, index_K, zeros)
+    tokens_K, logprobs_K = sample(logits_PV[rows_K], temperature_K, top_k_K, top_p_K, keys,
+                                  _banned(banned_K, min_tokens_K, zeros))
     rep = shd.replicated(spec.mesh)
     return (jax.lax.with_sharding_constraint(tokens_K, rep),
             jax.lax.with_sharding_constraint(logprobs_K, rep))
 
 
 def _insert(spec: Spec, state: DecodeState, slots_K, lengths_K, tokens_K, counts_K,
-            temperature_K, top_k_K, top_p_K, seeds_K, index_K):
+            temperature_K, top_k_K, top_p_K, seeds_K, banned_K, min_tokens_K, index_K):
     at = lambda a, x: a.at[slots_K].set(x)  # noqa: E731
     return _pinned(spec, dataclasses.replace(
         state, lengths=at(state.lengths, lengths_K), tokens=at(state.tokens, tokens_K),
         counts=at(state.counts, counts_K), temperature=at(state.temperature, temperature_K),
         top_k=at(state.top_k, top_k_K), top_p=at(state.top_p, top_p_K),
-        seeds=at(state.seeds, seeds_K), sample_index=at(state.sample_index, index_K)))[0]
+        seeds=at(state.seeds, seeds_K), banned=at(state.banned, banned_K),
+        min_tokens=at(state.min_tokens, min_tokens_K),
+        sample_index=at(state.sample_index, index_K)))[0]
 
 
 def _copy_pages(spec: Spec, state: DecodeState, src_K, dst_K):
@@ -201,7 +214,7 @@ def _advance(spec: Spec, state: DecodeState, logits_RV, slots_R, real_R):
     rows = {n: getattr(state, n)[slots_R] for n in PER_SLOT}
     keys = slot_keys(rows["seeds"], rows["sample_index"], rows["counts"])
     tokens_R, logprobs_R = sample(logits_RV, rows["temperature"], rows["top_k"], rows["top_p"],
-                                  keys)
+                                  keys, _banned(rows["banned"], rows["min_tokens"], rows["counts"]))
     new = {"lengths": jnp.minimum(rows["lengths"] + 1, spec.cfg.max_len), "tokens": tokens_R,
            "counts": rows["counts"] + 1}
     state = dataclasses.replace(state, **{

@@ -21,6 +21,9 @@ class SamplingParams:
     n: int = 1                         # samples sharing one prefill (a GRPO group)
     stop_token_ids: tuple[int, ...] = ()
     stop_at_eos: bool = True
+    # vLLM's min_tokens: EOS cannot be sampled, and stop tokens do not stop, before this many
+    # tokens (a benchmark's fixed output lengths: min_tokens = max_tokens - 1).
+    min_tokens: int = 0
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -33,6 +36,9 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.n < 1:
             raise ValueError(f"n={self.n} must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be in [0, max_tokens="
+                             f"{self.max_tokens}]")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed={self.seed} must be in [0, 2**32)")
 
@@ -47,15 +53,20 @@ def slot_keys(seeds_S, sample_index_S, counts_S):
     return jax.vmap(key)(seeds_S, sample_index_S, counts_S)
 
 
-def sample(logits_SV, temperature_S, top_k_S, top_p_S, keys_S):
+def sample(logits_SV, temperature_S, top_k_S, top_p_S, keys_S, banned_S=None):
     """(tokens [S], log-probs [S]). The log-prob is under softmax(logits / temperature) before
-    the top-k/top-p cut (temperature 1 for greedy slots): the distribution the trainer
-    recomputes. The sort that top-k/top-p need, and the random draw, are skipped when no slot
-    needs them (XLA's CPU sort costs more than a small model's whole decode step)."""
+    the top-k/top-p cut and the ban (temperature 1 for greedy slots): the distribution the
+    trainer recomputes. `banned_S`: a token id each slot may not draw (min_tokens' EOS), -1 for
+    none. The sort that top-k/top-p need, and the random draw, are skipped when no slot needs
+    them (XLA's CPU sort costs more than a small model's whole decode step)."""
     logits_SV = logits_SV.astype(jnp.float32)
     greedy_S = temperature_S <= 0
     scaled_SV = logits_SV / jnp.where(greedy_S, 1.0, temperature_S)[:, None]
     logp_SV = jax.nn.log_softmax(scaled_SV, axis=-1)
+    if banned_S is not None:
+        ban_SV = jnp.arange(logits_SV.shape[-1])[None, :] == banned_S[:, None]
+        logits_SV = jnp.where(ban_SV, -jnp.inf, logits_SV)
+        scaled_SV = jnp.where(ban_SV, -jnp.inf, scaled_SV)
     argmax_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
 
     def draw(_):

@@ -38,16 +38,19 @@ def _contiguous_step(graphdef, params, token, position, cache, sampling_args):
     return sample(model.logits(x)[:, 0], *sampling_args), cache
 
 
-def contiguous_decode(graphdef, params, prompt, sampling, index, versions):
+def contiguous_decode(graphdef, params, prompt, sampling, index, versions, eos_id=None):
     """The independent reference for the paged engine: one sequence fed a token at a time into
     a contiguous KV cache (jaxrl.models.kv_cache), token j drawn under params[versions[j]] with
-    the engine's sampler and keys. Returns (tokens, logprobs)."""
+    the engine's sampler and keys (EOS banned for j < sampling.min_tokens). Returns (tokens,
+    logprobs)."""
     cache = ContiguousKV.zeros(CFG.num_layers, 1, ENGINE.max_len, CFG.num_kv_heads, CFG.head_dim)
     args = lambda j: (np.asarray([sampling.temperature], np.float32),  # noqa: E731
                       np.asarray([sampling.top_k], np.int32),
                       np.asarray([sampling.top_p], np.float32),
                       slot_keys(np.asarray([sampling.seed], np.uint32), np.asarray([index]),
-                                np.asarray([j])))
+                                np.asarray([j])),
+                      np.asarray([eos_id if j < sampling.min_tokens and eos_id is not None
+                                  else -1], np.int32))
     fed = list(prompt)
     tokens, logprobs = [], []
     for position in range(len(prompt) + len(versions) - 1):

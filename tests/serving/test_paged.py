@@ -188,6 +188,32 @@ def test_carried_samples_continue_where_they_stopped(engine, params):
             sum(len(s.tokens) for s in saved)
 
 
+def test_min_tokens_bans_eos_until_then(engine, params):
+    """vLLM's min_tokens: EOS cannot be drawn before it (first token and decode steps alike),
+    the log-probs stay those of the unbanned distribution, and the sample may end after it."""
+    prompt = prompts(9, seed=3)[0]
+    with Orchestrator(engine, params, eos_id=None) as o:
+        free = o.submit(prompt, SamplingParams(temperature=0.0, max_tokens=12,
+                                               stop_at_eos=False)).result()[0]
+    eos = free.tokens[0]                 # greedy's first token, made the EOS
+    requests = [SamplingParams(temperature=0.0, max_tokens=12),
+                SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6),
+                SamplingParams(temperature=1.0, seed=5, n=4, max_tokens=12, min_tokens=11)]
+    with Orchestrator(engine, params, eos_id=eos) as o:
+        stopped, banned, sampled = [o.submit(prompt, s).result() for s in requests]
+    assert stopped[0].tokens == [eos] and stopped[0].finish_reason == "eos"
+    for sampling, samples in zip(requests[1:], (banned, sampled)):
+        for i, s in enumerate(samples):
+            assert len(s.tokens) >= sampling.min_tokens
+            assert eos not in s.tokens[:sampling.min_tokens]
+            assert s.finish_reason == ("eos" if s.tokens[-1] == eos else "length")
+            tokens, logprobs = contiguous_decode(engine.graphdef, {0: params}, prompt, sampling,
+                                                 i, [0] * len(s.tokens), eos_id=eos)
+            assert s.tokens == tokens
+            np.testing.assert_allclose(s.logprobs, logprobs, atol=1e-5)
+    assert banned[0].tokens[0] != free.tokens[0]      # the ban changed the greedy choice
+
+
 def test_bad_carry_is_refused(engine, params):
     prompt, sampling = prompts(5, seed=3)[0], SamplingParams(max_tokens=8, n=2)
     with Orchestrator(engine, params) as o:
