@@ -15,6 +15,9 @@ def _train(args) -> None:
     from jaxrl.config import load_run_config
 
     cfg = load_run_config(args.config, args.overrides)  # before the heavy imports: errors fast
+    from jaxrl.rollout.local_servers import pin_trainer
+
+    pin_trainer(cfg)              # rl.generation.cpus: before JAX sizes its thread pools
     from jaxrl.platform import use_compilation_cache
     from jaxrl.trainer import distributed
 

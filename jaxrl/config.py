@@ -96,6 +96,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}={value!r}: expected a number")
         return float(value)
     if tp is str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)     # YAML reads a string of digits (a core, a name) as a number
         if not isinstance(value, str):
             raise ConfigError(f"{key}={value!r}: expected a string")
         return value

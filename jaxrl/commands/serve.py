@@ -170,7 +170,8 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
         f"{engine_cfg.max_concurrent_decodes * replicas} "
         f"slots, max_len {engine_cfg.max_len}, {engines[0].num_pages - 1} KV pages of "
         f"{engine_cfg.page_size} tokens{' per replica' if replicas > 1 else ''}; weight updates "
-        f"{'enabled' if update_token else 'disabled (no update token)'}")
+        f"{'enabled' if update_token else 'disabled (no update token)'}; CPU cores "
+        f"{sorted(os.sched_getaffinity(0))}")
     if ready is not None:
         ready.set()
     while not stopping:

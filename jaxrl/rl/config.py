@@ -29,6 +29,13 @@ class GenerationConfig:
     # it has no authentication of its own: a trusted network only). serving/transfer.py.
     transfer: Literal["grpc", "jax"] = "grpc"
     transfer_host: str = "127.0.0.1"
+    # Servers this run starts itself: `launch` `jaxrl serve` processes on 127.0.0.1 (instead of
+    # listing servers), from the run's newest checkpoint, stopped with the run. cpus: the cores
+    # they run on ("1", "2-3", "4-7,12"), split evenly among them; the trainer is pinned to the
+    # machine's other cores. On a CPU host that is rl.placement=split done with processes: the
+    # trainer and the engine on cores of their own (jaxrl/rollout/local_servers.py).
+    launch: int = 0
+    cpus: str = ""
 
     def __post_init__(self):
         for name in ("push_deadline_s", "heartbeat_s", "heartbeat_timeout_s", "wait_s"):
@@ -40,10 +47,15 @@ class GenerationConfig:
                 raise ValueError(f"rl.generation.servers: {address!r} is not host:port")
         if len(set(self.servers)) != len(self.servers):
             raise ValueError(f"rl.generation.servers lists a server twice: {self.servers}")
+        if self.launch < 0:
+            raise ValueError(f"rl.generation.launch={self.launch} must be >= 0")
+        if self.cpus and not self.launch:
+            raise ValueError(f"rl.generation.cpus={self.cpus!r} pins launched servers; set "
+                             f"rl.generation.launch too")
 
     @property
     def remote(self) -> bool:
-        return bool(self.servers)
+        return bool(self.servers) or self.launch > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +104,12 @@ class RLConfig:
     group_size: int = 8             # samples per prompt (the advantage baseline's group)
     max_prompt_len: int = 16        # longer prompts are skipped (counted)
     max_new_tokens: int = 8         # completion budget per sample (per model turn)
+    # free: a sample ends at its EOS (or max_new_tokens). answer: every sample of a single-turn
+    # task is as long as its problem's reference answer in tokens, then one token more for its
+    # EOS (min_tokens bans EOS until then; a sample without EOS there is cut): a workload whose
+    # lengths follow the task's drawn distribution whatever the model has learned, the same in
+    # every run and variant (bench/long_tail.py). Set filter_overlong=false with it.
+    completion_length: Literal["free", "answer"] = "free"
     # Multi-turn tasks (jaxrl/rl/env.py): model turns per episode, and the tokens an episode
     # may add after its prompt (the model's and the environment's; 0: max_turns x
     # max_new_tokens). Single-turn tasks take max_turns=1.
@@ -185,6 +203,9 @@ class RLConfig:
             raise ValueError("rl.agent runs its agents against this process's engine (an "
                              "OpenAI endpoint on 127.0.0.1); it cannot be combined with "
                              "rl.generation.servers")
+        if self.completion_length == "answer" and self.max_turns > 1:
+            raise ValueError("rl.completion_length=answer fixes a single completion's length; "
+                             f"rl.max_turns={self.max_turns} episodes have no one answer")
         if 0 < self.max_episode_tokens < self.max_new_tokens:
             raise ValueError(f"rl.max_episode_tokens={self.max_episode_tokens} is below one "
                              f"turn's rl.max_new_tokens={self.max_new_tokens}")

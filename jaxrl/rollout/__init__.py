@@ -2,7 +2,8 @@
 
 Owns the generation fleet (`fleet`: in-process engines and `jaxrl serve` processes, which
 member takes which group), the weight publisher that brings each trained version to them
-(`publisher`), the set-up of both for a run (`generation`), and the producers of samples: the
+(`publisher`), the set-up of both for a run (`generation`), servers a run starts on its own
+cores (`local_servers`), and the producers of samples: the
 actor (`actor`: groups of n, scoring, filters, the rollout stream's state), multi-turn episodes
 (`episodes`) and external agent programs (`agents`).
 

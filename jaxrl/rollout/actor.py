@@ -114,9 +114,9 @@ class Actor:
                                   self.cfg, seed=seed, state=carry)
             collect = self._collect_episodes
         else:
-            sampling = SamplingParams(max_tokens=self.cfg.max_new_tokens,
-                                      temperature=self.cfg.temperature, n=self.cfg.group_size,
-                                      seed=seed)
+            sampling = SamplingParams(temperature=self.cfg.temperature,
+                                      n=self.cfg.group_size, seed=seed,
+                                      **self._length_limits(problem))
             stream = self.generation.submit(prompt, sampling, carry=carry)
             collect = self._collect
         with self._lock:
@@ -125,6 +125,14 @@ class Actor:
                 self.stats["carried_tokens"] += _carried_tokens(carry)
         self._pool.submit(collect, index, problem, prompt, stream)
         return self.cfg.group_size
+
+    def _length_limits(self, problem: Problem) -> dict:
+        """max_tokens (and min_tokens) of a problem's samples: rl.completion_length."""
+        budget = self.cfg.max_new_tokens
+        if self.cfg.completion_length == "free":
+            return {"max_tokens": budget}
+        answer = len(self.tokenizer.encode(problem.answer))
+        return {"max_tokens": min(answer + 1, budget), "min_tokens": min(answer, budget - 1)}
 
     def _collect(self, index: int, problem: Problem, prompt: list[int], stream) -> None:
         rollouts, complete = [], False

@@ -16,6 +16,7 @@ it runs the actor, the fleet, the pipeline, evaluation and metrics, and shares e
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from jaxrl.errors import UserError
 from jaxrl.eval.evaluate import evaluate
 from jaxrl.recipe import build_task, model_config
 from jaxrl.rl.tasks.base import Task
-from jaxrl.rollout import generation
+from jaxrl.rollout import generation, local_servers
 from jaxrl.rollout.actor import Actor
 from jaxrl.rollout.agents import Agents
 from jaxrl.telemetry.metrics import MetricsLogger
@@ -56,6 +57,15 @@ def check_config(cfg: RunConfig) -> None:
     check_rl_config(cfg, shd.make_mesh(cfg.mesh, trainer_devices))
     generation.engine_config(cfg, model_config(cfg))
     generation.update_token(cfg.rl.generation.token_file)
+    g = cfg.rl.generation
+    if g.launch:
+        if g.servers:
+            raise ConfigError(f"rl.generation.launch={g.launch} starts its own servers; "
+                              f"rl.generation.servers lists others ({list(g.servers)}): set one")
+        if jax.process_count() > 1:
+            raise ConfigError("rl.generation.launch starts servers beside a one-process "
+                              "trainer; across processes, list them in rl.generation.servers")
+        local_servers.plan(g.launch, g.cpus)
 
 
 def check_rl_config(cfg: RunConfig, mesh) -> None:
@@ -102,6 +112,8 @@ class RLRun:
         self.lockstep: Lockstep | None = None
         self._stack = contextlib.ExitStack()
         try:
+            if cfg.rl.generation.launch:
+                self.cfg = cfg = self._launch(cfg)
             self._build_trainer()
             if self.leader:
                 self._build_leader(task)
@@ -123,6 +135,26 @@ class RLRun:
         return self.lockstep.leader
 
     # -- building ------------------------------------------------------------------------------
+    def _launch(self, cfg: RunConfig) -> RunConfig:
+        """Starts rl.generation.launch `jaxrl serve` processes, each on its cores, and pins this
+        process to the others (a no-op when `jaxrl train` already did, before JAX started);
+        returns `cfg` with them as its servers. They compile while the trainer builds."""
+        check_config(cfg)
+        g = cfg.rl.generation
+        cores = local_servers.plan(g.launch, g.cpus)
+        if cores.trainer and sorted(os.sched_getaffinity(0)) != cores.trainer:
+            local_servers.pin_trainer(cfg)
+            self.log(f"warning: the trainer was pinned to cores {cores.trainer} after JAX had "
+                     f"started: its thread pools were sized for more; run it with `jaxrl "
+                     f"train`, which pins it first")
+        servers = local_servers.LocalServers(
+            cfg.checkpoint_dir, generation.engine_config(cfg, model_config(cfg)),
+            model_config(cfg).dtype, cores.servers, Path(cfg.run_dir), self.log)
+        self._stack.callback(servers.close)
+        if cores.trainer:
+            self.log(f"trainer pinned to cores {cores.trainer}")
+        return servers.config(cfg)
+
     def _build_trainer(self) -> None:
         cfg = self.cfg
         self.model_cfg = model_config(cfg)

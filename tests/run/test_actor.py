@@ -2,6 +2,7 @@
 they have generated so far, and a resumed actor continues those samples instead of
 regenerating them, ending with exactly the samples an uninterrupted run produces."""
 
+import dataclasses
 import json
 import time
 
@@ -86,3 +87,23 @@ def test_groups_in_flight_continue_after_a_restart(parts):
         mine = [r for r in rollouts if r.group == int(i)]
         for s, r in zip(samples, mine):
             assert r.logprobs[:len(s["tokens"])] == s["logprobs"]
+
+
+def test_answer_lengths_fix_every_sample(parts):
+    """rl.completion_length=answer: an untrained model's samples are each exactly as long as
+    their problem's answer, plus the one token where EOS may come, whatever it draws."""
+    engine, params, task, tokenizer = parts
+    rl = dataclasses.replace(CFG.rl, completion_length="answer")
+    log = RolloutLog()
+    with Orchestrator(engine, params, eos_id=tokenizer.eos_id) as o:
+        a = Actor(o, task, tokenizer, log, rl, seed=5, warn=lambda _: None)
+        a.generate(3 * GROUP)
+        a.stop()
+    rollouts = log.tail(0)
+    assert len(rollouts) >= 3 * GROUP
+    lengths = {len(tokenizer.encode(a.problem(r.group).answer)) for r in rollouts}
+    assert len(lengths) > 1            # the answers differ in length, and so do the samples
+    for r in rollouts:
+        answer = tokenizer.encode(a.problem(r.group).answer)
+        assert len(r.completion) == len(answer) + 1
+        assert tokenizer.eos_id not in r.completion[:-1]

@@ -1,0 +1,49 @@
+"""rl.generation.launch: `jaxrl train` starts its own `jaxrl serve` process, pinned to the cores
+of rl.generation.cpus, pins itself to the others before JAX starts, trains on what the server
+generates, and stops the server with the run. The core plan's bad inputs are refused by name."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jaxrl.errors import UserError
+from jaxrl.rollout.local_servers import parse_cpus, plan
+from jaxrl.telemetry.metrics import read_metrics
+from tests.run.test_rl import BASE, WARMUP
+
+
+def test_core_plans():
+    assert parse_cpus("0,2-3, 5") == [0, 2, 3, 5]
+    p = plan(2, "2-5", available=list(range(8)))
+    assert p.servers == [[2, 3], [4, 5]] and p.trainer == [0, 1, 6, 7]
+    assert plan(1, "", available=[0, 1]).trainer == []          # nothing pinned
+    for launch, cpus, error in [(1, "1-x", "'1-x' is not a core"), (1, "3-1", "'3-1'"),
+                                (1, "0-2", "takes every core"), (1, "5", r"\[5\] are not"),
+                                (3, "1", "has 1 core\\(s\\) for rl.generation.launch=3")]:
+        with pytest.raises(UserError, match=error):
+            plan(launch, cpus, available=[0, 1, 2])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+def test_train_launches_a_pinned_server_and_trains_on_it(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))
+    overrides = [o for o in BASE if not o.startswith("rl.steps=")] + [
+        f"run_dir={tmp_path}", "rl.steps=4", "rl.mode=sync", "rl.generation.launch=1",
+        f"rl.generation.cpus={cores[-1]}"]
+    done = subprocess.run([sys.executable, "-m", "jaxrl.cli", "train", *overrides],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"trainer pinned to cores {cores[:-1]}" in done.stdout
+    server_log = (tmp_path / "launched_server_0.log").read_text()
+    assert re.search(rf"ready on 127\.0\.0\.1:\d+: .*CPU cores \[{cores[-1]}\]", server_log)
+    assert "shutting down" in server_log                      # stopped with the run
+    rows = [r for r in read_metrics(tmp_path) if "reward" in r]
+    assert [r["step"] for r in rows] == list(range(WARMUP + 1, WARMUP + 5))
+    assert [r["samples_trained"] for r in rows] == [16 * 8 * k for k in range(1, 5)]
+    assert all(r["members_ready"] == 1 for r in rows)
+    assert f"weights version {WARMUP + 3} streamed" in server_log   # it served every version
