@@ -1,25 +1,37 @@
 """Shared by the RL benchmarks (async_vs_sync, long_tail): runs variants of one RL config from
-the same warm-up checkpoint, one after the other in one process, and compares them.
+the same warm-up checkpoint, each with several seeds, one run after the other, and compares
+them: mean and spread over the seeds, ratios against the first variant.
 
-A variant is a name and config overrides (e.g. "partial": ["rl.mode=partial"]). Every variant
-gets the same config, checkpoint, hardware and sample budget (rl.steps x rl.batch_size).
+A variant is a name and config overrides (e.g. "partial": ["rl.mode=partial"]). Every run gets
+the same config, checkpoint, hardware and sample budget (rl.steps x rl.batch_size); seed s sets
+train.seed, which draws the problems, so every variant sees the same problems for a seed.
 
-Time to target: wall time (compilation and held-out evaluation excluded) until the success rate
-of the generated samples, averaged over a window of steps, first reaches the target. The success
-rate is measured on freshly drawn training problems at the sampling temperature.
-"""
+In-process (default), the runs share this process's cores: the engine and the trainer compete
+for them. `--pinned` runs each as `jaxrl train` with its generation in a `jaxrl serve` process
+of its own (rl.generation.launch=1), the server pinned to `--server-cpus` and the trainer to
+the other cores: the two sides on cores of their own, as on two accelerators (partial, which
+pauses an in-process engine, has no pinned form and is skipped).
+
+samples/s: samples trained per second of wall time between the end of the first step (which
+includes compilation) and the end of the last. Time to target: wall time over the same span
+until the success rate of the generated samples, averaged over a window of steps, first reaches
+the target (measured on freshly drawn training problems at the sampling temperature)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+from _machine import wait_until_quiet
 
 from jaxrl.config import load_run_config
-from jaxrl.trainer import rl as rl_run
-from jaxrl.trainer import warmup
+from jaxrl.telemetry.metrics import read_metrics
 
 VARIANTS = {
     "sync": ["rl.mode=sync"],
@@ -27,23 +39,32 @@ VARIANTS = {
     "async": ["rl.mode=async"],
     "async+longest_first": ["rl.mode=async", "rl.admission=longest_first"],
 }
+UNPINNABLE = {"partial"}
 
 
 def add_arguments(p, *, config: Path, rl_steps: int, target: float, window: int,
                   variants: list[str]) -> None:
+    cores = sorted(os.sched_getaffinity(0))
     p.add_argument("--config", default=str(config), help="YAML run config")
-    p.add_argument("--rl-steps", type=int, default=rl_steps, help="RL steps per variant")
+    p.add_argument("--rl-steps", type=int, default=rl_steps, help="RL steps per run")
     p.add_argument("--target", type=float, default=target, help="success rate to reach")
     p.add_argument("--window", type=int, default=window, help="steps averaged for the target")
     p.add_argument("--variants", nargs="+", default=variants, choices=list(VARIANTS),
                    help="what to compare; the first is the baseline of the ratios")
+    p.add_argument("--seeds", type=int, default=3, help="runs per variant (train.seed 0..N-1)")
+    p.add_argument("--pinned", action="store_true",
+                   help="trainer and a jaxrl serve process on cores of their own")
+    p.add_argument("--server-cpus", default=",".join(map(str, cores[len(cores) // 2:])),
+                   help="--pinned: the server's cores (the trainer takes the others)")
+    p.add_argument("--busy-limit", type=float, default=0.15,
+                   help="refuse to measure while other processes use more of the CPU")
     p.add_argument("--warmup-dir", default=None,
                    help="checkpoint dir holding the warm-up's last step, train.steps "
                         "(None: train the warm-up first)")
     p.add_argument("--save", default=None,
-                   help="also write every variant's per-step metrics to this JSON file")
+                   help="also write every run's per-step metrics to this JSON file")
     p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
-                   help="config overrides for every variant")
+                   help="config overrides for every run")
 
 
 def success(rows: list[dict]) -> np.ndarray:
@@ -69,6 +90,8 @@ def warm_checkpoint(args, work: Path) -> Path:
                                         "train.eval_problems=0", *args.overrides])
     warmup_dir = args.warmup_dir
     if warmup_dir is None:
+        from jaxrl.trainer import warmup
+
         warmup.train(cfg, log=lambda m: None, evaluate_at_end=False)
         warmup_dir = cfg.checkpoint_dir
     step = cfg.train.steps
@@ -80,56 +103,116 @@ def warm_checkpoint(args, work: Path) -> Path:
     return base
 
 
-def run_variant(base: Path, work: Path, name: str, args, extra: tuple[str, ...] = ()) -> dict:
-    """RL from the warm-up checkpoint `base` with variant `name`'s overrides (VARIANTS, or
-    `extra` for a variant of the caller's own)."""
-    run_dir = work / name.replace("+", "_")
+def run_variant(base: Path, work: Path, name: str, args, seed: int = 0,
+                extra: tuple[str, ...] = ()) -> dict:
+    """One RL run from the warm-up checkpoint `base` with variant `name`'s overrides (VARIANTS,
+    or `extra` for a variant of the caller's own), in this process or (--pinned) as `jaxrl
+    train` with a pinned server."""
+    run_dir = work / f"{name.replace('+', '_')}_seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.copytree(base, run_dir / "checkpoints")
-    cfg = load_run_config(args.config, [
-        f"run_dir={run_dir}", f"rl.steps={args.rl_steps}", "train.eval_problems=0",
-        "log.progress=false", f"checkpoint.every={10**9}", *args.overrides, *VARIANTS.get(name, ()),
-        *extra])
-    summary = rl_run.reinforce(cfg, log=lambda m: None)
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    rows = [r for r in rows if "success_rate" in r][1:]  # the first step includes compilation
-    return {"variant": name, "samples_per_s": summary["samples_per_s"],
-            "seconds": rows[-1]["time_s"] - rows[0]["time_s"],
+    overrides = [f"run_dir={run_dir}", f"rl.steps={args.rl_steps}", "train.eval_problems=0",
+                 "log.progress=false", f"checkpoint.every={10**9}", f"train.seed={seed}",
+                 *args.overrides, *VARIANTS.get(name, ()), *extra]
+    if getattr(args, "pinned", False):
+        overrides += ["rl.generation.launch=1", f"rl.generation.cpus={args.server_cpus}"]
+        done = subprocess.run([sys.executable, "-m", "jaxrl.cli", "train", "--config",
+                               args.config, *overrides], capture_output=True, text=True,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        if done.returncode:
+            raise SystemExit(f"{name} (seed {seed}) failed:\n{done.stdout[-2000:]}"
+                             f"{done.stderr[-2000:]}")
+    else:
+        from jaxrl.trainer import rl as rl_run
+
+        rl_run.reinforce(load_run_config(args.config, overrides), log=lambda m: None)
+    return summarise(name, seed, [r for r in read_metrics(run_dir) if "reward" in r], args)
+
+
+def summarise(name: str, seed: int, rows: list[dict], args) -> dict:
+    """One run's figures from its RL rows (the first step, which compiles, left out)."""
+    rows = rows[1:]
+    seconds = rows[-1]["time_s"] - rows[0]["time_s"]
+    get = lambda k: [r[k] for r in rows if r.get(k) is not None]  # noqa: E731
+    return {"variant": name, "seed": seed, "seconds": seconds,
+            "samples_per_s": (rows[-1]["samples_trained"] - rows[0]["samples_trained"]) / seconds,
             "time_to_target_s": time_to_target(rows, args.target, args.window),
             "final_success": float(np.nanmean(success(rows)[-args.window:])),
-            "lag_mean": summary["lag_mean"],
-            "slots_busy": float(np.mean([r["slots_busy_fraction"] for r in rows])),
-            "held_tokens_mean": float(np.mean([r["held_tokens_mean"] for r in rows])),
-            "completion_len_p50": float(np.nanmedian(
-                [r.get("completion_len_p50") or np.nan for r in rows])),
+            "lag_mean": float(np.mean(get("lag_mean") or [np.nan])),
+            "slots_busy": float(np.mean(get("slots_busy_fraction") or [np.nan])),
+            "held_tokens_mean": float(np.mean(get("held_tokens_mean") or [np.nan])),
+            "length_p50": float(np.mean(get("completion_len_p50") or [np.nan])),
+            "length_p90": float(np.mean(get("completion_len_p90") or [np.nan])),
+            "length_max": float(max(get("completion_len_max") or [np.nan])),
             "rows": rows}
 
 
-def report(results: dict[str, dict], save: str | None = None) -> None:
-    """The table, then every variant's ratios against the first (the baseline); with `save`,
-    every variant's per-step rows to that JSON file as well."""
+def run_all(base: Path, work: Path, args) -> dict[str, list[dict]]:
+    """Every variant with every seed, seed-major (so the machine's drift touches every variant
+    alike), each run after a check that the machine is quiet."""
+    names = [n for n in args.variants if not (args.pinned and n in UNPINNABLE)]
+    for n in set(args.variants) - set(names):
+        print(f"  {n}: skipped (no pinned form: it pauses an in-process engine)", flush=True)
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    for seed in range(args.seeds):
+        for name in names:
+            wait_until_quiet(args.busy_limit, "bench")
+            r = run_variant(base, work, name, args, seed)
+            results[name].append(r)
+            print(f"  {name} seed {seed}: {r['samples_per_s']:.1f} samples/s, success "
+                  f"{r['final_success']:.3f}", flush=True)
+    return results
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """Mean and standard deviation over a variant's seeds; time to target over the seeds that
+    reached it (`reached` says how many)."""
+    sps = _mean_sd([r["samples_per_s"] for r in runs])
+    hit = [r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None]
+    ttt = _mean_sd(hit) if hit else (None, None)
+    out = {"samples_per_s": sps[0], "samples_per_s_sd": sps[1], "time_to_target_s": ttt[0],
+           "time_to_target_s_sd": ttt[1], "reached": f"{len(hit)}/{len(runs)}",
+           "seeds": len(runs)}
+    for k in ("final_success", "lag_mean", "slots_busy", "held_tokens_mean", "length_p50",
+              "length_p90"):
+        out[k] = statistics.fmean(r[k] for r in runs)
+    out["length_max"] = max(r["length_max"] for r in runs)
+    return out
+
+
+def report(results: dict[str, list[dict]], save: str | None = None) -> None:
+    """The table (means ± standard deviations over the seeds), the realised lengths, then every
+    variant's ratios against the first; the last line is one JSON object keyed by variant."""
     if save:
         Path(save).write_text(json.dumps(results))
-    print(f"{'variant':<20} {'samples/s':>10} {'seconds':>8} {'to target':>10} "
+    agg = {name: aggregate(runs) for name, runs in results.items()}
+    print(f"{'variant':<20} {'samples/s':>14} {'to target (s)':>16} {'reached':>8} "
           f"{'final success':>14} {'lag':>5} {'slots busy':>10} {'held tokens':>11}")
-    for r in results.values():
-        ttt = f"{r['time_to_target_s']:.1f}" if r["time_to_target_s"] is not None else "never"
-        print(f"{r['variant']:<20} {r['samples_per_s']:>10.1f} {r['seconds']:>8.1f} {ttt:>10} "
-              f"{r['final_success']:>14.3f} {r['lag_mean']:>5.2f} {r['slots_busy']:>10.2f} "
-              f"{r['held_tokens_mean']:>11.0f}")
-    base_name, *others = results
-    base = results[base_name]
+    for name, a in agg.items():
+        ttt = (f"{a['time_to_target_s']:.1f} ± {a['time_to_target_s_sd']:.1f}"
+               if a["time_to_target_s"] is not None else "never")
+        print(f"{name:<20} {a['samples_per_s']:>7.1f} ± {a['samples_per_s_sd']:<4.1f} "
+              f"{ttt:>16} {a['reached']:>8} {a['final_success']:>14.3f} {a['lag_mean']:>5.2f} "
+              f"{a['slots_busy']:>10.2f} {a['held_tokens_mean']:>11.0f}")
+    print("realised completion lengths (tokens; per-step percentiles averaged over the run): "
+          + "; ".join(f"{n} p50 {a['length_p50']:.0f}, p90 {a['length_p90']:.0f}, max "
+                      f"{a['length_max']:.0f}" for n, a in agg.items()))
+    base_name, *others = agg
+    base = agg[base_name]
     for name in others:
-        r = results[name]
-        line = f"{name} vs {base_name}: samples/s {r['samples_per_s'] / base['samples_per_s']:.2f}x"
-        mine, theirs = r["time_to_target_s"], base["time_to_target_s"]
+        a = agg[name]
+        line = f"{name} vs {base_name}: samples/s {a['samples_per_s'] / base['samples_per_s']:.2f}x"
+        mine, theirs = a["time_to_target_s"], base["time_to_target_s"]
         if mine is None or theirs is None:
             line += "; time to target: not reached by both"
         elif min(mine, theirs) == 0:
             line += "; time to target: reached within the first window"
         else:
-            line += (f"; time to target {theirs / mine:.2f}x as fast ({mine:.1f} s against "
-                     f"{theirs:.1f} s)")
+            line += f"; time to target {theirs / mine:.2f}x as fast ({mine:.1f} s against " \
+                    f"{theirs:.1f} s)"
         print(line)
-    print(json.dumps({name: {k: v for k, v in r.items() if k != "rows"}
-                      for name, r in results.items()}))
+    print(json.dumps(agg))

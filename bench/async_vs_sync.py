@@ -30,8 +30,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="jaxrl-bench-"))
     base = compare.warm_checkpoint(args, work)
-    compare.report({name: compare.run_variant(base, work, name, args)
-                    for name in args.variants}, args.save)
+    compare.report(compare.run_all(base, work, args), args.save)
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -67,7 +67,7 @@ def start_server(checkpoint: Path, token_file: Path, cfg) -> tuple[subprocess.Po
 def fleet_vs_local(args, work: Path) -> dict:
     base = compare.warm_checkpoint(args, work)
     results = {"in-process": compare.run_variant(base, work, "in-process", args,
-                                                  ("rl.mode=async",))}
+                                                  extra=("rl.mode=async",))}
     token_file = work / "token"
     token_file.write_text(TOKEN)
     cfg = load_run_config(args.config, args.overrides)
@@ -75,10 +75,10 @@ def fleet_vs_local(args, work: Path) -> dict:
     try:
         fleet = ("rl.mode=async", "rl.generation.servers=" + ",".join(a for _, a in servers),
                  f"rl.generation.token_file={token_file}")
-        results["2 servers"] = compare.run_variant(base, work, "2 servers", args, fleet)
+        results["2 servers"] = compare.run_variant(base, work, "2 servers", args, extra=fleet)
         # The same servers again (the run's first push says `resume`), pulling the weights.
         results["2 servers, pulled"] = compare.run_variant(
-            base, work, "2 servers, pulled", args, (*fleet, "rl.generation.transfer=jax"))
+            base, work, "2 servers, pulled", args, extra=(*fleet, "rl.generation.transfer=jax"))
         pauses = []
         for _, address in servers:
             remote = RemoteGeneration(address)
@@ -89,7 +89,7 @@ def fleet_vs_local(args, work: Path) -> dict:
         for proc, _ in servers:
             proc.terminate()
             proc.wait(60)
-    compare.report(results, args.save)
+    compare.report({name: [r] for name, r in results.items()}, args.save)
     rows = results["2 servers"]["rows"]
     local_rows = results["in-process"]["rows"]
     pulled = results["2 servers, pulled"]["rows"]

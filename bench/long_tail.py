@@ -52,14 +52,13 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="jaxrl-bench-"))
     base = compare.warm_checkpoint(args, work)
-    results = {}
-    for name in args.variants:
-        results[name] = compare.run_variant(base, work, name, args)
-        r = results[name]
-        print(f"  {name}: {r['samples_per_s']:.1f} samples/s, success {r['final_success']:.3f}",
-              flush=True)
+    results = compare.run_all(base, work, args)
     compare.report(results, args.save)
-    held = round(results.get("async", r)["held_tokens_mean"])
+    if args.pinned:         # the decode comparison below runs in this process, unpinned
+        shutil.rmtree(work, ignore_errors=True)
+        return
+    runs = results.get("async") or list(results.values())[-1]
+    held = round(sum(r["held_tokens_mean"] for r in runs) / len(runs))
     d = decode_ratio(args, held)
     print(f"decode at mean held length l={held} (max_len {d['max_len']}): paged "
           f"{d['paged_step_ms']:.3f} ms, contiguous sized l {d['contiguous_exact_step_ms']:.3f} "

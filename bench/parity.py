@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     results = {}
     for name, overrides in VARIANTS.items():
         results[name] = summarize(compare.run_variant(base, work, name, args,
-                                                      ("rl.mode=sync", *overrides)))
+                                                      extra=("rl.mode=sync", *overrides)))
     shutil.rmtree(work, ignore_errors=True)
     print(f"{'variant':<20}" + "".join(f"{k:>22}" for k in (*METRICS, "s_per_step",
                                                             "final_success")))

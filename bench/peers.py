@@ -21,11 +21,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent / "peers"
 sys.path.insert(0, str(HERE))
+from _machine import wait_until_quiet  # noqa: E402
 from job import Job, write_model  # noqa: E402
 
 # What cannot be made equal across the stacks, printed with the results.
@@ -47,28 +47,6 @@ DIFFERENCES = [
 # name: (runner in bench/peers/, its extra arguments); a peer's name is also its venv's.
 STACKS = {"jaxrl-sync": ("run_jaxrl.py", "sync"), "jaxrl-async": ("run_jaxrl.py", "async"),
           "trl": ("run_trl.py",), "tunix": ("run_tunix.py",)}
-
-
-def busy_share(seconds: float = 2.0) -> float:
-    """The share of the machine's CPU time other processes used over `seconds` (/proc/stat)."""
-    def sample():
-        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-        idle = fields[3] + fields[4]
-        return sum(fields), idle
-
-    total0, idle0 = sample()
-    time.sleep(seconds)
-    total1, idle1 = sample()
-    return 1.0 - (idle1 - idle0) / max(total1 - total0, 1)
-
-
-def wait_until_quiet(limit: float, patience_s: float = 120.0) -> None:
-    deadline = time.monotonic() + patience_s
-    while (share := busy_share()) > limit:
-        if time.monotonic() > deadline:
-            sys.exit(f"peers: the machine is busy ({share:.0%} of its CPU used by other "
-                     f"processes, the limit is {limit:.0%}); refusing to measure")
-    return None
 
 
 def venv(name: str, root: Path) -> Path:
@@ -137,7 +115,7 @@ def main(argv=None) -> None:
             for round_ in range(args.rounds):   # every other round in reverse: drift evens out
                 order = args.stacks if round_ % 2 == 0 else args.stacks[::-1]
                 for stack in order:
-                    wait_until_quiet(args.busy_limit)
+                    wait_until_quiet(args.busy_limit, "peers")
                     out = work / f"{stack}-{size}-{length}"
                     # The first round starts with an empty compilation cache (a first run),
                     # later rounds reuse it (a second run of the same config).
