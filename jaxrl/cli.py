@@ -54,7 +54,10 @@ def _serve(args) -> None:
     import logging
 
     from jaxrl.commands.serve import read_tls, read_update_token, serve
+    from jaxrl.platform import use_compilation_cache
     from serving.engine import EngineConfig
+
+    use_compilation_cache()       # a restart of the same engine loads its programs
 
     def engine_config(context: int) -> EngineConfig:
         """The engine the flags ask for; --max-len 0 takes the model's context."""

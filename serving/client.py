@@ -88,12 +88,16 @@ class RemoteGeneration:
     `rpc_timeout_s`: the deadline of metrics calls (a hung server fails them).
     `transfer_host`: send weights device to device (serving/transfer.py: the server pulls them
     from a jax.experimental.transfer server of this process bound to this host) instead of
-    streaming them in pieces (None, the default)."""
+    streaming them in pieces (None, the default).
+    `stream_interval_ms`: 0, each token as it is drawn; N, a sample's tokens gathered for up to
+    N ms per message (an RL trainer's: fewer messages for its process to read)."""
 
     def __init__(self, address: str, *, token: str | None = None, tls_ca: bytes | None = None,
-                 rpc_timeout_s: float = 10.0, transfer_host: str | None = None):
+                 rpc_timeout_s: float = 10.0, transfer_host: str | None = None,
+                 stream_interval_ms: int = 0):
         self.address = address
         self.transfer_host = transfer_host
+        self.stream_interval_ms = stream_interval_ms
         self._token = token
         self._channel = open_channel(address, tls_ca=tls_ca)
         self._stub = gen_grpc.GenerationStub(self._channel)
@@ -121,7 +125,8 @@ class RemoteGeneration:
                 ignore_eos=not sampling.stop_at_eos, min_tokens=sampling.min_tokens),
             carry=[gen_pb2.CarriedSample(token_ids=s.tokens, logprobs=s.logprobs,
                                          versions=s.versions) for s in carry or ()],
-            sessions=[session] if isinstance(session, str) else list(session or ()))
+            sessions=[session] if isinstance(session, str) else list(session or ()),
+            stream_interval_ms=self.stream_interval_ms)
         stream = RemoteStream(next(self._ids), sampling.n)
         stream.call = self._stub.Generate(request)
         threading.Thread(target=self._read, args=(stream,), daemon=True,

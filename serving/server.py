@@ -25,6 +25,7 @@ from serving.orchestrator import (
     Orchestrator,
     QueueFull,
     Sample,
+    TokenEvent,
 )
 from serving.proto import generation_pb2 as gen_pb2
 from serving.proto import generation_pb2_grpc as gen_grpc
@@ -70,6 +71,31 @@ class _Detokenizer:
 
     def flush(self, i: int) -> str:
         return self.decoders[i].flush() if self.decoders[i] else ""
+
+
+def _responses(batch, detok: _Detokenizer):
+    """One GenerateResponse per run of a sample's tokens in `batch` (in order), and one per
+    sample that ends in it, after its tokens."""
+    runs: dict[int, list[TokenEvent]] = {}
+    for event in batch:
+        if isinstance(event, DoneEvent):
+            yield from _tokens(runs.pop(event.sample_index, ()), detok)
+            yield gen_pb2.GenerateResponse(sample_index=event.sample_index,
+                                           finish_reason=event.reason,
+                                           text=detok.flush(event.sample_index))
+        else:
+            runs.setdefault(event.sample_index, []).append(event)
+    for events in runs.values():
+        yield from _tokens(events, detok)
+
+
+def _tokens(events, detok: _Detokenizer):
+    if events:
+        i = events[0].sample_index
+        yield gen_pb2.GenerateResponse(
+            sample_index=i, token_ids=[e.token for e in events],
+            logprobs=[e.logprob for e in events], versions=[e.version for e in events],
+            text="".join(detok.add(i, e.token) for e in events))
 
 
 def _prompt(tokenizer, context, text: str | None, ids):
@@ -146,16 +172,8 @@ class GenerationService(gen_grpc.GenerationServicer):
                    for c in request.carry] or None,
             session=_session(request.sessions, o.n or 1))
         detok = _Detokenizer(self.tokenizer, sampling.n)
-        for event in stream:
-            if isinstance(event, DoneEvent):
-                yield gen_pb2.GenerateResponse(sample_index=event.sample_index,
-                                               finish_reason=event.reason,
-                                               text=detok.flush(event.sample_index))
-            else:
-                yield gen_pb2.GenerateResponse(
-                    sample_index=event.sample_index, token_ids=[event.token],
-                    logprobs=[event.logprob], versions=[event.version],
-                    text=detok.add(event.sample_index, event.token))
+        for batch in stream.batches(max(request.stream_interval_ms, 0) / 1000):
+            yield from _responses(batch, detok)
 
     def _authorize(self, context) -> None:
         if not self.update_token:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 from typing import Iterator
 
 
@@ -83,6 +84,22 @@ class RequestStream:
             event = self._events.get()
             done += isinstance(event, DoneEvent)
             yield event
+
+    def batches(self, interval_s: float) -> Iterator[list[TokenEvent | DoneEvent]]:
+        """The events in lists, in order: each list is what arrived within `interval_s` of its
+        first event (a list ends early once every sample is done)."""
+        done = 0
+        while done < self.n:
+            batch = [self._events.get()]
+            done += isinstance(batch[0], DoneEvent)
+            deadline = time.monotonic() + interval_s
+            while done < self.n and (left := deadline - time.monotonic()) > 0:
+                try:
+                    batch.append(self._events.get(timeout=left))
+                except queue.Empty:
+                    break
+                done += isinstance(batch[-1], DoneEvent)
+            yield batch
 
     def result(self) -> list[Sample]:
         samples = [Sample() for _ in range(self.n)]

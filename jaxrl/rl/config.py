@@ -29,6 +29,10 @@ class GenerationConfig:
     # it has no authentication of its own: a trusted network only). serving/transfer.py.
     transfer: Literal["grpc", "jax"] = "grpc"
     transfer_host: str = "127.0.0.1"
+    # A server gathers each sample's tokens for up to this long and sends them in one message
+    # (0: every token as it is drawn): the trainer's process reads a message per 50 ms per
+    # sample rather than per token, which leaves its cores to the train step.
+    stream_interval_ms: int = 50
     # Servers this run starts itself: `launch` `jaxrl serve` processes on 127.0.0.1 (instead of
     # listing servers), from the run's newest checkpoint, stopped with the run. cpus: the cores
     # they run on ("1", "2-3", "4-7,12"), split evenly among them; the trainer is pinned to the
@@ -47,6 +51,9 @@ class GenerationConfig:
                 raise ValueError(f"rl.generation.servers: {address!r} is not host:port")
         if len(set(self.servers)) != len(self.servers):
             raise ValueError(f"rl.generation.servers lists a server twice: {self.servers}")
+        if self.stream_interval_ms < 0:
+            raise ValueError(f"rl.generation.stream_interval_ms={self.stream_interval_ms} must "
+                             f"be >= 0")
         if self.launch < 0:
             raise ValueError(f"rl.generation.launch={self.launch} must be >= 0")
         if self.cpus and not self.launch:

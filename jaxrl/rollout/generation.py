@@ -92,7 +92,8 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
     for address in g.servers:
         remote = RemoteGeneration(address, token=token, tls_ca=tls_ca,
                                   rpc_timeout_s=g.heartbeat_timeout_s,
-                                  transfer_host=g.transfer_host if g.transfer == "jax" else None)
+                                  transfer_host=g.transfer_host if g.transfer == "jax" else None,
+                                  stream_interval_ms=g.stream_interval_ms)
         member = Member(address, remote, slots=cfg.rl.group_size, remote=True, alive=False,
                         why_down="not reached yet")
         try:

@@ -145,6 +145,29 @@ def test_generation_service_reports_logprobs_and_versions(channel, model):
     assert {r.versions[0] for r in out if r.token_ids} == {0}
 
 
+def test_gathered_streaming_sends_the_same_samples_in_fewer_messages(channel):
+    """stream_interval_ms: each sample's tokens gathered into few messages, in order, the
+    samples (tokens, log-probs, versions, text, finish reason) those of per-token streaming."""
+    g = gen_grpc.GenerationStub(channel)
+    sampling = gen.SamplingOptions(max_tokens=24, temperature=1.0, seed=5, n=4, ignore_eos=True)
+
+    def samples(interval_ms):
+        out = list(g.Generate(gen.GenerateRequest(
+            token_ids=gen.TokenIds(ids=prompts(7, seed=15)[0]), sampling=sampling,
+            stream_interval_ms=interval_ms), timeout=60))
+        per_sample = {i: [r for r in out if r.sample_index == i] for i in range(4)}
+        return len(out), {i: ([t for r in rs for t in r.token_ids],
+                              [x for r in rs for x in r.logprobs],
+                              [v for r in rs for v in r.versions],
+                              "".join(r.text for r in rs), rs[-1].finish_reason)
+                          for i, rs in per_sample.items()}
+
+    each, per_token = samples(0)
+    gathered, by_interval = samples(60_000)     # everything in one message per sample
+    assert by_interval == per_token
+    assert each == 4 * 25 and gathered == 4 * 2   # the tokens, then the end, of each sample
+
+
 def _push(channel, pieces):
     return gen_grpc.GenerationStub(channel).UpdateWeights(
         iter(pieces), timeout=60, metadata=[("authorization", f"Bearer {TOKEN}")])
