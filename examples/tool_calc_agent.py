@@ -61,7 +61,8 @@ def episode(client: openai.OpenAI, prompt: str, key: str, *, max_turns: int = 4,
         try:
             turn = client.completions.create(model="jaxrl", prompt=transcript,
                                              max_tokens=max_tokens, temperature=temperature,
-                                             stop=[";"], user=key)
+                                             stop=[";"],
+                                             extra_headers={"X-Trajectory-Id": key})
         except openai.BadRequestError:     # the episode has no room left for a turn
             finish = "length"
             break

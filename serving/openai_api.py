@@ -5,7 +5,8 @@ written for OpenAI's API (the `openai` package, LangChain, smolagents, curl) dri
 
 Served by `jaxrl serve --http-port N` beside the gRPC services, on the same engines and the
 same weights (in-flight updates included). A request that names a trajectory (header
-`X-Trajectory-Id`, or the `user` field) is recorded into it for training and continues from the
+`X-Trajectory-Id`, or the `trajectory_id` field: the `openai` package's `extra_body`) is
+recorded into it for training and continues from the
 KV pages of its previous turn (serving/trajectories.py); `GET /v1/trajectories/{id}` reads a
 trajectory back and `DELETE` ends it. Every sampled token's log-prob is the engine's own,
 the one RL trains with; only the sampled token's is known, so `logprobs` above 1 (completions)
@@ -17,6 +18,7 @@ everywhere (and as vLLM does for Llama-style tokenizers); a prompt of token ids 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -28,8 +30,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxrl.models.chat import ChatTemplateError, render_chat
 from jaxrl.models.tokenizer import prompt_ids
-from serving.detokenize import IncrementalDecoder
 from serving.http_server import start_http, stop_http  # noqa: F401 (the API's server)
+from serving.openai_choices import Choice, choice_json
 from serving.openai_schema import (  # noqa: F401
     FINISH,
     MAX_STOPS,
@@ -42,65 +44,10 @@ from serving.openai_schema import (  # noqa: F401
 from serving.orchestrator import EngineStopped, InvalidRequest, QueueFull
 from serving.sampling import SamplingParams
 from serving.stream import TokenEvent
+from serving.tool_calls import PARSERS, ToolTurn, normalise_messages, parser_for, tools_for
+
+_log = logging.getLogger("jaxrl.serve")
 from serving.trajectories import TrajectoryStore
-
-
-class _Choice:
-    """One sample as the client sees it: its text, decoded a token at a time (serving/
-    detokenize.py), cut at a stop string. The work per token does not grow with the text: a
-    stop string is looked for where it could end (the new text and the `hold` characters before
-    it), and text no stop string can reach any more is set aside."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.tokens, self.logprobs, self.versions = [], [], []
-        self.finish: str | None = None
-        self._decoder = IncrementalDecoder(tokenizer)
-        self._hold = max((len(s) for s in stops), default=1) - 1
-        self._sent: list[str] = []        # handed to the client by `delta`
-        self._settled: list[str] = []     # not sent yet; no stop string can start in it
-        self._open = ""                   # not sent yet; a stop string may still be forming
-
-    @property
-    def text(self) -> str:
-        return "".join(self._sent) + "".join(self._settled) + self._open
-
-    def add(self, token: int, logprob: float, version: int = 0) -> None:
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        self.versions.append(version)
-        self._extend(self._decoder.add(token))
-
-    def end(self, finish: str) -> None:
-        """The sample has ended: the decoder's held-back text joins the text."""
-        self._extend(self._decoder.flush())
-        if self.finish is None:
-            self.finish = finish
-
-    def _extend(self, piece: str) -> None:
-        if not piece or self.finish is not None:
-            return
-        start = max(0, len(self._open) - self._hold)    # a stop string ends in the new piece
-        self._open += piece
-        cut = min((i for i in (self._open.find(s, start) for s in self.stops) if i >= 0),
-                  default=-1)
-        if cut >= 0:
-            self._open, self.finish = self._open[:cut], "stop"
-        elif len(self._open) > self._hold + 4096:
-            self._settled.append(self._open[: len(self._open) - self._hold])
-            self._open = self._open[len(self._open) - self._hold:]
-
-    def delta(self, final: bool) -> str:
-        """Text not sent yet; while running, the last characters are held back where a stop
-        string might still be forming (an unfinished character the decoder holds itself)."""
-        keep = 0 if final or self.finish is not None else min(self._hold, len(self._open))
-        out = "".join(self._settled) + self._open[: len(self._open) - keep]
-        self._settled, self._open = [], self._open[len(self._open) - keep:]
-        self._sent.append(out)
-        return out
-
-    def token_texts(self, tokens: slice = slice(None)) -> list[str]:
-        return [self.tokenizer.decode([t]) for t in self.tokens[tokens]]
 
 
 class OpenAIApp:
@@ -119,6 +66,7 @@ class OpenAIApp:
         self.app = app = FastAPI(title="jaxrl", docs_url=None, redoc_url=None)
         app.add_exception_handler(OpenAIError, lambda _, e: e.response())
         app.add_exception_handler(RequestValidationError, _validation_error)
+        app.add_exception_handler(Exception, _server_error)
         app.get("/v1/models")(self.models)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
@@ -155,6 +103,10 @@ class OpenAIApp:
     def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body)
         refuse_unsupported(body)
+        for name in ("tools", "tool_choice"):
+            if name in (body.model_extra or {}):
+                raise OpenAIError(400, f"{name}: tool calls are made through "
+                                  f"/v1/chat/completions", name)
         if body.echo:
             raise OpenAIError(400, "echo=true is not supported", "echo")
         if body.logprobs is not None and body.logprobs > 1:
@@ -179,22 +131,35 @@ class OpenAIApp:
             raise OpenAIError(400, f"model {self.model_name!r} has no chat template (its "
                               f"tokenizer_config.json names none): use /v1/completions",
                               "messages")
+        tools, named = tools_for(body)
+        parser = parser_for(template) if tools else None
+        if tools and parser is None:
+            raise OpenAIError(400, f"tools: the chat template of model {self.model_name!r} "
+                              f"writes no tool calls this server parses ({', '.join(PARSERS)})",
+                              "tools")
+        messages = normalise_messages([m.model_dump(exclude_none=True) for m in body.messages])
         try:
-            text = render_chat(template, [m.model_dump(exclude_none=True)
-                                          for m in body.messages], self.tokenizer)
+            text = render_chat(template, messages, self.tokenizer, tools=tools)
         except ChatTemplateError as e:
             raise OpenAIError(400, str(e), "messages") from None
+        turn = None
+        if parser is not None:
+            forced = body.tool_choice == "required" or named is not None
+            turn = lambda: ToolTurn(parser, forced, named, body.parallel_tool_calls)  # noqa: E731
+            text += turn().prefix
         limit = body.max_completion_tokens or body.max_tokens
         ids = self.tokenizer.encode(text)
         key = self._trajectory(body, request, 1)
         if key is not None:
             ids = self.trajectories.align(key, ids, text)
         return self._respond(body, [ids], limit, "chat.completion", logprobs=body.logprobs,
-                             key=key)
+                             key=key, tools=turn)
 
     def _trajectory(self, body, request: Request, prompts: int) -> str | None:
         """The trajectory the request is recorded into, if it names one."""
-        key = request.headers.get("x-trajectory-id") or body.user
+        # Never `user`: OpenAI documents it as an end-user id, which clients set for their own
+        # reasons; a request is recorded for training only when it asks to be.
+        key = request.headers.get("x-trajectory-id") or body.trajectory_id
         if key is None:
             return None
         if body.n != 1 or prompts != 1:
@@ -260,36 +225,38 @@ class OpenAIApp:
             raise OpenAIError(503, str(e), kind="server_error") from None
         return streams, stops
 
-    def _respond(self, body, prompts, max_tokens, kind: str, logprobs: bool, key=None):
+    def _respond(self, body, prompts, max_tokens, kind: str, logprobs: bool, key=None,
+                 tools=None):
+        """`tools`: a ToolTurn factory (one per choice) when the request has tools."""
         streams, stops = self._submit(body, prompts, max_tokens, key)
+        choices = [Choice(self.tokenizer, stops, tools() if tools else None)
+                   for _ in range(len(streams) * body.n)]
         meta = {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-"
                       f"{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": body.model or self.model_name}
         usage_prompt = sum(len(p) for p in prompts) * body.n
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
-            events = self._sse(streams, stops, body.n, kind, meta, logprobs,
+            events = self._sse(streams, choices, body.n, kind, meta, logprobs,
                                usage_prompt if usage else None, key)
             return StreamingResponse(events, media_type="text/event-stream")
-        choices = [_Choice(self.tokenizer, stops) for _ in range(len(streams) * body.n)]
         for _ in _events(streams, choices, body.n):
             pass
         self._record(key, choices)
-        out = [_choice_json(kind, i, c, logprobs, final=True) for i, c in enumerate(choices)]
+        out = [choice_json(kind, i, c, logprobs, final=True) for i, c in enumerate(choices)]
         completion = sum(len(c.tokens) for c in choices)
         return {**meta, "object": kind, "choices": out,
                 "usage": {"prompt_tokens": usage_prompt, "completion_tokens": completion,
                           "total_tokens": usage_prompt + completion}}
 
-    def _record(self, key: str | None, choices: list[_Choice]) -> None:
+    def _record(self, key: str | None, choices: list[Choice]) -> None:
         if key is not None:
             c = choices[0]
             self.trajectories.record(key, c.tokens, c.logprobs, c.versions)
 
-    def _sse(self, streams, stops, n, kind, meta, logprobs, usage_prompt, key=None
+    def _sse(self, streams, choices, n, kind, meta, logprobs, usage_prompt, key=None
              ) -> Iterator[str]:
         chunk_kind = "chat.completion.chunk" if kind.startswith("chat") else kind
-        choices = [_Choice(self.tokenizer, stops) for _ in range(len(streams) * n)]
         sent = [0] * len(choices)
 
         def chunk(payload):
@@ -303,10 +270,10 @@ class OpenAIApp:
                                          for i in range(len(choices))]})
             for i in _events(streams, choices, n):
                 c = choices[i]
-                text = c.delta(final=c.finish is not None)
+                text = c.stream_delta()
                 if text or c.finish is not None:
-                    piece = _choice_json(kind, i, c, logprobs, final=False, text=text,
-                                         tokens=slice(sent[i], len(c.tokens)))
+                    piece = choice_json(kind, i, c, logprobs, final=False, text=text,
+                                        tokens=slice(sent[i], len(c.tokens)))
                     sent[i] = len(c.tokens)
                     yield chunk({"choices": [piece]})
             self._record(key, choices)
@@ -347,28 +314,11 @@ def _events(streams, choices, n) -> Iterator[int]:
             yield s * n + event.sample_index
 
 
-def _choice_json(kind, index, c: _Choice, logprobs: bool, *, final: bool, text=None,
-                 tokens: slice = slice(None)) -> dict:
-    text = c.text if text is None else text
-    finish = c.finish if (final or c.finish) else None
-    lp = None
-    if logprobs:
-        names, values = c.token_texts(tokens), c.logprobs[tokens]
-        if kind.startswith("chat"):
-            lp = {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()),
-                               "top_logprobs": []} for t, v in zip(names, values)]}
-        else:
-            start = len(c.tokenizer.decode(c.tokens[:tokens.start or 0]))
-            offsets = [start + len(c.tokenizer.decode(c.tokens[tokens.start or 0:k]))
-                       for k in range((tokens.start or 0), (tokens.start or 0) + len(names))]
-            lp = {"tokens": names, "token_logprobs": values, "text_offset": offsets,
-                  "top_logprobs": [{t: v} for t, v in zip(names, values)]}
-    if kind.startswith("chat"):
-        key = "message" if final else "delta"
-        return {"index": index, key: ({"role": "assistant", "content": text} if final
-                                      else {"content": text}),
-                "logprobs": lp, "finish_reason": finish}
-    return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+async def _server_error(_: Request, exc: Exception) -> JSONResponse:
+    """A bug: OpenAI's error shape with status 500 (not plain text), the connection kept."""
+    _log.exception("request failed", exc_info=exc)
+    return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                       kind="server_error").response()
 
 
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -14,8 +14,7 @@ MAX_STOPS = 16        # stop strings a request may give (code tasks give more th
 # Fields of OpenAI's API this server does not implement: a request that sets one is refused
 # with HTTP 400 naming it, never answered as if it had not been set. (Their neutral values,
 # which change nothing, are accepted.)
-UNSUPPORTED = {"tools": None, "tool_choice": ("none", None), "functions": None,
-               "function_call": ("none", None), "response_format": ({"type": "text"}, None),
+UNSUPPORTED = {"functions": None, "function_call": ("none", None), "response_format": ({"type": "text"}, None),
                "logit_bias": ({}, None), "presence_penalty": (0, 0.0, None),
                "frequency_penalty": (0, 0.0, None), "suffix": ("", None),
                "best_of": (1, None)}
@@ -63,7 +62,9 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None
-    user: str | None = None
+    user: str | None = None            # an end-user id (OpenAI's): accepted, unused
+    # jaxrl's: record the request into this trajectory (as the X-Trajectory-Id header does)
+    trajectory_id: str | None = Field(None, min_length=1)
 
 
 class CompletionRequest(_Sampling):
@@ -79,8 +80,32 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
 
 
+class FunctionDef(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class _FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: _FunctionName
+
+
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

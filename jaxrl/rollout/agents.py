@@ -10,8 +10,8 @@ protocol is JSON lines:
 - on the agent's stdin, one line per episode to run:
   `{"id": ..., "problem": {"prompt": ..., "answer": ...}, "temperature": ..., "max_tokens": ...,
   "max_turns": ...}`; stdin closing means: finish up and exit;
-- the agent runs the episode, naming `id` as the trajectory of every request (the `user` field
-  or the `X-Trajectory-Id` header) and sampling at `temperature` (the trained policy; other
+- the agent runs the episode, naming `id` as the trajectory of every request (the
+  `X-Trajectory-Id` header, or `trajectory_id` in the body: `extra_body` in the `openai` package) and sampling at `temperature` (the trained policy; other
   sampling is refused with HTTP 400), and writes one line on its stdout:
   `{"id": ..., "reward": r}` (or `"rewards": [per turn]`, summed), optionally with
   `"finish"` (`done`, the default: the environment ended it; `turns` or `length`: a limit cut
@@ -106,7 +106,7 @@ class AgentGroup:
         record = self.agents.app.trajectories.get(key)
         if record is None or not any(record["trained"]):
             raise EpisodeFailed(f"episode {key} was reported, but no request named it as its "
-                                f"trajectory (the `user` field or X-Trajectory-Id)")
+                                f"trajectory (the X-Trajectory-Id header or the trajectory_id field)")
         t = trajectory_from_record(record, self.agents.app.tokenizer.decode)
         if len(t.history) > self.cfg.sample_len:
             raise EpisodeFailed(f"episode {key} holds {len(t.history)} tokens, more than "

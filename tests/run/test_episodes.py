@@ -194,7 +194,8 @@ def test_agents_episodes_carry_the_trained_policys_tokens_and_logprobs(engine, p
             group = agents.group(PROBLEM, cfg, index=0, seed=1)
             trajectories = group.run()
             refused = httpx.post(f"{agents.url}/completions", json={
-                "prompt": "1+1=", "max_tokens": 2, "temperature": 0.5, "user": "other"})
+                "prompt": "1+1=", "max_tokens": 2, "temperature": 0.5,
+                "trajectory_id": "other"})
         finally:
             agents.close()
     assert refused.status_code == 400 and "temperature=1.0" in refused.text

@@ -177,7 +177,8 @@ def test_malformed_json_and_missing_fields_get_400(served):
 
 
 def test_an_agents_chat_is_recorded_into_its_trajectory(served, tokenizer):
-    """A two-turn chat that names a trajectory (header on turn 1, `user` on turn 2): the record
+    """A two-turn chat that names a trajectory (header on turn 1, `trajectory_id` on turn 2; never
+    `user`, OpenAI's end-user id, which records nothing and allows n > 1): the record
     holds exactly the tokens the model sampled (trained, with the engine's log-probs and
     versions) between the untrained prompt and user tokens; turn 2 continues from turn 1's
     KV pages; DELETE ends it and frees them. Tokens equal the engine's greedy decode of the
@@ -200,7 +201,8 @@ def test_an_agents_chat_is_recorded_into_its_trajectory(served, tokenizer):
                  {"role": "user", "content": "w9"}]
     before = o.metrics()["prefix_reused_tokens"]
     client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
-                                   temperature=0, user="agent-1")
+                                   temperature=0, user="someone",
+                                   extra_body={"trajectory_id": "agent-1"})
     assert o.metrics()["prefix_reused_tokens"] > before
     record = httpx.delete(f"http://127.0.0.1:{port}/v1/trajectories/agent-1").json()
     history = record["prompt"] + record["tokens"]
@@ -215,5 +217,9 @@ def test_an_agents_chat_is_recorded_into_its_trajectory(served, tokenizer):
     assert httpx.get(f"http://127.0.0.1:{port}/v1/trajectories/agent-1").status_code == 404
 
     bad = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                     json={"prompt": "w1", "n": 2, "user": "agent-2"})
+                     json={"prompt": "w1", "n": 2, "trajectory_id": "agent-2"})
     assert bad.status_code == 400 and "n=1" in bad.json()["error"]["message"]
+    plain = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"prompt": "w1", "n": 2, "max_tokens": 2, "user": "agent-2"})
+    assert plain.status_code == 200 and len(plain.json()["choices"]) == 2
+    assert httpx.get(f"http://127.0.0.1:{port}/v1/trajectories/agent-2").status_code == 404
