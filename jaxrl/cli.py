@@ -53,6 +53,10 @@ _SERVE_NAMES = {"max_concurrent_decodes": "--slots", "max_len": "--max-len",
 def _serve(args) -> None:
     import logging
 
+    from jaxrl.rollout.local_servers import parse_cpus, pin
+
+    if args.cpus:
+        pin(parse_cpus(args.cpus, "--cpus"), "--cpus")   # before JAX sizes its thread pools
     from jaxrl.commands.serve import read_tls, read_update_token, serve
     from jaxrl.platform import use_compilation_cache
     from serving.engine import EngineConfig
@@ -288,6 +292,9 @@ def _serve_arguments(sub) -> None:
                    help="file holding the shared secret for weight updates (default: the "
                         "JAXRL_UPDATE_TOKEN environment variable; with neither, updates are "
                         "refused)")
+    p.add_argument("--cpus", default=None, metavar="CORES",
+                   help="run on these CPU cores only ('1', '2-3', '0,4-7'), pinned before JAX "
+                        "starts (its CPU thread pools size to them)")
     p.set_defaults(run=_serve)
 
 

@@ -6,7 +6,7 @@ the engine never compete for a core, so a sync run's generator idles while the t
 
 XLA:CPU sizes its thread pools to the cores a process may run on when its backend starts, so
 the trainer is pinned before JAX starts (`pin_trainer`, called by `jaxrl train` first thing);
-each server is pinned before it executes. The servers start from the run's newest checkpoint
+each server pins itself the same way (`jaxrl serve --cpus`). The servers start from the run's newest checkpoint
 and take the trainer's weights before they take work (jaxrl/rollout/fleet.py), then stream
 rollouts back over gRPC like any remote server. They are stopped with the run.
 
@@ -26,14 +26,15 @@ from pathlib import Path
 from jaxrl.errors import UserError
 
 
-def parse_cpus(spec: str) -> list[int]:
-    """"1", "2-3", "0,2-3" as a sorted list of core numbers; UserError naming the bad part."""
+def parse_cpus(spec: str, name: str = "rl.generation.cpus") -> list[int]:
+    """"1", "2-3", "0,2-3" as a sorted list of core numbers; UserError naming the bad part (and
+    the option, `name`, that gave it)."""
     cores: set[int] = set()
     for part in filter(None, (p.strip() for p in spec.split(","))):
         lo, _, hi = part.partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
-            raise UserError(f"rl.generation.cpus={spec!r}: {part!r} is not a core or a range "
-                            f"of cores like '2-3'")
+            raise UserError(f"{name}={spec!r}: {part!r} is not a core or a range of cores "
+                            f"like '2-3'")
         cores.update(range(int(lo), int(hi or lo) + 1))
     return sorted(cores)
 
@@ -81,13 +82,22 @@ def pin_trainer(cfg) -> list[int]:
     g = cfg.rl.generation
     cores = plan(g.launch, g.cpus).trainer if g.launch and cfg.rl.steps else []
     if cores:
-        _BEFORE_PINNING[:] = _cores_before_pinning()
-        for tid in os.listdir("/proc/self/task"):   # every thread, not just this one
-            try:
-                os.sched_setaffinity(int(tid), cores)
-            except ProcessLookupError:               # a thread that just ended
-                pass
+        pin(cores)
     return cores
+
+
+def pin(cores: list[int], name: str = "rl.generation.cpus") -> None:
+    """This process, every thread of it, on `cores` from now on; UserError naming the option
+    (`name`) that asked for cores it may not use."""
+    allowed = _cores_before_pinning()
+    if not cores or any(c not in allowed for c in cores):
+        raise UserError(f"{name}: cores {cores} are not among this process's cores {allowed}")
+    _BEFORE_PINNING[:] = allowed
+    for tid in os.listdir("/proc/self/task"):       # every thread, not just this one
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:                   # a thread that just ended
+            pass
 
 
 def free_port() -> int:
@@ -121,13 +131,13 @@ class LocalServers:
                        "--prefill-chunk", str(engine.prefill_chunk),
                        "--page-size", str(engine.page_size), "--dtype", dtype,
                        "--update-token-file", str(self.token_file)]
+                if pinned:
+                    cmd += ["--cpus", ",".join(map(str, pinned))]
                 out = open(log_path, "w")    # noqa: SIM115 (closed in close)
                 self.logs.append(out)
                 self.procs.append(subprocess.Popen(
                     cmd, stdout=out, stderr=subprocess.STDOUT,
-                    env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                    preexec_fn=(lambda c=pinned: os.sched_setaffinity(0, c)) if pinned
-                    else None))
+                    env={**os.environ, "JAX_PLATFORMS": "cpu"}))
                 self.addresses.append(f"127.0.0.1:{port}")
                 where = f"cores {pinned}" if pinned else "unpinned"
                 log(f"launched jaxrl serve on {self.addresses[-1]} ({where}; log {log_path})")
