@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from jaxrl.errors import UserError
@@ -87,12 +88,16 @@ def pin_trainer(cfg) -> list[int]:
 
 
 def pin(cores: list[int], name: str = "rl.generation.cpus") -> None:
-    """This process, every thread of it, on `cores` from now on; UserError naming the option
-    (`name`) that asked for cores it may not use."""
-    allowed = _cores_before_pinning()
-    if not cores or any(c not in allowed for c in cores):
-        raise UserError(f"{name}: cores {cores} are not among this process's cores {allowed}")
-    _BEFORE_PINNING[:] = allowed
+    """This process, every thread of it, on `cores` from now on (any cores of the machine, not
+    only those it was started on: a launched server leaves its pinned parent's); UserError
+    naming the option (`name`) that asked for cores it cannot have."""
+    before = _cores_before_pinning()
+    try:
+        os.sched_setaffinity(0, cores)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{name}: cannot run on cores {cores} ({e}); this machine has "
+                        f"{os.cpu_count()} cores") from None
+    _BEFORE_PINNING[:] = before
     for tid in os.listdir("/proc/self/task"):       # every thread, not just this one
         try:
             os.sched_setaffinity(int(tid), cores)
@@ -144,6 +149,25 @@ class LocalServers:
         except BaseException:
             self.close()
             raise
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Returns once every server says it is ready; UserError with the end of its log if one
+        exits first (or is not ready within `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        waiting = set(range(len(self.procs)))
+        while waiting:
+            for i in sorted(waiting):
+                path = Path(self.logs[i].name)
+                if "jaxrl serve: ready on" in path.read_text(errors="replace"):
+                    waiting.discard(i)
+                elif self.procs[i].poll() is not None or time.monotonic() > deadline:
+                    what = (f"exited with status {self.procs[i].returncode}"
+                            if self.procs[i].returncode is not None else
+                            f"was not ready after {timeout_s:.0f} s")
+                    tail = path.read_text(errors="replace")[-2000:]
+                    raise UserError(f"launched jaxrl serve on {self.addresses[i]} {what}; the "
+                                    f"end of its log ({path}):\n{tail}")
+            time.sleep(0.2)
 
     def config(self, cfg):
         """`cfg` with these servers as its generation servers."""

@@ -112,9 +112,12 @@ class RLRun:
         self.lockstep: Lockstep | None = None
         self._stack = contextlib.ExitStack()
         try:
+            self._servers = None
             if cfg.rl.generation.launch:
                 self.cfg = cfg = self._launch(cfg)
             self._build_trainer()
+            if self._servers is not None:     # they compiled while the trainer did
+                self._servers.wait_ready(cfg.rl.generation.wait_s)
             if self.leader:
                 self._build_leader(task)
             self.first_weights = None    # served now (leader): not kept for the whole run
@@ -151,6 +154,7 @@ class RLRun:
             cfg.checkpoint_dir, generation.engine_config(cfg, model_config(cfg)),
             model_config(cfg).dtype, cores.servers, Path(cfg.run_dir), self.log)
         self._stack.callback(servers.close)
+        self._servers = servers
         if cores.trainer:
             self.log(f"trainer pinned to cores {cores.trainer}")
         return servers.config(cfg)

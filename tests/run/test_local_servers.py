@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from jaxrl.errors import UserError
-from jaxrl.rollout.local_servers import parse_cpus, plan
+from jaxrl.rollout.local_servers import LocalServers, parse_cpus, plan
+from serving.engine import EngineConfig
 from jaxrl.telemetry.metrics import read_metrics
 from tests.run.test_rl import BASE, WARMUP
 
@@ -25,6 +26,18 @@ def test_core_plans():
                                 (3, "1", "has 1 core\\(s\\) for rl.generation.launch=3")]:
         with pytest.raises(UserError, match=error):
             plan(launch, cpus, available=[0, 1, 2])
+
+
+def test_a_server_that_cannot_start_fails_the_wait_with_its_log(tmp_path):
+    servers = LocalServers(tmp_path, EngineConfig(), "float32", [[4096]], tmp_path,
+                           log=lambda _: None)
+    try:
+        with pytest.raises(UserError, match=r"(?s)exited with status 2; the end of its log .*"
+                                            r"--cpus: cannot run on cores \[4096\]"):
+            servers.wait_ready(120)
+    finally:
+        servers.close()
+    assert servers.exit_codes() == [2]
 
 
 @pytest.mark.slow
