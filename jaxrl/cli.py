@@ -37,9 +37,33 @@ def _eval(args) -> None:
 
     model, task, tokenizer, step, cfg = restore_for_eval(args.checkpoint, args.step,
                                                          with_config=True)
+    if args.samples:
+        _eval_sampled(args, model, task, tokenizer, step, cfg)
+        return
     result = evaluate_model(model, task, tokenizer, args.problems, args.max_new_tokens, cfg.rl)
     print(f"step {step}: held-out accuracy {result['accuracy']:.1%} on {result['problems']} "
           f"problems (e.g. {', '.join(result['examples'][:3])})")
+
+
+def _eval_sampled(args, model, task, tokenizer, step, cfg) -> None:
+    from jaxrl.eval.evaluate import task_engine
+    from jaxrl.eval.sampled import sampled_eval
+    from jaxrl.rl.env import is_multi_turn
+
+    if is_multi_turn(task):
+        raise UserError(f"--samples: task {task.name!r} runs multi-turn episodes; sampled "
+                        f"metrics score single completions")
+    problems = task.held_out(args.problems)
+    with task_engine(model, task, tokenizer, problems, args.max_new_tokens, cfg.rl) as o:
+        try:
+            r = sampled_eval(o, task, tokenizer, problems, args.samples,
+                             args.k or sorted({1, args.samples}), args.temperature,
+                             args.max_new_tokens, cfg.rl)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    print(f"step {step}: {r['problems']} held-out problems, {r['samples']} samples each at "
+          f"temperature {r['temperature']}: " + ", ".join(
+              f"{k} {v:.1%}" for k, v in r.items() if "@" in k))
 
 
 # EngineConfig's fields as `jaxrl serve` users know them: the flag that sets one, or what it is.
@@ -232,7 +256,14 @@ def _eval_arguments(sub) -> None:
     p.add_argument("--problems", type=_int_at_least(1), default=200,
                    help="held-out problems to score")
     p.add_argument("--max-new-tokens", type=_int_at_least(1), default=8,
-                   help="greedy completion budget per problem")
+                   help="completion budget per sample")
+    p.add_argument("--samples", type=_int_at_least(1), default=None, metavar="N",
+                   help="sample N completions per problem and report pass@k, avg@N and maj@N "
+                        "(default: greedy accuracy)")
+    p.add_argument("--k", type=_int_at_least(1), nargs="+", default=None,
+                   help="with --samples: the k of pass@k (default: 1 and N)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="with --samples: the sampling temperature")
     p.set_defaults(run=_eval)
 
 
@@ -294,7 +325,8 @@ def _serve_arguments(sub) -> None:
                         "refused)")
     p.add_argument("--cpus", default=None, metavar="CORES",
                    help="run on these CPU cores only ('1', '2-3', '0,4-7'), pinned before JAX "
-                        "starts (its CPU thread pools size to them)")
+                        "starts (its CPU thread pools size to them) (default: the cores it was "
+                        "started on)")
     p.set_defaults(run=_serve)
 
 

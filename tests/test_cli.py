@@ -130,6 +130,8 @@ def test_user_errors_name_the_value_and_what_is_allowed(tmp_path, monkeypatch, c
     (["eval", "--checkpoint", "c", "--problems", "many"],
      "argument --problems: expected an integer, got 'many'"),
     (["eval", "--checkpoint", "c", "--step", "-1"], "argument --step: must be >= 0, got -1"),
+    (["eval", "--checkpoint", "c", "--samples", "4", "--k", "0"],
+     "argument --k: must be >= 1, got 0"),
     (["eval"], "the following arguments are required: --checkpoint"),
     (["frob"], "invalid choice: 'frob' (choose from 'train', 'eval', 'serve', 'compile', "
                "'bench')"),
