@@ -8,7 +8,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxrl.models.tokenizer import HFTokenizer
 from serving.detokenize import IncrementalDecoder
-from serving.openai_api import _Choice
+from serving.openai_choices import Choice
 
 TEXT = ("Grüße aus Köln — naïve café, 日本語のテキスト, 中文字符, emoji 🙂🚀🧪, Ελληνικά, русский "
         "текст, and plain ASCII words with numbers 12345. ")
@@ -72,8 +72,8 @@ def test_openai_choice_streams_the_same_text_and_cuts_at_a_stop_string(tmp_path)
     tokenizer = _byte_level(tmp_path)
     ids = tokenizer.encode(TEXT * 60)
     whole = tokenizer.decode(ids)
-    streamed = _Choice(tokenizer, stops=["🚀🧪"])
-    plain = _Choice(tokenizer, stops=["🚀🧪"])
+    streamed = Choice(tokenizer, stops=["🚀🧪"])
+    plain = Choice(tokenizer, stops=["🚀🧪"])
     sent = []
     for t in ids:
         streamed.add(t, 0.0)
@@ -86,7 +86,7 @@ def test_openai_choice_streams_the_same_text_and_cuts_at_a_stop_string(tmp_path)
     assert "".join(sent) == whole[:cut] == streamed.text == plain.text
     assert streamed.finish == plain.finish == "stop"
 
-    long = _Choice(tokenizer, stops=["never there"])
+    long = Choice(tokenizer, stops=["never there"])
     for t in ids:
         long.add(t, 0.0)
     long.end("length")
