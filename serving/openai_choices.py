@@ -23,7 +23,6 @@ class Choice:
         self._sent: list[str] = []        # handed to the client by `delta`
         self._settled: list[str] = []     # not sent yet; no stop string can start in it
         self._open = ""                   # not sent yet; a stop string may still be forming
-        self._streamable = ""             # what `delta` gave so far (tool calls: see stream_delta)
         self._parsed = None               # (content, tool_calls) once parsed at the end
 
     @property
@@ -70,10 +69,10 @@ class Choice:
         text = self.delta(final=self.finish is not None)
         if self.tools is None:
             return text
-        self._streamable += text
-        if self.finish is None:
-            return self.tools.stream(self._streamable)
-        return "" if self.tool_calls() else self.tools.unsent(self._streamable)
+        out = self.tools.stream(text)
+        if self.finish is None or self.tool_calls():
+            return out
+        return out + self.tools.unsent()
 
     def tool_calls(self) -> list[dict] | None:
         """The calls the sample made, once it has ended (parsed once), or None."""

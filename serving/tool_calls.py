@@ -190,21 +190,32 @@ class ToolTurn:
     def __init__(self, parser: Parser, forced: bool, name: str | None, parallel: bool):
         self.parser, self.parallel = parser, parallel
         self.prefix = parser.opening(name) if forced else ""
-        self._held = bool(self.prefix)    # a forced call: nothing streams as text
-        self._sent = 0
+        self._held = bool(self.prefix)    # a call has begun (a forced one: from the start)
+        self._pending = ""                # not sent: a call, or what may be the start of one
+        self._begun = False               # text other than spaces seen (llama3_json's test)
 
-    def stream(self, text: str) -> str:
-        """Of the choice's text so far, what may be sent as content now."""
+    def stream(self, piece: str) -> str:
+        """Of the next `piece` of the choice's text, what may be sent as content now. The work
+        is the piece's (and a few held characters'), not the whole text's."""
+        self._pending += piece
         if self._held:
             return ""
-        start = self.parser.start
-        at = text.find(start)
-        if at < 0:         # hold a suffix that may be the start of the opening
-            at = next((k for k in range(max(0, len(text) - len(start) + 1), len(text))
-                       if start.startswith(text[k:])), len(text))
-        if self.parser is PARSERS["llama3_json"] and text.lstrip().startswith(("{", "<|")):
-            at = 0
-        out, self._sent = text[self._sent:at], max(self._sent, at)
+        if self.parser is PARSERS["llama3_json"] and not self._begun:
+            head = self._pending.lstrip()
+            if not head:
+                return ""
+            self._begun = True
+            if head.startswith(("{", "<|")):     # its calls are the whole output
+                self._held = True
+                return ""
+        start, pending = self.parser.start, self._pending
+        at = pending.find(start)
+        if at >= 0:
+            self._held = True
+        else:              # hold a suffix that may be the start of the opening
+            at = next((k for k in range(max(0, len(pending) - len(start) + 1), len(pending))
+                       if start.startswith(pending[k:])), len(pending))
+        out, self._pending = pending[:at], pending[at:]
         return out
 
     def result(self, text: str) -> tuple[str | None, list[dict]] | None:
@@ -215,7 +226,7 @@ class ToolTurn:
         content, calls = parsed
         return content, calls_json(calls, self.parallel)
 
-    def unsent(self, text: str) -> str:
+    def unsent(self) -> str:
         """What was held back from streaming, sent as content when the output holds no call
         (a forced call's opening included: it is part of what the model wrote)."""
-        return self.prefix + text if self._held else text[self._sent:]
+        return self.prefix + self._pending

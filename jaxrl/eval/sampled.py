@@ -36,10 +36,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def majority_correct(completions: Sequence[str], correct: Sequence[bool], key) -> bool:
     """Whether the most common answer among `completions` (by `key`) is a correct one."""
-    counts = collections.Counter(key(c) for c in completions)
-    top = max(counts.values())
-    winner = next(key(c) for c in completions if counts[key(c)] == top)
-    return any(ok for c, ok in zip(completions, correct) if key(c) == winner)
+    keys = [key(c) for c in completions]
+    counts = collections.Counter(keys)
+    winner = max(keys, key=counts.__getitem__)        # the first of the most common
+    return any(ok for k, ok in zip(keys, correct) if k == winner)
 
 
 def sampled_eval(orchestrator, task: Task, tokenizer: Tokenizer, problems: Sequence[Problem],

@@ -6,9 +6,10 @@ the engine never compete for a core, so a sync run's generator idles while the t
 
 XLA:CPU sizes its thread pools to the cores a process may run on when its backend starts, so
 the trainer is pinned before JAX starts (`pin_trainer`, called by `jaxrl train` first thing);
-each server pins itself the same way (`jaxrl serve --cpus`). The servers start from the run's newest checkpoint
-and take the trainer's weights before they take work (jaxrl/rollout/fleet.py), then stream
-rollouts back over gRPC like any remote server. They are stopped with the run.
+each server pins itself the same way (`jaxrl serve --cpus`). The servers start from the run's
+newest checkpoint and take the trainer's weights before they take work (jaxrl/rollout/
+fleet.py), then stream rollouts back over gRPC like any remote server. They are stopped with
+the run.
 
 Imports nothing heavy: `jaxrl train` calls `pin_trainer` before JAX is imported."""
 

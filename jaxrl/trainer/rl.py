@@ -150,9 +150,10 @@ class RLRun:
             self.log(f"warning: the trainer was pinned to cores {cores.trainer} after JAX had "
                      f"started: its thread pools were sized for more; run it with `jaxrl "
                      f"train`, which pins it first")
+        model_cfg = model_config(cfg)
         servers = local_servers.LocalServers(
-            cfg.checkpoint_dir, generation.engine_config(cfg, model_config(cfg)),
-            model_config(cfg).dtype, cores.servers, Path(cfg.run_dir), self.log)
+            cfg.checkpoint_dir, generation.engine_config(cfg, model_cfg), model_cfg.dtype,
+            cores.servers, Path(cfg.run_dir), self.log)
         self._stack.callback(servers.close)
         self._servers = servers
         if cores.trainer:
