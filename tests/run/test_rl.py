@@ -30,10 +30,10 @@ from jaxrl.trainer import rl_trainer
 from jaxrl.trainer import trainer as trainer_module
 from serving.orchestrator import Orchestrator
 
-WARMUP = 20      # supervised steps; RL steps are numbered on from there
+WARMUP = 30      # supervised steps; RL steps are numbered on from there
 RL_STEPS = 30
 # A 0.1M-parameter model on sums of two operands in 0..4. After the warm-up it samples the right
-# answer about one time in ten, so RL has room to climb; 16 groups of 8 per step keep the
+# answer about one time in five, so RL has room to climb; 16 groups of 8 per step keep the
 # gradient's noise low enough for the climb to show within 30 steps.
 BASE = ["model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192", "model.num_heads=4",
         "model.num_kv_heads=2", "model.head_dim=16", "model.max_seq_len=32",
@@ -185,10 +185,12 @@ K = 8   # steps averaged at each end
 
 @pytest.mark.parametrize("run", ["async_run", "sync_split_run", "partial_run"])
 def test_reward_rises(request, run, report_table):
-    """The last 8 steps' mean reward against the first 8's. Measured on this 2-core machine in
-    18 runs (3 warm-up seeds x both modes, 3 more of seed 0 x both modes, this file 3 times):
-    +0.13 to +0.23. With the advantages' sign flipped it falls instead (-0.03 to -0.04 in 3
-    runs), so the margin asked here, +0.05, separates learning from its absence."""
+    """The last 8 steps' mean reward against the first 8's. Measured on this 2-core machine,
+    this file twice: +0.17 to +0.26 in every mode; with the advantages' sign flipped it falls
+    to 0 instead, so the margin asked here, +0.05, separates learning from its absence. (After
+    a 20-step warm-up, the policy starting at 0.1, the climb waited on a plateau of 10 to 20
+    steps whose length varied from run to run, and one CI run in about twenty ended it late:
+    +0.016. From 30 warm-up steps it starts at 0.2 and climbs from the first steps.)"""
     rows = rl_rows(request.getfixturevalue(run)["run_dir"])
     assert [r["step"] for r in rows] == list(range(WARMUP + 1, WARMUP + RL_STEPS + 1))
     rewards = np.asarray([r["reward"] for r in rows if r["reward"] is not None])
@@ -196,7 +198,7 @@ def test_reward_rises(request, run, report_table):
     report_table("RL on arithmetic (tiny model): mean reward of the first and last steps",
                  ("run", "steps", f"first {K}", f"last {K}"),
                  (run, len(rows), f"{first:.3f}", f"{last:.3f}"))
-    assert last > first + 0.05, rewards.round(2).tolist()
+    assert last > first + 0.05, " ".join(f"{r:.2f}" for r in rewards)   # not cut short
 
 
 # -- partial rollouts --------------------------------------------------------------------------
