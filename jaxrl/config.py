@@ -236,7 +236,7 @@ class RunConfig:
                     f"sharding.pipeline.stages={pipe.stages} both split the batch; with a "
                     f"pipeline set sharding.pipeline.microbatches instead")
             if self.hf_path is None:  # otherwise the layers come from config.json: checked then
-                self.check_pipeline(self.model.num_layers)
+                self.check_pipeline(self.model)
         if self.model.attention == "splash":
             self.check_splash()
         if self.model.attention == "cudnn":
@@ -276,11 +276,17 @@ class RunConfig:
         if problems:
             raise ConfigError("model.attention=splash: " + "; ".join(problems))
 
-    def check_pipeline(self, num_layers: int) -> None:
-        """ConfigError unless the pipeline divides the layers and the warm-up and RL batches."""
+    def check_pipeline(self, model: ModelConfig) -> None:
+        """ConfigError unless the pipeline divides the layers and the warm-up and RL batches,
+        and the model's layers are all alike (a stage runs its layers without their indices)."""
         pipe = self.sharding.pipeline
         if not pipe.enabled:
             return
+        if len(set(model.sliding_layers())) > 1:
+            raise ConfigError(f"sharding.pipeline.stages={pipe.stages}: a pipeline cannot run "
+                              f"a model that mixes sliding-window and full-attention layers "
+                              f"({model.family}); train it without a pipeline")
+        num_layers = model.num_layers
         try:
             pipe.check(num_layers, self.train.batch_size, "train.batch_size")
             pipe.check(num_layers, self.rl.max_microbatches * self.rl.microbatch_rows,

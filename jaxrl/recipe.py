@@ -22,7 +22,7 @@ def model_config(cfg: RunConfig) -> ModelConfig:
                                param_dtype=cfg.model.param_dtype, attention=cfg.model.attention,
                                max_segments=cfg.model.max_segments,
                                scan_layers=cfg.model.scan_layers)
-    cfg.check_pipeline(model_cfg.num_layers)
+    cfg.check_pipeline(model_cfg)
     return model_cfg
 
 

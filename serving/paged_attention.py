@@ -64,14 +64,15 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, kv_ref, o_ref, m_ref, l_re
         o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def paged_decode_attention(q_BNH, kv_LPKCH, layer, lengths_B, table_BW, *, interpret=False):
+@functools.partial(jax.jit, static_argnames=("interpret", "scale"))
+def paged_decode_attention(q_BNH, kv_LPKCH, layer, lengths_B, table_BW, *, interpret=False,
+                           scale: float | None = None):
     """Attention of one query per row over the row's first lengths_B[b] cached tokens.
 
     q_BNH: the rows' queries (N query heads, G = C / 2 kv heads, N a multiple of G);
     kv_LPKCH: the whole pool (keys at even, values at odd heads of C = 2G); layer: int32 scalar;
     lengths_B: int32, each >= 1 and <= W * K; table_BW: int32 pool pages of each row.
-    Returns [B, N, H] in q's dtype. `interpret`: False compiles with Mosaic (TPU); True runs the
+    Returns [B, N, H] in q's dtype. `scale` multiplies q.k (default 1/sqrt(H)). `interpret`: False compiles with Mosaic (TPU); True runs the
     kernel as plain XLA on any backend (fast enough for an engine on CPU); a
     `pltpu.InterpretParams()` runs it in Pallas's TPU interpreter, which also simulates the DMAs
     into VMEM and reads of memory never written (slow: for tests)."""
@@ -97,7 +98,7 @@ def paged_decode_attention(q_BNH, kv_LPKCH, layer, lengths_B, table_BW, *, inter
         out_specs=pl.BlockSpec((None, n, h), row_block),
         scratch_shapes=[pltpu.VMEM((n, 1), jnp.float32), pltpu.VMEM((n, 1), jnp.float32),
                         pltpu.VMEM((n, h), jnp.float32)])
-    kernel = functools.partial(_kernel, groups=c // 2, page=page, scale=1 / math.sqrt(h))
+    kernel = functools.partial(_kernel, groups=c // 2, page=page, scale=scale or 1 / math.sqrt(h))
     return pl.pallas_call(
         kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct((b, n, h), q_BNH.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),

@@ -79,29 +79,38 @@ class PagedKV:
         kv_BTCH = interleave(k_BTGH, v_BTGH).astype(self.kv.dtype)
         return dataclasses.replace(self, kv=self.kv.at[layer, page_BT, offset_BT].set(kv_BTCH))
 
-    def attend(self, layer, q_BTNH, positions_BT):
-        if self.impl != "reference" and q_BTNH.shape[1] == 1:
-            return self._attend_kernel(layer, q_BTNH, positions_BT)
-        return self._attend_reference(layer, q_BTNH, positions_BT)
+    def attend(self, layer, q_BTNH, positions_BT, *, window=None, scale=None, softcap=None):
+        """The protocol's attend; `window`, `scale` and `softcap` as in ContiguousKV.attend.
+        The kernel runs decode steps of models without windows or soft-caps; the reference
+        path everything else."""
+        if (self.impl != "reference" and q_BTNH.shape[1] == 1 and window is None
+                and softcap is None):
+            return self._attend_kernel(layer, q_BTNH, positions_BT, scale)
+        return self._attend_reference(layer, q_BTNH, positions_BT, window, scale, softcap)
 
-    def _attend_reference(self, layer, q_BTNH, positions_BT):
+    def _attend_reference(self, layer, q_BTNH, positions_BT, window=None, scale=None,
+                          softcap=None):
         """Gathers the row's W pages into a [B, W * K, 2G, H] block and attends causally over
         it. Positions past a row's length hold stale data and are masked by causality (key
         position <= query position)."""
         b, w = self.table.shape
         kv_BSCH = self.kv[layer, self.table].reshape(b, w * self.page_size, *self.kv.shape[3:])
         kv_BSCH = kv_BSCH.astype(q_BTNH.dtype)
-        mask_BTS = jnp.arange(w * self.page_size)[None, None, :] <= positions_BT[:, :, None]
-        return ops.attention(q_BTNH, kv_BSCH[:, :, 0::2], kv_BSCH[:, :, 1::2], mask_BTS, "xla")
+        keys_S = jnp.arange(w * self.page_size)
+        mask_BTS = keys_S[None, None, :] <= positions_BT[:, :, None]
+        if window is not None:
+            mask_BTS &= ops.window_mask(positions_BT, keys_S[None], window)
+        return ops.attention(q_BTNH, kv_BSCH[:, :, 0::2], kv_BSCH[:, :, 1::2], mask_BTS, "xla",
+                             scale=scale, softcap=softcap)
 
-    def _attend_kernel(self, layer, q_B1NH, positions_B1):
+    def _attend_kernel(self, layer, q_B1NH, positions_B1, scale=None):
         """One query per row through the Pallas kernel: row b attends to its first
         positions_B1[b] + 1 tokens, read page by page from the pool."""
         lengths_B = positions_B1[:, 0] + 1
 
         def kernel(q_BNH, kv, layer, lengths_B, table_BW):
             return paged_decode_attention(q_BNH, kv, layer, lengths_B, table_BW,
-                                          interpret=self.interpret)
+                                          interpret=self.interpret, scale=scale)
 
         if self.mesh is not None and self.head_axis is not None:
             heads, rep = PartitionSpec(None, self.head_axis), PartitionSpec()

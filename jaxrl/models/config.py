@@ -1,4 +1,11 @@
-"""Architecture of a decoder-only transformer: Llama 3, Qwen2/Qwen2.5 and Qwen3 are all this shape."""
+"""Architecture of a decoder-only transformer: Llama 3, Qwen2/Qwen2.5, Qwen3, Gemma 2 and Gemma 3
+(text) are all this shape.
+
+The family decides the shape of a block: Llama and Qwen are pre-norm with SwiGLU and RMSNorm
+`w * x`; Gemma scales the embedding by sqrt(embed_dim), normalises with `(1 + w) * x` computed in
+float32, puts a norm before and after both attention and the MLP (sandwich norms) and uses GeGLU
+(tanh GELU). The numbers (soft-caps, sliding windows, RoPE bases) are fields of their own.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ class RopeScaling:
 class ModelConfig:
     """One transformer. Defaults are the built-in demo model (a few hundred thousand parameters)."""
 
-    family: Literal["llama", "qwen2", "qwen3"] = "llama"  # HF model_type written by to_hf
+    family: Literal["llama", "qwen2", "qwen3", "gemma2", "gemma3"] = "llama"  # HF model_type
     vocab_size: int = 32          # embedding rows and logits (at least the tokenizer's size)
     embed_dim: int = 128          # HF hidden_size
     num_layers: int = 4           # transformer blocks
@@ -42,6 +49,17 @@ class ModelConfig:
     qkv_bias: bool = False        # Qwen2/2.5: bias on q, k and v projections
     qk_norm: bool = False         # Qwen3: RMSNorm over head_dim on q and k before RoPE
     tie_embeddings: bool = False  # lm_head shares the embedding matrix
+    # Attention scores are q.k / sqrt(query_pre_attn_scalar) (Gemma's; None: head_dim).
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None    # Gemma 2: scores = cap * tanh(scores / cap)
+    final_softcap: float | None = None   # Gemma 2: logits = cap * tanh(logits / cap)
+    # Sliding-window attention (Gemma 2 and 3): a sliding layer's query sees the last
+    # `sliding_window` positions, its own included. `layer_types` names each layer "full" or
+    # "sliding" (None: the family's pattern, every 2nd layer full for Gemma 2 and every 6th for
+    # Gemma 3, when sliding_window is set; every layer full when it is not).
+    sliding_window: int | None = None
+    layer_types: tuple[Literal["full", "sliding"], ...] | None = None
+    rope_local_theta: float | None = None   # Gemma 3: the sliding layers' RoPE base (no scaling)
     bos_token_id: int | None = None  # written to config.json by to_hf; read from it by from_hf
     eos_token_id: int | None = None  # likewise; generation stops at it
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"        # compute
@@ -71,6 +89,43 @@ class ModelConfig:
                              f"model.num_heads={self.num_heads}")
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim={self.head_dim} must be even for RoPE")
+        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap",
+                     "sliding_window", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"model.{name}={value} must be > 0 (or null: none)")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"model.layer_types has {len(self.layer_types)} entries; "
+                                 f"model.num_layers={self.num_layers} needs one per layer")
+            if "sliding" in self.layer_types and self.sliding_window is None:
+                raise ValueError("model.layer_types names sliding layers but "
+                                 "model.sliding_window is null: set the window's length")
+        if self.attention != "xla" and (self.sliding_window or self.attn_softcap):
+            what = "sliding-window attention" if self.sliding_window else "attention soft-capping"
+            raise ValueError(f"model.attention={self.attention} does not run {what} yet; "
+                             f"use model.attention=xla for this model")
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's block: scaled embedding, (1 + w) norms, sandwich norms, GeGLU."""
+        return self.family in ("gemma2", "gemma3")
+
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Whether each layer attends through the sliding window."""
+        if self.sliding_window is None:
+            return (False,) * self.num_layers
+        if self.layer_types is not None:
+            return tuple(t == "sliding" for t in self.layer_types)
+        every = {"gemma2": 2, "gemma3": 6}.get(self.family)
+        if every is None:                     # Mistral's way: every layer slides
+            return (True,) * self.num_layers
+        return tuple((i + 1) % every != 0 for i in range(self.num_layers))
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by: 1 / sqrt(query_pre_attn_scalar or head_dim)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def for_platform(self, platform: str) -> "ModelConfig":
         """This config with scan_layers=auto decided for a trainer on `platform` ("cpu",
@@ -94,6 +149,6 @@ class ModelConfig:
             attn += h * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * h
-        layer = attn + 3 * d * self.mlp_dim + 2 * d
+        layer = attn + 3 * d * self.mlp_dim + (4 if self.gemma else 2) * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * layer + d + head

@@ -22,7 +22,12 @@ from jaxrl.models.config import DTYPES, ModelConfig, RopeScaling
 from jaxrl.models.transformer import Transformer, abstract_model, merge_params, split_params
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
+# Our family -> Hugging Face's model_type, where they differ (Gemma 3's text-only model).
+MODEL_TYPES = {"gemma3": "gemma3_text"}
+FAMILIES = {MODEL_TYPES.get(f, f): f for f in ARCHITECTURES}
+_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 _NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -37,21 +42,38 @@ def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
         raise HFCheckpointError(f"{str(path)!r} is not a Hugging Face checkpoint folder: "
                                 f"no config.json in it")
     raw = json.loads(file.read_text())
-    family = raw.get("model_type")
-    if family not in ARCHITECTURES:
-        raise HFCheckpointError(f"unsupported architecture model_type={family!r} in {file}; "
-                                f"supported: {', '.join(ARCHITECTURES)}")
-    for key, allowed in (("hidden_act", "silu"), ("mlp_bias", False),
-                         ("use_sliding_window", False)):
-        if key in raw and raw[key] != allowed:
-            raise HFCheckpointError(f"{file}: {key}={raw[key]!r} is not supported "
-                                    f"(only {allowed!r})")
-    if family in ("llama", "qwen3") and raw.get("attention_bias"):
-        raise HFCheckpointError(f"{file}: attention_bias=true (bias on o_proj) is not supported "
-                                f"for {family}")
+    model_type = raw.get("model_type")
+    if model_type == "gemma3" and "text_config" in raw:
+        raise HFCheckpointError(f"{file}: model_type='gemma3' is Gemma 3's image-text model; "
+                                f"only its text-only form (model_type='gemma3_text', "
+                                f"Gemma3ForCausalLM) is supported")
+    if model_type not in FAMILIES:
+        raise HFCheckpointError(f"unsupported architecture model_type={model_type!r} in "
+                                f"{file}; supported: {', '.join(FAMILIES)}")
+    family = FAMILIES[model_type]
+    gemma = family.startswith("gemma")
+    act = "gelu_pytorch_tanh" if gemma else "silu"
+    allowed = {"hidden_act": act, "hidden_activation": act, "mlp_bias": False,
+               "use_bidirectional_attention": False}
+    if not gemma:
+        allowed["use_sliding_window"] = False
+    if family != "qwen2":       # Qwen2's bias is on q, k and v; elsewhere it would be on o too
+        allowed["attention_bias"] = False
+    for key, value in allowed.items():
+        if raw.get(key) is not None and raw[key] != value:
+            raise HFCheckpointError(f"{file}: {key}={raw[key]!r} is not supported for "
+                                    f"{model_type} (only {value!r})")
     heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id")
     rope = raw.get("rope_parameters") or {}
+    local_rope = {}
+    if "full_attention" in rope:       # per layer type (Gemma 3, transformers 5)
+        rope, local_rope = rope["full_attention"], rope.get("sliding_attention") or {}
+    elif family == "gemma3":           # the older keys (configs on the Hub)
+        local_rope = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    if local_rope.get("rope_type", "default") != "default":
+        raise HFCheckpointError(f"{file}: RoPE scaling on the sliding-window layers "
+                                f"({local_rope['rope_type']!r}) is not supported")
     fields = dict(
         family=family,
         vocab_size=raw["vocab_size"],
@@ -66,13 +88,44 @@ def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
         rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope, file),
         norm_eps=raw.get("rms_norm_eps", 1e-6),
         qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qk_norm=family in ("qwen3", "gemma3"),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
     )
+    if gemma:
+        fields.update(_gemma_fields(raw, family, local_rope, file))
     fields.update(overrides)
-    return ModelConfig(**fields)
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise HFCheckpointError(f"{file}: {e}") from None
+
+
+def _gemma_fields(raw: dict, family: str, local_rope: dict, file: Path) -> dict:
+    """Gemma 2 / 3's numbers: attention scale, soft-caps, sliding windows, the local RoPE."""
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
+        if unknown:
+            raise HFCheckpointError(f"{file}: layer_types holds {unknown}; supported: "
+                                    f"{', '.join(_LAYER_TYPES)}")
+        layer_types = tuple(_LAYER_TYPES[t] for t in layer_types)
+    elif family == "gemma3" and raw.get("sliding_window_pattern"):
+        every = int(raw["sliding_window_pattern"])
+        layer_types = tuple("sliding" if (i + 1) % every else "full"
+                            for i in range(raw["num_hidden_layers"]))
+    fields = dict(
+        query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+        final_softcap=raw.get("final_logit_softcapping"),
+        sliding_window=raw.get("sliding_window"),
+        layer_types=layer_types if raw.get("sliding_window") else None,
+    )
+    if family == "gemma2":      # Gemma 3's attention ignores attn_logit_softcapping, as HF's
+        fields["attn_softcap"] = raw.get("attn_logit_softcapping")
+    else:
+        fields["rope_local_theta"] = float(local_rope.get("rope_theta", 10000.0))
+    return fields
 
 
 def _rope_scaling(spec: dict, file: Path) -> RopeScaling | None:
@@ -104,7 +157,10 @@ def _tensor_map(cfg: ModelConfig):
         return (lambda a: a.reshape(heads, H), lambda a: a.reshape(heads * H))
 
     t = lambda: (lambda a: a.T, lambda a: a.T)  # noqa: E731
-    attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    layer, attn, mlp = "model.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    # Llama's post_attention_layernorm is the MLP's input norm; Gemma's is the attention's
+    # output norm, and pre_feedforward_layernorm its MLP's input norm.
+    mlp_norm = "pre_feedforward_layernorm" if cfg.gemma else "post_attention_layernorm"
     m = {
         ("embed",): ("model.embed_tokens.weight", (V, D), *same),
         ("final_norm",): ("model.norm.weight", (D,), *same),
@@ -114,7 +170,7 @@ def _tensor_map(cfg: ModelConfig):
         ("layers", "v_proj"): (attn + "v_proj.weight", (G * H, D), *proj(G)),
         ("layers", "o_proj"): (attn + "o_proj.weight", (D, N * H),
                                lambda a: a.T.reshape(N, H, D), lambda a: a.reshape(N * H, D).T),
-        ("layers", "mlp_norm"): ("model.layers.{i}.post_attention_layernorm.weight", (D,), *same),
+        ("layers", "mlp_norm"): (layer + mlp_norm + ".weight", (D,), *same),
         ("layers", "gate_proj"): (mlp + "gate_proj.weight", (F, D), *t()),
         ("layers", "up_proj"): (mlp + "up_proj.weight", (F, D), *t()),
         ("layers", "down_proj"): (mlp + "down_proj.weight", (D, F), *t()),
@@ -128,6 +184,10 @@ def _tensor_map(cfg: ModelConfig):
     if cfg.qk_norm:
         m[("layers", "q_norm")] = (attn + "q_norm.weight", (H,), *same)
         m[("layers", "k_norm")] = (attn + "k_norm.weight", (H,), *same)
+    if cfg.gemma:
+        m[("layers", "post_attn_norm")] = (layer + "post_attention_layernorm.weight", (D,), *same)
+        m[("layers", "post_mlp_norm")] = (layer + "post_feedforward_layernorm.weight", (D,),
+                                          *same)
     return m
 
 
@@ -164,7 +224,8 @@ class _SafetensorsFolder:
 
 def from_hf(path: str | Path, dtype="float32", *, param_dtype=None, attention: str = "xla",
             shardings: dict | None = None) -> Transformer:
-    """Loads a Llama 3 / Qwen2 / Qwen3 Hugging Face folder into a `Transformer`.
+    """Loads a Llama 3 / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) Hugging Face folder into a
+    `Transformer`.
 
     dtype: compute dtype; param_dtype: stored weights (default: dtype); shardings: optional pure
     dict of `jax.sharding.Sharding` shaped like the parameters (see `sharding.mesh`).
@@ -270,7 +331,7 @@ def _hf_config(cfg: ModelConfig, dtype: str) -> dict:
                         original_max_position_embeddings=s.original_max_position_embeddings)
     out = {
         "architectures": [ARCHITECTURES[cfg.family]],
-        "model_type": cfg.family,
+        "model_type": MODEL_TYPES.get(cfg.family, cfg.family),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.embed_dim,
         "intermediate_size": cfg.mlp_dim,
@@ -294,6 +355,27 @@ def _hf_config(cfg: ModelConfig, dtype: str) -> dict:
     }
     if cfg.family == "qwen2":
         out.update(use_sliding_window=False, attention_bias=True)
+    if cfg.gemma:
+        out.update(_gemma_config(cfg, rope))
+    return out
+
+
+def _gemma_config(cfg: ModelConfig, rope: dict) -> dict:
+    names = {v: k for k, v in _LAYER_TYPES.items()}
+    out = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+        "final_logit_softcapping": cfg.final_softcap,
+        "attn_logit_softcapping": cfg.attn_softcap,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": [names["sliding" if s else "full"] for s in cfg.sliding_layers()],
+        "use_bidirectional_attention": False,
+    }
+    if cfg.family == "gemma3":
+        local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+        out.update(rope_parameters={"full_attention": rope, "sliding_attention": local},
+                   rope_scaling=None, rope_local_base_freq=local["rope_theta"])
     return out
 
 

@@ -3,11 +3,12 @@
 A cache is a pytree carried through the layer scan with two methods:
 
     cache = cache.write(layer, positions_BT, k_BTGH, v_BTGH, valid_BT)
-    a_BTNH = cache.attend(layer, q_BTNH, positions_BT)
+    a_BTNH = cache.attend(layer, q_BTNH, positions_BT, window=None, scale=None, softcap=None)
 
 `write` stores the new tokens' keys and values (rows where `valid_BT` is False are padding and
 must not land anywhere that is read), `attend` is causal attention of the new queries over
-everything the row holds up to each query's position. `ContiguousKV` is one `[L, B, M, G, H]`
+everything the row holds up to each query's position (only its last `window` positions, a
+traced int32, for a sliding-window layer; `scale` and `softcap` as in layers.attention). `ContiguousKV` is one `[L, B, M, G, H]`
 block, the plain reference; the serving engine's paged pool (serving/paged.py) is the other.
 
 Shape letters as in transformer.py; M cache length.
@@ -49,8 +50,11 @@ class ContiguousKV:
         v = self.v.at[layer, rows_BT, positions_BT].set(v_BTGH.astype(self.v.dtype), mode="drop")
         return ContiguousKV(k, v)
 
-    def attend(self, layer, q_BTNH, positions_BT):
-        m = self.k.shape[2]
-        mask_BTM = jnp.arange(m)[None, None, :] <= positions_BT[:, :, None]
+    def attend(self, layer, q_BTNH, positions_BT, *, window=None, scale=None, softcap=None):
+        keys_M = jnp.arange(self.k.shape[2])
+        mask_BTM = keys_M[None, None, :] <= positions_BT[:, :, None]
+        if window is not None:
+            mask_BTM &= ops.window_mask(positions_BT, keys_M[None], window)
         return ops.attention(q_BTNH, self.k[layer].astype(q_BTNH.dtype),
-                             self.v[layer].astype(q_BTNH.dtype), mask_BTM, "xla")
+                             self.v[layer].astype(q_BTNH.dtype), mask_BTM, "xla",
+                             scale=scale, softcap=softcap)

@@ -1,4 +1,4 @@
-"""Stateless pieces of the transformer: RMSNorm, RoPE, attention, SwiGLU.
+"""Stateless pieces of the transformer: RMSNorm, RoPE, attention, gated MLPs.
 
 Shape letters: B batch, T query length, S key length, D embed, N query heads, G key/value heads,
 H head dim, F mlp hidden, V vocab.
@@ -16,18 +16,23 @@ from jax.sharding import PartitionSpec as P
 from jaxrl.models.config import ModelConfig
 
 
-def rms_norm(x, scale, eps: float):
-    """RMSNorm computed in float32 and cast back, as Llama and Qwen do."""
+def rms_norm(x, scale, eps: float, plus_one: bool = False):
+    """RMSNorm. Llama and Qwen normalise in float32, cast back, then multiply by `scale`;
+    Gemma (`plus_one`) multiplies by (1 + scale) in float32 and casts the product."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
     return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [H/2], with Llama 3.1 or linear scaling applied when configured."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies [H/2], with Llama 3.1 or linear scaling applied when configured.
+    `local`: those of the sliding-window layers (Gemma 3: their own base, never scaled)."""
     h = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
-    s = cfg.rope_scaling
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    s = None if local and cfg.rope_local_theta else cfg.rope_scaling
     if s is None:
         return inv_freq.astype(np.float32)
     if s.type == "linear":
@@ -45,9 +50,9 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return out.astype(np.float32)
 
 
-def rope_tables(cfg: ModelConfig, positions_BT):
+def rope_tables(cfg: ModelConfig, positions_BT, local: bool = False):
     """cos and sin [B, T, H] for the given integer positions."""
-    angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg, local))
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -70,25 +75,39 @@ def causal_mask(segment_ids_BT=None, length: int | None = None):
     return same & jnp.tril(jnp.ones((1, t, t), dtype=bool))
 
 
+def window_mask(q_positions_BT, k_positions_BS, window):
+    """bool [B, T, S]: the key is one of the query's last `window` positions (its own
+    included; Hugging Face's sliding_window_overlay). Causality is the caller's mask."""
+    return k_positions_BS[:, None, :] > q_positions_BT[:, :, None] - window
+
+
 def attention(q_BTNH, k_BSGH, v_BSGH, mask_BTS, impl: str = "xla", segment_ids_BT=None,
-              max_segments: int = 16):
+              max_segments: int = 16, *, scale: float | None = None,
+              softcap: float | None = None):
     """Grouped-query attention. `mask_BTS` is True where a query may attend to a key (the xla
-    path; the fused kernels take `segment_ids_BT`, cudnn at most `max_segments` a row)."""
+    path; the fused kernels take `segment_ids_BT`, cudnn at most `max_segments` a row).
+    `scale` multiplies q.k (default 1/sqrt(head_dim)); `softcap` (xla only, Gemma 2) bounds
+    the scores to (-cap, cap) by cap * tanh(score / cap)."""
+    scale = q_BTNH.shape[-1] ** -0.5 if scale is None else scale
+    if softcap is not None and impl != "xla":
+        raise ValueError(f"attention soft-capping runs on the xla path only, not {impl!r}")
     if impl == "xla":
-        return _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS)
+        return _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS, scale, softcap)
     if impl == "cudnn":
-        return _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments)
+        return _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments, scale)
     if impl == "splash":
-        return _attention_splash(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT)
+        return _attention_splash(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, scale)
     raise ValueError(f"attention={impl!r} is not one of 'xla', 'cudnn', 'splash'")
 
 
-def _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS):
+def _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS, scale: float, softcap: float | None):
     b, t, n, h = q_BTNH.shape
     g = k_BSGH.shape[2]
     q_BTGRH = q_BTNH.reshape(b, t, g, n // g, h)
     scores = jnp.einsum("btgrh,bsgh->bgrts", q_BTGRH, k_BSGH,
-                        preferred_element_type=jnp.float32) / math.sqrt(h)
+                        preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
     scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGH.dtype)
     out = jnp.einsum("bgrts,bsgh->btgrh", probs, v_BSGH)
@@ -113,7 +132,7 @@ def segment_layout(segment_ids_BT, max_segments: int):
     return jnp.where(present_BM, lengths_BM, -1), offsets_BM1
 
 
-def _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments: int):
+def _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments: int, scale: float):
     """cuDNN's fused flash attention (NVIDIA GPUs, bfloat16/float16): causal, GQA natively (K/V
     keep their G heads), and packed rows as cuDNN's ragged layout (per-segment lengths and
     offsets; jax.nn.dot_product_attention takes no segments), so no [T, T] mask or bias is
@@ -121,13 +140,13 @@ def _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments: int):
     packers against it): cuDNN's softmax statistics are [B x max_segments, N, T] floats."""
     if segment_ids_BT is None:
         return jax.nn.dot_product_attention(q_BTNH, k_BSGH, v_BSGH, is_causal=True,
-                                            implementation="cudnn")
+                                            scale=scale, implementation="cudnn")
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     lengths_BM, offsets_BM1 = segment_layout(segment_ids_BT, max_segments)
     return cudnn.dot_product_attention(
         q_BTNH, k_BSGH, v_BSGH, q_seqlen=lengths_BM, kv_seqlen=lengths_BM,
-        q_offsets=offsets_BM1, kv_offsets=offsets_BM1, scale=1 / math.sqrt(q_BTNH.shape[-1]),
+        q_offsets=offsets_BM1, kv_offsets=offsets_BM1, scale=scale,
         mask_type=cudnn.MaskType.PADDING_CAUSAL)
 
 
@@ -136,7 +155,7 @@ def _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments: int):
 SPLASH_BLOCK = 128
 
 
-def _attention_splash(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT):
+def _attention_splash(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, scale: float):
     """Pallas splash attention (TPU): causal, within segments when packed, GQA without copying
     K/V (one MQA kernel per key/value head serves its R = N/G query heads).
 
@@ -172,7 +191,7 @@ def _attention_splash(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT):
         per_head = jax.vmap(one, in_axes=(0, 0, 0, None))          # over key/value heads
         return jax.vmap(per_head, in_axes=(0, 0, 0, 0))(q_BGRTH, k_BGSH, v_BGSH, seg_BT)
 
-    q_BGRTH = (q_BTNH / math.sqrt(h)).reshape(b, t, g, r, h).transpose(0, 2, 3, 1, 4)
+    q_BGRTH = (q_BTNH * scale).reshape(b, t, g, r, h).transpose(0, 2, 3, 1, 4)
     k_BGSH, v_BGSH = (jnp.swapaxes(x, 1, 2) for x in (k_BSGH, v_BSGH))
     seg_BT = (segment_ids_BT if segment_ids_BT is not None
               else jnp.ones((b, t), jnp.int32)).astype(jnp.int32)
@@ -202,3 +221,14 @@ def splash_problems(seq_lens: dict[str, int]) -> list[str]:
 def swiglu(x_BTD, gate_DF, up_DF, down_FD):
     h = jax.nn.silu(x_BTD @ gate_DF) * (x_BTD @ up_DF)
     return h @ down_FD
+
+
+def geglu(x_BTD, gate_DF, up_DF, down_FD):
+    """Gemma's MLP: the tanh approximation of GELU (PyTorch's gelu(approximate="tanh"))."""
+    h = jax.nn.gelu(x_BTD @ gate_DF, approximate=True) * (x_BTD @ up_DF)
+    return h @ down_FD
+
+
+def soft_cap(logits, cap: float | None):
+    """cap * tanh(logits / cap), or the logits as they are without a cap."""
+    return logits if cap is None else cap * jnp.tanh(logits / cap)

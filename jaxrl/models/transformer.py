@@ -1,4 +1,5 @@
-"""The decoder-only transformer (Flax NNX): GQA, RoPE, RMSNorm, SwiGLU, a scanned layer stack.
+"""The decoder-only transformer (Flax NNX): GQA, RoPE, RMSNorm, a gated MLP, a scanned layer stack;
+Gemma's sandwich norms, soft-caps and sliding-window layers where the config asks for them.
 
 Shape letters: B batch, T length, D embed, N query heads, G key/value heads, H head dim,
 F mlp hidden, V vocab, L layers. Every parameter carries logical axis names in its `axes`
@@ -7,6 +8,8 @@ only `sharding/` maps them to a mesh.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -35,7 +38,8 @@ class Layers(nnx.Module):
         L, D, N, G, H, F = (cfg.num_layers, cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads,
                             cfg.head_dim, cfg.mlp_dim)
         dt = cfg.weight_dtype
-        self.attn_norm = _param(rngs, (L, D), ("layers", "norm"), dt, "ones")
+        norm = "zeros" if cfg.gemma else "ones"      # Gemma's norms multiply by (1 + w)
+        self.attn_norm = _param(rngs, (L, D), ("layers", "norm"), dt, norm)
         self.q_proj = _param(rngs, (L, D, N, H), ("layers", "embed", "q_heads", "head_dim"), dt)
         self.k_proj = _param(rngs, (L, D, G, H), ("layers", "embed", "kv_heads", "head_dim"), dt)
         self.v_proj = _param(rngs, (L, D, G, H), ("layers", "embed", "kv_heads", "head_dim"), dt)
@@ -45,9 +49,12 @@ class Layers(nnx.Module):
             self.k_bias = _param(rngs, (L, G, H), ("layers", "kv_heads", "head_dim"), dt, "zeros")
             self.v_bias = _param(rngs, (L, G, H), ("layers", "kv_heads", "head_dim"), dt, "zeros")
         if cfg.qk_norm:
-            self.q_norm = _param(rngs, (L, H), ("layers", "norm"), dt, "ones")
-            self.k_norm = _param(rngs, (L, H), ("layers", "norm"), dt, "ones")
-        self.mlp_norm = _param(rngs, (L, D), ("layers", "norm"), dt, "ones")
+            self.q_norm = _param(rngs, (L, H), ("layers", "norm"), dt, norm)
+            self.k_norm = _param(rngs, (L, H), ("layers", "norm"), dt, norm)
+        if cfg.gemma:    # sandwich norms: on the attention's and the MLP's outputs too
+            self.post_attn_norm = _param(rngs, (L, D), ("layers", "norm"), dt, norm)
+            self.post_mlp_norm = _param(rngs, (L, D), ("layers", "norm"), dt, norm)
+        self.mlp_norm = _param(rngs, (L, D), ("layers", "norm"), dt, norm)
         self.gate_proj = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), dt)
         self.up_proj = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), dt)
         self.down_proj = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), dt)
@@ -57,24 +64,40 @@ class Layers(nnx.Module):
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
+def _norm(cfg: ModelConfig, x, scale):
+    return ops.rms_norm(x, scale, cfg.norm_eps, plus_one=cfg.gemma)
+
+
 def _attention_inputs(cfg: ModelConfig, w: dict, x_BTD, cos_BTH, sin_BTH):
-    h_BTD = ops.rms_norm(x_BTD, w["attn_norm"], cfg.norm_eps)
+    h_BTD = _norm(cfg, x_BTD, w["attn_norm"])
     q_BTNH = jnp.einsum("btd,dnh->btnh", h_BTD, w["q_proj"])
     k_BTGH = jnp.einsum("btd,dgh->btgh", h_BTD, w["k_proj"])
     v_BTGH = jnp.einsum("btd,dgh->btgh", h_BTD, w["v_proj"])
     if cfg.qkv_bias:
         q_BTNH, k_BTGH, v_BTGH = q_BTNH + w["q_bias"], k_BTGH + w["k_bias"], v_BTGH + w["v_bias"]
     if cfg.qk_norm:
-        q_BTNH = ops.rms_norm(q_BTNH, w["q_norm"], cfg.norm_eps)
-        k_BTGH = ops.rms_norm(k_BTGH, w["k_norm"], cfg.norm_eps)
+        q_BTNH = _norm(cfg, q_BTNH, w["q_norm"])
+        k_BTGH = _norm(cfg, k_BTGH, w["k_norm"])
     return (ops.apply_rope(q_BTNH, cos_BTH, sin_BTH), ops.apply_rope(k_BTGH, cos_BTH, sin_BTH),
             v_BTGH)
 
 
 def _attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH):
-    x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", a_BTNH, w["o_proj"])
-    h_BTD = checkpoint_name(ops.rms_norm(x_BTD, w["mlp_norm"], cfg.norm_eps), "mlp_in")
-    return x_BTD + ops.swiglu(h_BTD, w["gate_proj"], w["up_proj"], w["down_proj"])
+    o_BTD = jnp.einsum("btnh,nhd->btd", a_BTNH, w["o_proj"])
+    if cfg.gemma:
+        o_BTD = _norm(cfg, o_BTD, w["post_attn_norm"])
+    x_BTD = x_BTD + o_BTD
+    h_BTD = checkpoint_name(_norm(cfg, x_BTD, w["mlp_norm"]), "mlp_in")
+    mlp = ops.geglu if cfg.gemma else ops.swiglu
+    m_BTD = mlp(h_BTD, w["gate_proj"], w["up_proj"], w["down_proj"])
+    if cfg.gemma:
+        m_BTD = _norm(cfg, m_BTD, w["post_mlp_norm"])
+    return x_BTD + m_BTD
+
+
+def _attend(cfg: ModelConfig, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT):
+    return ops.attention(q_BTNH, k_BTGH, v_BTGH, mask_BTS, cfg.attention, segment_ids_BT,
+                         cfg.max_segments, scale=cfg.attention_scale, softcap=cfg.attn_softcap)
 
 
 def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
@@ -86,19 +109,43 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
     q_BTNH = checkpoint_name(q_BTNH, "query_proj")
     k_BTGH = checkpoint_name(k_BTGH, "key_proj")
     v_BTGH = checkpoint_name(v_BTGH, "value_proj")
-    a_BTNH = ops.attention(q_BTNH, k_BTGH, v_BTGH, mask_BTS, cfg.attention, segment_ids_BT,
-                           cfg.max_segments)
-    a_BTNH = checkpoint_name(a_BTNH, "attention_out")
+    a_BTNH = checkpoint_name(_attend(cfg, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT),
+                             "attention_out")
     return _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH)
+
+
+def layer_inputs(cfg: ModelConfig, positions_BT, segment_ids_BT, length: int):
+    """A function of a layer's `sliding` flag (a traced bool) to what that layer needs beside
+    its weights: (cos, sin, mask). Full-attention layers get the causal (per-segment) mask and
+    the global RoPE; sliding-window layers that mask cut to the window and their own RoPE base
+    (Gemma 3). A model whose layers are all alike ignores the flag."""
+    full = (*ops.rope_tables(cfg, positions_BT), ops.causal_mask(segment_ids_BT, length))
+    sliding = cfg.sliding_layers()
+    if not any(sliding):
+        return lambda _: full
+    local = (*ops.rope_tables(cfg, positions_BT, local=True),
+             full[2] & ops.window_mask(positions_BT, positions_BT, cfg.sliding_window))
+    if all(sliding):
+        return lambda _: local
+    return lambda s: jax.tree.map(lambda g, l: jnp.where(s, l, g), full, local)
+
+
+def _check_layers_alike(cfg: ModelConfig) -> None:
+    if len(set(cfg.sliding_layers())) > 1:
+        raise ValueError("pipeline stages run a slice of the layers without their indices, so "
+                         "they cannot run a model that mixes sliding-window and full-attention "
+                         f"layers (model.family={cfg.family}); train it without a pipeline")
 
 
 def apply_layer(cfg: ModelConfig, p: dict, x_BTD, positions_BT, segment_ids_BT=None,
                 layer_fn=None):
     """One layer (`p` without the `layers` axis) and no loop: what a pipeline stage program
     runs per layer, and what zero-bubble's backward split traces (sharding/split_backward.py).
-    `layer_fn` as in `run_layers`."""
-    cos_BTH, sin_BTH = ops.rope_tables(cfg, positions_BT)
-    mask_BTS = ops.causal_mask(segment_ids_BT, x_BTD.shape[1])
+    `layer_fn` as in `run_layers`. The layer does not know its index, so the model's layers
+    must all be alike (no mix of sliding-window and full-attention layers)."""
+    _check_layers_alike(cfg)
+    cos_BTH, sin_BTH, mask_BTS = layer_inputs(cfg, positions_BT, segment_ids_BT,
+                                              x_BTD.shape[1])(None)
     return (layer_fn or decoder_layer)(cfg, p, x_BTD, cos_BTH, sin_BTH, mask_BTS,
                                        segment_ids_BT)
 
@@ -108,21 +155,38 @@ def run_layers(cfg: ModelConfig, stacked: dict, x_BTD, positions_BT, segment_ids
     """Runs the layers stacked in `stacked` (each parameter with a leading `layers` axis, any
     number of layers) over x [B, T, D] as one `lax.scan`, unrolled or not (`layer_unroll`).
     `layer_fn` (default `decoder_layer`) lets sharding/ wrap each layer in a remat or offload
-    policy."""
-    cos_BTH, sin_BTH = ops.rope_tables(cfg, positions_BT)
-    mask_BTS = ops.causal_mask(segment_ids_BT, x_BTD.shape[1])
+    policy. `stacked` holds the model's layers from the first (a pipeline stage's slice of a
+    model whose layers are all alike may hold any)."""
+    inputs = layer_inputs(cfg, positions_BT, segment_ids_BT, x_BTD.shape[1])
     layer_fn = layer_fn or decoder_layer
+    num = jax.tree.leaves(stacked)[0].shape[0]
+    if num != cfg.num_layers:
+        _check_layers_alike(cfg)
+    sliding_L = jnp.asarray(cfg.sliding_layers()[:num])
 
-    def body(x, p):
-        return layer_fn(cfg, p, x, cos_BTH, sin_BTH, mask_BTS, segment_ids_BT), None
+    def body(x, xs):
+        p, sliding = xs
+        return layer_fn(cfg, p, x, *inputs(sliding), segment_ids_BT), None
 
-    return jax.lax.scan(body, x_BTD, stacked, unroll=layer_unroll(cfg))[0]
+    return jax.lax.scan(body, x_BTD, (stacked, sliding_L), unroll=layer_unroll(cfg))[0]
 
 
 def layer_unroll(cfg: ModelConfig) -> bool:
     """Whether the layer scan is unrolled: model.scan_layers=unroll, or auto once the trainer
     has resolved it for CPU devices (`ModelConfig.for_platform`); unresolved, it scans."""
     return cfg.scan_layers == "unroll"
+
+
+_NO_WINDOW = 2**30    # a full-attention layer's window in `extend`: longer than any sequence
+
+
+def _windows(cfg: ModelConfig):
+    """int32 [L]: each layer's window for a KV cache's `attend` (_NO_WINDOW: full attention),
+    or None when no layer slides."""
+    sliding = cfg.sliding_layers()
+    if not any(sliding):
+        return None
+    return jnp.asarray([cfg.sliding_window if s else _NO_WINDOW for s in sliding], jnp.int32)
 
 
 class Transformer(nnx.Module):
@@ -151,11 +215,15 @@ class Transformer(nnx.Module):
         return self.final_hidden(x_BTD)
 
     def embed_tokens(self, input_ids_BT):
-        return jnp.take(self.embed[...], input_ids_BT, axis=0).astype(self.cfg.compute_dtype)
+        cfg = self.cfg
+        x_BTD = jnp.take(self.embed[...], input_ids_BT, axis=0).astype(cfg.compute_dtype)
+        if cfg.gemma:    # the scale rounded to the compute dtype first, as Hugging Face does
+            x_BTD = x_BTD * jnp.asarray(math.sqrt(cfg.embed_dim), cfg.compute_dtype)
+        return x_BTD
 
     def final_hidden(self, x_BTD):
         cfg = self.cfg
-        return ops.rms_norm(x_BTD, self.final_norm[...].astype(cfg.compute_dtype), cfg.norm_eps)
+        return _norm(cfg, x_BTD, self.final_norm[...].astype(cfg.compute_dtype))
 
     def extend(self, input_ids_BT, start_B, cache, valid_B=None):
         """Runs T new tokens per row on top of a KV cache: row b's tokens sit at positions
@@ -170,16 +238,22 @@ class Transformer(nnx.Module):
         offsets_T = jnp.arange(t, dtype=start_B.dtype)
         positions_BT = start_B[:, None] + offsets_T[None, :]
         valid_BT = None if valid_B is None else offsets_T[None, :] < valid_B[:, None]
-        cos_BTH, sin_BTH = ops.rope_tables(cfg, positions_BT)
+        full = ops.rope_tables(cfg, positions_BT)
+        local = ops.rope_tables(cfg, positions_BT, local=True)
+        window = _windows(cfg)
         x_BTD = self.embed_tokens(input_ids_BT)
 
         def body(carry, xs):
             x_BTD, cache = carry
             p, layer = xs
             w = {k: v.astype(cfg.compute_dtype) for k, v in p.items()}
+            cos_BTH, sin_BTH = (full if window is None else jax.tree.map(
+                lambda g, l: jnp.where(window[layer] < _NO_WINDOW, l, g), full, local))
             q_BTNH, k_BTGH, v_BTGH = _attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
             cache = cache.write(layer, positions_BT, k_BTGH, v_BTGH, valid_BT)
-            a_BTNH = cache.attend(layer, q_BTNH, positions_BT)
+            a_BTNH = cache.attend(layer, q_BTNH, positions_BT,
+                                  window=None if window is None else window[layer],
+                                  scale=cfg.attention_scale, softcap=cfg.attn_softcap)
             return (_attention_output_and_mlp(cfg, w, x_BTD, a_BTNH), cache), None
 
         layers = jnp.arange(cfg.num_layers)
@@ -193,7 +267,9 @@ class Transformer(nnx.Module):
         return head_DV.astype(self.cfg.compute_dtype)
 
     def logits(self, x_BTD):
-        return jnp.einsum("btd,dv->btv", x_BTD, self.head(), preferred_element_type=jnp.float32)
+        """float32 logits, soft-capped where the model says (Gemma 2)."""
+        return ops.soft_cap(jnp.einsum("btd,dv->btv", x_BTD, self.head(),
+                                       preferred_element_type=jnp.float32), self.cfg.final_softcap)
 
     def __call__(self, input_ids_BT, positions_BT=None, segment_ids_BT=None):
         return self.logits(self.hidden(input_ids_BT, positions_BT, segment_ids_BT))

@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl.models.layers import soft_cap
 from jaxrl.rl.losses import effective_sample_size, policy_loss
 
 
@@ -22,16 +23,19 @@ def token_logp(model, mb, temperature: float = 1.0, stack_fn=None, chunk: int = 
     or a pipeline schedule, sharding/). Logits exist `chunk` positions at a time (see
     `chunked_token_stats`); chunk=0: all at once."""
     x_BTD = model.hidden(mb["input_ids"], mb.get("positions"), mb.get("segment_ids"), stack_fn)
-    return chunked_token_stats(x_BTD, model.head(), mb["targets"], temperature, chunk)
+    return chunked_token_stats(x_BTD, model.head(), mb["targets"], temperature, chunk,
+                               model.cfg.final_softcap)
 
 
-def chunked_token_stats(x_BTD, head_DV, targets_BT, temperature: float = 1.0, chunk: int = 512):
+def chunked_token_stats(x_BTD, head_DV, targets_BT, temperature: float = 1.0, chunk: int = 512,
+                        softcap: float | None = None):
     """Per-token (log-prob of the target, entropy, target == argmax) from final hidden states,
     without a [B, T, V] float32 tensor: a scan over chunks of `chunk` positions whose body is
     rematerialised, so the forward keeps one chunk's logits at a time and the backward
     recomputes each chunk's from its hidden states (Liger's fused linear cross-entropy, in
     plain JAX). At 8k tokens and a 152k vocabulary that is the difference between 5 GB of
-    logits per row and 0.3 GB per chunk of 512."""
+    logits per row and 0.3 GB per chunk of 512. `softcap`: the model's final-logit soft-cap
+    (Gemma 2), applied before the temperature as the engine does."""
     b, t, d = x_BTD.shape
     c = t if chunk <= 0 else min(chunk, t)
     n = -(-t // c)
@@ -41,8 +45,8 @@ def chunked_token_stats(x_BTD, head_DV, targets_BT, temperature: float = 1.0, ch
 
     @jax.checkpoint
     def stats(x_BCD, targets_BC):
-        logits_BCV = jnp.einsum("bcd,dv->bcv", x_BCD, head_DV,
-                                preferred_element_type=jnp.float32) / temperature
+        logits_BCV = soft_cap(jnp.einsum("bcd,dv->bcv", x_BCD, head_DV,
+                                         preferred_element_type=jnp.float32), softcap) / temperature
         logz_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
         target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
         probs_BCV = jnp.exp(logits_BCV - logz_BC[..., None])

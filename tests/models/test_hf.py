@@ -30,6 +30,24 @@ FAMILIES = {
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=128,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Gemma 2: sandwich norms, GeGLU, scaled embedding, a query scale that is not head_dim,
+    # attention and final-logit soft-caps small enough to bite, and sliding layers (every
+    # other one) whose window, 4, is shorter than the 13-token test sequence.
+    "gemma2": lambda: transformers.Gemma2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+        sliding_window=4),
+    # Gemma 3: q/k norms, sliding layers with their own RoPE base, the full layer's RoPE
+    # linearly scaled, a layer pattern given explicitly, untied head.
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+        query_pre_attn_scalar=32, sliding_window=5, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
 }
 
 
