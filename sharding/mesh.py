@@ -27,6 +27,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
     "layers": ("stage",),
+    # Mixture-of-experts weights [L, E, D, F]: the experts split over fsdp (each fsdp shard
+    # stores E / fsdp of them whole; embed, after them, stays unsplit), their hidden size over
+    # tensor. XLA gathers the experts for the grouped matmuls (no all-to-all dispatch yet).
+    "experts": ("fsdp",),
 }
 
 

@@ -1,5 +1,5 @@
 """Architecture of a decoder-only transformer: Llama 3, Qwen2/Qwen2.5, Qwen3, Gemma 2 and Gemma 3
-(text) are all this shape.
+(text) are all this shape, and Qwen3-MoE is Qwen3's with a mixture-of-experts MLP (models/moe.py).
 
 The family decides the shape of a block: Llama and Qwen are pre-norm with SwiGLU and RMSNorm
 `w * x`; Gemma scales the embedding by sqrt(embed_dim), normalises with `(1 + w) * x` computed in
@@ -34,7 +34,7 @@ class RopeScaling:
 class ModelConfig:
     """One transformer. Defaults are the built-in demo model (a few hundred thousand parameters)."""
 
-    family: Literal["llama", "qwen2", "qwen3", "gemma2", "gemma3"] = "llama"  # HF model_type
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3"] = "llama"
     vocab_size: int = 32          # embedding rows and logits (at least the tokenizer's size)
     embed_dim: int = 128          # HF hidden_size
     num_layers: int = 4           # transformer blocks
@@ -60,6 +60,12 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[Literal["full", "sliding"], ...] | None = None
     rope_local_theta: float | None = None   # Gemma 3: the sliding layers' RoPE base (no scaling)
+    # Mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` SwiGLU experts of
+    # hidden size `moe_mlp_dim`, each token routed to its top `experts_per_token` (0: dense).
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_mlp_dim: int = 0
+    norm_topk_prob: bool = False   # renormalise the top-k router weights to sum to 1
     bos_token_id: int | None = None  # written to config.json by to_hf; read from it by from_hf
     eos_token_id: int | None = None  # likewise; generation stops at it
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"        # compute
@@ -89,6 +95,15 @@ class ModelConfig:
                              f"model.num_heads={self.num_heads}")
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim={self.head_dim} must be even for RoPE")
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts:
+                raise ValueError(f"model.experts_per_token={self.experts_per_token} must be in "
+                                 f"1..model.num_experts={self.num_experts}")
+            if self.moe_mlp_dim < 1:
+                raise ValueError(f"model.moe_mlp_dim={self.moe_mlp_dim} must be >= 1 with "
+                                 f"model.num_experts={self.num_experts}")
+        elif self.num_experts < 0:
+            raise ValueError(f"model.num_experts={self.num_experts} must be >= 0 (0: dense)")
         for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap",
                      "sliding_window", "rope_local_theta"):
             value = getattr(self, name)
@@ -149,6 +164,8 @@ class ModelConfig:
             attn += h * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * h
-        layer = attn + 3 * d * self.mlp_dim + (4 if self.gemma else 2) * d
+        mlp = (3 * d * self.mlp_dim if not self.num_experts
+               else self.num_experts * (d + 3 * d * self.moe_mlp_dim))
+        layer = attn + mlp + (4 if self.gemma else 2) * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * layer + d + head

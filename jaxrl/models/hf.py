@@ -22,7 +22,8 @@ from jaxrl.models.config import DTYPES, ModelConfig, RopeScaling
 from jaxrl.models.transformer import Transformer, abstract_model, merge_params, split_params
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM"}
 # Our family -> Hugging Face's model_type, where they differ (Gemma 3's text-only model).
 MODEL_TYPES = {"gemma3": "gemma3_text"}
@@ -88,18 +89,34 @@ def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
         rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope, file),
         norm_eps=raw.get("rms_norm_eps", 1e-6),
         qkv_bias=family == "qwen2",
-        qk_norm=family in ("qwen3", "gemma3"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
     )
     if gemma:
         fields.update(_gemma_fields(raw, family, local_rope, file))
+    if family == "qwen3_moe":
+        fields.update(_moe_fields(raw, file))
     fields.update(overrides)
     try:
         return ModelConfig(**fields)
     except ValueError as e:
         raise HFCheckpointError(f"{file}: {e}") from None
+
+
+def _moe_fields(raw: dict, file: Path) -> dict:
+    """Qwen3-MoE's experts. Every layer must be sparse: the layer stack is one scan of alike
+    layers (Qwen3-30B-A3B and -235B-A22B are)."""
+    if raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1:
+        raise HFCheckpointError(
+            f"{file}: mlp_only_layers={raw.get('mlp_only_layers')} / decoder_sparse_step="
+            f"{raw.get('decoder_sparse_step')}: only models whose every layer is a "
+            f"mixture of experts are supported (mlp_only_layers=[], decoder_sparse_step=1)")
+    return dict(num_experts=raw.get("num_experts") or raw["num_local_experts"],
+                experts_per_token=raw["num_experts_per_tok"],
+                moe_mlp_dim=raw["moe_intermediate_size"],
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
 
 
 def _gemma_fields(raw: dict, family: str, local_rope: dict, file: Path) -> dict:
@@ -175,6 +192,15 @@ def _tensor_map(cfg: ModelConfig):
         ("layers", "up_proj"): (mlp + "up_proj.weight", (F, D), *t()),
         ("layers", "down_proj"): (mlp + "down_proj.weight", (D, F), *t()),
     }
+    if cfg.num_experts:
+        for key in ("gate_proj", "up_proj", "down_proj"):
+            del m[("layers", key)]
+        E, FE = cfg.num_experts, cfg.moe_mlp_dim
+        expert = mlp + "experts.{j}."
+        m[("layers", "router")] = (mlp + "gate.weight", (E, D), *t())
+        m[("layers", "experts_gate")] = (expert + "gate_proj.weight", (FE, D), *t())
+        m[("layers", "experts_up")] = (expert + "up_proj.weight", (FE, D), *t())
+        m[("layers", "experts_down")] = (expert + "down_proj.weight", (D, FE), *t())
     if not cfg.tie_embeddings:
         m[("lm_head",)] = ("lm_head.weight", (V, D), *t())
     if cfg.qkv_bias:
@@ -224,8 +250,8 @@ class _SafetensorsFolder:
 
 def from_hf(path: str | Path, dtype="float32", *, param_dtype=None, attention: str = "xla",
             shardings: dict | None = None) -> Transformer:
-    """Loads a Llama 3 / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 (text) Hugging Face folder into a
-    `Transformer`.
+    """Loads a Llama 3 / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 2 / Gemma 3 (text) Hugging Face
+    folder into a `Transformer`.
 
     dtype: compute dtype; param_dtype: stored weights (default: dtype); shardings: optional pure
     dict of `jax.sharding.Sharding` shaped like the parameters (see `sharding.mesh`).
@@ -236,8 +262,7 @@ def from_hf(path: str | Path, dtype="float32", *, param_dtype=None, attention: s
     folder = _SafetensorsFolder(path)
     available = folder.names()
     mapping = _tensor_map(cfg)
-    expected = {tmpl.format(i=i) for (tmpl, *_) in mapping.values()
-                for i in range(cfg.num_layers)}
+    expected = {name for (tmpl, *_) in mapping.values() for name in _names(tmpl, cfg)}
     if cfg.tie_embeddings:
         available.discard("lm_head.weight")
     unexpected = sorted(n for n in available - expected if not n.endswith("rotary_emb.inv_freq"))
@@ -258,7 +283,11 @@ def from_hf(path: str | Path, dtype="float32", *, param_dtype=None, attention: s
 
     params = {}
     for key, (tmpl, shape, to_ours, _) in mapping.items():
-        if key[0] == "layers":
+        if "{j}" in tmpl:       # one tensor per layer and expert: stacked [L, E, ...]
+            value = np.stack([np.stack([read(tmpl.format(i=i, j=j), shape, to_ours)
+                                        for j in range(cfg.num_experts)])
+                              for i in range(cfg.num_layers)])
+        elif key[0] == "layers":
             value = np.stack([read(tmpl.format(i=i), shape, to_ours)
                               for i in range(cfg.num_layers)])
         else:
@@ -287,7 +316,11 @@ def to_hf(model: Transformer, path: str | Path, *, dtype=None,
     tensors = {}
     for key, (tmpl, _, _, to_hf_fn) in _tensor_map(cfg).items():
         value = np.asarray(jax.device_get(_get(params, key))).astype(np.float32)
-        if key[0] == "layers":
+        if "{j}" in tmpl:
+            for i in range(cfg.num_layers):
+                for j in range(cfg.num_experts):
+                    tensors[tmpl.format(i=i, j=j)] = to_hf_fn(value[i, j])
+        elif key[0] == "layers":
             for i in range(cfg.num_layers):
                 tensors[tmpl.format(i=i)] = to_hf_fn(value[i])
         else:
@@ -297,6 +330,14 @@ def to_hf(model: Transformer, path: str | Path, *, dtype=None,
     _write_safetensors(tensors, path, max_shard_bytes)
     (path / "config.json").write_text(json.dumps(_hf_config(cfg, dtype), indent=2) + "\n")
     return path
+
+
+def _names(tmpl: str, cfg: ModelConfig) -> list[str]:
+    """Every tensor name a template stands for (per layer, per expert)."""
+    if "{j}" in tmpl:
+        return [tmpl.format(i=i, j=j) for i in range(cfg.num_layers)
+                for j in range(cfg.num_experts)]
+    return [tmpl.format(i=i) for i in range(cfg.num_layers)]
 
 
 def _write_safetensors(tensors: dict, path: Path, max_shard_bytes: int) -> None:
@@ -357,6 +398,11 @@ def _hf_config(cfg: ModelConfig, dtype: str) -> dict:
         out.update(use_sliding_window=False, attention_bias=True)
     if cfg.gemma:
         out.update(_gemma_config(cfg, rope))
+    if cfg.num_experts:
+        out.update(num_experts=cfg.num_experts, num_local_experts=cfg.num_experts,
+                   num_experts_per_tok=cfg.experts_per_token,
+                   moe_intermediate_size=cfg.moe_mlp_dim, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
     return out
 
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxrl.models import layers as ops
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.moe import moe_mlp
 
 _normal = nnx.initializers.normal(stddev=0.02)
 
@@ -55,6 +56,15 @@ class Layers(nnx.Module):
             self.post_attn_norm = _param(rngs, (L, D), ("layers", "norm"), dt, norm)
             self.post_mlp_norm = _param(rngs, (L, D), ("layers", "norm"), dt, norm)
         self.mlp_norm = _param(rngs, (L, D), ("layers", "norm"), dt, norm)
+        if cfg.num_experts:
+            E, F = cfg.num_experts, cfg.moe_mlp_dim
+            self.router = _param(rngs, (L, D, E), ("layers", "embed", "experts"), dt)
+            axes = ("layers", "experts", "embed", "mlp")
+            self.experts_gate = _param(rngs, (L, E, D, F), axes, dt)
+            self.experts_up = _param(rngs, (L, E, D, F), axes, dt)
+            self.experts_down = _param(rngs, (L, E, F, D), ("layers", "experts", "mlp", "embed"),
+                                       dt)
+            return
         self.gate_proj = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), dt)
         self.up_proj = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), dt)
         self.down_proj = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), dt)
@@ -88,8 +98,11 @@ def _attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH):
         o_BTD = _norm(cfg, o_BTD, w["post_attn_norm"])
     x_BTD = x_BTD + o_BTD
     h_BTD = checkpoint_name(_norm(cfg, x_BTD, w["mlp_norm"]), "mlp_in")
-    mlp = ops.geglu if cfg.gemma else ops.swiglu
-    m_BTD = mlp(h_BTD, w["gate_proj"], w["up_proj"], w["down_proj"])
+    if cfg.num_experts:
+        m_BTD = moe_mlp(cfg, w, h_BTD)
+    else:
+        mlp = ops.geglu if cfg.gemma else ops.swiglu
+        m_BTD = mlp(h_BTD, w["gate_proj"], w["up_proj"], w["down_proj"])
     if cfg.gemma:
         m_BTD = _norm(cfg, m_BTD, w["post_mlp_norm"])
     return x_BTD + m_BTD

@@ -30,6 +30,12 @@ FAMILIES = {
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=128,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Qwen3-MoE: 6 experts of which each token takes 3, top-k weights renormalised.
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=128, num_experts=6, num_experts_per_tok=3,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
     # Gemma 2: sandwich norms, GeGLU, scaled embedding, a query scale that is not head_dim,
     # attention and final-logit soft-caps small enough to bite, and sliding layers (every
     # other one) whose window, 4, is shorter than the 13-token test sequence.
@@ -177,7 +183,8 @@ def test_from_hf_places_each_tensor_on_the_mesh(hf_checkpoint):
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
     shardings = tree_shardings(param_axes(cfg), split_params(abstract_model(cfg))[1], mesh)
     model = from_hf(path, shardings=shardings)
-    up = model.layers.up_proj[...]  # [L, D, F] = [2, 64, 96]: embed over fsdp, mlp over tensor
-    assert up.sharding == shardings["layers"]["up_proj"]
-    assert {s.data.shape for s in up.addressable_shards} == {(2, 16, 48)}
+    q = model.layers.q_proj[...]  # [L, D, N, H]: embed over fsdp, query heads over tensor
+    assert q.sharding == shardings["layers"]["q_proj"]
+    L, D, N, H = q.shape
+    assert {s.data.shape for s in q.addressable_shards} == {(L, D // 4, N // 2, H)}
     np.testing.assert_allclose(np.asarray(model(ids)), expected, atol=1e-4)
