@@ -1,4 +1,5 @@
-"""Transformer models (Llama 3, Qwen2/2.5, Qwen3), Hugging Face weights in and out, tokenizers."""
+"""Transformer models (Llama 3, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3 text), Hugging Face
+weights in and out, tokenizers."""
 
 from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.models.hf import from_hf, load_hf_config, to_hf

@@ -34,6 +34,7 @@ class RopeScaling:
 class ModelConfig:
     """One transformer. Defaults are the built-in demo model (a few hundred thousand parameters)."""
 
+    # The block's shape (module docstring); to_hf writes it as Hugging Face's model_type.
     family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3"] = "llama"
     vocab_size: int = 32          # embedding rows and logits (at least the tokenizer's size)
     embed_dim: int = 128          # HF hidden_size
