@@ -172,16 +172,20 @@ def run_layers(cfg: ModelConfig, stacked: dict, x_BTD, positions_BT, segment_ids
     model whose layers are all alike may hold any)."""
     inputs = layer_inputs(cfg, positions_BT, segment_ids_BT, x_BTD.shape[1])
     layer_fn = layer_fn or decoder_layer
-    num = jax.tree.leaves(stacked)[0].shape[0]
-    if num != cfg.num_layers:
-        _check_layers_alike(cfg)
-    sliding_L = jnp.asarray(cfg.sliding_layers()[:num])
+    if len(set(cfg.sliding_layers())) == 1:      # layers all alike: nothing to tell apart
+        def body(x, p):
+            return layer_fn(cfg, p, x, *inputs(None), segment_ids_BT), None
 
-    def body(x, xs):
+        return jax.lax.scan(body, x_BTD, stacked, unroll=layer_unroll(cfg))[0]
+    if jax.tree.leaves(stacked)[0].shape[0] != cfg.num_layers:
+        _check_layers_alike(cfg)                 # a stage's slice: raises
+
+    def body_mixed(x, xs):
         p, sliding = xs
         return layer_fn(cfg, p, x, *inputs(sliding), segment_ids_BT), None
 
-    return jax.lax.scan(body, x_BTD, (stacked, sliding_L), unroll=layer_unroll(cfg))[0]
+    sliding_L = jnp.asarray(cfg.sliding_layers())
+    return jax.lax.scan(body_mixed, x_BTD, (stacked, sliding_L), unroll=layer_unroll(cfg))[0]
 
 
 def layer_unroll(cfg: ModelConfig) -> bool:
