@@ -56,8 +56,8 @@ class ModelConfig:
     final_softcap: float | None = None   # Gemma 2: logits = cap * tanh(logits / cap)
     # Sliding-window attention (Gemma 2 and 3): a sliding layer's query sees the last
     # `sliding_window` positions, its own included. `layer_types` names each layer "full" or
-    # "sliding" (None: the family's pattern, every 2nd layer full for Gemma 2 and every 6th for
-    # Gemma 3, when sliding_window is set; every layer full when it is not).
+    # "sliding" (None: with sliding_window set, the family's pattern, every 2nd layer full for
+    # Gemma 2 and every 6th for Gemma 3, every layer sliding for others; without, all full).
     sliding_window: int | None = None
     layer_types: tuple[Literal["full", "sliding"], ...] | None = None
     rope_local_theta: float | None = None   # Gemma 3: the sliding layers' RoPE base (no scaling)

@@ -197,13 +197,18 @@ def layer_unroll(cfg: ModelConfig) -> bool:
 _NO_WINDOW = 2**30    # a full-attention layer's window in `extend`: longer than any sequence
 
 
-def _windows(cfg: ModelConfig):
-    """int32 [L]: each layer's window for a KV cache's `attend` (_NO_WINDOW: full attention),
-    or None when no layer slides."""
+def _cached_layer_inputs(cfg: ModelConfig, positions_BT):
+    """`layer_inputs` for `extend`: a layer's `sliding` flag to (cos, sin, window), the window
+    (None: no layer slides) for the KV cache's `attend`, which builds the mask itself."""
+    full = ops.rope_tables(cfg, positions_BT)
     sliding = cfg.sliding_layers()
     if not any(sliding):
-        return None
-    return jnp.asarray([cfg.sliding_window if s else _NO_WINDOW for s in sliding], jnp.int32)
+        return lambda _: (*full, None)
+    local = ops.rope_tables(cfg, positions_BT, local=True)
+    if all(sliding):
+        return lambda _: (*local, cfg.sliding_window)
+    return lambda s: (*jax.tree.map(lambda g, l: jnp.where(s, l, g), full, local),
+                      jnp.where(s, cfg.sliding_window, _NO_WINDOW))
 
 
 class Transformer(nnx.Module):
@@ -255,21 +260,19 @@ class Transformer(nnx.Module):
         offsets_T = jnp.arange(t, dtype=start_B.dtype)
         positions_BT = start_B[:, None] + offsets_T[None, :]
         valid_BT = None if valid_B is None else offsets_T[None, :] < valid_B[:, None]
-        full = ops.rope_tables(cfg, positions_BT)
-        local = ops.rope_tables(cfg, positions_BT, local=True)
-        window = _windows(cfg)
+        inputs = _cached_layer_inputs(cfg, positions_BT)
+        sliding_L = jnp.asarray(cfg.sliding_layers())
         x_BTD = self.embed_tokens(input_ids_BT)
 
         def body(carry, xs):
             x_BTD, cache = carry
             p, layer = xs
             w = {k: v.astype(cfg.compute_dtype) for k, v in p.items()}
-            cos_BTH, sin_BTH = (full if window is None else jax.tree.map(
-                lambda g, l: jnp.where(window[layer] < _NO_WINDOW, l, g), full, local))
+            cos_BTH, sin_BTH, window = inputs(sliding_L[layer])
             q_BTNH, k_BTGH, v_BTGH = _attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
             cache = cache.write(layer, positions_BT, k_BTGH, v_BTGH, valid_BT)
             a_BTNH = cache.attend(layer, q_BTNH, positions_BT,
-                                  window=None if window is None else window[layer],
+                                  window=window,
                                   scale=cfg.attention_scale, softcap=cfg.attn_softcap)
             return (_attention_output_and_mlp(cfg, w, x_BTD, a_BTNH), cache), None
 
