@@ -306,9 +306,11 @@ def _serve_arguments(sub) -> None:
     p.add_argument("--memory-fraction", type=float, default=0.0,
                    help="GPU/TPU: size the KV pool to this fraction of the device memory free "
                         "after the weights are loaded")
-    p.add_argument("--attention", default="reference", choices=["reference", "pallas"],
-                   help="decode attention over the KV pages: reference (XLA, every backend) or "
-                        "pallas (the Pallas paged-attention kernel: TPU)")
+    p.add_argument("--attention", default="auto", choices=["auto", "reference", "loop", "pallas"],
+                   help="decode attention over the KV pages: reference (gather + XLA, one "
+                        "program per table width), loop (pages read in a loop up to the "
+                        "longest row, one program), pallas (the Pallas paged-attention kernel: "
+                        "TPU); auto: loop on CPU, reference on GPU and TPU")
     p.add_argument("--max-prefill-length", type=_int_at_least(1), default=32,
                    help="longest prompt")
     p.add_argument("--prefill-chunk", type=_int_at_least(1), default=16,

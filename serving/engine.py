@@ -69,11 +69,14 @@ class EngineConfig:
     # GPU/TPU: size the pool to this fraction of the device memory free once the weights are
     # loaded (vLLM's gpu_memory_utilization, applied to what is left). 0: unused.
     memory_fraction: float = 0.0
-    # Attention over the pages (serving/paged_kv.py). reference: gather + XLA attention, runs
-    # everywhere; pallas: decode through the Pallas paged-attention kernel (serving/
-    # paged_attention.py), compiled by Mosaic on TPU, run in Pallas's interpreter on CPU (to
-    # check it: far too slow to serve with); refused on GPU, where reference is the path.
-    attention: str = "reference"
+    # Attention over the pages (serving/paged_kv.py). reference: gather the table's pages +
+    # XLA attention, one decode program per table width, runs everywhere; loop: decode reads
+    # the pages in a loop up to the batch's longest row, one decode program for every width
+    # (fewer programs to compile, and faster on CPU); pallas: decode through the Pallas
+    # paged-attention kernel (serving/paged_attention.py), compiled by Mosaic on TPU, run in
+    # Pallas's interpreter on CPU (to check it: far too slow to serve with), refused on GPU.
+    # auto: loop on CPU, reference on GPU and TPU.
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.max_prefill_length >= self.max_len:
@@ -94,8 +97,9 @@ class EngineConfig:
                              f"of {self.page_size} plus the null page")
         if not 0 <= self.memory_fraction < 1:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in [0, 1)")
-        if self.attention not in IMPLEMENTATIONS:
-            raise ValueError(f"attention={self.attention!r} is not one of {IMPLEMENTATIONS}")
+        if self.attention not in ("auto", *IMPLEMENTATIONS):
+            raise ValueError(f"attention={self.attention!r} is not one of "
+                             f"{('auto', *IMPLEMENTATIONS)}")
 
     @property
     def pages_per_sequence(self) -> int:
@@ -136,7 +140,10 @@ class EngineConfig:
         return self.prefill_rows(self.buckets[0])
 
     def table_width(self, tokens: int) -> int:
-        """Page-table width of a decode call whose longest row needs `tokens` positions."""
+        """Page-table width of a decode call whose longest row needs `tokens` positions. The
+        loop attention reads only the pages its rows hold whatever the width: one width."""
+        if self.attention == "loop":
+            return self.pages_per_sequence
         return table_width(max(tokens, self.min_table_tokens), self.page_size,
                            self.pages_per_sequence, self.page_buckets)
 
@@ -162,11 +169,13 @@ class Engine:
 
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig = EngineConfig(),
                  mesh: Mesh | None = None):
-        self.cfg = cfg
         self.model_cfg = dataclasses.replace(model_cfg, dtype=cfg.dtype, param_dtype=cfg.dtype,
                                              attention="xla")
         self.mesh = mesh or shd.make_mesh(shd.MeshConfig(fsdp=1), jax.devices()[:1])
         platform = self.mesh.devices.flat[0].platform
+        if cfg.attention == "auto":
+            cfg = dataclasses.replace(cfg, attention="loop" if platform == "cpu" else "reference")
+        self.cfg = cfg
         if cfg.attention == "pallas" and platform not in ("tpu", "cpu"):
             raise ValueError(f"attention='pallas' is a TPU (Mosaic) kernel; on {platform} use "
                              f"attention='reference'")

@@ -39,7 +39,9 @@ from jaxrl.models import layers as ops
 from serving.paged_attention import paged_decode_attention
 
 NULL_PAGE = 0
-IMPLEMENTATIONS = ("reference", "pallas")
+IMPLEMENTATIONS = ("reference", "loop", "pallas")
+# Keys a decode step of the loop implementation reads per iteration.
+LOOP_TOKENS = 32
 
 
 def _static(default=None):
@@ -83,7 +85,9 @@ class PagedKV:
         """The protocol's attend; `window`, `scale` and `softcap` as in ContiguousKV.attend.
         The kernel runs decode steps of models without windows or soft-caps; the reference
         path everything else."""
-        if (self.impl != "reference" and q_BTNH.shape[1] == 1 and window is None
+        if q_BTNH.shape[1] == 1 and self.impl == "loop":
+            return self._attend_loop(layer, q_BTNH, positions_BT, window, scale, softcap)
+        if (self.impl == "pallas" and q_BTNH.shape[1] == 1 and window is None
                 and softcap is None):
             return self._attend_kernel(layer, q_BTNH, positions_BT, scale)
         return self._attend_reference(layer, q_BTNH, positions_BT, window, scale, softcap)
@@ -102,6 +106,51 @@ class PagedKV:
             mask_BTS &= ops.window_mask(positions_BT, keys_S[None], window)
         return ops.attention(q_BTNH, kv_BSCH[:, :, 0::2], kv_BSCH[:, :, 1::2], mask_BTS, "xla",
                              scale=scale, softcap=softcap)
+
+    def _attend_loop(self, layer, q_B1NH, positions_B1, window=None, scale=None,
+                     softcap=None):
+        """One query per row, the pages read in a loop of LOOP_TOKENS-token blocks from the
+        first block any row's window reaches to the last any row holds, with an online softmax
+        (flash decoding). The trip count is the batch's own, so one program serves every table
+        width, and no [B, G, H, S] copy of the keys is made (what the reference path's two
+        batched dots cost on XLA:CPU)."""
+        b, w = self.table.shape
+        g, h = self.kv.shape[3] // 2, self.kv.shape[4]
+        n = q_B1NH.shape[2]
+        per = max(1, min(LOOP_TOKENS // self.page_size, w))
+        block = per * self.page_size
+        pos_B = positions_B1[:, 0]
+        first = 0 if window is None else jnp.maximum(jnp.min(pos_B) - window + 1, 0) // block
+        last = jnp.minimum(jnp.max(pos_B) // block, -(-w // per) - 1)
+        scale = h ** -0.5 if scale is None else scale
+        q_BGRH = q_B1NH[:, 0].reshape(b, g, n // g, h).astype(jnp.float32) * scale
+        low = jnp.finfo(jnp.float32).min
+
+        def step(i, carry):
+            m_BGR, l_BGR, acc_BGRH = carry
+            index_C = i * per + jnp.arange(per)
+            pages_BC = jnp.take(self.table, jnp.minimum(index_C, w - 1), axis=1)
+            kv_BSCH = self.kv[layer, pages_BC].reshape(b, block, 2 * g, h).astype(jnp.float32)
+            s_BGRS = jnp.einsum("bgrh,bsgh->bgrs", q_BGRH, kv_BSCH[:, :, 0::2])
+            s_BGRS = ops.soft_cap(s_BGRS, softcap)
+            keys_S = (index_C[:, None] * self.page_size
+                      + jnp.arange(self.page_size)[None]).reshape(block)
+            mask_BS = (keys_S[None] <= pos_B[:, None]) & (index_C < w).repeat(
+                self.page_size)[None]
+            if window is not None:
+                mask_BS &= keys_S[None] > pos_B[:, None] - window
+            s_BGRS = jnp.where(mask_BS[:, None, None], s_BGRS, low)
+            m_new = jnp.maximum(m_BGR, s_BGRS.max(-1))
+            p_BGRS = jnp.exp(s_BGRS - m_new[..., None])
+            c_BGR = jnp.exp(m_BGR - m_new)
+            pv_BGRH = jnp.einsum("bgrs,bsgh->bgrh", p_BGRS, kv_BSCH[:, :, 1::2])
+            return m_new, l_BGR * c_BGR + p_BGRS.sum(-1), acc_BGRH * c_BGR[..., None] + pv_BGRH
+
+        init = (jnp.full((b, g, n // g), low), jnp.zeros((b, g, n // g)),
+                jnp.zeros((b, g, n // g, h)))
+        _, l_BGR, acc_BGRH = jax.lax.fori_loop(first, last + 1, step, init)
+        out_BNH = (acc_BGRH / l_BGR[..., None]).reshape(b, n, h)
+        return out_BNH.astype(q_B1NH.dtype)[:, None]
 
     def _attend_kernel(self, layer, q_B1NH, positions_B1, scale=None):
         """One query per row through the Pallas kernel: row b attends to its first

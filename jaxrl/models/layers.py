@@ -6,6 +6,7 @@ H head dim, F mlp hidden, V vocab.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -218,15 +219,53 @@ def splash_problems(seq_lens: dict[str, int]) -> list[str]:
     return out
 
 
+def _gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def gated_mlp(act, x_BTD, gate_DF, up_DF, down_FD):
+    """act(x @ gate) * (x @ up) @ down, the gated MLP of every family. Its backward is
+    autodiff's, with each weight gradient contracted over the tokens with the wider operand
+    first (`_weight_grad`): XLA:CPU then transposes the [tokens, D] input once instead of each
+    [tokens, F] activation gradient, which cut a 3M-parameter RL train step's transposing
+    copies from 0.52 s to 0.27 s (docs/benchmarks.md). Elsewhere the order changes nothing."""
+    return (act(x_BTD @ gate_DF) * (x_BTD @ up_DF)) @ down_FD
+
+
+def _gated_mlp_fwd(act, x_BTD, gate_DF, up_DF, down_FD):
+    g_BTF, u_BTF = x_BTD @ gate_DF, x_BTD @ up_DF
+    return (act(g_BTF) * u_BTF) @ down_FD, (x_BTD, g_BTF, u_BTF, gate_DF, up_DF, down_FD)
+
+
+def _gated_mlp_bwd(act, res, dy_BTD):
+    x_BTD, g_BTF, u_BTF, gate_DF, up_DF, down_FD = res
+    h_BTF, gate_vjp = jax.vjp(lambda g, u: act(g) * u, g_BTF, u_BTF)
+    dh_BTF = dy_BTD @ down_FD.T
+    dg_BTF, du_BTF = gate_vjp(dh_BTF)
+    dx_BTD = dg_BTF @ gate_DF.T + du_BTF @ up_DF.T
+    return (dx_BTD, _weight_grad(x_BTD, dg_BTF), _weight_grad(x_BTD, du_BTF),
+            _weight_grad(h_BTF, dy_BTD))
+
+
+def _weight_grad(a_BTI, b_BTO):
+    """sum over tokens of a^T b, [I, O], contracted with the wider operand on the left."""
+    a, b = a_BTI.reshape(-1, a_BTI.shape[-1]), b_BTO.reshape(-1, b_BTO.shape[-1])
+    if a.shape[1] >= b.shape[1]:
+        return jnp.einsum("ti,to->io", a, b)
+    return jnp.einsum("to,ti->oi", b, a).T
+
+
+gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
+
+
 def swiglu(x_BTD, gate_DF, up_DF, down_FD):
-    h = jax.nn.silu(x_BTD @ gate_DF) * (x_BTD @ up_DF)
-    return h @ down_FD
+    return gated_mlp(jax.nn.silu, x_BTD, gate_DF, up_DF, down_FD)
 
 
 def geglu(x_BTD, gate_DF, up_DF, down_FD):
     """Gemma's MLP: the tanh approximation of GELU (PyTorch's gelu(approximate="tanh"))."""
-    h = jax.nn.gelu(x_BTD @ gate_DF, approximate=True) * (x_BTD @ up_DF)
-    return h @ down_FD
+    return gated_mlp(_gelu_tanh, x_BTD, gate_DF, up_DF, down_FD)
 
 
 def soft_cap(logits, cap: float | None):

@@ -128,9 +128,11 @@ class RLConfig:
     # skewness-aware dispatch: predicted-long groups first, so the tail starts early; the
     # prediction is learned online from finished groups, serving/length_predictor.py).
     admission: Literal["fifo", "longest_first"] = "fifo"
-    # The engine's attention over its KV pages: reference (gather + XLA, everywhere) or pallas
-    # (the Pallas paged-attention kernel for decode: TPU; interpreted on CPU). serving/paged_kv.py.
-    engine_attention: Literal["reference", "pallas"] = "reference"
+    # The engine's attention over its KV pages (serving/paged_kv.py): reference (gather + XLA,
+    # everywhere), loop (decode reads pages in a loop: one program for every table width),
+    # pallas (the Pallas paged-attention kernel for decode: TPU); auto: loop on CPU, reference
+    # on GPU and TPU.
+    engine_attention: Literal["auto", "reference", "loop", "pallas"] = "auto"
     # Policy loss: tis = truncated importance sampling REINFORCE (PipelineRL's default),
     # ppo = PPO-clip, gspo = GSPO (sequence-level ratio).
     loss: Literal["tis", "ppo", "gspo"] = "tis"

@@ -1,7 +1,9 @@
-"""The Pallas paged decode-attention kernel (serving/paged_attention.py), run on CPU in Pallas's
-TPU interpreter, against attention computed in numpy float64 from the pool; then the engine
-decoding through it (attention='pallas'), on one device and tensor-parallel, against the
-references of test_paged.py. That it compiles for TPU is in tests/sharding/test_tpu_aot.py."""
+"""The engine's decode-attention implementations over the KV pages (serving/paged_kv.py): the
+Pallas kernel (serving/paged_attention.py), run on CPU in Pallas's TPU interpreter, and the
+loop over pages, each against attention computed in numpy float64 from the pool; then the
+engine decoding through each (pallas, loop, reference), on one device and tensor-parallel,
+against the references of test_paged.py. That the kernel compiles for TPU is in
+tests/sharding/test_tpu_aot.py."""
 
 import dataclasses
 import jax
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from serving import paged_kv
 from serving.engine import Engine
 from serving.orchestrator import Orchestrator
 from serving.paged_attention import paged_decode_attention
@@ -19,18 +22,22 @@ from tests.serving.common import CFG, ENGINE
 from tests.serving.test_paged import _check_against_references, _requests, _run_staggered
 
 
-def _reference(q_BNH, kv_LPKCH, layer, lengths_B, table_BW):
-    """Row b's query heads against the first lengths_B[b] tokens of its pages, float64."""
+def _reference(q_BNH, kv_LPKCH, layer, lengths_B, table_BW, window=None, scale=None,
+               softcap=None):
+    """Row b's query heads against the first lengths_B[b] tokens of its pages (its last
+    `window` of them), float64."""
     q, kv = np.asarray(q_BNH, np.float64), np.asarray(kv_LPKCH, np.float64)[layer]
     b, n, h = q.shape
     g = kv.shape[2] // 2
     out = np.zeros((b, n, h))
     for row in range(b):
         tokens = kv[np.asarray(table_BW[row])].reshape(-1, 2 * g, h)[:lengths_B[row]]
+        tokens = tokens[-window:] if window else tokens
         for head in range(n):
             kv_head = head // (n // g)
             keys, values = tokens[:, 2 * kv_head], tokens[:, 2 * kv_head + 1]
-            s = keys @ q[row, head] / np.sqrt(h)
+            s = keys @ q[row, head] * (h ** -0.5 if scale is None else scale)
+            s = softcap * np.tanh(s / softcap) if softcap else s
             p = np.exp(s - s.max())
             out[row, head] = p @ values / p.sum()
     return out
@@ -62,18 +69,52 @@ def test_kernel_equals_attention_over_the_held_tokens(dtype, atol, kv_heads, q_h
                                _reference(q, kv, 1, lengths, table), atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("dtype,atol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("window,scale,softcap", [(None, None, None), (5, None, None),
+                                                  (3, 0.3, 2.0)])
+def test_loop_equals_attention_over_the_held_tokens(monkeypatch, dtype, atol, window, scale,
+                                                    softcap):
+    """Blocks of two pages: rows of one token, partial and full pages, one row reaching into
+    the third block. Pages past the block the longest row ends in are NaN: a loop that read
+    one would return NaN; shorter rows read other rows' pages there, masked."""
+    monkeypatch.setattr(paged_kv, "LOOP_TOKENS", 8)
+    layers, pages, width, page, kv_heads, q_heads, head_dim = 2, 64, 8, 4, 2, 4, 8
+    rng = np.random.default_rng(7)
+    lengths = np.asarray([1, page + 3, 2 * page, 5 * page - 2, page - 1, 3 * page + 1])
+    rows = len(lengths)
+    table = rng.permutation(np.arange(1, pages))[:rows * width].reshape(rows, width)
+    kv = rng.standard_normal((layers, pages, page, 2 * kv_heads, head_dim)).astype(np.float32)
+    kv[:, table[:, 6:].ravel()] = np.nan      # blocks 0-2 end at page 6: none reads past it
+    kv = np.asarray(jnp.asarray(kv, dtype).astype(jnp.float32))
+    q = np.asarray(jnp.asarray(rng.standard_normal((rows, q_heads, head_dim)), dtype)
+                   .astype(jnp.float32))
+    cache = paged_kv.PagedKV(jnp.asarray(kv, dtype), jnp.asarray(table, jnp.int32), "loop")
+    got = jax.jit(lambda c, q, p: c.attend(1, q, p, window=window, scale=scale,
+                                           softcap=softcap))(
+        cache, jnp.asarray(q, dtype)[:, None], jnp.asarray(lengths - 1, jnp.int32)[:, None])
+    assert got.dtype == jnp.dtype(dtype) and got.shape == (rows, 1, q_heads, head_dim)
+    np.testing.assert_allclose(np.asarray(got[:, 0], np.float32),
+                               _reference(q, kv, 1, lengths, table, window, scale, softcap),
+                               atol=atol, rtol=atol)
+
+
 def test_heads_that_do_not_divide_are_refused():
     with pytest.raises(ValueError, match="5 query heads do not divide over 2 kv heads"):
         paged_decode_attention(jnp.zeros((1, 5, 8)), jnp.zeros((1, 4, 4, 4, 8)), 0,
                                jnp.ones((1,), jnp.int32), jnp.ones((1, 1), jnp.int32))
 
 
-@pytest.mark.parametrize("tensor", [1, 2])
-def test_engine_decoding_through_the_kernel_equals_the_references(params, model, tensor):
+@pytest.mark.parametrize("attention,tensor", [("pallas", 1), ("pallas", 2), ("loop", 2),
+                                              ("reference", 1), ("reference", 2)])
+def test_engine_decoding_through_each_attention_equals_the_references(params, model, attention,
+                                                                      tensor):
     """Continuous batching, staggered arrivals, groups, pages reused; tensor=2 runs the kernel
-    in shard_map over the kv heads. Tokens equal, log-probs within 1e-5."""
+    in shard_map over the kv heads, and the loop and reference paths on head-sharded pages.
+    Tokens equal, log-probs within 1e-5. (On one device every other serving test decodes
+    through the loop, the CPU default.)"""
     mesh = make_mesh(MeshConfig(fsdp=1, tensor=tensor), jax.devices()[4:4 + tensor])
-    engine = Engine(CFG, dataclasses.replace(ENGINE, attention="pallas"), mesh=mesh)
+    engine = Engine(CFG, dataclasses.replace(ENGINE, attention=attention), mesh=mesh)
+    assert engine.cfg.attention == attention
     requests = _requests(seed=3, lengths=(5, 21, 9, 37, 3, 14))
     with Orchestrator(engine, params) as o:
         results = _run_staggered(o, requests)

@@ -72,13 +72,16 @@ def _workload(o: Orchestrator, noisy) -> list:
     return results + [again]
 
 
-def test_nothing_compiles_after_start_whatever_the_requests(params):
+@pytest.mark.parametrize("attention,programs", [("loop", 31), ("reference", 52)])
+def test_nothing_compiles_after_start_whatever_the_requests(params, attention, programs):
+    """Decode through the loop (one program for every table width) and the reference path
+    (one per width: 2 per doubling here)."""
     noisy = jax.tree.map(lambda x: x * 1.01, params)
-    engine = Engine(CFG, RUNTIME)
+    engine = Engine(CFG, dataclasses.replace(RUNTIME, attention=attention))
     o = Orchestrator(engine, params, eos_id=2)
     o.start()
     try:
-        assert o.compiled_at_start == len(engine.programs.shapes()) > 40
+        assert o.compiled_at_start == len(engine.programs.shapes()) == programs
         before = _compiles["backend"]
         results = _workload(o, noisy)
         assert _compiles["backend"] == before
@@ -91,7 +94,7 @@ def test_nothing_compiles_after_start_whatever_the_requests(params):
     assert {v for r in results for s in r for v in s.versions} == {0, 1}
 
     # A second engine of the same shapes compiles nothing; a dropped one is freed.
-    second = Engine(CFG, RUNTIME)
+    second = Engine(CFG, dataclasses.replace(RUNTIME, attention=attention))
     assert second.compile() == 0 and second.programs is engine.programs
     dropped = weakref.ref(engine)
     del engine, o, second
