@@ -141,7 +141,7 @@ class EngineConfig:
 
     def table_width(self, tokens: int) -> int:
         """Page-table width of a decode call whose longest row needs `tokens` positions. The
-        loop attention reads only the pages its rows hold whatever the width: one width."""
+        loop attention reads only the blocks its rows hold whatever the width: one width."""
         if self.attention == "loop":
             return self.pages_per_sequence
         return table_width(max(tokens, self.min_table_tokens), self.page_size,
@@ -149,7 +149,9 @@ class EngineConfig:
 
     def prefill_width(self, tokens: int) -> int:
         """Page-table width of a prefill call (one width per doubling: prefill is compute-bound
-        and its programs are many)."""
+        and its programs are many; one width with the loop attention)."""
+        if self.attention == "loop":
+            return self.pages_per_sequence
         return table_width(max(tokens, self.min_table_tokens), self.page_size,
                            self.pages_per_sequence, 1)
 

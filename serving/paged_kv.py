@@ -17,6 +17,9 @@ a decode step costs what the batch holds, not what the longest possible sequence
 
 Attention implementations (`impl`):
 - reference: gather the row's pages and attend with XLA; runs everywhere.
+- loop: decode steps and prefill chunks read the pages in a loop of blocks up to the last
+  block a query sees, with an online softmax: one program for every table width; the CPU
+  default (serving/engine.py).
 - pallas: decode steps (one token per row) through serving/paged_attention.py, a Pallas kernel
   that streams each row's pages from the pool up to its length; under a mesh it runs in
   `shard_map` over the kv-head axis. Prefill chunks (compute-bound) keep the reference path.
@@ -83,9 +86,9 @@ class PagedKV:
 
     def attend(self, layer, q_BTNH, positions_BT, *, window=None, scale=None, softcap=None):
         """The protocol's attend; `window`, `scale` and `softcap` as in ContiguousKV.attend.
-        The kernel runs decode steps of models without windows or soft-caps; the reference
-        path everything else."""
-        if q_BTNH.shape[1] == 1 and self.impl == "loop":
+        loop: every call through the loop over pages; pallas: the kernel runs decode steps of
+        models without windows or soft-caps, the reference path everything else."""
+        if self.impl == "loop":
             return self._attend_loop(layer, q_BTNH, positions_BT, window, scale, softcap)
         if (self.impl == "pallas" and q_BTNH.shape[1] == 1 and window is None
                 and softcap is None):
@@ -107,50 +110,49 @@ class PagedKV:
         return ops.attention(q_BTNH, kv_BSCH[:, :, 0::2], kv_BSCH[:, :, 1::2], mask_BTS, "xla",
                              scale=scale, softcap=softcap)
 
-    def _attend_loop(self, layer, q_B1NH, positions_B1, window=None, scale=None,
+    def _attend_loop(self, layer, q_BTNH, positions_BT, window=None, scale=None,
                      softcap=None):
-        """One query per row, the pages read in a loop of LOOP_TOKENS-token blocks from the
-        first block any row's window reaches to the last any row holds, with an online softmax
-        (flash decoding). The trip count is the batch's own, so one program serves every table
-        width, and no [B, G, H, S] copy of the keys is made (what the reference path's two
-        batched dots cost on XLA:CPU)."""
-        b, w = self.table.shape
-        g, h = self.kv.shape[3] // 2, self.kv.shape[4]
-        n = q_B1NH.shape[2]
-        per = max(1, min(LOOP_TOKENS // self.page_size, w))
-        block = per * self.page_size
-        pos_B = positions_B1[:, 0]
-        first = 0 if window is None else jnp.maximum(jnp.min(pos_B) - window + 1, 0) // block
-        last = jnp.minimum(jnp.max(pos_B) // block, -(-w // per) - 1)
+        """The pages read in a `fori_loop` over blocks of LOOP_TOKENS tokens, from the first
+        block any query's window reaches to the last block any query sees, folded into an
+        online softmax (flash decoding). The trip count is the call's own, so one program
+        serves every table width, and no [B, G, H, S] copy of the keys is made (what the
+        reference path's two batched dots cost on XLA:CPU)."""
+        b, t, n, h = q_BTNH.shape
+        w, k = self.table.shape[1], self.page_size
+        g = self.kv.shape[3] // 2
+        per = max(1, min(LOOP_TOKENS // k, w))
+        block = per * k
+        first = 0 if window is None else (
+            jnp.maximum(jnp.min(positions_BT) - window + 1, 0) // block)
+        last = jnp.minimum(jnp.max(positions_BT) // block, -(-w // per) - 1)
         scale = h ** -0.5 if scale is None else scale
-        q_BGRH = q_B1NH[:, 0].reshape(b, g, n // g, h).astype(jnp.float32) * scale
+        q_BTGRH = q_BTNH.reshape(b, t, g, n // g, h).astype(jnp.float32) * scale
         low = jnp.finfo(jnp.float32).min
 
         def step(i, carry):
-            m_BGR, l_BGR, acc_BGRH = carry
+            m_BTGR, l_BTGR, acc_BTGRH = carry
             index_C = i * per + jnp.arange(per)
             pages_BC = jnp.take(self.table, jnp.minimum(index_C, w - 1), axis=1)
             kv_BSCH = self.kv[layer, pages_BC].reshape(b, block, 2 * g, h).astype(jnp.float32)
-            s_BGRS = jnp.einsum("bgrh,bsgh->bgrs", q_BGRH, kv_BSCH[:, :, 0::2])
-            s_BGRS = ops.soft_cap(s_BGRS, softcap)
-            keys_S = (index_C[:, None] * self.page_size
-                      + jnp.arange(self.page_size)[None]).reshape(block)
-            mask_BS = (keys_S[None] <= pos_B[:, None]) & (index_C < w).repeat(
-                self.page_size)[None]
+            s_BTGRS = ops.soft_cap(
+                jnp.einsum("btgrh,bsgh->btgrs", q_BTGRH, kv_BSCH[:, :, 0::2]), softcap)
+            keys_S = (index_C[:, None] * k + jnp.arange(k)[None]).reshape(block)
+            mask_BTS = ((keys_S[None, None] <= positions_BT[..., None])
+                        & (index_C < w).repeat(k)[None, None])
             if window is not None:
-                mask_BS &= keys_S[None] > pos_B[:, None] - window
-            s_BGRS = jnp.where(mask_BS[:, None, None], s_BGRS, low)
-            m_new = jnp.maximum(m_BGR, s_BGRS.max(-1))
-            p_BGRS = jnp.exp(s_BGRS - m_new[..., None])
-            c_BGR = jnp.exp(m_BGR - m_new)
-            pv_BGRH = jnp.einsum("bgrs,bsgh->bgrh", p_BGRS, kv_BSCH[:, :, 1::2])
-            return m_new, l_BGR * c_BGR + p_BGRS.sum(-1), acc_BGRH * c_BGR[..., None] + pv_BGRH
+                mask_BTS &= ops.window_mask(positions_BT, keys_S[None], window)
+            s_BTGRS = jnp.where(mask_BTS[:, :, None, None], s_BTGRS, low)
+            m_new = jnp.maximum(m_BTGR, s_BTGRS.max(-1))
+            p_BTGRS = jnp.exp(s_BTGRS - m_new[..., None])
+            c_BTGR = jnp.exp(m_BTGR - m_new)
+            pv_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", p_BTGRS, kv_BSCH[:, :, 1::2])
+            return (m_new, l_BTGR * c_BTGR + p_BTGRS.sum(-1),
+                    acc_BTGRH * c_BTGR[..., None] + pv_BTGRH)
 
-        init = (jnp.full((b, g, n // g), low), jnp.zeros((b, g, n // g)),
-                jnp.zeros((b, g, n // g, h)))
-        _, l_BGR, acc_BGRH = jax.lax.fori_loop(first, last + 1, step, init)
-        out_BNH = (acc_BGRH / l_BGR[..., None]).reshape(b, n, h)
-        return out_BNH.astype(q_B1NH.dtype)[:, None]
+        shape = (b, t, g, n // g)
+        init = (jnp.full(shape, low), jnp.zeros(shape), jnp.zeros((*shape, h)))
+        _, l_BTGR, acc_BTGRH = jax.lax.fori_loop(first, last + 1, step, init)
+        return (acc_BTGRH / l_BTGR[..., None]).reshape(b, t, n, h).astype(q_BTNH.dtype)
 
     def _attend_kernel(self, layer, q_B1NH, positions_B1, scale=None):
         """One query per row through the Pallas kernel: row b attends to its first

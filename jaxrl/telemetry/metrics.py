@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-from tensorboardX import SummaryWriter
 
 from jaxrl.errors import UserError
 
@@ -121,7 +121,22 @@ def _drop_rows(path: Path, keep) -> None:
         tmp.replace(path)
 
 
-def _open_tensorboard(logdir: Path, resume_step: int | None = None) -> SummaryWriter:
+def _summary_writer():
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch when
+    it can, only to recognise torch tensors (1.4 s of a run's start where torch is installed),
+    and this logger passes it numbers and numpy arrays."""
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None   # `import torch` raises ImportError, which it expects
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if blocked:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
+def _open_tensorboard(logdir: Path, resume_step: int | None = None):
     # Event files are named by the second they were opened in and opened with "wb", so a run
     # resumed within the same second would erase the last one; number them to keep each.
     earlier = len(list(logdir.glob("events.out.tfevents.*"))) if logdir.exists() else 0
@@ -129,7 +144,7 @@ def _open_tensorboard(logdir: Path, resume_step: int | None = None) -> SummaryWr
     # A NaN (e.g. the reward of a step where nothing finished) is logged on purpose; tensorboardX
     # would warn about every one.
     logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
-    return SummaryWriter(str(logdir), filename_suffix=f".{earlier}", purge_step=purge)
+    return _summary_writer()(str(logdir), filename_suffix=f".{earlier}", purge_step=purge)
 
 
 def _start_wandb(project: str, run_dir: Path, config: dict | None, name: str | None = None):

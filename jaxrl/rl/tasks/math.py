@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from math_verify import parse, verify
-from math_verify.errors import TimeoutException
 
 from jaxrl.rl.tasks.base import Problem
 from jaxrl.rl.tasks.rows import EXTENSIONS, TaskDataError, is_held_out, read_rows
@@ -143,7 +141,11 @@ def load_problems(path: Path, cfg: MathConfig) -> list[tuple[str, Problem]]:
 
 def _verify(answer: str, completion: str, timeout_s: int) -> bool:
     """math_verify's check of `completion` against the final `answer`. Uses SIGALRM, so it must
-    run in a main thread; never raises on any completion."""
+    run in a main thread; never raises on any completion. Imported here: math_verify brings
+    sympy (a third of a second at start for runs that never score math)."""
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
+
     try:
         gold = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout_s)
         pred = parse(completion, parsing_timeout=timeout_s)
