@@ -170,6 +170,7 @@ class RLRun:
             generation.engine_config(cfg, self.model_cfg)
         self.trainer = RLTrainer(cfg, self.model_cfg, mesh, self.log)
         self._stack.callback(self.trainer.close)
+        self.trainer.compile_async(pack([], cfg.rl)["arrays"])   # beside the engine's
         self.lockstep = Lockstep()
         self.end = cfg.train.steps + cfg.rl.steps
         self.config_dict = to_dict(cfg)

@@ -11,6 +11,7 @@ initialises its state (`restore`).
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import jax
@@ -82,6 +83,37 @@ class Trainer:
                                        pipeline=cfg.sharding.pipeline, objective=objective,
                                        pipeline_order=order is not None)
         self.step = int(self.state["step"])
+        self._compiling: Future | None = None
+        self._compiled = None   # (the batch's abstract arrays, the executable)
+
+    def compile_async(self, like: dict) -> None:
+        """Compiles the step for batches shaped like `like` (name -> array) in a thread of its
+        own, beside what this process compiles meanwhile (RL: the engine's programs); the
+        first step waits for it. A batch of any other shape or placement goes through the
+        jitted step as before."""
+        abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
+                    for k, v in like.items()}
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                            sharding=x.sharding), self.state)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="train-step-compile")
+        try:
+            self._compiling = pool.submit(
+                lambda: (abstract, self._step_fn.lower(state, abstract).compile()))
+        finally:
+            pool.shutdown(wait=False)   # the thread ends with its one task
+
+    def _executable(self, batch):
+        if self._compiling is not None:
+            future, self._compiling = self._compiling, None
+            self._compiled = future.result()
+        if self._compiled is not None:
+            abstract, executable = self._compiled
+            if batch.keys() == abstract.keys() and all(
+                    (v.shape, v.dtype, getattr(v, "sharding", None))
+                    == (abstract[k].shape, abstract[k].dtype, abstract[k].sharding)
+                    for k, v in batch.items()):
+                return executable
+        return self._step_fn
 
     @property
     def params(self):
@@ -91,7 +123,7 @@ class Trainer:
     def run_step(self, batch) -> dict:
         """One optimizer step on a batch already placed on the mesh; its metrics, left on the
         device (the caller decides when to wait for them)."""
-        self.state, metrics = self._step_fn(self.state, batch)
+        self.state, metrics = self._executable(batch)(self.state, batch)
         self.step += 1
         return metrics
 
@@ -105,5 +137,7 @@ class Trainer:
         self.ckpt.save(self._to_canonical(self.state), config, data=data)
 
     def close(self) -> None:
+        if self._compiling is not None:   # never stepped: its compile thread ends first
+            self._compiling.exception()
         self.ckpt.wait()
         self.ckpt.close()

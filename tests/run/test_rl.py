@@ -381,3 +381,40 @@ def test_the_rl_trainer_keeps_pipeline_order_inside_and_canonical_outside(tmp_pa
     for tree in (saved.params, saved.ref_params):
         for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_step_compiled_beside_the_engine_is_the_jitted_step(tmp_path):
+    """RL compiles its train step in a thread of its own while the engine compiles
+    (Trainer.compile_async): the first step runs that executable and gives the state and
+    metrics the jitted step gives; a batch of another shape goes through the jitted step."""
+    from jaxrl.data.pipeline import pack
+    from jaxrl.recipe import model_config
+    from sharding import mesh as shd
+
+    rng = np.random.default_rng(0)
+    rollouts = [Rollout(prompt=[1, 5, 6], completion=rng.integers(3, 20, 4).tolist(),
+                        logprobs=(-rng.random(4)).tolist(), versions=[0] * 4, reward=0.0,
+                        advantage=float(rng.normal()), group=i // 8, finish="length")
+                for i in range(16)]
+    trainers, results = [], []
+    try:
+        for name in ("ahead", "jitted"):
+            cfg = config(tmp_path / name, "train.steps=0")
+            trainer = rl_trainer.RLTrainer(cfg, model_config(cfg), shd.make_mesh(cfg.mesh),
+                                           log=quiet)
+            trainers.append(trainer)
+            if name == "ahead":
+                trainer.compile_async(pack([], cfg.rl)["arrays"])
+            batch = jax.device_put(pack(rollouts, cfg.rl)["arrays"], trainer.batch_sharding)
+            results.append((trainer.train(batch), jax.device_get(trainer.params)))
+        ahead = trainers[0]
+        assert ahead._executable(batch) is ahead._compiled[1]
+        assert trainers[1]._compiled is None
+        assert results[0][0] == results[1][0]
+        for a, b in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1])):
+            np.testing.assert_array_equal(a, b)
+        fewer = {k: v[:, :16] for k, v in batch.items()}
+        assert ahead._executable(fewer) is ahead._step_fn
+    finally:
+        for trainer in trainers:
+            trainer.close()
