@@ -45,14 +45,25 @@ def actor(orchestrator, task, tokenizer, log, **kwargs):
 
 def test_groups_in_flight_continue_after_a_restart(parts):
     engine, params, task, tokenizer = parts
-    # The first run: two groups start, and the engine is stopped part-way through them.
+    # What an uninterrupted run generates for the first two groups.
+    with Orchestrator(engine, params, eos_id=tokenizer.eos_id) as o:
+        probe = actor(o, task, tokenizer, RolloutLog())
+        bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+        expected = [[s.tokens for s in o.generate(
+            bos + tokenizer.encode(probe.problem(i).prompt),
+            SamplingParams(max_tokens=24, temperature=1.0, n=GROUP,
+                           seed=(3 * 1_000_003 + i) % 2**32))] for i in (0, 1)]
+        probe.stop()
+    total = sum(len(tokens) for group in expected for tokens in group)
+
+    # The first run: the two groups start, and the engine is stopped part-way through them.
     with Orchestrator(engine, params, eos_id=tokenizer.eos_id) as o:
         first = actor(o, task, tokenizer, RolloutLog())
         o.pause()
         first._submit_next()
         first._submit_next()
         o.resume()
-        while o.metrics()["generated_tokens"] < 2 * GROUP * 24 // 3:
+        while o.metrics()["generated_tokens"] < total // 2:
             time.sleep(0.01)
         o.pause()
         saved = json.loads(json.dumps(first.snapshot(0)))   # as a checkpoint stores it
@@ -60,14 +71,6 @@ def test_groups_in_flight_continue_after_a_restart(parts):
     carried = sum(len(s["tokens"]) for samples in saved["partial"].values() for s in samples)
     assert saved["redo"] == [0, 1] and saved["next_problem"] == 2
     assert 0 < carried
-
-    # What an uninterrupted run generates for the same two groups.
-    with Orchestrator(engine, params, eos_id=tokenizer.eos_id) as o:
-        bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-        expected = [[s.tokens for s in o.generate(
-            bos + tokenizer.encode(first.problem(i).prompt),
-            SamplingParams(max_tokens=24, temperature=1.0, n=GROUP,
-                           seed=(3 * 1_000_003 + i) % 2**32))] for i in (0, 1)]
 
     # The resumed run redoes them first, from what the checkpoint kept.
     log = RolloutLog()
@@ -80,7 +83,6 @@ def test_groups_in_flight_continue_after_a_restart(parts):
     rollouts = log.tail(0)
     assert [[r.completion for r in rollouts if r.group == i] for i in (0, 1)] == expected
     assert second.stats["carried_tokens"] == carried
-    total = sum(len(tokens) for group in expected for tokens in group)
     assert 0 < carried < total and generated == total - carried   # nothing generated twice
     # The carried tokens keep the log-probs and versions they were generated with.
     for i, samples in saved["partial"].items():
