@@ -139,13 +139,19 @@ def load_problems(path: Path, cfg: MathConfig) -> list[tuple[str, Problem]]:
 # ---------------------------------------------------------------------------------------------
 # Scoring.
 
-def _verify(answer: str, completion: str, timeout_s: int) -> bool:
-    """math_verify's check of `completion` against the final `answer`. Uses SIGALRM, so it must
-    run in a main thread; never raises on any completion. Imported here: math_verify brings
-    sympy (a third of a second at start for runs that never score math)."""
+def _math_verify():
+    """math_verify's (parse, verify, TimeoutException), imported on first use: it brings sympy,
+    a third of a second at the start of every run that never scores math."""
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
 
+    return parse, verify, TimeoutException
+
+
+def _verify(answer: str, completion: str, timeout_s: int) -> bool:
+    """math_verify's check of `completion` against the final `answer`. Uses SIGALRM, so it must
+    run in a main thread; never raises on any completion."""
+    parse, verify, TimeoutException = _math_verify()
     try:
         gold = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout_s)
         pred = parse(completion, parsing_timeout=timeout_s)
@@ -158,6 +164,7 @@ def serve_checks(timeout_s: int) -> None:
     """The worker process: JSON [answer, completion] lines in, "1" or "0" lines out, until EOF."""
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # anything else printed goes to stderr, not into the replies
+    _math_verify()   # before "ready": the first check's backstop must not time the import
     print("ready", file=replies, flush=True)
     for line in sys.stdin:
         answer, completion = json.loads(line)
