@@ -229,7 +229,8 @@ def gated_mlp(act, x_BTD, gate_DF, up_DF, down_FD):
     autodiff's, with each weight gradient contracted over the tokens with the wider operand
     first (`_weight_grad`): XLA:CPU then transposes the [tokens, D] input once instead of each
     [tokens, F] activation gradient, which cut a 3M-parameter RL train step's transposing
-    copies from 0.52 s to 0.27 s (docs/benchmarks.md). Elsewhere the order changes nothing."""
+    copies from 0.52 s to 0.27 s (docs/benchmarks.md). CPU trainers only (mlp_backward=auto):
+    its residuals are its own, not the names remat and offload policies act on."""
     return (act(x_BTD @ gate_DF) * (x_BTD @ up_DF)) @ down_FD
 
 
@@ -259,13 +260,20 @@ def _weight_grad(a_BTI, b_BTO):
 gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
 
 
-def swiglu(x_BTD, gate_DF, up_DF, down_FD):
-    return gated_mlp(jax.nn.silu, x_BTD, gate_DF, up_DF, down_FD)
+def _mlp(act, x_BTD, gate_DF, up_DF, down_FD, ordered: bool):
+    if ordered:
+        return gated_mlp(act, x_BTD, gate_DF, up_DF, down_FD)
+    return (act(x_BTD @ gate_DF) * (x_BTD @ up_DF)) @ down_FD
 
 
-def geglu(x_BTD, gate_DF, up_DF, down_FD):
+def swiglu(x_BTD, gate_DF, up_DF, down_FD, ordered: bool = False):
+    """`ordered`: through gated_mlp's backward (ModelConfig.mlp_backward)."""
+    return _mlp(jax.nn.silu, x_BTD, gate_DF, up_DF, down_FD, ordered)
+
+
+def geglu(x_BTD, gate_DF, up_DF, down_FD, ordered: bool = False):
     """Gemma's MLP: the tanh approximation of GELU (PyTorch's gelu(approximate="tanh"))."""
-    return gated_mlp(_gelu_tanh, x_BTD, gate_DF, up_DF, down_FD)
+    return _mlp(_gelu_tanh, x_BTD, gate_DF, up_DF, down_FD, ordered)
 
 
 def soft_cap(logits, cap: float | None):

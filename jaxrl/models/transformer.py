@@ -102,7 +102,8 @@ def _attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH):
         m_BTD = moe_mlp(cfg, w, h_BTD)
     else:
         mlp = ops.geglu if cfg.gemma else ops.swiglu
-        m_BTD = mlp(h_BTD, w["gate_proj"], w["up_proj"], w["down_proj"])
+        m_BTD = mlp(h_BTD, w["gate_proj"], w["up_proj"], w["down_proj"],
+                    ordered=cfg.mlp_backward == "ordered")
     if cfg.gemma:
         m_BTD = _norm(cfg, m_BTD, w["post_mlp_norm"])
     return x_BTD + m_BTD

@@ -2,6 +2,8 @@
 its values and gradients must be autodiff's of the plain formula, for both activations, under
 remat, in bfloat16, and with the hidden size wider and narrower than the model's."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +27,7 @@ def _inputs(d, f, dtype=jnp.float32, seed=0):
                                       ("geglu", lambda x: jax.nn.gelu(x, approximate=True))])
 @pytest.mark.parametrize("d,f", [(8, 24), (24, 8)])
 def test_gated_mlp_matches_autodiff(name, act, d, f):
-    mlp, plain = getattr(layers, name), _plain(act)
+    mlp, plain = functools.partial(getattr(layers, name), ordered=True), _plain(act)
     args = _inputs(d, f)
     cot = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5, d)), jnp.float32)
     out, vjp = jax.vjp(mlp, *args)
@@ -40,12 +42,13 @@ def test_gated_mlp_under_remat_and_in_bfloat16():
     args = _inputs(16, 40)
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
     want = jax.grad(loss(_plain(jax.nn.silu)), argnums=(0, 1, 2, 3))(*args)
-    got = jax.grad(loss(jax.checkpoint(layers.swiglu)), argnums=(0, 1, 2, 3))(*args)
+    got = jax.grad(loss(jax.checkpoint(functools.partial(layers.swiglu, ordered=True))), argnums=(0, 1, 2, 3))(*args)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
     # In bfloat16 both orders round differently: each is within a few bf16 steps of float32.
     bf16 = [a.astype(jnp.bfloat16) for a in args]
-    got = jax.grad(loss(layers.swiglu), argnums=(0, 1, 2, 3))(*bf16)
+    got = jax.grad(loss(functools.partial(layers.swiglu, ordered=True)),
+                   argnums=(0, 1, 2, 3))(*bf16)
     plain = jax.grad(loss(_plain(jax.nn.silu)), argnums=(0, 1, 2, 3))(*bf16)
     for g, p, w in zip(got, plain, want):
         assert g.dtype == jnp.bfloat16
