@@ -21,7 +21,8 @@ def model_config(cfg: RunConfig) -> ModelConfig:
     model_cfg = load_hf_config(cfg.hf_path, dtype=cfg.model.dtype,
                                param_dtype=cfg.model.param_dtype, attention=cfg.model.attention,
                                max_segments=cfg.model.max_segments,
-                               scan_layers=cfg.model.scan_layers)
+                               scan_layers=cfg.model.scan_layers,
+                               mlp_backward=cfg.model.mlp_backward)
     cfg.check_pipeline(model_cfg)
     return model_cfg
 
