@@ -70,11 +70,12 @@ class EngineConfig:
     # loaded (vLLM's gpu_memory_utilization, applied to what is left). 0: unused.
     memory_fraction: float = 0.0
     # Attention over the pages (serving/paged_kv.py). reference: gather the table's pages +
-    # XLA attention, one decode program per table width, runs everywhere; loop: decode reads
-    # the pages in a loop up to the batch's longest row, one decode program for every width
-    # (fewer programs to compile, and faster on CPU); pallas: decode through the Pallas
-    # paged-attention kernel (serving/paged_attention.py), compiled by Mosaic on TPU, run in
-    # Pallas's interpreter on CPU (to check it: far too slow to serve with), refused on GPU.
+    # XLA attention, one program per table width, runs everywhere; loop: decode steps and
+    # prefill chunks read the pages in a loop up to the last block a query sees, one program
+    # for every width (fewer programs to compile, and faster on CPU); pallas: decode through
+    # the Pallas paged-attention kernel (serving/paged_attention.py), compiled by Mosaic on
+    # TPU, run in Pallas's interpreter on CPU (to check it: far too slow to serve with),
+    # refused on GPU.
     # auto: loop on CPU, reference on GPU and TPU.
     attention: str = "auto"
 
@@ -140,20 +141,21 @@ class EngineConfig:
         return self.prefill_rows(self.buckets[0])
 
     def table_width(self, tokens: int) -> int:
-        """Page-table width of a decode call whose longest row needs `tokens` positions. The
-        loop attention reads only the blocks its rows hold whatever the width: one width."""
-        if self.attention == "loop":
-            return self.pages_per_sequence
-        return table_width(max(tokens, self.min_table_tokens), self.page_size,
-                           self.pages_per_sequence, self.page_buckets)
+        """Page-table width of a decode call whose longest row needs `tokens` positions."""
+        return self._width(tokens, self.page_buckets)
 
     def prefill_width(self, tokens: int) -> int:
         """Page-table width of a prefill call (one width per doubling: prefill is compute-bound
-        and its programs are many; one width with the loop attention)."""
+        and its programs are many)."""
+        return self._width(tokens, 1)
+
+    def _width(self, tokens: int, per_doubling: int) -> int:
+        """The loop attention reads only the blocks its rows hold whatever the width: one
+        width, the whole table."""
         if self.attention == "loop":
             return self.pages_per_sequence
         return table_width(max(tokens, self.min_table_tokens), self.page_size,
-                           self.pages_per_sequence, 1)
+                           self.pages_per_sequence, per_doubling)
 
     @functools.cached_property
     def decode_widths(self) -> tuple[int, ...]:

@@ -43,7 +43,7 @@ from serving.paged_attention import paged_decode_attention
 
 NULL_PAGE = 0
 IMPLEMENTATIONS = ("reference", "loop", "pallas")
-# Keys a decode step of the loop implementation reads per iteration.
+# Keys the loop implementation reads per iteration (decode steps and prefill chunks).
 LOOP_TOKENS = 32
 
 
