@@ -107,13 +107,21 @@ def no_engine_loop_outlives_its_module(request):
         time.sleep(0.05)
 
 
-# JAXRL_TEST_TIMELINE=file: each test's worker, start and end (setup to teardown) appended to
-# the file, to see how the suite's workers spend their time (idle tails, long fixtures).
+# JAXRL_TEST_TIMELINE=file: each test's worker, start and end (setup to teardown) and the CPU
+# seconds it took (its worker's and the processes it started and waited for) appended to the
+# file, to see how the suite's workers spend their time (idle tails, long fixtures) and what
+# each test costs on two shared cores, where wall times stretch with the other worker's load.
 if os.environ.get("JAXRL_TEST_TIMELINE"):
+    import resource
+
+    def _cpu_s() -> float:
+        return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
-        start = time.time()
+        start, cpu = time.time(), _cpu_s()
         yield
         with open(os.environ["JAXRL_TEST_TIMELINE"], "a") as f:
             f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {start:.2f} "
-                    f"{time.time():.2f} {item.nodeid}\n")
+                    f"{time.time():.2f} {_cpu_s() - cpu:.2f} {item.nodeid}\n")

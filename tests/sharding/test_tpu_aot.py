@@ -31,19 +31,15 @@ def compiled(config, *overrides, topology="v5e:2x4"):
     return compile_train_step(load_run_config(config, list(overrides)), topology)
 
 
-def test_offload_halves_device_memory_and_uses_host_for_the_demo_model():
-    none, offload = compiled(DEMO, *SEQ_64), compiled(DEMO, *SEQ_64, "train.remat=offload")
-    assert none["host_temp_bytes"] == 0 and offload["host_temp_bytes"] > 0
-    assert offload["device_temp_bytes"] <= none["device_temp_bytes"] / 2
-    assert none["fits"] and offload["fits"]
-
-
 def test_offload_makes_a_1b_model_fit_a_v5e_chip():
     """Llama 3.2 1B's shape at 512 tokens: without remat the step needs more than a v5e chip's
-    16 GiB (the compiler's estimate); with offload it fits and keeps activations on host."""
+    16 GiB (the compiler's estimate) and nothing on host; with offload it fits in under half the
+    device memory and keeps activations on host. (The demo model's offload is compiled by the
+    pipeline tests below.)"""
     none = compiled(ONE_B, "train.remat=none", "train.seq_len=512")
     offload = compiled(ONE_B, "train.remat=offload", "train.seq_len=512")
     assert not none["fits"] and none["device_temp_bytes"] > 16 * 2**30 * 0.9
+    assert none["host_temp_bytes"] == 0
     assert offload["fits"] and offload["host_temp_bytes"] > 0
     assert offload["device_temp_bytes"] <= none["device_temp_bytes"] / 2
 
