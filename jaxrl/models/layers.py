@@ -84,21 +84,47 @@ def window_mask(q_positions_BT, k_positions_BS, window):
 
 def attention(q_BTNH, k_BSGH, v_BSGH, mask_BTS, impl: str = "xla", segment_ids_BT=None,
               max_segments: int = 16, *, scale: float | None = None,
-              softcap: float | None = None):
+              softcap: float | None = None, causal: bool = False):
     """Grouped-query attention. `mask_BTS` is True where a query may attend to a key (the xla
     path; the fused kernels take `segment_ids_BT`, cudnn at most `max_segments` a row).
     `scale` multiplies q.k (default 1/sqrt(head_dim)); `softcap` (xla only, Gemma 2) bounds
-    the scores to (-cap, cap) by cap * tanh(score / cap)."""
+    the scores to (-cap, cap) by cap * tanh(score / cap). `causal`: the caller promises that
+    queries and keys are the same positions and the mask is false above the diagonal (the
+    model's forward over whole sequences), so the xla path may skip the keys after each block
+    of queries (`causal_blocks`)."""
     scale = q_BTNH.shape[-1] ** -0.5 if scale is None else scale
     if softcap is not None and impl != "xla":
         raise ValueError(f"attention soft-capping runs on the xla path only, not {impl!r}")
     if impl == "xla":
-        return _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS, scale, softcap)
+        starts = causal_blocks(q_BTNH.shape[1]) if causal else (0,)
+        if len(starts) == 1:
+            return _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS, scale, softcap)
+        # Each block of queries against the keys up to its last one: the same softmax (the
+        # keys after it are masked, exp(-inf) = 0), with about half the scores of a long
+        # sequence never computed, stored or differentiated.
+        ends = (*starts[1:], q_BTNH.shape[1])
+        return jnp.concatenate([
+            _attention_xla(q_BTNH[:, a:b], k_BSGH[:, :b], v_BSGH[:, :b], mask_BTS[:, a:b, :b],
+                           scale, softcap) for a, b in zip(starts, ends)], axis=1)
     if impl == "cudnn":
         return _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments, scale)
     if impl == "splash":
         return _attention_splash(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, scale)
     raise ValueError(f"attention={impl!r} is not one of 'xla', 'cudnn', 'splash'")
+
+
+# Causal attention on the xla path splits sequences of at least 2 * CAUSAL_BLOCK tokens into at
+# most MAX_CAUSAL_BLOCKS blocks of queries: n blocks compute (n + 1) / 2n of the scores.
+CAUSAL_BLOCK, MAX_CAUSAL_BLOCKS = 128, 8
+
+
+def causal_blocks(length: int) -> tuple[int, ...]:
+    """Where each block of queries starts (static): (0,) below 2 * CAUSAL_BLOCK tokens."""
+    n = min(MAX_CAUSAL_BLOCKS, length // CAUSAL_BLOCK)
+    if n < 2:
+        return (0,)
+    size = -(-length // n)
+    return tuple(range(0, length, size))
 
 
 def _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS, scale: float, softcap: float | None):
@@ -111,8 +137,8 @@ def _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS, scale: float, softcap: floa
         scores = soft_cap(scores, softcap)
     scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGH.dtype)
-    out = jnp.einsum("bgrts,bsgh->btgrh", probs, v_BSGH)
-    return out.reshape(b, t, n, h)
+    out = jnp.einsum("bgrts,bsgh->bgrth", probs, v_BSGH)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 def segment_layout(segment_ids_BT, max_segments: int):

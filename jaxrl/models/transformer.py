@@ -111,7 +111,8 @@ def _attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH):
 
 def _attend(cfg: ModelConfig, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT):
     return ops.attention(q_BTNH, k_BTGH, v_BTGH, mask_BTS, cfg.attention, segment_ids_BT,
-                         cfg.max_segments, scale=cfg.attention_scale, softcap=cfg.attn_softcap)
+                         cfg.max_segments, scale=cfg.attention_scale, softcap=cfg.attn_softcap,
+                         causal=True)
 
 
 def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,

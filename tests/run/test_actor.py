@@ -4,7 +4,6 @@ regenerating them, ending with exactly the samples an uninterrupted run produces
 
 import dataclasses
 import json
-import time
 
 import pytest
 from flax import nnx
@@ -56,15 +55,26 @@ def test_groups_in_flight_continue_after_a_restart(parts):
         probe.stop()
     total = sum(len(tokens) for group in expected for tokens in group)
 
-    # The first run: the two groups start, and the engine is stopped part-way through them.
+    # The first run: the two groups start, and the engine is stopped part-way through them: its
+    # loop holds itself after the decode call that reaches half the tokens (on its own thread,
+    # so where it stops does not depend on how fast this machine is).
     with Orchestrator(engine, params, eos_id=tokenizer.eos_id) as o:
+        decode = o._loop._decode
+
+        def decode_then_hold_at_half(state):
+            state, decoded = decode(state)
+            if o.metrics()["generated_tokens"] >= total // 2:
+                o._loop.hold()
+            return state, decoded
+
+        o._loop._decode = decode_then_hold_at_half
         first = actor(o, task, tokenizer, RolloutLog())
         o.pause()
         first._submit_next()
         first._submit_next()
         o.resume()
-        while o.metrics()["generated_tokens"] < total // 2:
-            time.sleep(0.01)
+        while not o._loop.held.wait(0.01):
+            pass
         o.pause()
         saved = json.loads(json.dumps(first.snapshot(0)))   # as a checkpoint stores it
         first.stop()
