@@ -146,7 +146,7 @@ def test_cudnn_path_lowers_to_the_fused_kernel_without_a_t_by_t_mask(monkeypatch
     assert f"tensor<{b}x{8 + 1}xi32>" in module                  # the segments' offsets
 
 
-@pytest.mark.parametrize("t", [255, 256, 300, 529])
+@pytest.mark.parametrize("t", [256, 529])     # two even blocks; four uneven ones
 def test_causal_blocks_give_the_full_masks_values_and_gradients(t):
     """The forward over whole sequences skips the keys after each block of queries: values and
     gradients equal the dense path's (checked above against numpy and jax.nn), with packed
@@ -173,7 +173,7 @@ def test_causal_blocks_halve_the_scores_of_long_sequences():
     assert causal_blocks(255) == (0,)
     assert causal_blocks(256) == (0, 128)
     assert causal_blocks(529) == (0, 133, 266, 399)
-    assert len(causal_blocks(8192)) == 8
+    assert causal_blocks(8192) == (0, 2048, 4096, 6144)
     q, k, v = _qkv(b=1, t=1024)
     mask = causal_mask(None, 1024)
 
@@ -182,5 +182,5 @@ def test_causal_blocks_halve_the_scores_of_long_sequences():
         cost = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile().cost_analysis()
         return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
-    # 8 blocks compute 9/16 of the scores: forward and backward together at most 0.6 of them.
-    assert flops(True) <= 0.6 * flops(False)
+    # 4 blocks compute 5/8 of the scores: forward and backward together at most 0.7 of them.
+    assert flops(True) <= 0.7 * flops(False)
