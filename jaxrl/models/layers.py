@@ -95,17 +95,10 @@ def attention(q_BTNH, k_BSGH, v_BSGH, mask_BTS, impl: str = "xla", segment_ids_B
     scale = q_BTNH.shape[-1] ** -0.5 if scale is None else scale
     if softcap is not None and impl != "xla":
         raise ValueError(f"attention soft-capping runs on the xla path only, not {impl!r}")
+    if impl == "xla" and causal:
+        return _attention_xla_causal(q_BTNH, k_BSGH, v_BSGH, mask_BTS, scale, softcap)
     if impl == "xla":
-        starts = causal_blocks(q_BTNH.shape[1]) if causal else (0,)
-        if len(starts) == 1:
-            return _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS, scale, softcap)
-        # Each block of queries against the keys up to its last one: the same softmax (the
-        # keys after it are masked, exp(-inf) = 0), with about half the scores of a long
-        # sequence never computed, stored or differentiated.
-        ends = (*starts[1:], q_BTNH.shape[1])
-        return jnp.concatenate([
-            _attention_xla(q_BTNH[:, a:b], k_BSGH[:, :b], v_BSGH[:, :b], mask_BTS[:, a:b, :b],
-                           scale, softcap) for a, b in zip(starts, ends)], axis=1)
+        return _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS, scale, softcap)
     if impl == "cudnn":
         return _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments, scale)
     if impl == "splash":
@@ -127,6 +120,18 @@ def causal_blocks(length: int) -> tuple[int, ...]:
         return (0,)
     size = -(-length // n)
     return tuple(range(0, length, size))
+
+
+def _attention_xla_causal(q_BTNH, k_BTGH, v_BTGH, mask_BTT, scale: float,
+                          softcap: float | None):
+    """Each block of queries against the keys up to its last one: the same softmax (the keys
+    after it are masked, exp(-inf) = 0), with the scores above the block diagonal (3/8 of a
+    long sequence's at 4 blocks) never computed, stored or differentiated."""
+    starts = causal_blocks(q_BTNH.shape[1])
+    ends = (*starts[1:], q_BTNH.shape[1])
+    return jnp.concatenate([
+        _attention_xla(q_BTNH[:, a:b], k_BTGH[:, :b], v_BTGH[:, :b], mask_BTT[:, a:b, :b],
+                       scale, softcap) for a, b in zip(starts, ends)], axis=1)
 
 
 def _attention_xla(q_BTNH, k_BSGH, v_BSGH, mask_BTS, scale: float, softcap: float | None):
@@ -259,6 +264,10 @@ def gated_mlp(act, x_BTD, gate_DF, up_DF, down_FD):
     [tokens, F] activation gradient, which cut a 3M-parameter RL train step's transposing
     copies from 0.52 s to 0.27 s (docs/benchmarks.md). CPU trainers only (mlp_backward=auto):
     its residuals are its own, not the names remat and offload policies act on."""
+    return _gated(act, x_BTD, gate_DF, up_DF, down_FD)
+
+
+def _gated(act, x_BTD, gate_DF, up_DF, down_FD):
     return (act(x_BTD @ gate_DF) * (x_BTD @ up_DF)) @ down_FD
 
 
@@ -289,9 +298,7 @@ gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
 
 
 def _mlp(act, x_BTD, gate_DF, up_DF, down_FD, ordered: bool):
-    if ordered:
-        return gated_mlp(act, x_BTD, gate_DF, up_DF, down_FD)
-    return (act(x_BTD @ gate_DF) * (x_BTD @ up_DF)) @ down_FD
+    return (gated_mlp if ordered else _gated)(act, x_BTD, gate_DF, up_DF, down_FD)
 
 
 def swiglu(x_BTD, gate_DF, up_DF, down_FD, ordered: bool = False):

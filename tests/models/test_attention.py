@@ -169,7 +169,7 @@ def test_causal_blocks_give_the_full_masks_values_and_gradients(t):
         np.testing.assert_allclose(g, w, atol=2e-5 * np.abs(w).max())
 
 
-def test_causal_blocks_halve_the_scores_of_long_sequences():
+def test_causal_blocks_skip_the_scores_above_the_block_diagonal():
     assert causal_blocks(255) == (0,)
     assert causal_blocks(256) == (0, 128)
     assert causal_blocks(529) == (0, 133, 266, 399)
