@@ -9,6 +9,8 @@ weights), each figure against a ceiling measured in the same run:
 - decode: tokens/s of the engine's decode step at `--slots` slots holding `--held` tokens each,
   against the roofline = slots / (bytes of the weights + the KV held, over the copy bandwidth);
 - update: the in-flight weight swap's decode pause against one device copy of the weights;
+- causal: the train step at `--causal-seq` tokens a row with XLA attention dense, XLA attention
+  in causal query blocks (jaxrl/models/layers.py, the CPU/TPU default), and cuDNN;
 - rl: async against sync RL steps/s on this one device (colocated), the demo task at the
   0.5B shape.
 
@@ -33,7 +35,7 @@ import numpy as np
 
 from flax import nnx
 
-from jaxrl.models import ModelConfig, Transformer, abstract_model, split_params
+from jaxrl.models import ModelConfig, Transformer, abstract_model, layers, split_params
 from jaxrl.optim_config import OptimConfig
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.step import init_state, jit_train_step, state_shardings
@@ -116,10 +118,28 @@ def train(cfg: ModelConfig, tokens: int, seq: int, remat: str, peak: float) -> d
             "device_temp_bytes": int(temp)}
 
 
-def engine_for(cfg: ModelConfig, slots: int, max_len: int) -> tuple[Engine, dict]:
+def causal(cfg: ModelConfig, tokens: int, seq: int, peak: float) -> dict:
+    """The train step with XLA attention dense and in causal query blocks, and with cuDNN."""
+    out = {}
+    for name, attention, blocks in (("xla_dense", "xla", 1), ("xla_blocked", "xla", None),
+                                    ("cudnn", "cudnn", None)):
+        saved = layers.MAX_CAUSAL_BLOCKS
+        layers.MAX_CAUSAL_BLOCKS = blocks or saved
+        try:
+            out[name] = train(dataclasses.replace(cfg, attention=attention), tokens, seq,
+                              "none", peak)
+        except Exception as e:       # e.g. cuDNN absent on this backend: say so, go on
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        finally:
+            layers.MAX_CAUSAL_BLOCKS = saved
+    return out
+
+
+def engine_for(cfg: ModelConfig, slots: int, max_len: int,
+               attention: str = "auto") -> tuple[Engine, dict]:
     engine = Engine(cfg, EngineConfig(max_concurrent_decodes=slots, max_len=max_len,
                                       max_prefill_length=64, prefill_chunk=64, page_size=16,
-                                      dtype="bfloat16"))
+                                      dtype="bfloat16", attention=attention))
     return engine, engine.prepare_params(split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
 
 
@@ -181,9 +201,14 @@ def rl_modes(shape: str, steps: int) -> dict:
     args = argparse.Namespace(config=str(DEMO_CONFIG), rl_steps=steps, target=1.0, window=2,
                               warmup_dir=None, overrides=model)
     work = Path(tempfile.mkdtemp(prefix="jaxrl-gpu-"))
+    t0, out = time.perf_counter(), {}
     try:
         base = compare.warm_checkpoint(args, work)
-        out = {name: compare.run_variant(base, work, name, args) for name in ("sync", "async")}
+        print(f"rl: warm-up checkpoint after {time.perf_counter() - t0:.0f} s", flush=True)
+        for name in ("sync", "async"):
+            out[name] = compare.run_variant(base, work, name, args)
+            print(f"rl: {name} done after {time.perf_counter() - t0:.0f} s "
+                  f"({out[name]['seconds']:.1f} s over steps 2-{steps})", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rate = {name: (len(r["rows"]) - 1) / r["seconds"] for name, r in out.items()}
@@ -191,15 +216,25 @@ def rl_modes(shape: str, steps: int) -> dict:
             "async_vs_sync": rate["async"] / rate["sync"]}
 
 
+SECTIONS = ("train", "decode", "update", "causal", "rl")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--models", nargs="+", default=["0.5b", "1.5b"], choices=list(SHAPES))
+    p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS,
+                   help="what to measure (rl: at the first model's shape)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per train step")
     p.add_argument("--seq", type=int, default=4096, help="train sequence length")
+    p.add_argument("--causal-seq", type=int, default=1024,
+                   help="causal section: sequence length (xla dense holds T x T per layer)")
     p.add_argument("--slots", type=int, default=64, help="decode batch")
     p.add_argument("--held", type=int, default=1024, help="tokens each slot holds")
-    p.add_argument("--rl-steps", type=int, default=20)
+    p.add_argument("--decode-attention", nargs="+", default=["reference", "loop"],
+                   choices=["reference", "loop"],
+                   help="the engine's paged attention(s) to decode with (update: the first)")
+    p.add_argument("--rl-steps", type=int, default=4)
     p.add_argument("--attention", choices=["xla", "cudnn"], default=None,
                    help="the train step's attention (default: cudnn on a GPU, else xla; xla "
                         "holds every layer's T x T scores: 60 GiB at 0.5B and 4,096 tokens)")
@@ -210,47 +245,61 @@ def main(argv=None) -> None:
                    help="tiny shapes and sizes: checks the script, anywhere")
     args = p.parse_args(argv)
     if args.smoke:
-        args.models, args.tokens, args.seq, args.slots, args.held, args.rl_steps = (
-            ["smoke"], 256, 128, 4, 64, 3)
+        args.models, args.tokens, args.seq, args.causal_seq, args.slots, args.held = (
+            ["smoke"], 256, 128, 256, 4, 64)
+        args.rl_steps = 3
+    sections = [s for s in args.sections if not (args.no_rl and s == "rl")]
     device = jax.devices()[0]
     out = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
            "models": {}}
     t0 = time.perf_counter()
 
-    def save():
+    def save(what: str = ""):
         out["seconds"] = time.perf_counter() - t0
         Path(args.out).write_text(json.dumps(out, indent=1))
+        if what:
+            print(f"[{out['seconds']:.0f} s] {what}", flush=True)
     out.update(ceilings(*((256, 1 << 22) if args.smoke else (8192, 1 << 30))))
-    save()
-    print(f"{device.device_kind}: bf16 matmul {out['peak_bf16_flops'] / 1e12:.0f} TFLOP/s, "
-          f"copy {out['copy_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
+    save(f"{device.device_kind}: bf16 matmul {out['peak_bf16_flops'] / 1e12:.0f} TFLOP/s, "
+         f"copy {out['copy_bytes_per_s'] / 1e9:.0f} GB/s")
     attention = args.attention or ("cudnn" if device.platform == "gpu" else "xla")
     out["attention"] = attention
     for name in args.models:
         cfg = dataclasses.replace(SHAPES[name], attention=attention)
-        row = out["models"][name] = {"train": []}
-        for remat in ("none", "offload"):
-            row["train"].append(train(cfg, args.tokens, args.seq, remat, out["peak_bf16_flops"]))
-            save()
-        none, offload = row["train"]
-        row["offload_vs_none_time"] = offload["step_s"] / none["step_s"]
-        row["offload_vs_none_temp"] = offload["device_temp_bytes"] / none["device_temp_bytes"]
-        engine, params = engine_for(cfg, args.slots, args.held + 128)
-        row["decode"] = decode(engine, params, args.held, 16, out["copy_bytes_per_s"])
-        save()
-        row["update"] = update_pause(engine, params, 16)
-        save()
-        del engine
-        print(f"{name}: MFU {none['mfu']:.1%} (offload {offload['mfu']:.1%}, temp "
-              f"{row['offload_vs_none_temp']:.2f}x); decode {row['decode']['tokens_per_s']:.0f} "
-              f"tok/s = {row['decode']['fraction_of_roofline']:.1%} of roofline; update pause "
-              f"{row['update']['update_pause_ms']:.2f} ms = {row['update']['pause_vs_copy']:.2f}x "
-              f"one copy", flush=True)
-    if not args.no_rl:
+        row = out["models"][name] = {}
+        if "train" in sections:
+            row["train"] = [train(cfg, args.tokens, args.seq, remat, out["peak_bf16_flops"])
+                            for remat in ("none", "offload")]
+            none, offload = row["train"]
+            row["offload_vs_none_time"] = offload["step_s"] / none["step_s"]
+            row["offload_vs_none_temp"] = offload["device_temp_bytes"] / none["device_temp_bytes"]
+            save(f"{name} train: MFU {none['mfu']:.1%} (offload {offload['mfu']:.1%}, "
+                 f"{row['offload_vs_none_time']:.2f}x time, "
+                 f"{row['offload_vs_none_temp']:.2f}x temp)")
+        if "causal" in sections:
+            row["causal"] = causal(cfg, args.tokens, args.causal_seq, out["peak_bf16_flops"])
+            save(f"{name} causal at {args.causal_seq}: " + ", ".join(
+                f"{k} {v['step_s'] * 1e3:.1f} ms" if "step_s" in v else f"{k} failed"
+                for k, v in row["causal"].items()))
+        if "decode" in sections or "update" in sections:
+            row["decode"] = {}
+            for impl in args.decode_attention:
+                engine, params = engine_for(cfg, args.slots, args.held + 128, impl)
+                if "decode" in sections:
+                    d = row["decode"][impl] = decode(engine, params, args.held, 16,
+                                                     out["copy_bytes_per_s"])
+                    save(f"{name} decode ({impl}): {d['step_ms']:.2f} ms/step, "
+                         f"{d['tokens_per_s']:.0f} tok/s = {d['fraction_of_roofline']:.1%} of "
+                         f"roofline")
+                if "update" in sections and impl == args.decode_attention[0]:
+                    u = row["update"] = update_pause(engine, params, 16)
+                    save(f"{name} update pause {u['update_pause_ms']:.3f} ms = "
+                         f"{u['pause_vs_copy']:.3f}x one copy")
+                del engine
+    if "rl" in sections:
         out["rl"] = rl_modes(args.models[0], args.rl_steps)
-        print(f"RL on one device: async {out['rl']['async_vs_sync']:.2f}x sync steps/s")
-    save()
-    print(f"wrote {args.out} ({out['seconds']:.0f} s)")
+        save(f"RL on one device: async {out['rl']['async_vs_sync']:.2f}x sync steps/s")
+    save(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

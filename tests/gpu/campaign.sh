@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU suite, then the GPU campaign (bench/gpu.py), on one NVIDIA host, in one call: every
-# log, the suite's JUnit XML and the campaign's JSON (written after each section) land in $OUT.
+# The GPU suite, then the GPU campaign (bench/gpu.py), then its RL section, on one NVIDIA host,
+# in one call, each under its own time limit: every log, the suite's JUnit XML and the
+# campaign's JSON files (written after each section) land in $OUT.
 #
 #   OUT=gpu_out bash tests/gpu/campaign.sh                 # PYTHON=.venv/bin/python to choose
-#   SUITE_S=240 CAMPAIGN_S=600 CAMPAIGN_ARGS="--models 0.5b" bash tests/gpu/campaign.sh
+#   SUITE_S=240 CAMPAIGN_S=600 RL_S=300 CAMPAIGN_ARGS="--models 0.5b" bash tests/gpu/campaign.sh
 set -u
 OUT=${OUT:-gpu_out}
 PY=${PYTHON:-python3}
@@ -18,4 +19,7 @@ $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__ve
 timeout "${SUITE_S:-240}" $PY -m pytest tests/gpu -m gpu -p no:cacheprovider -rA \
     --durations=10 --junitxml="$OUT/gpu_suite.xml" 2>&1 | tee "$OUT/gpu_suite.log"
 timeout "${CAMPAIGN_S:-600}" $PY -m jaxrl.cli bench gpu --out "$OUT/gpu_campaign.json" \
-    ${CAMPAIGN_ARGS:-} 2>&1 | tee "$OUT/gpu_campaign.log"
+    --no-rl ${CAMPAIGN_ARGS:-} 2>&1 | tee "$OUT/gpu_campaign.log"
+# The RL section (gRPC, Grain: the image lacks grain; see docs/testing.md for the wheels).
+timeout "${RL_S:-300}" $PY -m jaxrl.cli bench gpu --out "$OUT/gpu_rl.json" --sections rl \
+    ${CAMPAIGN_ARGS:-} ${RL_ARGS:-} 2>&1 | tee "$OUT/gpu_rl.log"
