@@ -96,7 +96,7 @@ def _serve(args) -> None:
                                 prefill_chunk=args.prefill_chunk, dtype=args.dtype,
                                 page_size=args.page_size, num_pages=args.num_pages,
                                 memory_fraction=args.memory_fraction,
-                                attention=args.attention)
+                                attention=args.attention, score=args.score)
         except ValueError as e:  # name the flags the user gave, not EngineConfig's fields
             raise UserError(re.sub(r"\b(\w+)=", lambda m: f"{_SERVE_NAMES[m[1]]} "
                                    if m[1] in _SERVE_NAMES else m[0], str(e))) from None
@@ -311,6 +311,10 @@ def _serve_arguments(sub) -> None:
                         "program per table width), loop (pages read in a loop up to the "
                         "longest row, one program), pallas (the Pallas paged-attention kernel: "
                         "TPU); auto: loop on CPU, reference on GPU and TPU")
+    p.add_argument("--score", action="store_true",
+                   help="compile the score programs (one per power-of-two length up to "
+                        "--max-len): prompt log-probs (echo with logprobs, lm-evaluation-"
+                        "harness's loglikelihood tasks) and top_logprobs on the HTTP API")
     p.add_argument("--max-prefill-length", type=_int_at_least(1), default=32,
                    help="longest prompt")
     p.add_argument("--prefill-chunk", type=_int_at_least(1), default=16,

@@ -78,6 +78,9 @@ class EngineConfig:
     # refused on GPU.
     # auto: loop on CPU, reference on GPU and TPU.
     attention: str = "auto"
+    # Compile `score` (serving/programs.py) at start, one program per power-of-two length up
+    # to max_len: log-probs of given tokens, for prompt log-probs (`echo`) and top_logprobs.
+    score: bool = False
 
     def __post_init__(self):
         if self.max_prefill_length >= self.max_len:
@@ -122,6 +125,15 @@ class EngineConfig:
         """Prefill chunk lengths: powers of two from min_bucket, then prefill_chunk."""
         return tuple(b for b in (self.min_bucket * 2**i for i in range(32))
                      if b < self.prefill_chunk) + (self.prefill_chunk,)
+
+    @functools.cached_property
+    def score_buckets(self) -> tuple[int, ...]:
+        """Sequence lengths `score` is compiled for (none unless `score`): powers of two from
+        16, then max_len."""
+        if not self.score:
+            return ()
+        return tuple(b for b in (16 * 2**i for i in range(32)) if b < self.max_len) + (
+            self.max_len,)
 
     def bucket(self, length: int) -> int:
         for b in self.buckets:
@@ -262,6 +274,23 @@ class Engine:
         state, logits = self.programs("prefill", (rows, bucket, width), params, state, grid,
                                       _rows(starts_P, rows), _rows(lengths_P, rows), table)
         return state, logits     # [max_prefill_rows, V]: rows past P are padding
+
+    def score(self, params, tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Log-probs of `tokens` under the model, each given those before it: (logprobs [n-1],
+        top ids [n-1, 20], top log-probs [n-1, 20]); row i scores tokens[i + 1]. Needs
+        `EngineConfig.score`."""
+        n = len(tokens)
+        if not self.cfg.score:
+            raise ValueError("prompt log-probs need the engine's score programs "
+                             "(EngineConfig.score, `jaxrl serve --score`)")
+        if not 2 <= n <= self.cfg.max_len:
+            raise ValueError(f"a sequence of {n} tokens cannot be scored: from 2 to "
+                             f"max_len={self.cfg.max_len}")
+        bucket = next(b for b in self.cfg.score_buckets if b >= n)
+        grid = np.zeros(bucket, np.int32)
+        grid[:n] = tokens
+        out = self.programs("score", (bucket,), params, grid)
+        return tuple(np.asarray(a)[: n - 1] for a in out)
 
     def sample_first(self, logits_PV, rows, samplings, sample_indices, eos_id=None):
         """First tokens and logprobs for K samples: entry i is drawn from logits row `rows[i]`

@@ -43,6 +43,16 @@ class Update:
     retired: object = None      # the weights it replaced, freed off the decode path
 
 
+@dataclasses.dataclass
+class Score:
+    """Tokens queued for the loop to score (Engine.score) between two of its calls; `done` is
+    set once `result` or `error` is."""
+    tokens: list[int]
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    result: tuple | None = None
+    error: BaseException | None = None
+
+
 def stop_reason(seq: Sequence, eos_id: int | None, max_len: int) -> str | None:
     """Why `seq` ends after its last token, if it does."""
     s, token = seq.request.sampling, seq.tokens[-1]
@@ -66,6 +76,7 @@ class EngineLoop:
         self.wake, self.stop = threading.Event(), threading.Event()
         self.updates: queue.SimpleQueue[Update] = queue.SimpleQueue()
         self.ended: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.scores: queue.SimpleQueue[Score] = queue.SimpleQueue()
         self._hold = threading.Event()      # set: dispatch nothing until release()
         self.held = threading.Event()       # set by the loop once it honours the hold
         self._hold_lock = threading.Lock()
@@ -109,6 +120,7 @@ class EngineLoop:
                 if self._holding():
                     self.wake.wait(0.05)
                     continue
+                self._score()
                 state, prefilled = self._prefill(state)
                 state, decoded = self._decode(state)
                 self.scheduler.publish_load()
@@ -144,6 +156,17 @@ class EngineLoop:
             update.params = None
             self.pauses_s.append(update.pause_s)
             update.applied.set()
+
+    def _score(self) -> None:
+        """Scores what is queued, with the weights serving now (its programs compiled at
+        start: a few ms against a decode step's, at most one call per request)."""
+        while not self.scores.empty():
+            job = self.scores.get()
+            try:
+                job.result = self.engine.score(self.params, job.tokens)
+            except ValueError as e:       # a bad request, said to its caller
+                job.error = e
+            job.done.set()
 
     def _prefill(self, state):
         """Runs this iteration's prefill call; starts the sequences of completed prompts."""
@@ -276,6 +299,10 @@ class EngineLoop:
             self._finish_request(p.request, reason)
         for seq in list(sched.resumes) + list(sched.running.values()):
             self._done(seq.request, seq.index, reason)
+        while not self.scores.empty():
+            job = self.scores.get()
+            job.error = RuntimeError(f"the engine loop ended ({reason})")
+            job.done.set()
 
 
 # A row of a decode batch costs about this many pages of attention in the rest of the model

@@ -9,8 +9,11 @@ same weights (in-flight updates included). A request that names a trajectory (he
 recorded into it for training and continues from the
 KV pages of its previous turn (serving/trajectories.py); `GET /v1/trajectories/{id}` reads a
 trajectory back and `DELETE` ends it. Every sampled token's log-prob is the engine's own,
-the one RL trains with; only the sampled token's is known, so `logprobs` above 1 (completions)
-and `top_logprobs` above 0 (chat) are refused rather than answered with fewer. A text prompt
+the one RL trains with. Prompt log-probs (`echo` with `logprobs`, lm-evaluation-harness's
+loglikelihood requests, `max_tokens=0` included) and the alternatives of `logprobs` above 1
+(completions) or `top_logprobs` (chat) come from scoring the whole sequence once it is
+generated (Orchestrator.score, a server started with `--score`), answered whole, not
+streamed. A text prompt
 to `/v1/completions` begins with BOS when the tokenizer has one, as jaxrl prompts models
 everywhere (and as vLLM does for Llama-style tokenizers); a prompt of token ids is taken as it is.
 """
@@ -24,6 +27,8 @@ import time
 import uuid
 from typing import Iterator
 
+import numpy as np
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -31,7 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jaxrl.models.chat import ChatTemplateError, render_chat
 from jaxrl.models.tokenizer import prompt_ids
 from serving.http_server import start_http, stop_http  # noqa: F401 (the API's server)
-from serving.openai_choices import Choice, choice_json
+from serving.openai_choices import Choice, Scored, choice_json
 from serving.openai_schema import (  # noqa: F401
     FINISH,
     MAX_STOPS,
@@ -42,6 +47,7 @@ from serving.openai_schema import (  # noqa: F401
     refuse_unsupported,
 )
 from serving.orchestrator import EngineStopped, InvalidRequest, QueueFull
+from serving.programs import SCORE_TOP
 from serving.sampling import SamplingParams
 from serving.stream import TokenEvent
 from serving.tool_calls import PARSERS, ToolTurn, normalise_messages, parser_for, tools_for
@@ -107,25 +113,29 @@ class OpenAIApp:
             if name in (body.model_extra or {}):
                 raise OpenAIError(400, f"{name}: tool calls are made through "
                                   f"/v1/chat/completions", name)
-        if body.echo:
-            raise OpenAIError(400, "echo=true is not supported", "echo")
-        if body.logprobs is not None and body.logprobs > 1:
-            raise OpenAIError(400, f"logprobs={body.logprobs}: only the sampled token's "
-                              f"log-prob is known (use 0 or 1)", "logprobs")
+        # Prompt log-probs and alternatives come from scoring the sequence (Orchestrator.score).
+        score = body.logprobs is not None and (body.echo or body.logprobs > 1)
+        if body.max_tokens == 0 and not body.echo:
+            raise OpenAIError(400, "max_tokens=0 generates nothing: it scores the prompt, with "
+                              "echo=true", "max_tokens")
+        self._check_scoring(body, score, "logprobs" if body.logprobs else "echo")
         prompts = self._prompts(body.prompt)
         key = self._trajectory(body, request, len(prompts))
         if key is not None:
             text = body.prompt if isinstance(body.prompt, str) else None
             prompts = [self.trajectories.align(key, prompts[0], text)]
         return self._respond(body, prompts, body.max_tokens, "text_completion",
-                             logprobs=body.logprobs is not None, key=key)
+                             logprobs=body.logprobs is not None, key=key,
+                             top=body.logprobs if score else None, echo=body.echo)
 
     def chat(self, body: ChatRequest, request: Request):
         self._check_model(body)
         refuse_unsupported(body)
-        if body.top_logprobs:
-            raise OpenAIError(400, f"top_logprobs={body.top_logprobs}: only the sampled "
-                              f"token's log-prob is known (use 0)", "top_logprobs")
+        if body.top_logprobs and not body.logprobs:
+            raise OpenAIError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true",
+                              "top_logprobs")
+        score = bool(body.logprobs and body.top_logprobs)
+        self._check_scoring(body, score, "top_logprobs")
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise OpenAIError(400, f"model {self.model_name!r} has no chat template (its "
@@ -153,7 +163,20 @@ class OpenAIApp:
         if key is not None:
             ids = self.trajectories.align(key, ids, text)
         return self._respond(body, [ids], limit, "chat.completion", logprobs=body.logprobs,
-                             key=key, tools=turn)
+                             key=key, tools=turn, top=body.top_logprobs if score else None)
+
+    def _check_scoring(self, body, score: bool, field: str) -> None:
+        """A request that needs its sequences scored: refused where the engine cannot, or
+        when it streams (scored choices are answered whole)."""
+        if not score:
+            return
+        if body.stream:
+            raise OpenAIError(400, "prompt log-probs (echo with logprobs) and top log-probs "
+                              "are answered whole: use stream=false", "stream")
+        if not self.generation.can_score:
+            raise OpenAIError(400, f"{field}: prompt and top log-probs need the engine's "
+                              f"score programs: start the server with `jaxrl serve --score`",
+                              field)
 
     def _trajectory(self, body, request: Request, prompts: int) -> str | None:
         """The trajectory the request is recorded into, if it names one."""
@@ -226,11 +249,18 @@ class OpenAIApp:
         return streams, stops
 
     def _respond(self, body, prompts, max_tokens, kind: str, logprobs: bool, key=None,
-                 tools=None):
-        """`tools`: a ToolTurn factory (one per choice) when the request has tools."""
-        streams, stops = self._submit(body, prompts, max_tokens, key)
+                 tools=None, top: int | None = None, echo: bool = False):
+        """`tools`: a ToolTurn factory (one per choice) when the request has tools. `top`: the
+        alternatives per position when the choices are scored (Scored); `echo`: each choice's
+        text and log-probs begin with its prompt's. max_tokens=0 (with echo) generates
+        nothing."""
+        streams, stops = self._submit(body, prompts, max_tokens, key) if max_tokens != 0 else (
+            [], [])
         choices = [Choice(self.tokenizer, stops, tools() if tools else None)
-                   for _ in range(len(streams) * body.n)]
+                   for _ in range(len(prompts) * body.n)]
+        if max_tokens == 0:
+            for c in choices:
+                c.end("length")
         meta = {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-"
                       f"{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": body.model or self.model_name}
@@ -243,11 +273,29 @@ class OpenAIApp:
         for _ in _events(streams, choices, body.n):
             pass
         self._record(key, choices)
-        out = [choice_json(kind, i, c, logprobs, final=True) for i, c in enumerate(choices)]
+        prompt_of = lambda i: prompts[i // body.n]  # noqa: E731
+        out = [choice_json(kind, i, c, logprobs, final=True,
+                           text=self.tokenizer.decode(prompt_of(i)) + c.text if echo else None,
+                           scored=None if top is None else self._scored(prompt_of(i), c, top,
+                                                                        echo))
+               for i, c in enumerate(choices)]
         completion = sum(len(c.tokens) for c in choices)
         return {**meta, "object": kind, "choices": out,
                 "usage": {"prompt_tokens": usage_prompt, "completion_tokens": completion,
                           "total_tokens": usage_prompt + completion}}
+
+    def _scored(self, prompt: list[int], c: Choice, top: int, echo: bool) -> Scored:
+        sequence = list(prompt) + list(c.tokens)
+        if len(sequence) < 2:           # one token: nothing before it to score it by
+            empty = np.zeros((0, SCORE_TOP))
+            return Scored(list(prompt), np.zeros(0), empty.astype(np.int32), empty, top, echo)
+        try:
+            logprobs, ids, values = self.generation.score(sequence)
+        except InvalidRequest as e:
+            raise OpenAIError(400, str(e), "prompt") from None
+        except EngineStopped as e:
+            raise OpenAIError(503, str(e), kind="server_error") from None
+        return Scored(list(prompt), logprobs, ids, values, top, echo)
 
     def _record(self, key: str | None, choices: list[Choice]) -> None:
         if key is not None:

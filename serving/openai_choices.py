@@ -4,6 +4,10 @@ JSON (`choice_json`), whole or as a streamed delta."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
 from serving.detokenize import IncrementalDecoder
 from serving.tool_calls import ToolTurn
 
@@ -93,12 +97,50 @@ class Choice:
         return [self.tokenizer.decode([t]) for t in self.tokens[tokens]]
 
 
+@dataclasses.dataclass
+class Scored:
+    """A choice's sequence (prompt and sample) scored by the engine (Orchestrator.score): the
+    `top` most likely tokens at each of its positions, and, with `echo`, the prompt's own."""
+    prompt: list[int]
+    logprobs: np.ndarray       # [n-1]: row i scores token i + 1 of prompt + sample
+    top_ids: np.ndarray        # [n-1, 20]
+    top_values: np.ndarray
+    top: int
+    echo: bool
+
+    def alternatives(self, tokenizer, row: int) -> list[tuple[str, float]]:
+        return [(tokenizer.decode([int(i)]), float(v))
+                for i, v in zip(self.top_ids[row, :self.top], self.top_values[row, :self.top])]
+
+
+def scored_logprobs(kind, c: Choice, s: Scored) -> dict:
+    """The logprobs object of a scored choice: every sampled token's own log-prob (the
+    engine's, as sampled) with its position's `top` alternatives; with `echo` (completions),
+    the prompt's tokens first, the first with none (nothing precedes it)."""
+    n, tok = len(s.prompt), c.tokenizer
+    tops = [s.alternatives(tok, n - 1 + j) for j in range(len(c.tokens))]
+    if kind.startswith("chat"):
+        entry = lambda t, v: {"token": t, "logprob": v, "bytes": list(t.encode())}  # noqa: E731
+        return {"content": [{**entry(t, v), "top_logprobs": [entry(a, b) for a, b in top]}
+                            for t, v, top in zip(c.token_texts(), c.logprobs, tops)]}
+    names, values, alternatives = c.token_texts(), list(c.logprobs), tops
+    if s.echo:
+        names = [tok.decode([t]) for t in s.prompt] + names
+        values = [None] + [float(v) for v in s.logprobs[: n - 1]] + values
+        alternatives = [None] + [s.alternatives(tok, i) for i in range(n - 1)] + alternatives
+    offsets = np.cumsum([0] + [len(t) for t in names[:-1]]).tolist() if names else []
+    return {"tokens": names, "token_logprobs": values, "text_offset": offsets,
+            "top_logprobs": [None if a is None else dict(a) for a in alternatives]}
+
+
 def choice_json(kind, index, c: Choice, logprobs: bool, *, final: bool, text=None,
-                 tokens: slice = slice(None)) -> dict:
+                 tokens: slice = slice(None), scored: Scored | None = None) -> dict:
     text = c.text if text is None else text
     finish = c.finish if (final or c.finish) else None
     lp = None
-    if logprobs:
+    if scored is not None:
+        lp = scored_logprobs(kind, c, scored)
+    elif logprobs:
         names, values = c.token_texts(tokens), c.logprobs[tokens]
         if kind.startswith("chat"):
             lp = {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()),

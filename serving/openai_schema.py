@@ -69,8 +69,8 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5)
+    max_tokens: int | None = Field(16, ge=0)     # 0: with echo, score the prompt only
+    logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's limit (OpenAI's is 5)
     echo: bool = False
 
 

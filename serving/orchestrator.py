@@ -21,7 +21,7 @@ from typing import Sequence as Seq
 from serving import carry as carry_replay
 from serving import threads
 from serving.engine import Engine
-from serving.engine_loop import EngineLoop, Update, decode_groups
+from serving.engine_loop import EngineLoop, Score, Update, decode_groups
 from serving.length_predictor import LengthPredictor
 from serving.programs import process_compiles
 from serving.requests import EngineStopped, InvalidRequest, QueueFull, validate
@@ -88,6 +88,11 @@ class Orchestrator:
     @property
     def error(self) -> BaseException | None:
         return self._loop.error
+
+    @property
+    def can_score(self) -> bool:
+        """`score` works: the engine compiled its score programs (EngineConfig.score)."""
+        return self.engine.cfg.score
 
     @property
     def running(self) -> bool:
@@ -196,6 +201,33 @@ class Orchestrator:
     def generate(self, prompt: Seq[int], sampling: SamplingParams = SamplingParams()
                  ) -> list[Sample]:
         return self.submit(prompt, sampling).result()
+
+    def score(self, tokens: Seq[int], timeout: float | None = None):
+        """Log-probs of `tokens` under the weights serving now, each given those before it:
+        (logprobs [n-1], top ids [n-1, 20], top log-probs [n-1, 20]) (Engine.score), computed
+        by the loop between two of its calls. Raises InvalidRequest for tokens it cannot score
+        (the engine compiled without `score`, too long, out of the vocabulary)."""
+        tokens = [int(t) for t in tokens]
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        if not self.running:
+            raise self._stopped_error()
+        job = Score(tokens)
+        self._loop.scores.put(job)
+        self._loop.wake.set()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not job.done.wait(0.05):
+            if not self.running and not job.done.is_set():
+                raise self._stopped_error()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"scoring {len(tokens)} tokens took over {timeout} s")
+        if isinstance(job.error, ValueError):
+            raise InvalidRequest(str(job.error))
+        if job.error is not None:
+            raise self._stopped_error()
+        return job.result
 
     def end_session(self, key: str) -> None:
         """The episode `key` has ended: the pages kept for its next turn go back to the pool."""

@@ -244,8 +244,29 @@ def _decode_steps(spec: Spec, params, state: DecodeState, table_RW, slots_R, rea
     return _pinned(spec, state, tokens, logprobs)
 
 
+# The most alternatives `score` returns per position (OpenAI's top_logprobs limit).
+SCORE_TOP = 20
+
+
+def _score(spec: Spec, params, tokens_T):
+    """One sequence through the model, every position at once: the log-prob of each token
+    given those before it, [T-1] (position i scores token i + 1), and the SCORE_TOP most
+    likely tokens at each position, ids [T-1, 20] and log-probs. Causal: padding after the
+    sequence changes none of its rows. No pages are read or written: prompt log-probs (`echo`)
+    and top_logprobs."""
+    model = merge_params(spec.graphdef, params)
+    logits_TV = model(tokens_T[None])[0, :-1].astype(jnp.float32)
+    logp_TV = jax.nn.log_softmax(logits_TV, axis=-1)
+    token_T = jnp.take_along_axis(logp_TV, tokens_T[1:, None], axis=1)[:, 0]
+    top_values, top_ids = jax.lax.top_k(logp_TV, min(SCORE_TOP, logp_TV.shape[-1]))
+    rep = shd.replicated(spec.mesh)
+    return tuple(jax.lax.with_sharding_constraint(a, rep)
+                 for a in (token_T, top_ids, top_values))
+
+
 # (function, static argument numbers, donated argument numbers), the spec not counted.
 PROGRAMS = {
+    "score": (_score, (), ()),
     "init": (_empty_state, (), ()),
     "prefill": (_prefill, (), (1,)),
     "sample_first": (_sample_first, (), ()),
@@ -287,7 +308,7 @@ class Programs:
                 out += [("decode", (r, w)) for w in cfg.decode_widths] + [("advance", (r,))]
             else:
                 out += [("decode_steps", (r, w, k)) for w in cfg.decode_widths]
-        return out
+        return out + [("score", (b,)) for b in cfg.score_buckets]
 
     def args(self, name: str, key: tuple) -> tuple:
         """Abstract arguments of program `name` at shape `key`."""
@@ -298,6 +319,9 @@ class Programs:
         sampling = lambda k: tuple(arr(k, dtype=d) for d in SAMPLING_DTYPES)  # noqa: E731
         if name == "init":
             return ()
+        if name == "score":
+            (t,) = key
+            return (params, arr(t))
         if name == "prefill":
             p, t, w = key
             return (params, state, arr(p, t), arr(p), arr(p), arr(p, w))

@@ -73,6 +73,16 @@ class Replicas:
         return replica.submit(prompt, sampling, predicted_len=predicted_len, carry=carry,
                               session=session)
 
+    @property
+    def can_score(self) -> bool:
+        return self.replicas[0].can_score
+
+    def score(self, tokens: Sequence[int], timeout: float | None = None):
+        """Orchestrator.score on the replica the router would send a new request to."""
+        with self._router_lock:
+            replica = self._router.choose(self.replicas, ())
+        return replica.score(tokens, timeout)
+
     def end_session(self, key: str) -> None:
         with self._router_lock:
             home = self._router.forget(key)

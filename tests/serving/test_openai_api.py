@@ -128,7 +128,7 @@ def test_chat_renders_the_template_and_equals_the_engine(served, tokenizer):
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": 1.0}, "frequency_penalty"),
     ({"best_of": 3}, "best_of"),
-    ({"echo": True}, "echo"),
+    ({"echo": True, "logprobs": 1}, "logprobs"),             # a server without --score
 ])
 def test_bad_requests_get_400_in_openais_error_shape(served, kwargs, param):
     client, _, _ = served
