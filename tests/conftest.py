@@ -59,7 +59,7 @@ _HEAVY_FIRST = ["sharding/test_tpu_aot.py", "run/test_rl.py", "colab/test_notebo
 #   pytest invocation (`make test-multi`). Single tests elsewhere carry the marker themselves.
 _MULTI_DEVICE = ["sharding/", "serving/test_mesh.py", "serving/test_paged_attention.py",
                  "reliability/test_sigkill.py", "run/test_rl.py", "train/test_step.py"]
-_SLOW = ["colab/", "reliability/", "run/test_", "test_serve.py", "test_cli.py",
+_SLOW = ["colab/", "reliability/", "run/test_", "test_serve.py", "test_cli.py", "test_lm_eval.py",
          "train/test_checkpoint.py", "serving/test_decode_batches.py"]
 
 
