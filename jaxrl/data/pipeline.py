@@ -120,9 +120,12 @@ def features(rollout: Rollout) -> dict[str, np.ndarray]:
     behaviour = np.where(completion, behaviour, 0.0).astype(np.float32)
     oldest = np.full(len(tokens) - 1, -1, np.int32)
     oldest[n_prompt - 1:] = np.minimum.accumulate(np.asarray(rollout.versions, np.int64))
+    advantage = np.zeros(len(tokens) - 1, np.float32)
+    advantage[n_prompt - 1:] = (rollout.advantage if rollout.token_advantages is None
+                                else rollout.token_advantages)
     return {"input_ids": tokens[:-1], "targets": tokens[1:],
             "loss_mask": completion.astype(np.float32), "behaviour_logp": behaviour,
-            "advantages": np.where(completion, rollout.advantage, 0.0).astype(np.float32),
+            "advantages": np.where(completion, advantage, 0.0).astype(np.float32),
             "oldest_version": oldest}
 
 

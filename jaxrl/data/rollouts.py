@@ -34,15 +34,21 @@ class Rollout:
     # Per completion token: True where the model sampled it (trained on), False where the
     # environment wrote it (its logprob is ignored). None: every token is the model's.
     trained: list[bool] | None = None
+    # Per completion token: its advantage, where it is not `advantage` for every token (the
+    # turns of a multi-turn episode under rl.turn_advantage=per_turn). None: `advantage`.
+    token_advantages: list[float] | None = None
 
     def __post_init__(self):
         n = len(self.completion)
         if len(self.logprobs) != n or len(self.versions) != n or (
-                self.trained is not None and len(self.trained) != n):
+                self.trained is not None and len(self.trained) != n) or (
+                self.token_advantages is not None and len(self.token_advantages) != n):
             raise ValueError(f"rollout of group {self.group}: {n} completion tokens but "
                              f"{len(self.logprobs)} logprobs, {len(self.versions)} versions"
                              + ("" if self.trained is None
-                                else f", {len(self.trained)} trained flags"))
+                                else f", {len(self.trained)} trained flags")
+                             + ("" if self.token_advantages is None
+                                else f", {len(self.token_advantages)} token advantages"))
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

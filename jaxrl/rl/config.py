@@ -147,6 +147,11 @@ class RLConfig:
     clip_high: float = 0.2          # the upper side (DAPO's clip-higher: above clip_low)
     kl_coef: float = 0.0            # k3 KL penalty to the frozen warm-up model; 0: none
     normalize_std: bool = False     # divide advantages by the group's reward std
+    # Multi-turn episodes: every model token gets its episode's advantage (episode), or each
+    # turn its own (per_turn): the discounted return from that turn on, less the mean of the
+    # same over the group's other episodes that reached that turn (jaxrl/rl/advantages.py).
+    turn_advantage: Literal["episode", "per_turn"] = "episode"
+    turn_discount: float = 1.0      # per_turn: gamma from one turn's reward to the turn before
     filter_zero_advantage: bool = True  # drop groups whose rewards are all equal
     filter_overlong: bool = True    # drop samples cut off by max_new_tokens
     # When no sample has passed the filters for this long, the run stops with an error naming
@@ -177,6 +182,8 @@ class RLConfig:
     agent: AgentConfig = AgentConfig()
 
     def __post_init__(self):
+        if not 0.0 < self.turn_discount <= 1.0:
+            raise ValueError(f"rl.turn_discount={self.turn_discount} must be in (0, 1]")
         for name in ("prompts_per_step", "max_prompt_len", "max_new_tokens", "max_turns",
                      "slots", "pack_len", "microbatch_rows", "max_segments", "engine_devices"):
             if getattr(self, name) < 1:

@@ -9,7 +9,8 @@ an episode that reaches one ends with the rewards it has.
 `reply` is given every model turn so far, not just the last, so an environment keeps no state of
 its own: an episode cut by a checkpoint continues after a restart exactly, by replaying its
 turns. Rewards: the episode's return is the sum of its replies' rewards (one final reward, or
-per-turn rewards as well).
+per-turn rewards as well); with `rl.turn_advantage=per_turn` each turn is credited with the
+rewards from that turn on (jaxrl/rl/advantages.py's turn_advantages).
 
 A `Trajectory` is the episode's history in tokens: the model's, each with its log-prob and
 weights version, and the environment's, marked untrained (no loss, no advantage, no behaviour
@@ -108,11 +109,37 @@ class Trajectory:
         self.tool_calls += reply.tool_call
         self.tool_errors += reply.tool_error
 
-    def to_rollout(self, group: int, advantage: float) -> Rollout:
+    @property
+    def turn_rewards(self) -> list[float]:
+        """The reward of each model turn: the reply's to it (0 for a last turn cut by a limit
+        before any reply)."""
+        return [self.rewards[k] if k < len(self.rewards) else 0.0
+                for k in range(len(self.turns))]
+
+    def turn_of_tokens(self) -> list[int]:
+        """Per token after the prompt: the index of the model turn it belongs to, -1 for the
+        environment's."""
+        out, turn, previous = [], -1, False
+        for trained in self.trained:
+            if trained and not previous:
+                turn += 1
+            out.append(turn if trained else -1)
+            previous = trained
+        return out
+
+    def to_rollout(self, group: int, advantage: float,
+                   turn_advantages: Sequence[float] | None = None) -> Rollout:
+        """`turn_advantages`: one per model turn (rl.turn_advantage=per_turn), given to that
+        turn's tokens; None: `advantage` for every token."""
+        per_token = None
+        if turn_advantages is not None:
+            per_token = [0.0 if k < 0 else float(turn_advantages[k])
+                         for k in self.turn_of_tokens()]
         return Rollout(prompt=list(self.prompt), completion=list(self.tokens),
                        logprobs=list(self.logprobs), versions=list(self.versions),
                        reward=self.episode_return, advantage=advantage, group=group,
-                       finish=self.finish or "length", trained=list(self.trained))
+                       finish=self.finish or "length", trained=list(self.trained),
+                       token_advantages=per_token)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

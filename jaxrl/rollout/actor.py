@@ -27,7 +27,7 @@ from jaxrl.config import ConfigError
 from jaxrl.data.rollouts import Rollout, RolloutLog
 from jaxrl.errors import UserError
 from jaxrl.models.tokenizer import Tokenizer, prompt_ids
-from jaxrl.rl.advantages import group_advantages, keep_group
+from jaxrl.rl.advantages import group_advantages, keep_group, turn_advantages
 from jaxrl.rl.config import RLConfig
 from jaxrl.rl.env import Trajectory, is_multi_turn
 from jaxrl.rl.rewards import Scorer
@@ -203,8 +203,14 @@ class Actor:
         s["reward_sum"] += float(rewards.sum())
         s["solved"] += int((rewards >= 1).sum())
         s["scored"] += len(rewards)
+        per_turn = [None] * len(trajectories)
+        if self.cfg.turn_advantage == "per_turn" and len(trajectories) >= 2:
+            per_turn = turn_advantages([t.turn_rewards for t in trajectories],
+                                       discount=self.cfg.turn_discount,
+                                       normalize_std=self.cfg.normalize_std)
         return self._kept(rewards, [
-            (t.finish, lambda a, t=t: t.to_rollout(index, float(a))) for t in trajectories])
+            (t.finish, lambda a, t=t, turns=turns: t.to_rollout(index, float(a), turns))
+            for t, turns in zip(trajectories, per_turn)])
 
     def _kept(self, rewards: np.ndarray, samples: list) -> list[Rollout]:
         """The group's rollouts after the filters: `samples` are (finish reason, rollout given

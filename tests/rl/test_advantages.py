@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from jaxrl.rl.advantages import group_advantages, keep_group
+from jaxrl.rl.advantages import group_advantages, keep_group, turn_advantages
 
 
 def test_leave_one_out_advantages_by_hand():
@@ -40,3 +40,46 @@ def test_keep_group_drops_groups_without_signal():
     assert not keep_group(np.array([0.0, 0.0]))
     assert keep_group(np.array([1.0, 0.0, 1.0]))
     assert keep_group([0.0, 0.0, 0.5])
+
+
+def test_turn_advantages_by_hand():
+    """Three episodes of one group, with per-turn rewards: returns from each turn on (gamma
+    0.5), less the mean over the other episodes that reached the turn."""
+    adv = turn_advantages([[0.0, 1.0], [1.0], [0.5, 0.0, 1.0]], discount=0.5)
+    g = [[0.5, 1.0], [1.0], [0.5 + 0.5 * 0.0 + 0.25 * 1.0, 0.0 + 0.5 * 1.0, 1.0]]
+    np.testing.assert_allclose(adv[0], [g[0][0] - (g[1][0] + g[2][0]) / 2, g[0][1] - g[2][1]])
+    np.testing.assert_allclose(adv[1], [g[1][0] - (g[0][0] + g[2][0]) / 2])
+    # Turn 2 only episode 2 reached: baseline is the others' whole returns.
+    np.testing.assert_allclose(adv[2], [g[2][0] - (g[0][0] + g[1][0]) / 2, g[2][1] - g[0][1],
+                                        g[2][2] - (g[0][0] + g[1][0]) / 2], rtol=1e-6)
+    assert all(a.dtype == np.float32 for a in adv)
+
+
+def test_turn_advantages_of_one_final_reward_are_the_episode_advantage():
+    """With gamma 1 and every episode as long, with one reward at the end, every turn gets the
+    episode's leave-one-out advantage: per_turn reduces to episode."""
+    rewards = np.random.default_rng(0).random(5)
+    adv = turn_advantages([[0.0, 0.0, r] for r in rewards])
+    episode = group_advantages(rewards[None])[0]
+    for a, e in zip(adv, episode):
+        np.testing.assert_allclose(a, [e] * 3, rtol=1e-5)
+    with pytest.raises(ValueError, match="n >= 2"):
+        turn_advantages([[1.0]])
+
+
+def test_each_turn_s_tokens_carry_its_advantage_into_the_packed_features():
+    from jaxrl.data.pipeline import features
+    from jaxrl.rl.env import Reply, Trajectory
+
+    t = Trajectory(prompt=[1, 2])
+    t.add_model([10, 11], [-0.1, -0.2], [0, 0], "a")
+    t.add_reply(Reply(observation="x", reward=0.0), [20])
+    t.add_model([12], [-0.3], [0], "b")
+    t.add_reply(Reply(reward=1.0, done=True))
+    assert t.turn_rewards == [0.0, 1.0] and t.turn_of_tokens() == [0, 0, -1, 1]
+    f = features(t.to_rollout(0, 0.25, [0.5, -1.5]))
+    # Next-token rows: the prompt's last token predicts the first completion token.
+    np.testing.assert_allclose(f["advantages"], [0.0, 0.5, 0.5, 0.0, -1.5])
+    np.testing.assert_allclose(f["loss_mask"], [0, 1, 1, 0, 1])
+    np.testing.assert_allclose(features(t.to_rollout(0, 0.25))["advantages"],
+                               [0.0, 0.25, 0.25, 0.0, 0.25])
