@@ -83,3 +83,34 @@ def test_each_turn_s_tokens_carry_its_advantage_into_the_packed_features():
     np.testing.assert_allclose(f["loss_mask"], [0, 1, 1, 0, 1])
     np.testing.assert_allclose(features(t.to_rollout(0, 0.25))["advantages"],
                                [0.0, 0.25, 0.25, 0.0, 0.25])
+
+
+@pytest.mark.parametrize("mode", ["episode", "per_turn"])
+def test_the_actor_gives_each_episode_s_turns_their_advantages(mode):
+    """A group of two episodes with per-turn rewards through the actor's scoring: episode mode
+    gives every model token the episode's advantage, per_turn each turn's own."""
+    from jaxrl.data.rollouts import RolloutLog
+    from jaxrl.rl.config import RLConfig
+    from jaxrl.rl.env import Reply, Trajectory
+    from jaxrl.rollout.actor import Actor
+
+    def episode(rewards):
+        t = Trajectory(prompt=[1])
+        for k, r in enumerate(rewards):
+            t.add_model([10 + k, 11 + k], [-0.5, -0.5], [0, 0], f"turn {k}")
+            t.add_reply(Reply(observation="o", reward=r, done=k == len(rewards) - 1), [30])
+        t.finish = "done"
+        return t
+    cfg = RLConfig(turn_advantage=mode, turn_discount=0.5, filter_overlong=False)
+    actor = Actor(None, None, None, RolloutLog(), cfg, seed=0)
+    try:
+        a, b = actor._score_episodes(0, [episode([1.0, 0.0]), episode([0.0, 2.0])])
+    finally:
+        actor.stop()
+    if mode == "episode":
+        assert a.token_advantages is None and b.token_advantages is None
+        assert (a.advantage, b.advantage) == (-1.0, 1.0)      # returns 1 and 2
+        return
+    # Returns from each turn on: a (1.0, 0.0), b (1.0, 2.0); per-turn baselines: the other's.
+    assert a.token_advantages == [0.0, 0.0, 0.0, -2.0, -2.0, 0.0]
+    assert b.token_advantages == [0.0, 0.0, 0.0, 2.0, 2.0, 0.0]
