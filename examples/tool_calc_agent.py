@@ -8,7 +8,7 @@ trains on) and ending it:
 
     jaxrl train --config configs/tool_calc_cpu.yaml            # or any checkpoint of the task
     jaxrl serve --checkpoint runs/tool_calc/checkpoints --http-port 8000 \
-        --max-prefill-length 63 --max-len 64 &
+        --max-len 64 &
     python examples/tool_calc_agent.py --url http://127.0.0.1:8000/v1 --episodes 8
 
 With `--worker`, `jaxrl train` runs it as the source of its RL episodes (jaxrl/rollout/agents.py):

@@ -92,7 +92,8 @@ def _serve(args) -> None:
         try:
             return EngineConfig(max_concurrent_decodes=args.slots,
                                 max_len=args.max_len or context,
-                                max_prefill_length=args.max_prefill_length,
+                                max_prefill_length=(args.max_prefill_length or
+                                                    (args.max_len or context) - 1),
                                 prefill_chunk=args.prefill_chunk, dtype=args.dtype,
                                 page_size=args.page_size, num_pages=args.num_pages,
                                 memory_fraction=args.memory_fraction,
@@ -315,8 +316,9 @@ def _serve_arguments(sub) -> None:
                    help="compile the score programs (one per power-of-two length up to "
                         "--max-len): prompt log-probs (echo with logprobs, lm-evaluation-"
                         "harness's loglikelihood tasks) and top_logprobs on the HTTP API")
-    p.add_argument("--max-prefill-length", type=_int_at_least(1), default=32,
-                   help="longest prompt")
+    p.add_argument("--max-prefill-length", type=_int_at_least(0), default=0,
+                   help="longest prompt; 0: up to --max-len less one token (a prompt is "
+                        "prefilled in chunks of --prefill-chunk whatever its length)")
     p.add_argument("--prefill-chunk", type=_int_at_least(1), default=16,
                    help="prefill chunk size")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import openai
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -95,10 +96,16 @@ def test_lm_eval_local_completions_scores_equal_a_direct_computation(tmp_path):
     hf = hf_folder(model_dir)
     mc, gen = tasks(task_dir, np.random.default_rng(0))
 
+    # No --max-prefill-length: prompts up to --max-len less one token, by default.
     with _jaxrl_serve(model_dir, "--http-port", "0", "--score", "--max-len", "64",
-                      "--max-prefill-length", "32", "--slots", "4") as (_, _, output):
+                      "--slots", "4") as (_, _, output):
         line = next(x for x in output if "OpenAI-compatible API on" in x)
         base = line.split(" on ")[1].split()[0]
+        long_prompt = ids(words(np.random.default_rng(1), 62))
+        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+        echoed = client.completions.create(model="model", prompt=long_prompt, max_tokens=1,
+                                           temperature=0, echo=True, logprobs=1).choices[0]
+        assert len(echoed.logprobs.tokens) == 63
         done = subprocess.run(
             [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
              f"base_url={base}/completions,model=model,tokenizer={model_dir},"
