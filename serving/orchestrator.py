@@ -24,7 +24,7 @@ from serving.engine import Engine
 from serving.engine_loop import EngineLoop, Score, Update, decode_groups
 from serving.length_predictor import LengthPredictor
 from serving.programs import process_compiles
-from serving.requests import EngineStopped, InvalidRequest, QueueFull, validate
+from serving.requests import EngineStopped, InvalidRequest, QueueFull, check_tokens, validate
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
 from serving.sequence import Request
@@ -132,6 +132,16 @@ class Orchestrator:
     def __exit__(self, *exc):
         self.stop()
 
+    def _wait(self, event: threading.Event, timeout: float | None, what: str) -> None:
+        """Until the loop sets `event`; EngineStopped if the loop ends first, TimeoutError
+        ("{what} within {timeout} s") past `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not event.wait(0.05):
+            if not self.running and not event.is_set():
+                raise self._stopped_error()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{what} within {timeout} s")
+
     def _stopped_error(self) -> EngineStopped:
         why = f": {type(self.error).__name__}: {self.error}" if self.error else ""
         return EngineStopped(f"the engine loop has stopped{why}")
@@ -208,21 +218,13 @@ class Orchestrator:
         by the loop between two of its calls. Raises InvalidRequest for tokens it cannot score
         (the engine compiled without `score`, too long, out of the vocabulary)."""
         tokens = [int(t) for t in tokens]
-        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+        check_tokens(tokens, self.vocab_size, "score: ")
         if not self.running:
             raise self._stopped_error()
         job = Score(tokens)
         self._loop.scores.put(job)
         self._loop.wake.set()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not job.done.wait(0.05):
-            if not self.running and not job.done.is_set():
-                raise self._stopped_error()
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"scoring {len(tokens)} tokens took over {timeout} s")
+        self._wait(job.done, timeout, f"scoring {len(tokens)} tokens did not end")
         if isinstance(job.error, ValueError):
             raise InvalidRequest(str(job.error))
         if job.error is not None:
@@ -257,12 +259,7 @@ class Orchestrator:
             self._accepted_version = version
             self._loop.updates.put(update)
         self._loop.wake.set()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not update.applied.wait(0.05):
-            if not self._thread.is_alive():
-                raise self._stopped_error()
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"weight update {version} not applied within {timeout} s")
+        self._wait(update.applied, timeout, f"weight update {version} not applied")
         update.retired = None       # the replaced weights are freed here, beside decoding
         return UpdateResult(version, transfer, update.pause_s)
 

@@ -266,7 +266,6 @@ def _score(spec: Spec, params, tokens_T):
 
 # (function, static argument numbers, donated argument numbers), the spec not counted.
 PROGRAMS = {
-    "score": (_score, (), ()),
     "init": (_empty_state, (), ()),
     "prefill": (_prefill, (), (1,)),
     "sample_first": (_sample_first, (), ()),
@@ -275,6 +274,7 @@ PROGRAMS = {
     "decode": (_decode, (), (1,)),
     "advance": (_advance, (), (0,)),
     "decode_steps": (_decode_steps, (5,), (1,)),
+    "score": (_score, (), ()),
 }
 
 
