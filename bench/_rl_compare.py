@@ -104,7 +104,7 @@ def warm_checkpoint(args, work: Path) -> Path:
 
 
 def run_variant(base: Path, work: Path, name: str, args, seed: int = 0,
-                extra: tuple[str, ...] = ()) -> dict:
+                extra: tuple[str, ...] = (), log=lambda message: None) -> dict:
     """One RL run from the warm-up checkpoint `base` with variant `name`'s overrides (VARIANTS,
     or `extra` for a variant of the caller's own), in this process or (--pinned) as `jaxrl
     train` with a pinned server."""
@@ -125,7 +125,7 @@ def run_variant(base: Path, work: Path, name: str, args, seed: int = 0,
     else:
         from jaxrl.trainer import rl as rl_run
 
-        rl_run.reinforce(load_run_config(args.config, overrides), log=lambda m: None)
+        rl_run.reinforce(load_run_config(args.config, overrides), log=log)
     return summarise(name, seed, [r for r in read_metrics(run_dir) if "reward" in r], args)
 
 

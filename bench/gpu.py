@@ -197,7 +197,10 @@ def rl_modes(shape: str, steps: int) -> dict:
     model = [f"model.embed_dim={cfg.embed_dim}", f"model.num_layers={cfg.num_layers}",
              f"model.num_heads={cfg.num_heads}", f"model.num_kv_heads={cfg.num_kv_heads}",
              f"model.head_dim={cfg.head_dim}", f"model.mlp_dim={cfg.mlp_dim}",
-             "model.dtype=bfloat16", "train.steps=2"]
+             "model.dtype=bfloat16", "train.steps=2",
+             # An untrained model earns one reward across a group, which this filter drops: the
+             # steps would wait on learning, and this section measures the system.
+             "rl.filter_zero_advantage=false"]
     args = argparse.Namespace(config=str(DEMO_CONFIG), rl_steps=steps, target=1.0, window=2,
                               warmup_dir=None, overrides=model)
     work = Path(tempfile.mkdtemp(prefix="jaxrl-gpu-"))
@@ -206,14 +209,26 @@ def rl_modes(shape: str, steps: int) -> dict:
         base = compare.warm_checkpoint(args, work)
         print(f"rl: warm-up checkpoint after {time.perf_counter() - t0:.0f} s", flush=True)
         for name in ("sync", "async"):
-            out[name] = compare.run_variant(base, work, name, args)
+            out[name] = compare.run_variant(base, work, name, args,
+                                            log=lambda m: print(f"rl {name}: {m}", flush=True))
             print(f"rl: {name} done after {time.perf_counter() - t0:.0f} s "
                   f"({out[name]['seconds']:.1f} s over steps 2-{steps})", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rate = {name: (len(r["rows"]) - 1) / r["seconds"] for name, r in out.items()}
     return {"sync_steps_per_s": rate["sync"], "async_steps_per_s": rate["async"],
-            "async_vs_sync": rate["async"] / rate["sync"]}
+            "async_vs_sync": rate["async"] / rate["sync"],
+            "steps": {name: [step_breakdown(row) for row in r["rows"]] for name, r in out.items()}}
+
+
+BREAKDOWN = ("time_s", "step_s", "trainer_wait_s", "samples_per_s", "generated_tokens_per_s",
+             "trained_tokens", "completion_len_p50", "completion_len_max", "slots_busy_fraction",
+             "update_pause_ms_max", "process_cpu_s")
+
+
+def step_breakdown(row: dict) -> dict:
+    """Where one RL step's time went: the train step, the wait for samples, what was made."""
+    return {k: row[k] for k in BREAKDOWN if k in row}
 
 
 SECTIONS = ("train", "decode", "update", "causal", "rl")
@@ -299,6 +314,10 @@ def main(argv=None) -> None:
     if "rl" in sections:
         out["rl"] = rl_modes(args.models[0], args.rl_steps)
         save(f"RL on one device: async {out['rl']['async_vs_sync']:.2f}x sync steps/s")
+        for name, steps in out["rl"]["steps"].items():
+            print(f"rl {name}: " + "; ".join(
+                f"step {r.get('step_s', 0):.2f} s, wait {r.get('trainer_wait_s', 0):.2f} s, "
+                f"{r.get('generated_tokens_per_s', 0):.0f} gen tok/s" for r in steps), flush=True)
     save(f"wrote {args.out}")
 
 
