@@ -1,0 +1,48 @@
+"""The train step's XLA options on CPU: compiled outside XLA's YNNPACK fusions (faster float32
+matmuls, docs/benchmarks.md), with the numbers of the step XLA compiles by default."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.models import ModelConfig, abstract_model, split_params
+from jaxrl.optim_config import OptimConfig
+from jaxrl.train.optim import lr_schedule, make_optimizer
+from jaxrl.train.step import (compiler_options, init_state, jit_train_step, split_microbatches,
+                              state_shardings)
+from sharding.mesh import MeshConfig, batch_sharding, make_mesh
+
+CFG = ModelConfig(vocab_size=64, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16, mlp_dim=128)
+OPTIM = OptimConfig(lr=1e-2, warmup_steps=0)
+
+
+def test_cpu_step_leaves_out_ynn_fusions_with_the_default_steps_numbers():
+    mesh = make_mesh(MeshConfig(), devices=jax.devices()[:1])
+    assert compiler_options(mesh) == {"xla_cpu_experimental_ynn_fusion_type": ""}
+    tx = make_optimizer(OPTIM, total_steps=4)
+    shardings = state_shardings(CFG, tx, mesh)
+    graphdef, _ = split_params(abstract_model(CFG))
+    tuned = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(OPTIM, 4))
+    default = jax.jit(tuned.__wrapped__, donate_argnums=0)   # XLA's own options
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, CFG.vocab_size, size=(16, 33)).astype(np.int32)
+    batch = jax.device_put(split_microbatches(
+        {"input_ids": ids[:, :-1], "targets": ids[:, 1:],
+         "loss_mask": np.ones((16, 32), np.float32)}, 2), batch_sharding(mesh, 3, leading=1))
+    state = init_state(CFG, tx, shardings, seed=0)
+    assert "__ynn_fusion" in default.lower(state, batch).compile().as_text()
+    assert "__ynn_fusion" not in tuned.lower(state, batch).compile().as_text()
+
+    results = []
+    for step in (tuned, default):
+        s, losses = jax.tree.map(jnp.copy, state), []
+        for _ in range(3):
+            s, metrics = step(s, batch)
+            losses.append(float(metrics["loss"]))
+        results.append((losses, jax.device_get(s["params"])))
+    (tuned_losses, tuned_params), (losses, params) = results
+    assert tuned_losses[2] < tuned_losses[0]
+    np.testing.assert_allclose(tuned_losses, losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(tuned_params), jax.tree.leaves(params)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)   # Adam, lr 1e-2: see test_step.py
