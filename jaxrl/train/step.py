@@ -303,23 +303,31 @@ def init_state(model_cfg: ModelConfig, tx, shardings, seed: int, params=None):
     return jax.jit(init, out_shardings=shardings)(params)
 
 
-def compiler_options(mesh: Mesh) -> dict[str, str] | None:
-    """XLA options for the train step on this mesh's platform. On XLA:CPU (jaxlib 0.10, where
-    it was measured) the step's float32 matmuls run 14-15% faster outside XLA's YNNPACK
-    fusions: a step of the 30M peer job 14.7 -> 12.7 s, of 128 rows of 529 tokens 29.4 ->
-    25.0 s (docs/benchmarks.md). The engine's small decode programs are faster inside them,
-    so only the train step leaves them out."""
+# Models at least this wide train faster on XLA:CPU outside its YNNPACK fusions (below).
+PLAIN_DOT_WIDTH = 256
+
+
+def compiler_options(mesh: Mesh, width: int) -> dict[str, str] | None:
+    """XLA options for the train step of a model `width` wide on this mesh's platform. On
+    XLA:CPU (jaxlib 0.10, where it was measured) the step's float32 matmuls run 14-15% faster
+    outside XLA's YNNPACK fusions once they are wide: a step of the 30M peer job (576 wide)
+    14.7 -> 12.7 s, of the 3M one (256 wide) at 529 tokens 29.4 -> 25.0 s, at 81 tokens the
+    same (docs/benchmarks.md). Narrower models lose: YNNPACK's fused element-wise work counts
+    for more there (the long-tail test's run, 64 wide: 33.9 -> 37.4 s). The engine's decode
+    programs keep the fusions (faster with them at every width measured)."""
     import jaxlib
 
-    if mesh.devices.flat[0].platform != "cpu" or not jaxlib.__version__.startswith("0.10."):
+    if (mesh.devices.flat[0].platform != "cpu" or not jaxlib.__version__.startswith("0.10.")
+            or width < PLAIN_DOT_WIDTH):
         return None
     return {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def jit_train_step(graphdef, tx, shardings, mesh: Mesh, schedule=None, rules=shd.RULES,
                    remat: str = "none", pipeline: pp.PipelineConfig | None = None,
-                   objective=SupervisedLoss(), pipeline_order: bool = False):
-    """The train step compiled for the mesh; the state is donated and updated in place."""
+                   objective=SupervisedLoss(), pipeline_order: bool = False, width: int = 0):
+    """The train step compiled for the mesh; the state is donated and updated in place. `width`,
+    the model's embedding width, picks XLA:CPU's options (`compiler_options`)."""
     batch = shd.batch_sharding(mesh, 3, rules, leading=1)
     return jax.jit(make_train_step(graphdef, tx, schedule, objective, remat=remat,
                                    pipeline=pipeline, mesh=mesh,
@@ -327,7 +335,7 @@ def jit_train_step(graphdef, tx, shardings, mesh: Mesh, schedule=None, rules=shd
                                    pipeline_order=pipeline_order),
                    in_shardings=(shardings, batch),
                    out_shardings=(shardings, shd.replicated(mesh)),
-                   donate_argnums=0, compiler_options=compiler_options(mesh))
+                   donate_argnums=0, compiler_options=compiler_options(mesh, width))
 
 
 def split_microbatches(batch: dict[str, np.ndarray], microbatches: int) -> dict:

@@ -81,7 +81,8 @@ class Trainer:
         self._step_fn = jit_train_step(self.graphdef, tx, shardings, mesh,
                                        lambda s: schedule(s - first_step), remat=cfg.train.remat,
                                        pipeline=cfg.sharding.pipeline, objective=objective,
-                                       pipeline_order=order is not None)
+                                       pipeline_order=order is not None,
+                                       width=model_cfg.embed_dim)
         self.step = int(self.state["step"])
         self._compiling: Future | None = None
         self._compiled = None   # (the batch's abstract arrays, the executable)
