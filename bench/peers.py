@@ -35,6 +35,8 @@ DIFFERENCES = [
     "Tunix with beta=0 and epsilon=0.2",
     "batch layout: jaxrl packs samples into rows of prompt + max_new_tokens; TRL pads each "
     "sample to the longest in the batch; Tunix pads prompts and completions to their limits",
+    "microbatches: jaxrl and TRL accumulate gradients over microbatches of --microbatch samples "
+    "(jaxrl's default, 16) into the one optimizer step; Tunix trains the step's batch at once",
     "generation: jaxrl its paged engine (jit, XLA:CPU); TRL Hugging Face `generate` "
     "(PyTorch eager); Tunix its vanilla sampler (jit, XLA:CPU, a dense KV cache)",
     "model: jaxrl and Tunix each load the folder's safetensors into their own Llama (Flax "
@@ -92,6 +94,9 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", nargs="+", default=["3m"], choices=["3m", "30m"])
     p.add_argument("--lengths", nargs="+", type=int, default=[64])
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--microbatch", type=int, default=Job.microbatch,
+                   help="samples per forward and backward pass (jaxrl and TRL accumulate "
+                        "their gradients into one optimizer step)")
     p.add_argument("--rounds", type=int, default=2,
                    help="runs of each stack, in alternating order; figures are medians")
     p.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
@@ -106,7 +111,8 @@ def main(argv=None) -> None:
     print("settings that differ between the stacks:\n  - " + "\n  - ".join(DIFFERENCES))
     for size in args.sizes:
         for length in args.lengths:
-            job = Job(size=size, max_new_tokens=length, steps=args.steps)
+            job = Job(size=size, max_new_tokens=length, steps=args.steps,
+                      microbatch=args.microbatch)
             model = work / f"model-{size}"
             if not model.exists():
                 write_model(job, model)
