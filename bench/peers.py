@@ -35,8 +35,9 @@ DIFFERENCES = [
     "Tunix with beta=0 and epsilon=0.2",
     "batch layout: jaxrl packs samples into rows of prompt + max_new_tokens; TRL pads each "
     "sample to the longest in the batch; Tunix pads prompts and completions to their limits",
-    "microbatches: jaxrl and TRL accumulate gradients over microbatches of --microbatch samples "
-    "(jaxrl's default, 16) into the one optimizer step; Tunix trains the step's batch at once",
+    "microbatches: jaxrl accumulates gradients over microbatches of --microbatch samples "
+    "(its default, 16) into the one optimizer step, TRL over --trl-microbatch (default: the "
+    "same); Tunix trains the step's batch at once",
     "generation: jaxrl its paged engine (jit, XLA:CPU); TRL Hugging Face `generate` "
     "(PyTorch eager); Tunix its vanilla sampler (jit, XLA:CPU, a dense KV cache)",
     "model: jaxrl and Tunix each load the folder's safetensors into their own Llama (Flax "
@@ -97,6 +98,8 @@ def main(argv=None) -> None:
     p.add_argument("--microbatch", type=int, default=Job.microbatch,
                    help="samples per forward and backward pass (jaxrl and TRL accumulate "
                         "their gradients into one optimizer step)")
+    p.add_argument("--trl-microbatch", type=int, default=0,
+                   help="TRL's samples per pass, if not --microbatch (128: the whole step)")
     p.add_argument("--rounds", type=int, default=2,
                    help="runs of each stack, in alternating order; figures are medians")
     p.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
@@ -112,7 +115,7 @@ def main(argv=None) -> None:
     for size in args.sizes:
         for length in args.lengths:
             job = Job(size=size, max_new_tokens=length, steps=args.steps,
-                      microbatch=args.microbatch)
+                      microbatch=args.microbatch, trl_microbatch=args.trl_microbatch)
             model = work / f"model-{size}"
             if not model.exists():
                 write_model(job, model)

@@ -40,22 +40,23 @@ class Job:
     lr: float = 1e-5
     prompt_words: int = 16        # every prompt is this many words (+ BOS)
     seed: int = 0
-    # Samples per forward and backward pass, gradients accumulated into the one optimizer step
-    # (jaxrl rl.microbatch_rows, whose default this is; TRL per_device_train_batch_size with
-    # gradient_accumulation_steps). Tunix keeps its whole-batch micro batch.
+    # Samples per forward and backward pass, gradients accumulated into the one optimizer step:
+    # jaxrl's (rl.microbatch_rows, whose default this is) and TRL's
+    # (per_device_train_batch_size with gradient_accumulation_steps; 0: the same as jaxrl's).
+    # Tunix keeps its whole-batch micro batch.
     microbatch: int = 16
+    trl_microbatch: int = 0
 
     @property
     def samples_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
 
-    @property
-    def accumulation(self) -> int:
-        """Microbatches per optimizer step."""
-        if self.samples_per_step % self.microbatch:
-            raise ValueError(f"microbatch={self.microbatch} must divide the "
+    def accumulation(self, microbatch: int) -> int:
+        """Microbatches of `microbatch` samples per optimizer step."""
+        if self.samples_per_step % microbatch:
+            raise ValueError(f"a microbatch of {microbatch} must divide the "
                              f"{self.samples_per_step} samples of a step")
-        return self.samples_per_step // self.microbatch
+        return self.samples_per_step // microbatch
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

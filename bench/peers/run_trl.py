@@ -45,6 +45,7 @@ class Steps(transformers.TrainerCallback):
 
 def main(job_json: str, model: str, work: str) -> None:
     job = Job.from_json(job_json)
+    microbatch = job.trl_microbatch or job.microbatch
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     data = datasets.Dataset.from_dict({"prompt": prompts(job)})
     completion_tokens = []
@@ -57,8 +58,9 @@ def main(job_json: str, model: str, work: str) -> None:
         output_dir=work, use_cpu=True, bf16=False, fp16=False, report_to="none",
         # One generation of the whole step's samples, then job.accumulation microbatches
         # accumulated into one optimizer step (steps_per_generation follows the accumulation).
-        max_steps=job.steps, per_device_train_batch_size=job.microbatch,
-        gradient_accumulation_steps=job.accumulation, num_generations=job.group_size,
+        max_steps=job.steps, per_device_train_batch_size=microbatch,
+        gradient_accumulation_steps=job.accumulation(microbatch),
+        num_generations=job.group_size,
         max_completion_length=job.max_new_tokens, temperature=1.0, beta=0.0,
         learning_rate=job.lr, lr_scheduler_type="constant", warmup_steps=0,
         num_iterations=1, logging_steps=1, save_strategy="no", seed=job.seed,
