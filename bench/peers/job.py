@@ -51,12 +51,17 @@ class Job:
     def samples_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
 
-    def accumulation(self, microbatch: int) -> int:
-        """Microbatches of `microbatch` samples per optimizer step."""
-        if self.samples_per_step % microbatch:
-            raise ValueError(f"a microbatch of {microbatch} must divide the "
-                             f"{self.samples_per_step} samples of a step")
-        return self.samples_per_step // microbatch
+    def __post_init__(self):
+        for name in ("microbatch", "trl_microbatch"):
+            value = getattr(self, name)
+            if value and self.samples_per_step % value:
+                raise ValueError(f"{name}={value} must divide the {self.samples_per_step} "
+                                 f"samples of a step")
+
+    @property
+    def trl_batch(self) -> int:
+        """TRL's samples per forward and backward pass."""
+        return self.trl_microbatch or self.microbatch
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

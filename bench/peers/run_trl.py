@@ -45,7 +45,6 @@ class Steps(transformers.TrainerCallback):
 
 def main(job_json: str, model: str, work: str) -> None:
     job = Job.from_json(job_json)
-    microbatch = job.trl_microbatch or job.microbatch
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     data = datasets.Dataset.from_dict({"prompt": prompts(job)})
     completion_tokens = []
@@ -56,10 +55,10 @@ def main(job_json: str, model: str, work: str) -> None:
 
     config = GRPOConfig(
         output_dir=work, use_cpu=True, bf16=False, fp16=False, report_to="none",
-        # One generation of the whole step's samples, then job.accumulation microbatches
-        # accumulated into one optimizer step (steps_per_generation follows the accumulation).
-        max_steps=job.steps, per_device_train_batch_size=microbatch,
-        gradient_accumulation_steps=job.accumulation(microbatch),
+        # One generation of the whole step's samples, then its microbatches accumulated into
+        # one optimizer step (steps_per_generation follows the accumulation).
+        max_steps=job.steps, per_device_train_batch_size=job.trl_batch,
+        gradient_accumulation_steps=job.samples_per_step // job.trl_batch,
         num_generations=job.group_size,
         max_completion_length=job.max_new_tokens, temperature=1.0, beta=0.0,
         learning_rate=job.lr, lr_scheduler_type="constant", warmup_steps=0,

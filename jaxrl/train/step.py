@@ -17,6 +17,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import optax
 from flax import nnx
@@ -315,8 +316,6 @@ def compiler_options(mesh: Mesh, width: int) -> dict[str, str] | None:
     same (docs/benchmarks.md). Narrower models lose: YNNPACK's fused element-wise work counts
     for more there (the long-tail test's run, 64 wide: 33.9 -> 37.4 s). The engine's decode
     programs keep the fusions (faster with them at every width measured)."""
-    import jaxlib
-
     if (mesh.devices.flat[0].platform != "cpu" or not jaxlib.__version__.startswith("0.10.")
             or width < PLAIN_DOT_WIDTH):
         return None
