@@ -7,6 +7,9 @@ reports what it would use. This is how TPU readiness is checked in CI.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import re
 
 # Chips on one host, per generation: a single-host slice is at most this big.
@@ -28,7 +31,40 @@ def tpu_devices(topology: str):
     if any(d > h for d, h in zip(dims, host)):
         raise ValueError(f"topology {topology!r} spans several hosts; single-host slices of "
                          f"{gen} go up to {'x'.join(map(str, host[:2]))}")
-    desc = topologies.get_topology_desc(
-        platform="tpu", topology_name=topology, chip_config_name="default",
-        chips_per_host_bounds=dims, num_slices=1, wrap=(False, False, False))
+    with _without_cpu_flags():
+        desc = topologies.get_topology_desc(
+            platform="tpu", topology_name=topology, chip_config_name="default",
+            chips_per_host_bounds=dims, num_slices=1, wrap=(False, False, False))
+        _start_tpu_compiler(desc.devices[0])
     return desc.devices
+
+
+@functools.cache
+def _start_tpu_compiler(device) -> None:
+    """Compiles a trivial program for `device`: libtpu reads XLA_FLAGS at its first compile in
+    the process, which then happens here, inside `_without_cpu_flags`."""
+    import jax
+    import jax.numpy as jnp
+
+    at = jax.sharding.SingleDeviceSharding(device)
+    jax.jit(jnp.negative, out_shardings=at).lower(
+        jax.ShapeDtypeStruct((), jnp.float32, sharding=at)).compile()
+
+
+@contextlib.contextmanager
+def _without_cpu_flags():
+    """XLA_FLAGS without its XLA:CPU flags (`--xla_cpu_*`) while libtpu starts. libtpu reads
+    XLA_FLAGS once, at its first compile, with its own XLA's flag list, and aborts the process on a
+    flag it does not know (`Unknown flag in XLA_FLAGS`): XLA:CPU's newer flags, which a CPU run
+    (or the test suite) sets, are such flags, and they mean nothing to a TPU compile. The CPU
+    backend keeps them: they are back before it next reads the environment."""
+    flags = os.environ.get("XLA_FLAGS")
+    if flags is None:
+        yield
+        return
+    os.environ["XLA_FLAGS"] = " ".join(f for f in flags.split()
+                                       if not f.startswith("--xla_cpu_"))
+    try:
+        yield
+    finally:
+        os.environ["XLA_FLAGS"] = flags

@@ -6,6 +6,7 @@ All in this one process: libtpu allows one process per machine."""
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -192,3 +193,28 @@ def test_a_process_without_jax_platforms_leaves_libtpu_to_the_tpu_compile(tmp_pa
     finally:
         proc.kill()
         proc.wait(60)
+
+
+def test_a_tpu_compile_goes_on_with_xla_cpu_flags_set():
+    """A process whose XLA_FLAGS hold an XLA:CPU flag that libtpu's XLA does not know (this
+    suite's own, or a user's CPU tuning) still compiles for TPU: libtpu aborted such a process
+    at its first compile (`Unknown flag in XLA_FLAGS`)."""
+    import subprocess
+    import sys
+
+    script = """
+import jax, jax.numpy as jnp
+from sharding.aot import tpu_devices
+jax.jit(jnp.negative).lower(1.0).compile()
+device = tpu_devices("v5e:2x2")[0]
+at = jax.sharding.SingleDeviceSharding(device)
+tpu = jax.jit(jnp.sin).lower(jax.ShapeDtypeStruct((8,), jnp.float32, sharding=at)).compile()
+print("compiled", type(tpu).__name__, tpu.memory_analysis() is not None)
+"""
+    # ALLOW_MULTIPLE_LIBTPU_LOAD: this worker holds libtpu's lock from the tests before.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+           "XLA_FLAGS": "--xla_cpu_use_fusion_emitters=false --xla_cpu_enable_fast_math=false"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled Compiled True" in done.stdout
