@@ -56,8 +56,9 @@ def _without_cpu_flags():
     """XLA_FLAGS without its XLA:CPU flags (`--xla_cpu_*`) while libtpu starts. libtpu reads
     XLA_FLAGS once, at its first compile, with its own XLA's flag list, and aborts the process on a
     flag it does not know (`Unknown flag in XLA_FLAGS`): XLA:CPU's newer flags, which a CPU run
-    (or the test suite) sets, are such flags, and they mean nothing to a TPU compile. The CPU
-    backend keeps them: they are back before it next reads the environment."""
+    (or the test suite) sets, are such flags, and they mean nothing to a TPU compile. They are
+    put back on the way out, so a CPU backend that first reads them after this keeps them (one
+    that starts inside this window would not: start it first to be sure)."""
     flags = os.environ.get("XLA_FLAGS")
     if flags is None:
         yield
