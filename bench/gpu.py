@@ -11,6 +11,8 @@ weights), each figure against a ceiling measured in the same run:
 - update: the in-flight weight swap's decode pause against one device copy of the weights;
 - causal: the train step at `--causal-seq` tokens a row with XLA attention dense, XLA attention
   in causal query blocks (jaxrl/models/layers.py, the CPU/TPU default), and cuDNN;
+- admit: an RL step's requests (32 x 8 samples of 6 tokens) through the orchestrator: the
+  engine loop's host work per request and per decode step, against `decode`'s device time;
 - rl: async against sync RL steps/s on this one device (colocated), the demo task at the
   0.5B shape.
 
@@ -189,6 +191,34 @@ def update_pause(engine: Engine, params, prompt_len: int) -> dict:
             "one_copy_ms": one_copy * 1e3, "pause_vs_copy": pause / (one_copy * 1e3)}
 
 
+def admit(engine: Engine, params, waves: int = 3, prompts: int = 32, n: int = 8,
+          prompt_len: int = 8, max_tokens: int = 6) -> dict:
+    """An RL step's requests through the orchestrator: `prompts` requests of `n` samples of
+    `max_tokens` tokens (no EOS), all submitted at once, as the actor does; per wave: its time,
+    the engine's decode steps and how full they ran. Against `decode`'s device step time, the
+    difference is the engine loop's host work per request and per step."""
+    rng = np.random.default_rng(0)
+    sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n, seed=0)
+    with Orchestrator(engine, params) as o:
+        def wave():
+            streams = [o.submit(rng.integers(3, 200, size=prompt_len).tolist(), sampling)
+                       for _ in range(prompts)]
+            for stream in streams:
+                stream.result()
+        wave()                                   # every program ran once
+        before, t0 = o.metrics(), time.perf_counter()
+        for _ in range(waves):
+            wave()
+        seconds, after = (time.perf_counter() - t0) / waves, o.metrics()
+    steps = (after["steps"] - before["steps"]) / waves
+    busy = (after["busy_slot_steps"] - before["busy_slot_steps"]) / waves
+    slots = engine.cfg.max_concurrent_decodes
+    return {"wave_ms": seconds * 1e3, "samples_per_s": prompts * n / seconds,
+            "tokens_per_s": prompts * n * max_tokens / seconds, "decode_steps": steps,
+            "ms_per_decode_step": seconds * 1e3 / max(steps, 1),
+            "slots_busy_fraction": busy / max(steps * slots, 1)}
+
+
 def rl_modes(shape: str, steps: int) -> dict:
     """Async against sync RL steps/s, colocated on this device, from one short warm-up."""
     import _rl_compare as compare     # the RL stack (gRPC, Grain): only for this section
@@ -198,9 +228,10 @@ def rl_modes(shape: str, steps: int) -> dict:
              f"model.num_heads={cfg.num_heads}", f"model.num_kv_heads={cfg.num_kv_heads}",
              f"model.head_dim={cfg.head_dim}", f"model.mlp_dim={cfg.mlp_dim}",
              "model.dtype=bfloat16", "train.steps=2",
-             # An untrained model earns one reward across a group, which this filter drops: the
-             # steps would wait on learning, and this section measures the system.
-             "rl.filter_zero_advantage=false"]
+             # An untrained model earns one reward across a group and runs to the length limit,
+             # which these filters drop: the steps would wait on learning (regenerating up to
+             # 5x the samples), and this section measures the system.
+             "rl.filter_zero_advantage=false", "rl.filter_overlong=false"]
     args = argparse.Namespace(config=str(DEMO_CONFIG), rl_steps=steps, target=1.0, window=2,
                               warmup_dir=None, overrides=model)
     work = Path(tempfile.mkdtemp(prefix="jaxrl-gpu-"))
@@ -223,7 +254,7 @@ def rl_modes(shape: str, steps: int) -> dict:
 
 BREAKDOWN = ("time_s", "step_s", "trainer_wait_s", "samples_per_s", "generated_tokens_per_s",
              "trained_tokens", "completion_len_p50", "completion_len_max", "slots_busy_fraction",
-             "update_pause_ms_max", "process_cpu_s")
+             "update_pause_ms_max", "process_cpu_s", "samples_generated", "samples_kept")
 
 
 def step_breakdown(row: dict) -> dict:
@@ -231,7 +262,7 @@ def step_breakdown(row: dict) -> dict:
     return {k: row[k] for k in BREAKDOWN if k in row}
 
 
-SECTIONS = ("train", "decode", "update", "causal", "rl")
+SECTIONS = ("train", "decode", "update", "causal", "admit", "rl")
 
 
 def main(argv=None) -> None:
@@ -311,6 +342,16 @@ def main(argv=None) -> None:
                     save(f"{name} update pause {u['update_pause_ms']:.3f} ms = "
                          f"{u['pause_vs_copy']:.3f}x one copy")
                 del engine
+        if "admit" in sections:
+            engine = Engine(cfg, EngineConfig(max_concurrent_decodes=32, max_len=16,
+                                              max_prefill_length=8, prefill_chunk=8,
+                                              dtype="bfloat16"))
+            params = engine.prepare_params(split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
+            a = row["admit"] = admit(engine, params)
+            save(f"{name} admit: 256 samples x 6 tokens in {a['wave_ms']:.0f} ms "
+                 f"({a['samples_per_s']:.0f} samples/s), {a['decode_steps']:.0f} decode steps "
+                 f"of {a['ms_per_decode_step']:.2f} ms, {a['slots_busy_fraction']:.0%} full")
+            del engine
     if "rl" in sections:
         out["rl"] = rl_modes(args.models[0], args.rl_steps)
         save(f"RL on one device: async {out['rl']['async_vs_sync']:.2f}x sync steps/s")

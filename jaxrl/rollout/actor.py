@@ -256,19 +256,28 @@ class Actor:
 
     def generate(self, samples: int) -> None:
         """Sync mode: generate until `samples` more rollouts are on the log (groups the filters
-        drop are replaced), then return."""
+        drop are replaced), then return once nothing is in flight: the weights stay fixed
+        while any of the step's samples are generated.
+
+        A dropped group is replaced as soon as it is dropped, not after every group of its
+        round has finished: rounds of replacements, each as long as its slowest group, would
+        leave the engine idle in between."""
         target = self.log.end + samples
-        while self.log.end < target and not self._stop.is_set():
+        while not self._stop.is_set():
             with self._lock:
-                expected = sum(self._in_flight.values())
-            for _ in range(-(-(target - self.log.end - expected) // self.cfg.group_size)):
+                if self.error is not None:
+                    raise self.error
+                missing = target - self.log.end - sum(self._in_flight.values())
+                if missing <= 0 and not self._in_flight:
+                    return
+            for _ in range(-(-missing // self.cfg.group_size)):
                 self._submit_next()
             self._check_progress()
-            with self._lock:
-                self._lock.wait_for(lambda: not self._in_flight or self.error is not None
-                                    or self._stop.is_set())
-            if self.error is not None:
-                raise self.error
+            with self._lock:      # woken when a group lands or is dropped; 1 s for the check
+                flying = len(self._in_flight)
+                self._lock.wait_for(lambda: len(self._in_flight) < flying
+                                    or self.error is not None or self._stop.is_set(),
+                                    timeout=1.0)
 
     def _check_progress(self, patience_s: float = 60.0) -> None:
         """Says so, with the counters, when nothing has reached the trainer for a minute; when
