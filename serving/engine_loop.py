@@ -207,9 +207,9 @@ class EngineLoop:
             tokens, logprobs = engine.sample_first(
                 logits, [row for row, _ in fresh], [s.request.sampling for _, s in fresh],
                 [s.index for _, s in fresh], self.eos_id)
-            for (_, seq), token, logprob in zip(fresh, np.asarray(tokens).tolist(),
-                                                np.asarray(logprobs).tolist()):
-                self._push(seq, token, logprob, self.version)
+            self._count(tokens=sum(
+                self._push(seq, token, logprob, self.version) for (_, seq), token, logprob
+                in zip(fresh, np.asarray(tokens).tolist(), np.asarray(logprobs).tolist())))
         live = [s for s in started if not s.finished]
         if live:
             state = engine.insert(state, [s.slot for s in live], [s.cached for s in live],
@@ -241,29 +241,31 @@ class EngineLoop:
         state, tokens, logprobs = engine.generate_steps(
             self.params, state, self.scheduler.table([s.pages for _, s in owners], width), k,
             slots=[slot for slot, _ in owners])
-        self._count(steps=k, busy_slot_steps=k * len(owners),
-                    held_tokens=k * sum(s.cached for _, s in owners))
+        held = k * sum(s.cached for _, s in owners)
         tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
+        pushed = 0
         for step_tokens, step_logprobs in zip(tokens, logprobs):
             for row, (_, seq) in enumerate(owners):
                 if not seq.finished:
-                    self._push(seq, step_tokens[row], step_logprobs[row], version)
+                    pushed += self._push(seq, step_tokens[row], step_logprobs[row], version)
+        self._count(steps=k, busy_slot_steps=k * len(owners), held_tokens=held, tokens=pushed)
         return state
 
-    def _push(self, seq: Sequence, token: int, logprob: float, version: int) -> None:
-        """Appends one token to `seq` and its stream, then applies the stop rules."""
+    def _push(self, seq: Sequence, token: int, logprob: float, version: int) -> int:
+        """Appends one token to `seq` and its stream, then applies the stop rules; the tokens
+        it appended (0: the client had cancelled)."""
         req = seq.request
         if req.stream.cancelled:
             self._finish(seq, "cancelled")
-            return
+            return 0
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(version)
         req.stream.put(TokenEvent(seq.index, token, logprob, version))
-        self._count(tokens=1)
         reason = self.stop_reason(seq)
         if reason is not None:
             self._finish(seq, reason)
+        return 1
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.slot is not None:
@@ -319,15 +321,15 @@ def decode_groups(cfg, owners: list[tuple[int, Sequence]], k: int
     its rows (bucketed) x (its page-table width + _ROW_PAGES), plus a dispatch; two batches
     when they cost at most _SPLIT_GAIN of one."""
     by_length = sorted(owners, key=lambda o: o[1].cached)
+    widths = [cfg.table_width(seq.cached + k) for _, seq in by_length]   # each row's, once
+    n = len(by_length)
 
-    def cost(group):
-        width = cfg.table_width(group[-1][1].cached + k)
-        return cfg.row_bucket(len(group)) * (width + _ROW_PAGES) + _DISPATCH_ROW_PAGES
+    def cost(rows: int, width: int) -> int:
+        return cfg.row_bucket(rows) * (width + _ROW_PAGES) + _DISPATCH_ROW_PAGES
 
-    one = cost(by_length)
-    best, split = _SPLIT_GAIN * one, None    # split only for a clear gain
-    for i in range(len(by_length) - 1, 0, -1):   # on a tie, the fewest rows at the wide width
-        c = cost(by_length[:i]) + cost(by_length[i:])
+    best, split = _SPLIT_GAIN * cost(n, widths[-1]), None    # split only for a clear gain
+    for i in range(n - 1, 0, -1):   # on a tie, the fewest rows at the wide width
+        c = cost(i, widths[i - 1]) + cost(n - i, widths[-1])
         if c < best:
             best, split = c, i
     return [by_length] if split is None else [by_length[:split], by_length[split:]]
