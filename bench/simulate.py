@@ -37,6 +37,7 @@ import dataclasses
 import heapq
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -59,19 +60,31 @@ class Cluster:
     prompt_len: int
     swap_ms: float
     reload_s: float
+    # Measured op costs (bench/calibrate.py), each replacing its roofline formula when set:
+    # a decode step's fixed cost and its cost per held token, prefill and training per token.
+    decode_ms: float | None = None
+    decode_us_per_held: float = 0.0
+    prefill_us_per_token: float | None = None
+    train_us_per_token: float | None = None
 
     @property
     def weight_bytes(self) -> float:
         return 2 * self.params_b * 1e9       # bf16
 
     def decode_step_s(self, held_tokens: float) -> float:
+        if self.decode_ms is not None:
+            return self.decode_ms / 1e3 + held_tokens * self.decode_us_per_held / 1e6
         bytes_read = self.weight_bytes + held_tokens * self.kv_kib_per_token * 1024
         return bytes_read / (self.hbm_gbps * 1e9 * self.hbm_efficiency)
 
     def prefill_s(self, tokens: int) -> float:
+        if self.prefill_us_per_token is not None:
+            return tokens * self.prefill_us_per_token / 1e6
         return 2 * self.params_b * 1e9 * tokens / (self.peak_tflops * 1e12 * self.mfu)
 
     def train_s(self, tokens: float, accelerators: int) -> float:
+        if self.train_us_per_token is not None:
+            return tokens * self.train_us_per_token / 1e6 / accelerators
         return 6 * self.params_b * 1e9 * tokens / (self.peak_tflops * 1e12 * self.mfu
                                                    * accelerators)
 
@@ -158,8 +171,16 @@ LENGTHS = np.zeros(0, int)      # output length of every sample, by sample id
 
 
 def draw_lengths(rng, n: int, args) -> np.ndarray:
-    x = rng.lognormal(math.log(args.median_len), args.sigma, n)
-    return np.clip(np.round(x), 1, args.max_len).astype(int)
+    """Output lengths: drawn from `args.lengths` (a measured workload's) when given, else
+    log-normal; the `args.group_size` samples of a group share theirs (a length-controlled
+    workload: every sample of a problem is as long as its answer)."""
+    groups = -(-n // args.group_size)     # a group's samples answer one problem: one length
+    if args.lengths:
+        x = rng.choice(np.asarray(args.lengths, int), groups)
+    else:
+        x = np.clip(np.round(rng.lognormal(math.log(args.median_len), args.sigma, groups)), 1,
+                    args.max_len).astype(int)
+    return np.repeat(x, args.group_size)[:n]
 
 
 def simulate(mode: str, args, cluster: Cluster, seed: int = 0) -> dict:
@@ -171,7 +192,10 @@ def simulate(mode: str, args, cluster: Cluster, seed: int = 0) -> dict:
     noise = rng.lognormal(0.0, args.predict_sigma, total)
     LENGTHS = lengths
     if mode in ("sync", "partial"):
-        return _sync(mode, args, cluster)
+        if args.split:      # the same accelerators as async's: each side idles in turn
+            n_gen = max(1, round(cluster.accelerators * (args.gen_fraction or 0.5)))
+            return _sync(mode, args, cluster, n_gen, cluster.accelerators - n_gen)
+        return _sync(mode, args, cluster, cluster.accelerators, cluster.accelerators)
     if args.gen_fraction:
         return _async(mode, args, cluster, lengths * noise,
                       max(1, round(cluster.accelerators * args.gen_fraction)))
@@ -183,18 +207,19 @@ def simulate(mode: str, args, cluster: Cluster, seed: int = 0) -> dict:
                key=lambda r: r["samples_per_s"])
 
 
-def _sync(mode: str, args, c: Cluster) -> dict:
-    """All accelerators generate, then all train. partial: generation stops at the batch's
-    last sample instead of the longest admitted one; the rest keep their KV through the train
-    phase (the engine pauses) and continue after it."""
-    n = c.accelerators
-    gens = [Instance(i, c) for i in range(n)]
-    t, next_sample, gen_busy, train_busy = 0.0, 0, 0.0, 0.0
+def _sync(mode: str, args, c: Cluster, n_gen: int, n_train: int) -> dict:
+    """`n_gen` accelerators generate, then `n_train` train (all of them both, colocated, or
+    two sets that idle in turn, --split). partial: generation stops at the batch's last sample
+    instead of the longest admitted one; the rest keep their KV through the train phase (the
+    engine pauses) and continue after it."""
+    gens = [Instance(i, c) for i in range(n_gen)]
+    t, first, next_sample, gen_busy, train_busy = 0.0, 0.0, 0, 0.0, 0.0
     backlog: list[int] = []          # partial: admitted next step before new samples
-    for _ in range(args.steps):
+    for step in range(args.steps):
         for g in gens:
             g.time = max(g.time, t)
-        want = args.batch if mode == "sync" else n * c.slots - sum(len(g.running) for g in gens)
+        want = (args.batch if mode == "sync"
+                else n_gen * c.slots - sum(len(g.running) for g in gens))
         pending = backlog[::-1]
         backlog = []
         while len(pending) < want:
@@ -227,11 +252,12 @@ def _sync(mode: str, args, c: Cluster) -> dict:
                     g.advance(g.next_finish())
                     g.pop_finished()
             gen_end = max(g.time for g in gens)
-        train = c.train_s(trained_tokens, n)
+        train = c.train_s(trained_tokens, n_train)
         t = gen_end + train + c.reload_s
-        train_busy += train * n
+        first = first if step else t
+        train_busy += train * n_train
     gen_busy = sum(g.busy_s for g in gens)
-    return _result(mode, args.steps * args.batch, t, gen_busy, train_busy, n, n, 0)
+    return _result(mode, args, t, first, gen_busy, train_busy, n_gen, n_train, 0)
 
 
 def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> dict:
@@ -244,7 +270,7 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
     started: dict[int, int] = {}       # sample -> weights version when it started
     done: list[int] = []               # finished, not yet trained
     next_sample, version, dropped = 0, 0, 0
-    trainer_free, training, train_busy = math.inf, False, 0.0
+    trainer_free, training, train_busy, first = math.inf, False, 0.0, 0.0
 
     def admit(g: Instance) -> None:
         nonlocal next_sample
@@ -273,6 +299,9 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
         g, when = finishes.first()
         if training and trainer_free <= when:        # new weights, swapped in flight
             version, training = version + 1, False
+            first = first if version > 1 else trainer_free
+            if version == args.steps:                # the run ends with its last step
+                break
             for other in gens:
                 other.time += c.swap_ms / 1e3
             finishes.rebuild()
@@ -288,16 +317,42 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
         finishes.update(g)
         train_if_ready(when)
     gen_busy = sum(g.busy_s for g in gens)
-    return _result(mode, args.steps * args.batch, trainer_free, gen_busy, train_busy * n_train,
-                   n_gen, n_train, dropped)
+    return _result(mode, args, trainer_free, first, gen_busy, train_busy * n_train, n_gen,
+                   n_train, dropped)
 
 
-def _result(mode, trained, seconds, gen_busy, train_busy, n_gen, n_train, dropped) -> dict:
+def _result(mode, args, seconds, first, gen_busy, train_busy, n_gen, n_train, dropped) -> dict:
+    """`first`: when the first step ended. samples_per_s_after_first is the rate the RL benches
+    report (bench/_rl_compare.py: from the end of the first step, which compiles)."""
+    trained = args.steps * args.batch
+    after = (trained - args.batch) / (seconds - first) if seconds > first else float("nan")
     return {"mode": mode, "seconds": seconds, "samples_per_s": trained / seconds,
+            "samples_per_s_after_first": after,
             "generation_busy": gen_busy / (n_gen * seconds),
             "trainer_busy": train_busy / (n_train * seconds) if n_train else 0.0,
             "accelerators_generating": n_gen, "accelerators_training": n_train,
             "dropped_stale": dropped}
+
+
+MODES = ("sync", "partial", "async", "async+length")
+# What a calibration file may set: the measured costs and the workload they were measured on.
+CALIBRATED = {"decode_ms", "decode_us_per_held", "prefill_us_per_token", "train_us_per_token",
+              "lengths", "group_size", "slots", "prompt_len", "batch", "max_lag", "swap_ms",
+              "reload_s", "accelerators", "gen_fraction", "split"}
+
+
+def _over_seeds(runs: list[dict]) -> dict:
+    """One mode's runs over seeds: the means of its figures, each run's samples/s beside."""
+    out = {k: (float(np.mean([r[k] for r in runs])) if isinstance(v, float) else v)
+           for k, v in runs[0].items()}
+    out["samples_per_s_by_seed"] = [r["samples_per_s"] for r in runs]
+    return out
+
+
+def _calibration_path(argv) -> str | None:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--calibration")
+    return pre.parse_known_args(argv)[0].calibration
 
 
 def main(argv=None) -> None:
@@ -326,17 +381,45 @@ def main(argv=None) -> None:
                    help="sync: time to load new weights into the engines")
     p.add_argument("--predict-sigma", type=float, default=0.5,
                    help="async+length: log-normal noise of the length prediction")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="samples per prompt sharing one output length")
+    p.add_argument("--split", action="store_true",
+                   help="sync and partial on async's split of the accelerators, each side "
+                        "idling in turn (rl.placement=split; two pinned CPU cores)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="workloads drawn (lengths); figures are means over them")
+    cal = p.add_argument_group("measured op costs (bench/calibrate.py); each replaces a "
+                               "roofline formula")
+    cal.add_argument("--calibration", metavar="JSON",
+                     help="a file of measured costs and workload (written by bench/calibrate.py)"
+                          ": its keys set these flags' defaults, flags given still win")
+    cal.add_argument("--decode-ms", type=float, default=None, help="a decode step's fixed cost")
+    cal.add_argument("--decode-us-per-held", type=float, default=0.0,
+                     help="a decode step's cost per token held by its sequences")
+    cal.add_argument("--prefill-us-per-token", type=float, default=None)
+    cal.add_argument("--train-us-per-token", type=float, default=None)
+    cal.add_argument("--lengths", type=int, nargs="*", default=None,
+                     help="output lengths to draw from instead of the log-normal")
+    if (path := _calibration_path(argv)) is not None:
+        p.set_defaults(**{k.replace("-", "_"): v for k, v in
+                          json.loads(Path(path).read_text()).items()
+                          if k.replace("-", "_") in CALIBRATED})
     args = p.parse_args(argv)
     cluster = Cluster(args.accelerators, args.params_b, args.kv_kib_per_token, args.hbm_gbps,
                       args.hbm_efficiency, args.peak_tflops, args.mfu, args.slots,
-                      args.prompt_len, args.swap_ms, args.reload_s)
-    results = [simulate(mode, args, cluster) for mode in
-               ("sync", "partial", "async", "async+length")]
+                      args.prompt_len, args.swap_ms, args.reload_s, args.decode_ms,
+                      args.decode_us_per_held, args.prefill_us_per_token,
+                      args.train_us_per_token)
+    results = [_over_seeds([simulate(mode, args, cluster, seed) for seed in range(args.seeds)])
+               for mode in args.modes]
     base = results[0]["samples_per_s"]
-    print(f"{'mode':<14} {'samples/s':>10} {'vs sync':>8} {'gen busy':>9} {'train busy':>11} "
-          f"{'gen/train accel.':>17} {'dropped':>8}")
+    after = results[0]["samples_per_s_after_first"]
+    print(f"{'mode':<14} {'samples/s':>10} {'vs sync':>8} {'after 1st':>10} {'gen busy':>9} "
+          f"{'train busy':>11} {'gen/train accel.':>17} {'dropped':>8}")
     for r in results:
         print(f"{r['mode']:<14} {r['samples_per_s']:>10.1f} {r['samples_per_s'] / base:>7.2f}x "
+              f"{r['samples_per_s_after_first'] / after:>9.2f}x "
               f"{r['generation_busy']:>9.2f} {r['trainer_busy']:>11.2f} "
               f"{r['accelerators_generating']:>8}/{r['accelerators_training']:<8} "
               f"{r['dropped_stale']:>8}")

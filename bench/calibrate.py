@@ -1,0 +1,178 @@
+"""Measured op costs for bench/simulate.py, from one pinned core and a pinned RL run.
+
+The simulator's roofline formulas describe accelerators; this replaces them with what a run's
+pieces cost here, so that its prediction can be checked against a measured run (issue: async
+against sync on cores of their own):
+- decode: the engine's decode step (the run's model and EngineConfig, every slot busy,
+  one step per dispatch and a host sync after each, as the engine loop runs it), timed on
+  `--core` alone at several held lengths, fitted as fixed ms + us per held token;
+- prefill: one full prefill call (its rows of one chunk), per prompt token;
+- train and weight push: from a pinned sync run's metrics.jsonl (`--run-dir`): each RL step's
+  train time over its tokens (prompt and completion, as the simulator counts them), and the
+  weight transfer (sync) and in-flight swap (async) per update;
+- the workload: the output length of each of `--problems` problems as the run's actor draws
+  them (`rl.completion_length=answer`: a sample is as long as its answer, plus its EOS), the
+  mean prompt length, slots, batch, group size and max lag.
+
+    jaxrl bench calibrate --run-dir /tmp/cal/sync --out /tmp/cal/costs.json
+    jaxrl bench simulate --calibration /tmp/cal/costs.json --steps 10 --modes sync async
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "long_tail_cpu.yaml"
+
+
+def pin(core: int) -> None:
+    """This process on `core` alone, before JAX starts (XLA:CPU sizes its pools from it)."""
+    os.sched_setaffinity(0, {core})
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def decode_costs(engine, params, held: list[int], steps: int = 8) -> dict:
+    """(fixed ms, us per held token) of a decode step, least squares over `held` lengths."""
+    import numpy as np
+
+    from serving.sampling import SamplingParams
+
+    s = engine.cfg.max_concurrent_decodes
+    sampling = [SamplingParams(temperature=1.0)] * s
+    points = []
+    for h in held:
+        width = engine.cfg.table_width(h + steps)
+        table = 1 + np.arange(s * width, dtype=np.int32).reshape(s, width) % (engine.num_pages - 1)
+        times = []
+        for _ in range(3):
+            state = engine.insert(engine.init_decode_state(), list(range(s)), [h] * s, [3] * s,
+                                  [1] * s, sampling, [0] * s)
+            for i in range(steps):
+                t0 = time.perf_counter()
+                state, tokens, _ = engine.generate_steps(params, state, table, 1)
+                np.asarray(tokens)
+                if i:                         # the first of each round loads the program
+                    times.append(time.perf_counter() - t0)
+        points.append((s * h, statistics.median(times)))
+    x, y = np.array([p[0] for p in points], float), np.array([p[1] for p in points])
+    slope, fixed = np.polyfit(x, y, 1)
+    return {"decode_ms": 1e3 * float(fixed), "decode_us_per_held": 1e6 * float(slope),
+            "points": [{"held_tokens": int(a), "step_ms": 1e3 * float(b)} for a, b in points]}
+
+
+def prefill_us_per_token(engine, params) -> float:
+    import numpy as np
+
+    rows, chunk = engine.cfg.max_prefill_rows, engine.cfg.buckets[0]
+    width = engine.cfg.prefill_width(chunk)
+    table = 1 + np.arange(rows * width, dtype=np.int32).reshape(rows, width) % (
+        engine.num_pages - 1)
+    tokens = np.full((rows, chunk), 3, np.int32)
+    state, times = engine.init_decode_state(), []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        state, logits = engine.prefill(params, state, tokens, [0] * rows, [chunk] * rows, table)
+        np.asarray(logits)
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times[1:]) / (rows * chunk)
+
+
+def workload(cfg, model_cfg, problems: int) -> dict:
+    """Output lengths and mean prompt length of the run's problems, drawn as its actor does."""
+    import numpy as np
+
+    from jaxrl.models.tokenizer import prompt_ids
+    from jaxrl.recipe import build_task
+
+    if cfg.rl.completion_length != "answer":
+        raise SystemExit(f"rl.completion_length={cfg.rl.completion_length!r}: the lengths would "
+                         "depend on the model; calibrate a length-controlled workload "
+                         "(rl.completion_length=answer, e.g. configs/long_tail_cpu.yaml)")
+    task, tokenizer = build_task(cfg, model_cfg)
+    lengths, prompts = [], []
+    for index in range(problems):
+        problem = task.sample(np.random.default_rng((cfg.train.seed, index, 1)))
+        prompts.append(len(prompt_ids(tokenizer, problem.prompt)))
+        lengths.append(min(len(tokenizer.encode(problem.answer)) + 1, cfg.rl.max_new_tokens))
+    return {"lengths": lengths, "prompt_len": round(statistics.mean(prompts))}
+
+
+def run_costs(run_dir: Path, prompt_len: int, batch: int) -> dict:
+    """Train us per token and weight push from a pinned sync run (its first RL step, which
+    compiles, left out)."""
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    rows = [r for r in rows if "step_s" in r][1:]
+    if not rows:
+        raise SystemExit(f"{run_dir}/metrics.jsonl has no RL step after the first")
+    per_token = [r["step_s"] / (r["trained_tokens"] + prompt_len * batch)
+                 for r in rows]
+    # A launched server logs each update it takes (the trainer's metrics leave a remote
+    # server's transfer at 0): "weights version N streamed: transfer X ms, pause Y ms".
+    logged = [tuple(map(float, m)) for log in run_dir.glob("launched_server_*.log")
+              for m in re.findall(r"streamed: transfer ([0-9.]+) ms, pause ([0-9.]+) ms",
+                                  log.read_text())]
+    transfer, pause = zip(*logged) if logged else (
+        [r.get("update_transfer_ms", 0.0) for r in rows],
+        [r.get("update_pause_ms", 0.0) for r in rows])
+    return {"train_us_per_token": 1e6 * statistics.median(per_token),
+            "reload_s": statistics.median(transfer) / 1e3, "swap_ms": statistics.median(pause),
+            "train_steps": len(rows)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=str(CONFIG))
+    p.add_argument("--run-dir", type=Path, required=True,
+                   help="a pinned sync run of the config (rl.generation.launch=1)")
+    p.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)),
+                   help="the core to time the engine on (a pinned run's server core)")
+    p.add_argument("--held", type=int, nargs="+", default=[32, 128, 512, 1024],
+                   help="tokens each slot holds, per decode timing")
+    p.add_argument("--problems", type=int, default=20000)
+    p.add_argument("--out", default="calibration.json")
+    p.add_argument("overrides", nargs="*", help="config overrides, as the run was given them")
+    args = p.parse_args(argv)
+    pin(args.core)
+    import logging
+
+    from flax import nnx
+
+    from jaxrl.config import load_run_config
+    from jaxrl.models import Transformer, split_params
+    from jaxrl.recipe import model_config
+    from jaxrl.rollout.generation import engine_config
+    from serving.engine import Engine
+
+    # The engine compiles what it runs as it goes (a few programs, not every shape it could).
+    logging.getLogger("serving.programs").setLevel(logging.ERROR)
+    cfg = load_run_config(args.config, args.overrides)
+    model_cfg = model_config(cfg)
+    engine = Engine(model_cfg, engine_config(cfg, model_cfg))
+    params = engine.prepare_params(split_params(Transformer(model_cfg, rngs=nnx.Rngs(0)))[1])
+    work = workload(cfg, model_cfg, args.problems)
+    decode = decode_costs(engine, params, args.held)
+    out = {**{k: v for k, v in decode.items() if k != "points"},
+           "prefill_us_per_token": prefill_us_per_token(engine, params),
+           **run_costs(args.run_dir, work["prompt_len"], cfg.rl.batch_size), **work,
+           "slots": cfg.rl.slots, "batch": cfg.rl.batch_size, "group_size": cfg.rl.group_size,
+           "max_lag": cfg.rl.max_lag, "accelerators": 2, "gen_fraction": 0.5, "split": True,
+           "decode_points": decode["points"], "core": args.core}
+    Path(args.out).write_text(json.dumps(out))
+    shown = {k: v for k, v in out.items() if k not in ("lengths", "decode_points")}
+    print(json.dumps(shown, indent=1))
+    print("decode step (ms) by held tokens: " + ", ".join(
+        f"{d['held_tokens']}: {d['step_ms']:.2f}" for d in decode["points"]))
+    print(f"wrote {args.out}; then: jaxrl bench simulate --calibration {args.out} --steps 10 "
+          f"--modes sync async", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
