@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl.models import ModelConfig
+from serving.constraints import mask_words
 from serving.paged_kv import IMPLEMENTATIONS, table_width
 from serving.programs import DecodeState, Programs, Spec, programs_for
 from sharding import mesh as shd
@@ -205,6 +206,7 @@ class Engine:
         self.pool_shape = self.spec.pool_shape
         self.pool_sharding = self.spec.pool_sharding()
         self.buckets = cfg.buckets
+        self._all_allowed_masks: dict[int, jax.Array] = {}    # rows -> all-allowed masks
 
     def _pages_from_memory(self) -> int:
         """Pages that fit in `memory_fraction` of the free memory of the most loaded device
@@ -292,15 +294,35 @@ class Engine:
         out = self.programs("score", (bucket,), params, grid)
         return tuple(np.asarray(a)[: n - 1] for a in out)
 
-    def sample_first(self, logits_PV, rows, samplings, sample_indices, eos_id=None):
+    def sample_first(self, logits_PV, rows, samplings, sample_indices, eos_id=None,
+                     allowed=None):
         """First tokens and logprobs for K samples: entry i is drawn from logits row `rows[i]`
         with `samplings[i]` as sample `sample_indices[i]` of its request (`eos_id`: the token
-        a sampling's min_tokens bans)."""
+        a sampling's min_tokens bans; `allowed`: [K, mask words] token bitmasks, None for
+        none: serving/constraints.py)."""
         k = self.cfg.row_bucket(len(rows))
         tokens, logprobs = self.programs(
             "sample_first", (k,), logits_PV, _padded(rows, k, np.int32),
-            _padded(sample_indices, k, np.int32), *_sampling_arrays(samplings, k, eos_id))
+            _padded(sample_indices, k, np.int32), *_sampling_arrays(samplings, k, eos_id),
+            self._masks(allowed, k))
         return np.asarray(tokens)[: len(rows)], np.asarray(logprobs)[: len(rows)]
+
+    def _masks(self, allowed, rows: int):
+        """Token bitmasks for `rows` rows: `allowed`'s, padded with all-allowed rows, or (None)
+        the all-allowed masks kept on the device, so that free text sends nothing."""
+        if allowed is None:
+            return self._all_allowed(rows)
+        out = np.full((rows, mask_words(self.model_cfg.vocab_size)), -1, np.int32)
+        out[: len(allowed)] = allowed
+        return out
+
+    def _all_allowed(self, rows: int):
+        mask = self._all_allowed_masks.get(rows)
+        if mask is None:
+            words = mask_words(self.model_cfg.vocab_size)
+            mask = self._all_allowed_masks[rows] = jax.device_put(
+                np.full((rows, words), -1, np.int32), shd.replicated(self.mesh))
+        return mask
 
     def insert(self, state: DecodeState, slots, lengths, next_tokens, counts, samplings,
                sample_indices, eos_id=None) -> DecodeState:
@@ -327,9 +349,12 @@ class Engine:
         state, tokens, logprobs = self.generate_steps(params, state, table_SW, 1)
         return state, tokens[0], logprobs[0]
 
-    def generate_steps(self, params, state: DecodeState, table_SW, steps: int, slots=None):
+    def generate_steps(self, params, state: DecodeState, table_SW, steps: int, slots=None,
+                       allowed=None):
         """`steps` decode steps: (state, tokens [K, S], logprobs [K, S]). The page table must
         already hold the pages the steps write; `steps` is 1 or cfg.steps_per_dispatch.
+        `allowed`: [R, mask words] token bitmasks of the rows (serving/constraints.py), one
+        step only.
 
         With `slots` (R of them, table_SW then [R, W] in the same order), only those slots are
         decoded: their rows are gathered into a batch of S/16, S/4 or S rows (S slots; always S
@@ -348,10 +373,12 @@ class Engine:
         grid = np.zeros((rows, width), np.int32)
         grid[: len(slots), : table.shape[1]] = table[:, :width]
         real = np.arange(rows) < len(slots)
+        if allowed is not None and steps != 1:
+            raise ValueError(f"token masks apply to one decode step at a time, not {steps}")
         if steps == 1:
             state, logits = self.programs("decode", (rows, width), params, state, grid, padded)
             state, tokens, logprobs = self.programs("advance", (rows,), state, logits, padded,
-                                                    real)
+                                                    real, self._masks(allowed, rows))
             tokens, logprobs = np.asarray(tokens)[None], np.asarray(logprobs)[None]
         else:
             state, tokens, logprobs = self.programs("decode_steps", (rows, width, steps),

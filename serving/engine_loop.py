@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from serving.engine import Engine
+from serving.constraints import Grammars
 from serving.length_predictor import LengthPredictor
 from serving.scheduler import Scheduler
 from serving.sequence import Prefill, Request, Sequence
@@ -68,10 +69,12 @@ def stop_reason(seq: Sequence, eos_id: int | None, max_len: int) -> str | None:
 
 class EngineLoop:
     def __init__(self, engine: Engine, params, version: int, scheduler: Scheduler,
-                 eos_id: int | None, length_predictor: LengthPredictor | None):
+                 eos_id: int | None, length_predictor: LengthPredictor | None,
+                 grammars: Grammars | None = None):
         self.engine, self.scheduler = engine, scheduler
         self.params, self.version = params, version
         self.eos_id, self.length_predictor = eos_id, length_predictor
+        self.grammars = grammars
         # the inbox
         self.wake, self.stop = threading.Event(), threading.Event()
         self.updates: queue.SimpleQueue[Update] = queue.SimpleQueue()
@@ -206,7 +209,7 @@ class EngineLoop:
         if fresh:
             tokens, logprobs = engine.sample_first(
                 logits, [row for row, _ in fresh], [s.request.sampling for _, s in fresh],
-                [s.index for _, s in fresh], self.eos_id)
+                [s.index for _, s in fresh], self.eos_id, self._masks([s for _, s in fresh]))
             self._count(tokens=sum(
                 self._push(seq, token, logprob, self.version) for (_, seq), token, logprob
                 in zip(fresh, np.asarray(tokens).tolist(), np.asarray(logprobs).tolist())))
@@ -240,7 +243,7 @@ class EngineLoop:
         width = engine.cfg.table_width(max(s.cached for _, s in owners) + k)
         state, tokens, logprobs = engine.generate_steps(
             self.params, state, self.scheduler.table([s.pages for _, s in owners], width), k,
-            slots=[slot for slot, _ in owners])
+            slots=[slot for slot, _ in owners], allowed=self._masks([s for _, s in owners]))
         held = k * sum(s.cached for _, s in owners)
         tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
         pushed = 0
@@ -250,6 +253,16 @@ class EngineLoop:
                     pushed += self._push(seq, step_tokens[row], step_logprobs[row], version)
         self._count(steps=k, busy_slot_steps=k * len(owners), held_tokens=held, tokens=pushed)
         return state
+
+    def _masks(self, seqs: list[Sequence]):
+        """The rows' token bitmasks, or None when no row has a grammar (nothing is sent)."""
+        if self.grammars is None or all(s.request.sampling.grammar is None for s in seqs):
+            return None
+        for s in seqs:
+            if s.matcher is None and s.request.sampling.grammar is not None:
+                # A sample resumed from a checkpoint (carry) goes on from the tokens it had.
+                s.matcher = self.grammars.matcher(s.request.sampling.grammar, s.tokens)
+        return self.grammars.fill([s.matcher for s in seqs], len(seqs))
 
     def _push(self, seq: Sequence, token: int, logprob: float, version: int) -> int:
         """Appends one token to `seq` and its stream, then applies the stop rules; the tokens
@@ -263,6 +276,9 @@ class EngineLoop:
         seq.versions.append(version)
         req.stream.put(TokenEvent(seq.index, token, logprob, version))
         reason = self.stop_reason(seq)
+        if seq.matcher is not None and reason is None and (
+                not seq.matcher.consume_token(token) or seq.matcher.is_stopped()):
+            reason = "stop"          # the grammar is complete (or, a bug, broken): end here
         if reason is not None:
             self._finish(seq, reason)
         return 1

@@ -20,6 +20,7 @@ from typing import Sequence as Seq
 
 from serving import carry as carry_replay
 from serving import threads
+from serving.constraints import Grammars
 from serving.engine import Engine
 from serving.engine_loop import EngineLoop, Score, Update, decode_groups
 from serving.length_predictor import LengthPredictor
@@ -44,13 +45,16 @@ class UpdateResult:
 
 class Orchestrator:
     def __init__(self, engine: Engine, params, *, version: int = 0, eos_id: int | None = None,
-                 max_queued: int = 1024, longest_first: bool = False):
+                 max_queued: int = 1024, longest_first: bool = False,
+                 grammars: Grammars | None = None):
         """Serves `engine` with the weights `params` (any placement: they are checked and
         placed on the engine's mesh here), numbered `version`; it owns them from now on and
         `update_params` replaces them.
         `longest_first`: admit the requests predicted to generate the most tokens first
         (StreamRL), by the caller's `predicted_len` or else a LengthPredictor that learns from
-        every finished request; otherwise first come, first served."""
+        every finished request; otherwise first come, first served.
+        `grammars`: matchers for the model's tokenizer (serving/constraints.py), for requests
+        whose sampling has a grammar; without them such a request is refused."""
         self.engine = engine
         self.eos_id = eos_id
         self.vocab_size = engine.model_cfg.vocab_size
@@ -62,8 +66,9 @@ class Orchestrator:
                                    prefill_rows=lambda n: e.prefill_rows(e.bucket(n)),
                                    longest_first=longest_first)
         self.length_predictor = LengthPredictor() if longest_first else None
+        self.grammars = grammars
         self._loop = EngineLoop(engine, engine.prepare_params(params), version, self.scheduler,
-                                eos_id, self.length_predictor)
+                                eos_id, self.length_predictor, grammars)
         self._max_queued = max_queued
         self._update_lock = threading.Lock()     # one update checked and queued at a time
         self._accepted_version = version         # the newest version queued or served
@@ -167,6 +172,18 @@ class Orchestrator:
                  session: str | Seq[str] | None = None) -> None:
         validate(self.engine.cfg, self.scheduler.pool, self.vocab_size, prompt, sampling,
                  session)
+        if sampling.grammar is not None:
+            if self.grammars is None:
+                raise InvalidRequest("this engine has no tokenizer to constrain decoding with "
+                                     "(Orchestrator(grammars=...); `jaxrl serve` has one)")
+            if self.engine.cfg.steps_per_dispatch != 1:
+                raise InvalidRequest(f"constrained decoding draws one token per dispatch; the "
+                                     f"engine draws {self.engine.cfg.steps_per_dispatch} "
+                                     f"(steps_per_dispatch)")
+            try:
+                self.grammars.check(sampling.grammar)
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
 
     def submit(self, prompt: Seq[int], sampling: SamplingParams = SamplingParams(), *,
                predicted_len: float | None = None, carry: Seq[Sample] | None = None,

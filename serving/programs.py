@@ -39,6 +39,7 @@ from jaxrl.models import (
     param_axes,
     split_params,
 )
+from serving.constraints import mask_words
 from serving.paged_kv import PagedKV
 from serving.sampling import sample, slot_keys
 from sharding import mesh as shd
@@ -174,11 +175,11 @@ def _banned(banned_S, min_tokens_S, counts_S):
 
 
 def _sample_first(spec: Spec, logits_PV, rows_K, index_K, temperature_K, top_k_K, top_p_K,
-                  seeds_K, banned_K, min_tokens_K):
+                  seeds_K, banned_K, min_tokens_K, allowed_KW):
     zeros = jnp.zeros_like(index_K)
     keys = slot_keys(seeds_K, index_K, zeros)
     tokens_K, logprobs_K = sample(logits_PV[rows_K], temperature_K, top_k_K, top_p_K, keys,
-                                  _banned(banned_K, min_tokens_K, zeros))
+                                  _banned(banned_K, min_tokens_K, zeros), allowed_KW)
     rep = shd.replicated(spec.mesh)
     return (jax.lax.with_sharding_constraint(tokens_K, rep),
             jax.lax.with_sharding_constraint(logprobs_K, rep))
@@ -208,13 +209,14 @@ def _forward_rows(spec: Spec, params, kv, tokens_R, lengths_R, table_RW):
     return cache.kv, model.logits(x_R1D)[:, 0]
 
 
-def _advance(spec: Spec, state: DecodeState, logits_RV, slots_R, real_R):
-    """Samples each row's next token and moves its slot on by one; padding rows (real_R false)
-    leave their slots as they were."""
+def _advance(spec: Spec, state: DecodeState, logits_RV, slots_R, real_R, allowed_RW=None):
+    """Samples each row's next token (within its token mask: serving/constraints.py) and moves
+    its slot on by one; padding rows (real_R false) leave their slots as they were."""
     rows = {n: getattr(state, n)[slots_R] for n in PER_SLOT}
     keys = slot_keys(rows["seeds"], rows["sample_index"], rows["counts"])
     tokens_R, logprobs_R = sample(logits_RV, rows["temperature"], rows["top_k"], rows["top_p"],
-                                  keys, _banned(rows["banned"], rows["min_tokens"], rows["counts"]))
+                                  keys, _banned(rows["banned"], rows["min_tokens"], rows["counts"]),
+                                  allowed_RW)
     new = {"lengths": jnp.minimum(rows["lengths"] + 1, spec.cfg.max_len), "tokens": tokens_R,
            "counts": rows["counts"] + 1}
     state = dataclasses.replace(state, **{
@@ -317,6 +319,7 @@ class Programs:
         arr = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
         params, state = spec.param_target, spec.abstract_state()
         sampling = lambda k: tuple(arr(k, dtype=d) for d in SAMPLING_DTYPES)  # noqa: E731
+        words = mask_words(spec.model_cfg.vocab_size)    # a row's token bitmask
         if name == "init":
             return ()
         if name == "score":
@@ -329,7 +332,7 @@ class Programs:
             (k,) = key
             logits = arr(spec.cfg.max_prefill_rows, spec.model_cfg.vocab_size,
                          dtype=jnp.float32)
-            return (logits, arr(k), arr(k), *sampling(k))
+            return (logits, arr(k), arr(k), *sampling(k), arr(k, words))
         if name == "insert":
             (k,) = key
             return (state, arr(k), arr(k), arr(k), arr(k), *sampling(k), arr(k))
@@ -342,7 +345,7 @@ class Programs:
         if name == "advance":
             (r,) = key
             logits = arr(r, spec.model_cfg.vocab_size, dtype=jnp.float32)
-            return (state, logits, arr(r), arr(r, dtype=jnp.bool_))
+            return (state, logits, arr(r), arr(r, dtype=jnp.bool_), arr(r, words))
         if name == "decode_steps":
             r, w, k = key
             return (params, state, arr(r, w), arr(r), arr(r, dtype=jnp.bool_), k)

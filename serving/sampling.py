@@ -24,6 +24,9 @@ class SamplingParams:
     # vLLM's min_tokens: EOS cannot be sampled, and stop tokens do not stop, before this many
     # tokens (a benchmark's fixed output lengths: min_tokens = max_tokens - 1).
     min_tokens: int = 0
+    # An llguidance grammar every sample must match (serving/constraints.py: from a JSON
+    # schema, Lark or a regex); a sample ends ("stop") when it is complete. None: free text.
+    grammar: str | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -53,20 +56,28 @@ def slot_keys(seeds_S, sample_index_S, counts_S):
     return jax.vmap(key)(seeds_S, sample_index_S, counts_S)
 
 
-def sample(logits_SV, temperature_S, top_k_S, top_p_S, keys_S, banned_S=None):
+def sample(logits_SV, temperature_S, top_k_S, top_p_S, keys_S, banned_S=None, allowed_SW=None):
     """(tokens [S], log-probs [S]). The log-prob is under softmax(logits / temperature) before
-    the top-k/top-p cut and the ban (temperature 1 for greedy slots): the distribution the
-    trainer recomputes. `banned_S`: a token id each slot may not draw (min_tokens' EOS), -1 for
-    none. The sort that top-k/top-p need, and the random draw, are skipped when no slot needs
-    them (XLA's CPU sort costs more than a small model's whole decode step)."""
+    the top-k/top-p cut, the ban and the mask (temperature 1 for greedy slots): the
+    distribution the trainer recomputes. `banned_S`: a token id each slot may not draw
+    (min_tokens' EOS), -1 for none. `allowed_SW`: each slot's token bitmask (bit t of word
+    t // 32: token t may be drawn; serving/constraints.py), all bits set for a slot without a
+    grammar. The sort that top-k/top-p need, and the random draw, are skipped when no slot
+    needs them (XLA's CPU sort costs more than a small model's whole decode step)."""
     logits_SV = logits_SV.astype(jnp.float32)
     greedy_S = temperature_S <= 0
     scaled_SV = logits_SV / jnp.where(greedy_S, 1.0, temperature_S)[:, None]
     logp_SV = jax.nn.log_softmax(scaled_SV, axis=-1)
+    vocab_V = jnp.arange(logits_SV.shape[-1])
+    keep_SV = None
     if banned_S is not None:
-        ban_SV = jnp.arange(logits_SV.shape[-1])[None, :] == banned_S[:, None]
-        logits_SV = jnp.where(ban_SV, -jnp.inf, logits_SV)
-        scaled_SV = jnp.where(ban_SV, -jnp.inf, scaled_SV)
+        keep_SV = vocab_V[None, :] != banned_S[:, None]
+    if allowed_SW is not None:
+        bits_SV = (allowed_SW[:, vocab_V // 32] >> (vocab_V % 32)[None, :]) & 1
+        keep_SV = bits_SV == 1 if keep_SV is None else keep_SV & (bits_SV == 1)
+    if keep_SV is not None:
+        logits_SV = jnp.where(keep_SV, logits_SV, -jnp.inf)
+        scaled_SV = jnp.where(keep_SV, scaled_SV, -jnp.inf)
     argmax_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
 
     def draw(_):

@@ -55,6 +55,7 @@ class Sequence:
     slot: int | None = None
     order: int = -1          # when it last started running: the youngest is preempted first
     finished: bool = False
+    matcher: object = None   # its grammar's state (serving/constraints.py), if it has one
 
     @property
     def cached(self) -> int:

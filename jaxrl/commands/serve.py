@@ -20,6 +20,7 @@ from jaxrl.models import Transformer, from_hf, load_hf_config, split_params
 from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer
 from jaxrl.rl.tasks.arithmetic import ArithmeticTask
 from jaxrl.train.checkpoint import has_checkpoint
+from serving.constraints import Grammars
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from serving.replicas import Replicas
@@ -141,8 +142,9 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
     engine_cfg = engines[0].cfg
     # Version -1: the weights it was started with, no trainer's; a trainer's first push (any
     # version >= 0) replaces them.
+    grammars = Grammars(tokenizer, engines[0].model_cfg.vocab_size)
     orchestrators = [Orchestrator(e, params, version=-1, eos_id=tokenizer.eos_id,
-                                  max_queued=max_queued) for e in engines]
+                                  max_queued=max_queued, grammars=grammars) for e in engines]
     del params
     log(f"jaxrl serve: compiling the engine's programs ({len(engines[0].programs.shapes())} "
         f"shapes{' per replica' if replicas > 1 else ''})")

@@ -19,6 +19,7 @@ from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.rollout.fleet import Fleet, Member
 from jaxrl.rollout.publisher import WeightPublisher
 from serving.client import RemoteGeneration
+from serving.constraints import Grammars
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from sharding import mesh as shd
@@ -79,7 +80,8 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
                         mesh=shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), engine_devices))
         local = Orchestrator(engine, params, version=version, eos_id=tokenizer.eos_id,
                              max_queued=4 * cfg.rl.batch_size,
-                             longest_first=cfg.rl.admission == "longest_first").start()
+                             longest_first=cfg.rl.admission == "longest_first",
+                             grammars=Grammars(tokenizer, model_cfg.vocab_size)).start()
         if local.compiled_at_start:
             log(f"engine: compiled {local.compiled_at_start} programs in {local.compile_s:.1f} s "
                 f"(every shape it can run; none is compiled while it generates)")
