@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from jaxrl.models import ModelConfig, Transformer, merge_params, split_params
+from jaxrl.models import ModelConfig, Transformer, split_params
 from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer
 from serving.constraints import Grammars, json_schema_grammar, regex_grammar
 from serving.engine import Engine, EngineConfig
