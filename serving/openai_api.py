@@ -50,6 +50,7 @@ from serving.orchestrator import EngineStopped, InvalidRequest, QueueFull
 from serving.programs import SCORE_TOP
 from serving.sampling import SamplingParams
 from serving.stream import TokenEvent
+from serving.structured import response_format_grammar, tool_call_grammar
 from serving.tool_calls import PARSERS, ToolTurn, normalise_messages, parser_for, tools_for
 
 _log = logging.getLogger("jaxrl.serve")
@@ -124,9 +125,11 @@ class OpenAIApp:
         if key is not None:
             text = body.prompt if isinstance(body.prompt, str) else None
             prompts = [self.trajectories.align(key, prompts[0], text)]
+        grammar = response_format_grammar((body.model_extra or {}).get("response_format"))
         return self._respond(body, prompts, body.max_tokens, "text_completion",
                              logprobs=body.logprobs is not None, key=key,
-                             top=body.logprobs if score else None, echo=body.echo)
+                             top=body.logprobs if score else None, echo=body.echo,
+                             grammar=(grammar, "response_format"))
 
     def chat(self, body: ChatRequest, request: Request):
         self._check_model(body)
@@ -153,17 +156,27 @@ class OpenAIApp:
         except ChatTemplateError as e:
             raise OpenAIError(400, str(e), "messages") from None
         turn = None
+        grammar = (response_format_grammar((body.model_extra or {}).get("response_format")),
+                   "response_format")
         if parser is not None:
             forced = body.tool_choice == "required" or named is not None
             turn = lambda: ToolTurn(parser, forced, named, body.parallel_tool_calls)  # noqa: E731
             text += turn().prefix
+            if forced:
+                if grammar[0] is not None:
+                    raise OpenAIError(400, f"response_format and tool_choice="
+                                      f"{body.tool_choice!r} both constrain the output: give "
+                                      f"one", "response_format")
+                grammar = (tool_call_grammar(parser, tools, named, body.parallel_tool_calls),
+                           "tool_choice")
         limit = body.max_completion_tokens or body.max_tokens
         ids = self.tokenizer.encode(text)
         key = self._trajectory(body, request, 1)
         if key is not None:
             ids = self.trajectories.align(key, ids, text)
         return self._respond(body, [ids], limit, "chat.completion", logprobs=body.logprobs,
-                             key=key, tools=turn, top=body.top_logprobs if score else None)
+                             key=key, tools=turn, top=body.top_logprobs if score else None,
+                             grammar=grammar)
 
     def _check_scoring(self, body, score: bool, field: str) -> None:
         """A request that needs its sequences scored: refused where the engine cannot, or
@@ -215,8 +228,9 @@ class OpenAIApp:
             out.append(ids)
         return out
 
-    def _submit(self, body, prompts, max_tokens, key=None):
-        """One stream per prompt (each with body.n samples), all validated before any runs."""
+    def _submit(self, body, prompts, max_tokens, key=None, grammar=(None, None)):
+        """One stream per prompt (each with body.n samples), all validated before any runs.
+        `grammar`: (the grammar every sample must match or None, the field it came from)."""
         seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stops) > MAX_STOPS or any(not s for s in stops):
@@ -228,10 +242,14 @@ class OpenAIApp:
             try:
                 sampling = SamplingParams(max_tokens=limit, temperature=body.temperature,
                                           top_p=body.top_p, top_k=body.top_k, seed=seed,
-                                          n=body.n, min_tokens=body.min_tokens)
+                                          n=body.n, min_tokens=body.min_tokens,
+                                          grammar=grammar[0])
                 self.generation.validate(ids, sampling, key)
             except (ValueError, InvalidRequest) as e:
-                raise OpenAIError(400, str(e), "max_tokens" if "max_tokens" in str(e)
+                message = str(e)
+                if grammar[0] is not None and ("grammar" in message or "constrain" in message):
+                    raise OpenAIError(400, f"{grammar[1]}: {message}", grammar[1]) from None
+                raise OpenAIError(400, message, "max_tokens" if "max_tokens" in message
                                   else "prompt") from None
             if len(ids) + limit > self.max_len:     # below the engine's own limit
                 raise OpenAIError(400, f"max_tokens={limit} is over the limit: a {len(ids)}-"
@@ -249,13 +267,13 @@ class OpenAIApp:
         return streams, stops
 
     def _respond(self, body, prompts, max_tokens, kind: str, logprobs: bool, key=None,
-                 tools=None, top: int | None = None, echo: bool = False):
+                 tools=None, top: int | None = None, echo: bool = False, grammar=(None, None)):
         """`tools`: a ToolTurn factory (one per choice) when the request has tools. `top`: the
         alternatives per position when the choices are scored (Scored); `echo`: each choice's
         text and log-probs begin with its prompt's. max_tokens=0 (with echo) generates
         nothing."""
-        streams, stops = self._submit(body, prompts, max_tokens, key) if max_tokens != 0 else (
-            [], [])
+        streams, stops = (self._submit(body, prompts, max_tokens, key, grammar)
+                          if max_tokens != 0 else ([], []))
         choices = [Choice(self.tokenizer, stops, tools() if tools else None)
                    for _ in range(len(prompts) * body.n)]
         if max_tokens == 0:

@@ -14,7 +14,7 @@ MAX_STOPS = 16        # stop strings a request may give (code tasks give more th
 # Fields of OpenAI's API this server does not implement: a request that sets one is refused
 # with HTTP 400 naming it, never answered as if it had not been set. (Their neutral values,
 # which change nothing, are accepted.)
-UNSUPPORTED = {"functions": None, "function_call": ("none", None), "response_format": ({"type": "text"}, None),
+UNSUPPORTED = {"functions": None, "function_call": ("none", None),
                "logit_bias": ({}, None), "presence_penalty": (0, 0.0, None),
                "frequency_penalty": (0, 0.0, None), "suffix": ("", None),
                "best_of": (1, None)}

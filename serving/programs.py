@@ -10,7 +10,7 @@ ahead of time, on the calling thread, before the engine loop starts; afterwards 
 looks its executable up. A call at a shape outside that set would be a bug in `shapes`: it is
 compiled on the spot, counted in `late_compiles` and logged, never silently.
 
-The shapes a call can take are fixed by a few ladders (serving/engine.py EngineConfig):
+The shapes a call can take are fixed by a few ladders (serving/engine_config.py):
 - rows: a decode batch, an insert, a page copy or a sampling call holds S/16, S/4 or S rows
   (S slots; always S up to 8 slots);
 - prefill: a chunk bucket b (a power of two from min_bucket, and prefill_chunk) with
@@ -93,7 +93,7 @@ class Spec:
     """What fixes every program of an engine: equal specs share their executables."""
 
     model_cfg: ModelConfig
-    cfg: "EngineConfig"  # noqa: F821 (serving.engine; the two modules are one concern)
+    cfg: "EngineConfig"  # noqa: F821 (serving/engine_config.py)
     mesh: Mesh
     num_pages: int
 

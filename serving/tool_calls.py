@@ -11,9 +11,8 @@
   or `llama3_json` (Llama 3.x: one JSON object `{"name", "parameters"}` per call, separated by
   ";", after an optional `<|python_tag|>`). Output that does not parse is returned as text.
 - `tool_choice` "required" or a named function opens the call in the prompt (the parser's
-  opening, and the function's name when one is named), so the model writes the rest of it.
-  Decoding is not constrained by a grammar: a model that then writes malformed JSON gets its
-  text back, with finish_reason "stop".
+  opening, and the function's name when one is named), and the model writes the rest under a
+  grammar (serving/structured.py): the call always parses.
 - Streaming sends text until a call may be starting, holds the rest, and sends the parsed calls
   as `tool_calls` deltas when the sample ends.
 """

@@ -4,8 +4,7 @@ Generation (serving/generation.py): this process's orchestrator or the rollout f
 A problem is a pure function of (seed, index), so the stream of problems is resumable by index
 alone. Each group is one request with n = group_size samples (one prefill); when it finishes it
 is scored, given leave-one-out advantages, filtered, and appended to the log as one unit.
-In async mode a thread keeps the engine's slots busy, at most two steps' samples ahead of the
-trainer; in sync mode the loop asks for one step's samples and waits.
+Async: a thread keeps the slots busy, two steps' samples ahead at most; sync: one step's at a time.
 
 A multi-turn task's group is n episodes run turn by turn by the trajectory manager
 (jaxrl/rollout/episodes.py); each episode becomes one rollout, its environment tokens untrained,
@@ -194,12 +193,9 @@ class Actor:
         s = self.stats
         for t in trajectories:
             self._lengths.append(len(t.tokens))
-            s["episodes"] += 1
-            s["turns"] += len(t.turns)
-            s["tool_calls"] += t.tool_calls
-            s["tool_errors"] += t.tool_errors
-            s["model_tokens"] += t.model_tokens
-            s["env_tokens"] += t.env_tokens
+            s.update(episodes=1, turns=len(t.turns), tool_calls=t.tool_calls,
+                     tool_errors=t.tool_errors, model_tokens=t.model_tokens,
+                     env_tokens=t.env_tokens)
         s["reward_sum"] += float(rewards.sum())
         s["solved"] += int((rewards >= 1).sum())
         s["scored"] += len(rewards)
@@ -255,13 +251,10 @@ class Actor:
         self.log.close()
 
     def generate(self, samples: int) -> None:
-        """Sync mode: generate until `samples` more rollouts are on the log (groups the filters
-        drop are replaced), then return once nothing is in flight: the weights stay fixed
-        while any of the step's samples are generated.
-
-        A dropped group is replaced as soon as it is dropped, not after every group of its
-        round has finished: rounds of replacements, each as long as its slowest group, would
-        leave the engine idle in between."""
+        """Sync mode: generate until `samples` more rollouts are on the log, then return once
+        nothing is in flight (the weights stay fixed for all of them). A group the filters drop
+        is replaced at once, not after the rest of its round: rounds, each as long as its
+        slowest group, would idle the engine in between."""
         target = self.log.end + samples
         while not self._stop.is_set():
             with self._lock:
@@ -275,9 +268,8 @@ class Actor:
             self._check_progress()
             with self._lock:      # woken when a group lands or is dropped; 1 s for the check
                 flying = len(self._in_flight)
-                self._lock.wait_for(lambda: len(self._in_flight) < flying
-                                    or self.error is not None or self._stop.is_set(),
-                                    timeout=1.0)
+                self._lock.wait_for(lambda: len(self._in_flight) < flying or self.error
+                                    is not None or self._stop.is_set(), timeout=1.0)
 
     def _check_progress(self, patience_s: float = 60.0) -> None:
         """Says so, with the counters, when nothing has reached the trainer for a minute; when

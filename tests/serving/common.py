@@ -96,3 +96,23 @@ def hung_generation_server():
     finally:
         servicer.release.set()
         server.stop(0)
+
+
+def byte_bpe_tokenizer(path, texts, vocab_size: int = 320):
+    """A byte-level BPE tokenizer folder (tokenizer.json, its EOS `<eos>` in
+    tokenizer_config.json) trained on `texts`, as a model folder holds one; its HFTokenizer."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxrl.models.tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return HFTokenizer(path)

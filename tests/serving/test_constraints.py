@@ -11,15 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxrl.models import ModelConfig, Transformer, split_params
-from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer
+from jaxrl.models.tokenizer import CharTokenizer
 from serving.constraints import Grammars, json_schema_grammar, regex_grammar
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from serving.requests import InvalidRequest
 from serving.sampling import SamplingParams
+from tests.serving.common import byte_bpe_tokenizer
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"enum": ["ann", "bob", "carla"]}, "ok": {"type": "boolean"},
@@ -29,20 +29,10 @@ SCHEMA = {"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    """A byte-level BPE tokenizer of a few hundred ids with merges of JSON pieces, as a model
-    folder holds it."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    """Byte-level BPE with merges of JSON pieces, as a model folder holds it."""
     texts = [json.dumps({"name": n, "ok": b, "tags": t}) for n in ("ann", "bob", "carla")
              for b in (True, False) for t in ([], ["x"], ["x", "y"])] * 20
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    path = tmp_path_factory.mktemp("tokenizer")
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
-    return HFTokenizer(path)
+    return byte_bpe_tokenizer(tmp_path_factory.mktemp("tokenizer"), texts)
 
 
 @pytest.fixture(scope="module")
