@@ -133,9 +133,9 @@ def test_only_busy_slots_are_decoded(params, model):
     busy = []
     generate_steps = wide.generate_steps
 
-    def record(params, state, table, steps, slots=None):
+    def record(params, state, table, steps, slots=None, **masks):
         busy.append(len(slots))
-        return generate_steps(params, state, table, steps, slots)
+        return generate_steps(params, state, table, steps, slots, **masks)
 
     wide.generate_steps = record
     requests = [(p, SamplingParams(temperature=0.0, max_tokens=m)) for p, m in
