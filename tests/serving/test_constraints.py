@@ -14,11 +14,13 @@ from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer, split_params
 from jaxrl.models.tokenizer import CharTokenizer
+from serving.client import RemoteGeneration
 from serving.constraints import Grammars, json_schema_grammar, regex_grammar
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from serving.requests import InvalidRequest
 from serving.sampling import SamplingParams
+from serving.server import Server
 from tests.serving.common import byte_bpe_tokenizer
 
 SCHEMA = {"type": "object", "properties": {
@@ -104,3 +106,26 @@ def test_bad_grammars_and_engines_without_a_tokenizer_are_refused(served, engine
         with pytest.raises(InvalidRequest, match="no tokenizer to constrain decoding"):
             plain.submit([5, 6], SamplingParams(grammar=regex_grammar("a+")))
     assert o.generate([5, 6], SamplingParams(max_tokens=3))      # still serving
+
+
+def test_a_grammar_travels_over_grpc(served, tokenizer):
+    """RemoteGeneration carries the grammar to `jaxrl serve`'s Generate (serving/server.py):
+    the same samples as the orchestrator draws in this process, and a refusal named."""
+    o, _ = served
+    own = Orchestrator(o.engine, o.params, eos_id=o.eos_id, grammars=o.grammars).start()
+    server = Server(own, port=0, update_token="t").start()    # stops `own` when it stops
+    remote = RemoteGeneration(server.address, token="t")
+    try:
+        prompt = tokenizer.encode('{"name": ')
+        sampling = SamplingParams(temperature=1.0, max_tokens=100, n=3, seed=11,
+                                  grammar=json_schema_grammar(SCHEMA))
+        far = remote.submit(prompt, sampling).result()
+        near = o.submit(prompt, sampling).result()
+        assert [s.tokens for s in far] == [s.tokens for s in near]
+        for s in far:
+            _check(json.loads(tokenizer.decode(s.tokens)))
+        bad = remote.submit(prompt, SamplingParams(grammar='{"grammars": 5}'))
+        assert bad.result()[0].finish_reason == "refused" and "grammar" in bad.error
+    finally:
+        remote.close()
+        server.stop(0)
