@@ -31,7 +31,9 @@ from jax.sharding import Mesh
 from jaxrl.models import ModelConfig
 from serving.constraints import mask_words
 from serving.engine_config import EngineConfig
-from serving.programs import DecodeState, Programs, Spec, programs_for
+from serving.programs import Programs, programs_for
+from serving.sampling import MAX_LOGIT_BIAS
+from serving.spec import DecodeState, Spec
 from sharding import mesh as shd
 from sharding.reshard import reshard
 
@@ -259,13 +261,20 @@ def _padded(values, k: int, dtype) -> np.ndarray:
 
 
 def _sampling_arrays(samplings, k: int, eos_id: int | None):
-    """Per-entry (temperature, top_k, top_p, seed, banned token, min_tokens) arrays of length
-    k (serving/programs.py, SAMPLING_DTYPES). min_tokens bans EOS where the request stops at
-    it; stop tokens are drawn and ignored until then (serving/engine_loop.py, stop_reason)."""
+    """Per-entry (temperature, top_k, top_p, seed, banned token, min_tokens, logit_bias ids and
+    values) arrays of length k (serving/programs.py, SAMPLING). min_tokens bans EOS where the
+    request stops at it; stop tokens are drawn and ignored until then (serving/engine_loop.py,
+    stop_reason)."""
     ban = lambda s: eos_id if s.min_tokens and s.stop_at_eos and eos_id is not None else -1  # noqa: E731
+    bias_ids = np.full((k, MAX_LOGIT_BIAS), -1, np.int32)
+    bias_values = np.zeros((k, MAX_LOGIT_BIAS), np.float32)
+    for i in range(k):
+        pairs = samplings[min(i, len(samplings) - 1)].logit_bias   # padding repeats the last
+        if pairs:
+            bias_ids[i, : len(pairs)], bias_values[i, : len(pairs)] = zip(*pairs)
     return (_padded([s.temperature for s in samplings], k, np.float32),
             _padded([s.top_k for s in samplings], k, np.int32),
             _padded([s.top_p for s in samplings], k, np.float32),
             _padded([s.seed for s in samplings], k, np.uint32),
             _padded([ban(s) for s in samplings], k, np.int32),
-            _padded([s.min_tokens for s in samplings], k, np.int32))
+            _padded([s.min_tokens for s in samplings], k, np.int32), bias_ids, bias_values)

@@ -44,6 +44,7 @@ from serving.openai_schema import (  # noqa: F401
     ChatRequest,
     CompletionRequest,
     OpenAIError,
+    logit_bias_pairs,
     refuse_unsupported,
 )
 from serving.orchestrator import EngineStopped, InvalidRequest, QueueFull
@@ -236,6 +237,7 @@ class OpenAIApp:
         if len(stops) > MAX_STOPS or any(not s for s in stops):
             raise OpenAIError(400, f"stop={body.stop!r}: up to {MAX_STOPS} non-empty strings",
                               "stop")
+        bias = logit_bias_pairs(body.logit_bias, self.tokenizer.vocab_size)
         samplings = []
         for ids in prompts:
             limit = max_tokens or max(self.max_len - len(ids), 1)
@@ -243,14 +245,14 @@ class OpenAIApp:
                 sampling = SamplingParams(max_tokens=limit, temperature=body.temperature,
                                           top_p=body.top_p, top_k=body.top_k, seed=seed,
                                           n=body.n, min_tokens=body.min_tokens,
-                                          grammar=grammar[0])
+                                          grammar=grammar[0], logit_bias=bias)
                 self.generation.validate(ids, sampling, key)
             except (ValueError, InvalidRequest) as e:
                 message = str(e)
                 if grammar[0] is not None and ("grammar" in message or "constrain" in message):
                     raise OpenAIError(400, f"{grammar[1]}: {message}", grammar[1]) from None
-                raise OpenAIError(400, message, "max_tokens" if "max_tokens" in message
-                                  else "prompt") from None
+                raise OpenAIError(400, message, next(
+                    (f for f in ("logit_bias", "max_tokens") if f in message), "prompt")) from None
             if len(ids) + limit > self.max_len:     # below the engine's own limit
                 raise OpenAIError(400, f"max_tokens={limit} is over the limit: a {len(ids)}-"
                                   f"token prompt leaves room for {self.max_len - len(ids)} "

@@ -15,7 +15,7 @@ MAX_STOPS = 16        # stop strings a request may give (code tasks give more th
 # with HTTP 400 naming it, never answered as if it had not been set. (Their neutral values,
 # which change nothing, are accepted.)
 UNSUPPORTED = {"functions": None, "function_call": ("none", None),
-               "logit_bias": ({}, None), "presence_penalty": (0, 0.0, None),
+               "presence_penalty": (0, 0.0, None),
                "frequency_penalty": (0, 0.0, None), "suffix": ("", None),
                "best_of": (1, None)}
 
@@ -59,6 +59,7 @@ class _Sampling(BaseModel):
     top_k: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=0, lt=2**32)
     min_tokens: int = Field(0, ge=0)   # vLLM's: no EOS or stop token id before this many
+    logit_bias: dict[str, float] | None = None     # token id (a string, as JSON keys are) -> bias
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None
@@ -110,3 +111,19 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+def logit_bias_pairs(value: dict[str, float] | None, vocab_size: int) -> tuple:
+    """OpenAI's logit_bias ({"token id": bias}) as SamplingParams takes it; a 400 naming the
+    entry that is not a token id of the vocabulary."""
+    pairs = []
+    for key, bias in (value or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab_size:
+            raise OpenAIError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab_size})",
+                              "logit_bias")
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))

@@ -21,7 +21,6 @@ The shapes a call can take are fixed by a few ladders (serving/engine_config.py)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -30,18 +29,11 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
-from jaxrl.models import (
-    ModelConfig,
-    abstract_model,
-    merge_params,
-    param_axes,
-    split_params,
-)
+from jaxrl.models import merge_params
 from serving.constraints import mask_words
-from serving.paged_kv import PagedKV
 from serving.sampling import sample, slot_keys
+from serving.spec import PER_SLOT, SAMPLING, DecodeState, Spec, empty_state, pinned
 from sharding import mesh as shd
 
 log = logging.getLogger(__name__)
@@ -62,102 +54,8 @@ def process_compiles() -> int:
     the server's metrics: none may happen once the server is ready)."""
     return _COMPILES[0]
 
-POOL_AXES = ("layers", "pages", "page", "kv_heads", "head_dim")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DecodeState:
-    """The page pool and everything `generate` needs about every slot."""
-
-    kv: jax.Array             # [L, P, K, 2G, H]: the pool (serving/paged_kv.py)
-    lengths: jax.Array        # int32 [S]: tokens of each slot's sequence in the pool
-    tokens: jax.Array         # int32 [S]: the token each slot feeds next
-    counts: jax.Array         # int32 [S]: tokens sampled so far (drives the RNG)
-    temperature: jax.Array    # float32 [S]
-    top_k: jax.Array          # int32 [S]
-    top_p: jax.Array          # float32 [S]
-    seeds: jax.Array          # uint32 [S]
-    banned: jax.Array         # int32 [S]: the token (EOS) a slot may not draw before ...
-    min_tokens: jax.Array     # int32 [S]: ... it has sampled this many (-1: no ban)
-    sample_index: jax.Array   # int32 [S]: which of the request's n samples
-
-
-PER_SLOT = tuple(f.name for f in dataclasses.fields(DecodeState) if f.name != "kv")
-# temperature, top_k, top_p, seed, banned, min_tokens: serving.engine's _sampling_arrays
-SAMPLING_DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.uint32, jnp.int32, jnp.int32)
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """What fixes every program of an engine: equal specs share their executables."""
-
-    model_cfg: ModelConfig
-    cfg: "EngineConfig"  # noqa: F821 (serving/engine_config.py)
-    mesh: Mesh
-    num_pages: int
-
-    @functools.cached_property
-    def graphdef(self):
-        return split_params(abstract_model(self.model_cfg))[0]
-
-    @functools.cached_property
-    def param_target(self):
-        """ShapeDtypeStructs (with shardings) of the weights in the serving dtype and layout."""
-        _, abstract = split_params(abstract_model(self.model_cfg))
-        shardings = shd.tree_shardings(param_axes(self.model_cfg), abstract, self.mesh)
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            abstract, shardings)
-
-    @property
-    def pool_shape(self) -> tuple[int, ...]:
-        c = self.model_cfg
-        return (c.num_layers, self.num_pages, self.cfg.page_size, 2 * c.num_kv_heads,
-                c.head_dim)
-
-    def pool_sharding(self, pages: int | None = None):
-        """The pool's sharding: over kv heads where the tensor axis divides them. Decided on
-        the G kv heads, not the 2G interleaved ones, so a head's keys and values stay on one
-        device."""
-        c = self.model_cfg
-        per_head = (c.num_layers, pages or self.num_pages, self.cfg.page_size, c.num_kv_heads,
-                    c.head_dim)
-        return shd.logical_to_sharding(POOL_AXES, per_head, self.mesh)
-
-    def state_shardings(self) -> DecodeState:
-        rep = shd.replicated(self.mesh)
-        return DecodeState(kv=self.pool_sharding(), **{n: rep for n in PER_SLOT})
-
-    def abstract_state(self) -> DecodeState:
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            jax.eval_shape(partial(_empty_state, self)), self.state_shardings())
-
-    def cache(self, kv, table) -> PagedKV:
-        head_axis = (tuple(self.pool_sharding().spec) + (None,) * 5)[3]
-        return PagedKV(kv, table, self.cfg.attention, self.mesh, head_axis,
-                       interpret=self.mesh.devices.flat[0].platform != "tpu")
-
-
 # -- the programs -----------------------------------------------------------------------------
-# Every output is pinned to one layout (the pool over kv heads, everything else replicated):
-# each program is compiled for the layouts the others produce, ahead of time.
-def _pinned(spec: Spec, state: DecodeState, *arrays):
-    rep = shd.replicated(spec.mesh)
-    state = jax.lax.with_sharding_constraint(state, spec.state_shardings())
-    return (state, *(jax.lax.with_sharding_constraint(a, rep) for a in arrays))
-
-
-def _empty_state(spec: Spec) -> DecodeState:
-    s = spec.cfg.max_concurrent_decodes
-    zeros = lambda d: jnp.zeros((s,), d)  # noqa: E731
-    return _pinned(spec, DecodeState(kv=jnp.zeros(spec.pool_shape, spec.model_cfg.compute_dtype),
-                       lengths=zeros(jnp.int32), tokens=zeros(jnp.int32),
-                       counts=zeros(jnp.int32), temperature=zeros(jnp.float32),
-                       top_k=zeros(jnp.int32), top_p=zeros(jnp.float32),
-                       seeds=zeros(jnp.uint32), banned=zeros(jnp.int32) - 1,
-                       min_tokens=zeros(jnp.int32), sample_index=zeros(jnp.int32)))[0]
-
-
+# Every output is pinned to one layout (serving/spec.py, `pinned`).
 def _prefill(spec: Spec, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
     model = merge_params(spec.graphdef, params)
     x_PTD, cache = model.extend(tokens_PT, starts_P, spec.cache(state.kv, table_PW),
@@ -166,7 +64,7 @@ def _prefill(spec: Spec, params, state: DecodeState, tokens_PT, starts_P, length
     logits_PV = model.logits(jnp.take_along_axis(x_PTD, last_P11, axis=1))[:, 0]
     # Padded to the most rows any prefill call has, so one sampling program serves them all.
     logits_PV = jnp.pad(logits_PV, ((0, spec.cfg.max_prefill_rows - logits_PV.shape[0]), (0, 0)))
-    return _pinned(spec, dataclasses.replace(state, kv=cache.kv), logits_PV)
+    return pinned(spec, dataclasses.replace(state, kv=cache.kv), logits_PV)
 
 
 def _banned(banned_S, min_tokens_S, counts_S):
@@ -175,30 +73,33 @@ def _banned(banned_S, min_tokens_S, counts_S):
 
 
 def _sample_first(spec: Spec, logits_PV, rows_K, index_K, temperature_K, top_k_K, top_p_K,
-                  seeds_K, banned_K, min_tokens_K, allowed_KW):
+                  seeds_K, banned_K, min_tokens_K, bias_ids_KB, bias_values_KB, allowed_KW):
     zeros = jnp.zeros_like(index_K)
     keys = slot_keys(seeds_K, index_K, zeros)
     tokens_K, logprobs_K = sample(logits_PV[rows_K], temperature_K, top_k_K, top_p_K, keys,
-                                  _banned(banned_K, min_tokens_K, zeros), allowed_KW)
+                                  _banned(banned_K, min_tokens_K, zeros), allowed_KW,
+                                  (bias_ids_KB, bias_values_KB))
     rep = shd.replicated(spec.mesh)
     return (jax.lax.with_sharding_constraint(tokens_K, rep),
             jax.lax.with_sharding_constraint(logprobs_K, rep))
 
 
 def _insert(spec: Spec, state: DecodeState, slots_K, lengths_K, tokens_K, counts_K,
-            temperature_K, top_k_K, top_p_K, seeds_K, banned_K, min_tokens_K, index_K):
+            temperature_K, top_k_K, top_p_K, seeds_K, banned_K, min_tokens_K, bias_ids_KB,
+            bias_values_KB, index_K):
     at = lambda a, x: a.at[slots_K].set(x)  # noqa: E731
-    return _pinned(spec, dataclasses.replace(
+    return pinned(spec, dataclasses.replace(
         state, lengths=at(state.lengths, lengths_K), tokens=at(state.tokens, tokens_K),
         counts=at(state.counts, counts_K), temperature=at(state.temperature, temperature_K),
         top_k=at(state.top_k, top_k_K), top_p=at(state.top_p, top_p_K),
         seeds=at(state.seeds, seeds_K), banned=at(state.banned, banned_K),
         min_tokens=at(state.min_tokens, min_tokens_K),
-        sample_index=at(state.sample_index, index_K)))[0]
+        sample_index=at(state.sample_index, index_K), bias_ids=at(state.bias_ids, bias_ids_KB),
+        bias_values=at(state.bias_values, bias_values_KB)))[0]
 
 
 def _copy_pages(spec: Spec, state: DecodeState, src_K, dst_K):
-    return _pinned(spec, dataclasses.replace(
+    return pinned(spec, dataclasses.replace(
         state, kv=state.kv.at[:, dst_K].set(state.kv[:, src_K])))[0]
 
 
@@ -216,13 +117,13 @@ def _advance(spec: Spec, state: DecodeState, logits_RV, slots_R, real_R, allowed
     keys = slot_keys(rows["seeds"], rows["sample_index"], rows["counts"])
     tokens_R, logprobs_R = sample(logits_RV, rows["temperature"], rows["top_k"], rows["top_p"],
                                   keys, _banned(rows["banned"], rows["min_tokens"], rows["counts"]),
-                                  allowed_RW)
+                                  allowed_RW, (rows["bias_ids"], rows["bias_values"]))
     new = {"lengths": jnp.minimum(rows["lengths"] + 1, spec.cfg.max_len), "tokens": tokens_R,
            "counts": rows["counts"] + 1}
     state = dataclasses.replace(state, **{
         n: getattr(state, n).at[slots_R].set(jnp.where(real_R, v, rows[n]))
         for n, v in new.items()})
-    return _pinned(spec, state, tokens_R, logprobs_R)
+    return pinned(spec, state, tokens_R, logprobs_R)
 
 
 def _decode(spec: Spec, params, state: DecodeState, table_RW, slots_R):
@@ -230,7 +131,7 @@ def _decode(spec: Spec, params, state: DecodeState, table_RW, slots_R):
     values written, logits [R, V]). Padding rows read and write only the null page."""
     kv, logits_RV = _forward_rows(spec, params, state.kv, state.tokens[slots_R],
                                   state.lengths[slots_R], table_RW)
-    return _pinned(spec, dataclasses.replace(state, kv=kv), logits_RV)
+    return pinned(spec, dataclasses.replace(state, kv=kv), logits_RV)
 
 
 def _decode_steps(spec: Spec, params, state: DecodeState, table_RW, slots_R, real_R,
@@ -243,7 +144,7 @@ def _decode_steps(spec: Spec, params, state: DecodeState, table_RW, slots_R, rea
         return state, (tokens_R, logprobs_R)
 
     state, (tokens, logprobs) = jax.lax.scan(body, state, length=steps)
-    return _pinned(spec, state, tokens, logprobs)
+    return pinned(spec, state, tokens, logprobs)
 
 
 # The most alternatives `score` returns per position (OpenAI's top_logprobs limit).
@@ -268,7 +169,7 @@ def _score(spec: Spec, params, tokens_T):
 
 # (function, static argument numbers, donated argument numbers), the spec not counted.
 PROGRAMS = {
-    "init": (_empty_state, (), ()),
+    "init": (empty_state, (), ()),
     "prefill": (_prefill, (), (1,)),
     "sample_first": (_sample_first, (), ()),
     "insert": (_insert, (), (0,)),
@@ -318,7 +219,7 @@ class Programs:
         rep = shd.replicated(spec.mesh)
         arr = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
         params, state = spec.param_target, spec.abstract_state()
-        sampling = lambda k: tuple(arr(k, dtype=d) for d in SAMPLING_DTYPES)  # noqa: E731
+        sampling = lambda k: tuple(arr(k, *shape, dtype=d) for d, shape in SAMPLING)  # noqa: E731
         words = mask_words(spec.model_cfg.vocab_size)    # a row's token bitmask
         if name == "init":
             return ()

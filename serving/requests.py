@@ -43,6 +43,7 @@ def validate(cfg: EngineConfig, pool: PagePool, vocab_size: int, prompt: Seq[int
                              f"{cfg.max_prefill_length} (the engine's max_prefill_length: "
                              f"`jaxrl serve --max-prefill-length`)")
     check_tokens(prompt, vocab_size, "")
+    check_tokens([t for t, _ in sampling.logit_bias], vocab_size, "logit_bias: ")
     room = cfg.max_len - len(prompt)
     if sampling.max_tokens > room:
         raise InvalidRequest(f"max_tokens={sampling.max_tokens} is over the limit: a "

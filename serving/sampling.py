@@ -9,6 +9,9 @@ import jax
 import jax.numpy as jnp
 
 
+MAX_LOGIT_BIAS = 300     # logit_bias entries a request may give (a slot's fixed-size table)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled. temperature=0 is greedy."""
@@ -27,6 +30,9 @@ class SamplingParams:
     # An llguidance grammar every sample must match (serving/constraints.py: from a JSON
     # schema, Lark or a regex); a sample ends ("stop") when it is complete. None: free text.
     grammar: str | None = None
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before
+    # the draw (the log-probs stay the model's own), at most MAX_LOGIT_BIAS of them.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -44,6 +50,13 @@ class SamplingParams:
                              f"{self.max_tokens}]")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed={self.seed} must be in [0, 2**32)")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most "
+                             f"{MAX_LOGIT_BIAS}")
+        for token, bias in self.logit_bias:
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias of token {token} is {bias}: biases are in "
+                                 f"[-100, 100]")
 
 
 def slot_keys(seeds_S, sample_index_S, counts_S):
@@ -56,18 +69,26 @@ def slot_keys(seeds_S, sample_index_S, counts_S):
     return jax.vmap(key)(seeds_S, sample_index_S, counts_S)
 
 
-def sample(logits_SV, temperature_S, top_k_S, top_p_S, keys_S, banned_S=None, allowed_SW=None):
+def sample(logits_SV, temperature_S, top_k_S, top_p_S, keys_S, banned_S=None, allowed_SW=None,
+           bias=None):
     """(tokens [S], log-probs [S]). The log-prob is under softmax(logits / temperature) before
     the top-k/top-p cut, the ban and the mask (temperature 1 for greedy slots): the
     distribution the trainer recomputes. `banned_S`: a token id each slot may not draw
     (min_tokens' EOS), -1 for none. `allowed_SW`: each slot's token bitmask (bit t of word
     t // 32: token t may be drawn; serving/constraints.py), all bits set for a slot without a
-    grammar. The sort that top-k/top-p need, and the random draw, are skipped when no slot
-    needs them (XLA's CPU sort costs more than a small model's whole decode step)."""
+    grammar. `bias`: (token ids [S, B], -1 for none; biases [S, B]) added to the logits (and
+    not to the log-probs). The sort that top-k/top-p need, and the random draw, are skipped
+    when no slot needs them (XLA's CPU sort costs more than a small model's whole decode
+    step)."""
     logits_SV = logits_SV.astype(jnp.float32)
     greedy_S = temperature_S <= 0
-    scaled_SV = logits_SV / jnp.where(greedy_S, 1.0, temperature_S)[:, None]
+    temperature_S1 = jnp.where(greedy_S, 1.0, temperature_S)[:, None]
+    scaled_SV = logits_SV / temperature_S1
     logp_SV = jax.nn.log_softmax(scaled_SV, axis=-1)
+    if bias is not None:
+        logits_SV = jax.lax.cond(jnp.any(bias[0] >= 0), _add_bias, lambda z, _: z, logits_SV,
+                                 bias)
+        scaled_SV = logits_SV / temperature_S1
     vocab_V = jnp.arange(logits_SV.shape[-1])
     keep_SV = None
     if banned_S is not None:
@@ -88,6 +109,14 @@ def sample(logits_SV, temperature_S, top_k_S, top_p_S, keys_S, banned_S=None, al
 
     tokens_S = jax.lax.cond(jnp.all(greedy_S), lambda _: argmax_S, draw, None)
     return tokens_S, jnp.take_along_axis(logp_SV, tokens_S[:, None], axis=-1)[:, 0]
+
+
+def _add_bias(logits_SV, bias):
+    ids_SB, values_SB = bias
+    valid_SB = ids_SB >= 0
+    rows_S1 = jnp.arange(logits_SV.shape[0])[:, None]
+    return logits_SV.at[rows_S1, jnp.where(valid_SB, ids_SB, 0)].add(
+        jnp.where(valid_SB, values_SB, 0.0))
 
 
 def _inverse_cdf(keys_S, logits_SV):

@@ -167,7 +167,8 @@ class GenerationService(gen_grpc.GenerationServicer):
             max_tokens=o.max_tokens, temperature=o.temperature, top_k=o.top_k,
             top_p=o.top_p if 0 < o.top_p < 1 else 1.0, seed=o.seed, n=o.n or 1,
             stop_token_ids=tuple(o.stop_token_ids), stop_at_eos=not o.ignore_eos,
-            min_tokens=o.min_tokens, grammar=o.grammar or None),
+            min_tokens=o.min_tokens, grammar=o.grammar or None,
+            logit_bias=tuple(zip(o.bias_token_ids, o.bias_values, strict=True))),
             carry=[Sample(list(c.token_ids), list(c.logprobs), list(c.versions))
                    for c in request.carry] or None,
             session=_session(request.sessions, o.n or 1))

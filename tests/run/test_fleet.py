@@ -233,9 +233,9 @@ class StallingOrchestrator(Orchestrator):
             if self.pushed == self.after:
                 self.stalled.set()
                 self.release.wait(60)
-                return
+                return 0
             self.pushed += 1
-            push(seq, token, logprob, version)
+            return push(seq, token, logprob, version)
 
         self._loop._push = stalling_push
 

@@ -124,7 +124,7 @@ def test_chat_renders_the_template_and_equals_the_engine(served, tokenizer):
     ({"prompt": "w1 " * 60}, "prompt"),                      # past max_prefill_length
     ({"max_tokens": 500}, "max_tokens"),                     # past max_len
     ({"stop": [f"w{i}" for i in range(17)]}, "stop"),      # up to 16
-    ({"logit_bias": {"5": 10}}, "logit_bias"),              # not implemented: refused, named
+    ({"logit_bias": {"5": 101}}, "logit_bias"),             # biases are in [-100, 100]
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": 1.0}, "frequency_penalty"),
     ({"best_of": 3}, "best_of"),
@@ -156,6 +156,18 @@ def test_fields_it_does_not_implement_are_refused_by_name_and_neutral_values_pas
                                     presence_penalty=0, frequency_penalty=0.0,
                                     stop=[f"w{i}" for i in range(16)])
     assert got.choices[0].finish_reason in ("stop", "length")
+
+
+def test_logit_bias_steers_the_draw_and_bad_entries_are_400s(served, tokenizer):
+    client, _, _ = served
+    w5 = tokenizer.encode("w5")[0]
+    got = client.completions.create(model="tiny", prompt="w1 w2", max_tokens=4, temperature=1,
+                                    logit_bias={str(w5): 100})
+    assert got.choices[0].text == tokenizer.decode([w5] * 4)
+    for bias in ({"nope": 1}, {str(10**6): 1}, {str(w5): 150}):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model="tiny", prompt="w1", max_tokens=2, logit_bias=bias)
+        assert error.value.body["param"] == "logit_bias"
 
 
 def test_another_model_s_name_is_a_404(served):
