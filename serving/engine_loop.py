@@ -26,8 +26,8 @@ import time
 
 import numpy as np
 
-from serving.engine import Engine
 from serving.constraints import Grammars
+from serving.engine import Engine
 from serving.length_predictor import LengthPredictor
 from serving.scheduler import Scheduler
 from serving.sequence import Prefill, Request, Sequence

@@ -201,6 +201,12 @@ class Orchestrator:
         self.validate(prompt, sampling, session)
         carried = (carry_replay.carried_sequences(sampling, carry, self.vocab_size)
                    if carry is not None else None)
+        if carry is not None and sampling.grammar is not None:
+            for i, sample in enumerate(carry):     # the loop would start their matchers there
+                try:
+                    self.grammars.matcher(sampling.grammar, sample.tokens)
+                except ValueError as e:
+                    raise InvalidRequest(f"carried sample {i}: {e}") from None
         stream = RequestStream(next(self._ids), sampling.n)
         if predicted_len is None and self.length_predictor is not None:
             predicted_len = self.length_predictor.predict(prompt)

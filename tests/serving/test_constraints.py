@@ -21,6 +21,7 @@ from serving.orchestrator import Orchestrator
 from serving.requests import InvalidRequest
 from serving.sampling import SamplingParams
 from serving.server import Server
+from serving.stream import Sample
 from tests.serving.common import byte_bpe_tokenizer
 
 SCHEMA = {"type": "object", "properties": {
@@ -129,3 +130,21 @@ def test_a_grammar_travels_over_grpc(served, tokenizer):
     finally:
         remote.close()
         server.stop(0)
+
+
+def test_a_carried_sample_that_breaks_its_grammar_is_refused(served, tokenizer):
+    """A group resumed with its samples so far (carry) continues under its grammar; a carried
+    sample the grammar cannot have produced is refused at submit, and the engine serves on."""
+    o, _ = served
+    prompt = tokenizer.encode('{"name": ')
+    sampling = SamplingParams(temperature=1.0, max_tokens=100, n=1, seed=2,
+                              grammar=json_schema_grammar(SCHEMA))
+    [whole] = o.submit(prompt, sampling).result()
+    head = Sample(whole.tokens[:4], whole.logprobs[:4], whole.versions[:4])
+    [resumed] = o.submit(prompt, sampling, carry=[head]).result()
+    assert resumed.tokens == whole.tokens
+    wrong = tokenizer.encode("nope")
+    broken = Sample(wrong, [-1.0] * len(wrong), [0] * len(wrong))
+    with pytest.raises(InvalidRequest, match="carried sample 0: the tokens so far do not"):
+        o.submit(prompt, sampling, carry=[broken])
+    assert o.generate(prompt, SamplingParams(max_tokens=2))
