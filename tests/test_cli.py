@@ -113,7 +113,7 @@ def test_help_shows_the_defaults_a_user_relies_on(capsys):
     (["serve", "--cpus", "0-x"], "--cpus='0-x': '0-x' is not a core or a range of cores"),
     (["serve", "--cpus", "4096"], "--cpus: cannot run on cores [4096]"),
     (["bench", "nope"], "unknown benchmark 'nope'; choose one of: async_vs_sync, calibrate, "
-                        "compile_stress, engine"),
+                        "compile_stress, constrained, engine"),
 ])
 def test_user_errors_name_the_value_and_what_is_allowed(tmp_path, monkeypatch, capsys, args,
                                                         message):
@@ -146,9 +146,9 @@ def test_bad_flags_are_refused_before_any_work(capsys, args, message):
 
 def test_bench_lists_the_benchmarks_with_their_summaries(capsys):
     summaries = {name: (ROOT / "bench" / f"{name}.py").read_text().splitlines()[0].strip('"')
-                 for name in ("async_vs_sync", "calibrate", "compile_stress", "engine", "fleet",
-                              "gpu", "long_tail", "paged_decode", "parity", "peers",
-                              "pipeline_step", "simulate", "soak", "tpu_memory")}
+                 for name in ("async_vs_sync", "calibrate", "compile_stress", "constrained",
+                              "engine", "fleet", "gpu", "long_tail", "paged_decode", "parity",
+                              "peers", "pipeline_step", "simulate", "soak", "tpu_memory")}
     assert main(["bench"]) == 0
     listed = capsys.readouterr().out.splitlines()[1:]
     assert [line.split()[0] for line in listed] == list(summaries)
