@@ -56,26 +56,29 @@ class Grammars:
         self.vocab_size = vocab_size
         self._source = tokenizer
         self._built = None
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._checked: dict[str, str] = {}     # grammar -> its error ("": valid)
 
     @property
     def _tokenizer(self):
-        with self._lock:
-            if self._built is None:
-                self._built = _ll_tokenizer(self._source, self.vocab_size)
-            return self._built
+        built = self._built
+        if built is None:
+            with self._lock:
+                if self._built is None:
+                    self._built = _ll_tokenizer(self._source, self.vocab_size)
+                built = self._built
+        return built
 
     def check(self, grammar: str) -> None:
         """ValueError naming what is wrong with `grammar` (remembered: agents repeat theirs)."""
         from llguidance import LLMatcher
 
-        with self._lock:
-            error = self._checked.get(grammar)
-            if error is None:
-                failed, messages = LLMatcher.validate_grammar_with_warnings(grammar,
-                                                                            self._tokenizer)
-                error = self._checked[grammar] = messages[0] if failed else ""
+        error = self._checked.get(grammar)
+        if error is None:     # validated outside the lock: the engine loop's matchers need it
+            failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+            error = messages[0] if failed else ""
+            with self._lock:
+                self._checked[grammar] = error
                 if len(self._checked) > 1024:
                     self._checked.pop(next(iter(self._checked)))
         if error:
