@@ -1,7 +1,8 @@
 """OpenAI's structured outputs as grammars for constrained decoding (serving/constraints.py):
 `response_format` (`json_object`, `json_schema`) and the tool call a `tool_choice` of
 "required" or a named function forces, in the format of the model's family
-(serving/tool_calls.py). What cannot be turned into a grammar is a 400 naming the field."""
+(serving/tool_calls.py). What cannot be turned into a grammar is a 400 naming the field: here,
+or when the engine checks the grammar (serving/openai_api.py maps its error to the field)."""
 
 from __future__ import annotations
 
@@ -57,27 +58,16 @@ def tool_call_grammar(parser: Parser, tools: list[dict], name: str | None,
         repeat = f" ({_lark(between)} call{f' {_lark(end)}' if end else ''})*" if parallel else ""
         rules = [f"start: call{f' {_lark(end)}' if end else ''}{repeat}",
                  f"call: %json {_json(call)}"]
-    grammar = lark_grammar("\n".join(rules))
-    _compiles(grammar, "tool_choice")
-    return grammar
+    return lark_grammar("\n".join(rules))
 
 
 def _schema_grammar(schema, field: str) -> str:
+    """The schema's grammar; its own errors (an unresolved $ref, say) surface when the engine
+    checks it (Orchestrator.validate, once per grammar), as a 400 naming `field`."""
     try:
-        grammar = json_schema_grammar(schema)
+        return json_schema_grammar(schema)
     except ValueError as e:
         raise OpenAIError(400, f"{field}: the schema cannot be followed ({e})", field) from None
-    _compiles(grammar, field)
-    return grammar
-
-
-def _compiles(grammar: str, field: str) -> None:
-    """The grammar's own errors (an unsupported schema keyword, say) as a 400 on `field`."""
-    from llguidance import LLMatcher
-
-    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    if failed:
-        raise OpenAIError(400, f"{field}: the schema cannot be followed ({messages[0]})", field)
 
 
 def _json(obj) -> str:
