@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from jaxrl.models import ModelConfig
 from serving.constraints import mask_words
 from serving.engine_config import EngineConfig
-from serving.programs import Programs, programs_for
+from serving.programs import HISTORY_CHUNK, Programs, programs_for
 from serving.sampling import MAX_LOGIT_BIAS
 from serving.spec import DecodeState, Spec
 from sharding import mesh as shd
@@ -184,17 +184,33 @@ class Engine:
         return mask
 
     def insert(self, state: DecodeState, slots, lengths, next_tokens, counts, samplings,
-               sample_indices, eos_id=None) -> DecodeState:
+               sample_indices, eos_id=None, histories=None) -> DecodeState:
         """JetStream's insert for K sequences whose pages are written: slot `slots[i]` decodes
-        on from `next_tokens[i]` at position `lengths[i]`, having sampled `counts[i]` tokens.
-        Nothing is copied: the slot reaches its pages through the page table."""
+        on from `next_tokens[i]` at position `lengths[i]`, having sampled `counts[i]` tokens
+        (`histories[i]`, needed where the sampling has penalties). Nothing is copied: the slot
+        reaches its pages through the page table."""
         k = self.cfg.row_bucket(len(slots))
-        # Padding repeats the last insert: writing the same slot twice with the same data.
-        return self.programs("insert", (k,), state, _padded(slots, k, np.int32),
-                             _padded(lengths, k, np.int32), _padded(next_tokens, k, np.int32),
-                             _padded(counts, k, np.int32),
-                             *_sampling_arrays(samplings, k, eos_id),
-                             _padded(sample_indices, k, np.int32))
+        histories = [h if s.penalized else () for h, s in
+                     zip(histories or [()] * len(slots), samplings, strict=True)]
+        for slot, h, n, s in zip(slots, histories, counts, samplings):
+            if s.penalized and len(h) != n:
+                raise ValueError(f"slot {slot}: a sample with penalties needs the {n} tokens it "
+                                 f"has sampled to count them, got {len(h)}")
+        # Padding repeats the last insert: writing the same slot twice with the same data (its
+        # history counted once: padding rows have none).
+        args = (_padded(slots, k, np.int32), _padded(lengths, k, np.int32),
+                _padded(next_tokens, k, np.int32), _padded(counts, k, np.int32),
+                *_sampling_arrays(samplings, k, eos_id), _padded(sample_indices, k, np.int32),
+                _padded([s.presence_penalty for s in samplings], k, np.float32),
+                _padded([s.frequency_penalty for s in samplings], k, np.float32))
+        longest = max(len(h) for h in histories)
+        for start in range(0, max(longest, 1), HISTORY_CHUNK):
+            chunk = np.full((k, HISTORY_CHUNK), -1, np.int32)
+            for i, h in enumerate(histories):
+                part = h[start: start + HISTORY_CHUNK]
+                chunk[i, : len(part)] = part
+            state = self.programs("insert", (k,), state, *args, chunk, np.bool_(start == 0))
+        return state
 
     def copy_pages(self, state: DecodeState, src, dst) -> DecodeState:
         """Pool page src[i] copied to dst[i] in every layer (the partly filled last prompt page

@@ -218,7 +218,7 @@ class EngineLoop:
             state = engine.insert(state, [s.slot for s in live], [s.cached for s in live],
                                   [s.tokens[-1] for s in live], [len(s.tokens) for s in live],
                                   [s.request.sampling for s in live], [s.index for s in live],
-                                  self.eos_id)
+                                  self.eos_id, [s.tokens for s in live])
         return state
 
     def _decode(self, state):

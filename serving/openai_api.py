@@ -245,7 +245,9 @@ class OpenAIApp:
                 sampling = SamplingParams(max_tokens=limit, temperature=body.temperature,
                                           top_p=body.top_p, top_k=body.top_k, seed=seed,
                                           n=body.n, min_tokens=body.min_tokens,
-                                          grammar=grammar[0], logit_bias=bias)
+                                          grammar=grammar[0], logit_bias=bias,
+                                          presence_penalty=body.presence_penalty or 0.0,
+                                          frequency_penalty=body.frequency_penalty or 0.0)
                 self.generation.validate(ids, sampling, key)
             except (ValueError, InvalidRequest) as e:
                 message = str(e)

@@ -14,9 +14,7 @@ MAX_STOPS = 16        # stop strings a request may give (code tasks give more th
 # Fields of OpenAI's API this server does not implement: a request that sets one is refused
 # with HTTP 400 naming it, never answered as if it had not been set. (Their neutral values,
 # which change nothing, are accepted.)
-UNSUPPORTED = {"functions": None, "function_call": ("none", None),
-               "presence_penalty": (0, 0.0, None),
-               "frequency_penalty": (0, 0.0, None), "suffix": ("", None),
+UNSUPPORTED = {"functions": None, "function_call": ("none", None), "suffix": ("", None),
                "best_of": (1, None)}
 
 
@@ -60,6 +58,8 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**32)
     min_tokens: int = Field(0, ge=0)   # vLLM's: no EOS or stop token id before this many
     logit_bias: dict[str, float] | None = None     # token id (a string, as JSON keys are) -> bias
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)     # None: 0 (OpenAI's clients
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)    # send null for "not set")
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None

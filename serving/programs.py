@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxrl.models import merge_params
 from serving.constraints import mask_words
-from serving.sampling import sample, slot_keys
+from serving.sampling import sample, slot_keys, with_bias, with_penalties
 from serving.spec import PER_SLOT, SAMPLING, DecodeState, Spec, empty_state, pinned
 from sharding import mesh as shd
 
@@ -53,6 +53,11 @@ def process_compiles() -> int:
     """XLA compilations in this process so far, by anyone (the soak bench reads it through
     the server's metrics: none may happen once the server is ready)."""
     return _COMPILES[0]
+
+# Generated tokens an insert counts per call for a penalized sample (a longer history, from a
+# preempted or carried-over sample, takes more calls).
+HISTORY_CHUNK = 32
+
 
 # -- the programs -----------------------------------------------------------------------------
 # Every output is pinned to one layout (serving/spec.py, `pinned`).
@@ -76,9 +81,10 @@ def _sample_first(spec: Spec, logits_PV, rows_K, index_K, temperature_K, top_k_K
                   seeds_K, banned_K, min_tokens_K, bias_ids_KB, bias_values_KB, allowed_KW):
     zeros = jnp.zeros_like(index_K)
     keys = slot_keys(seeds_K, index_K, zeros)
+    # A sample's first token: nothing generated yet to penalize.
     tokens_K, logprobs_K = sample(logits_PV[rows_K], temperature_K, top_k_K, top_p_K, keys,
                                   _banned(banned_K, min_tokens_K, zeros), allowed_KW,
-                                  (bias_ids_KB, bias_values_KB))
+                                  partial(with_bias, ids_SB=bias_ids_KB, values_SB=bias_values_KB))
     rep = shd.replicated(spec.mesh)
     return (jax.lax.with_sharding_constraint(tokens_K, rep),
             jax.lax.with_sharding_constraint(logprobs_K, rep))
@@ -86,16 +92,32 @@ def _sample_first(spec: Spec, logits_PV, rows_K, index_K, temperature_K, top_k_K
 
 def _insert(spec: Spec, state: DecodeState, slots_K, lengths_K, tokens_K, counts_K,
             temperature_K, top_k_K, top_p_K, seeds_K, banned_K, min_tokens_K, bias_ids_KB,
-            bias_values_KB, index_K):
+            bias_values_KB, index_K, presence_K, frequency_K, history_KC, reset):
+    """Puts K sequences into their slots. A penalized one's token counts are rebuilt from the
+    tokens it has generated (`history_KC`, -1 padding), a chunk per call: `reset` zeroes them
+    first, later calls (a long history) add on."""
     at = lambda a, x: a.at[slots_K].set(x)  # noqa: E731
-    return pinned(spec, dataclasses.replace(
+    state = dataclasses.replace(
         state, lengths=at(state.lengths, lengths_K), tokens=at(state.tokens, tokens_K),
         counts=at(state.counts, counts_K), temperature=at(state.temperature, temperature_K),
         top_k=at(state.top_k, top_k_K), top_p=at(state.top_p, top_p_K),
         seeds=at(state.seeds, seeds_K), banned=at(state.banned, banned_K),
         min_tokens=at(state.min_tokens, min_tokens_K),
         sample_index=at(state.sample_index, index_K), bias_ids=at(state.bias_ids, bias_ids_KB),
-        bias_values=at(state.bias_values, bias_values_KB)))[0]
+        bias_values=at(state.bias_values, bias_values_KB),
+        presence=at(state.presence, presence_K), frequency=at(state.frequency, frequency_K))
+    penalized_K = (presence_K != 0) | (frequency_K != 0)
+
+    def recount(seen_SV):
+        s, v = seen_SV.shape
+        # Out-of-range indices are dropped: unpenalized entries, padding, and -1 history.
+        cleared_K = jnp.where(penalized_K & reset, slots_K, s)
+        seen_SV = seen_SV.at[cleared_K].set(0, mode="drop")
+        slot_KC = jnp.where(penalized_K[:, None] & (history_KC >= 0), slots_K[:, None], s)
+        return seen_SV.at[slot_KC, history_KC].add(1, mode="drop")
+
+    seen = jax.lax.cond(jnp.any(penalized_K), recount, lambda z: z, state.seen)
+    return pinned(spec, dataclasses.replace(state, seen=seen))[0]
 
 
 def _copy_pages(spec: Spec, state: DecodeState, src_K, dst_K):
@@ -115,12 +137,19 @@ def _advance(spec: Spec, state: DecodeState, logits_RV, slots_R, real_R, allowed
     its slot on by one; padding rows (real_R false) leave their slots as they were."""
     rows = {n: getattr(state, n)[slots_R] for n in PER_SLOT}
     keys = slot_keys(rows["seeds"], rows["sample_index"], rows["counts"])
+
+    def adjust(logits_RV):
+        logits_RV = with_bias(logits_RV, rows["bias_ids"], rows["bias_values"])
+        return with_penalties(logits_RV, rows["presence"], rows["frequency"],
+                              lambda: state.seen[slots_R])
+
     tokens_R, logprobs_R = sample(logits_RV, rows["temperature"], rows["top_k"], rows["top_p"],
                                   keys, _banned(rows["banned"], rows["min_tokens"], rows["counts"]),
-                                  allowed_RW, (rows["bias_ids"], rows["bias_values"]))
+                                  allowed_RW, adjust)
     new = {"lengths": jnp.minimum(rows["lengths"] + 1, spec.cfg.max_len), "tokens": tokens_R,
            "counts": rows["counts"] + 1}
-    state = dataclasses.replace(state, **{
+    seen = state.seen.at[slots_R, tokens_R].add(real_R.astype(jnp.int32))
+    state = dataclasses.replace(state, seen=seen, **{
         n: getattr(state, n).at[slots_R].set(jnp.where(real_R, v, rows[n]))
         for n, v in new.items()})
     return pinned(spec, state, tokens_R, logprobs_R)
@@ -236,7 +265,9 @@ class Programs:
             return (logits, arr(k), arr(k), *sampling(k), arr(k, words))
         if name == "insert":
             (k,) = key
-            return (state, arr(k), arr(k), arr(k), arr(k), *sampling(k), arr(k))
+            return (state, arr(k), arr(k), arr(k), arr(k), *sampling(k), arr(k),
+                    arr(k, dtype=jnp.float32), arr(k, dtype=jnp.float32),
+                    arr(k, HISTORY_CHUNK), arr(dtype=jnp.bool_))
         if name == "copy_pages":
             (k,) = key
             return (state, arr(k), arr(k))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 
 MAX_LOGIT_BIAS = 300     # logit_bias entries a request may give (a slot's fixed-size table)
+MAX_PENALTY = 2.0        # OpenAI's bound on presence_penalty and frequency_penalty
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,15 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before
     # the draw (the log-probs stay the model's own), at most MAX_LOGIT_BIAS of them.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's penalties, in [-2, 2]: each token's logit is lowered by presence_penalty if
+    # this sample has generated it and by frequency_penalty times the number of times it has
+    # (the prompt is not counted); the log-probs stay the model's own, as with logit_bias.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -57,6 +67,10 @@ class SamplingParams:
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias of token {token} is {bias}: biases are in "
                                  f"[-100, 100]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name}={value} must be in [-{MAX_PENALTY}, {MAX_PENALTY}]")
 
 
 def slot_keys(seeds_S, sample_index_S, counts_S):
@@ -70,24 +84,23 @@ def slot_keys(seeds_S, sample_index_S, counts_S):
 
 
 def sample(logits_SV, temperature_S, top_k_S, top_p_S, keys_S, banned_S=None, allowed_SW=None,
-           bias=None):
+           adjust=None):
     """(tokens [S], log-probs [S]). The log-prob is under softmax(logits / temperature) before
     the top-k/top-p cut, the ban and the mask (temperature 1 for greedy slots): the
     distribution the trainer recomputes. `banned_S`: a token id each slot may not draw
     (min_tokens' EOS), -1 for none. `allowed_SW`: each slot's token bitmask (bit t of word
     t // 32: token t may be drawn; serving/constraints.py), all bits set for a slot without a
-    grammar. `bias`: (token ids [S, B], -1 for none; biases [S, B]) added to the logits (and
-    not to the log-probs). The sort that top-k/top-p need, and the random draw, are skipped
-    when no slot needs them (XLA's CPU sort costs more than a small model's whole decode
-    step)."""
+    grammar. `adjust`: a function of the logits [S, V] that changes them before the draw but
+    not in the log-probs (`with_bias`, `with_penalties`). The sort that top-k/top-p need, and
+    the random draw, are skipped when no slot needs them (XLA's CPU sort costs more than a
+    small model's whole decode step)."""
     logits_SV = logits_SV.astype(jnp.float32)
     greedy_S = temperature_S <= 0
     temperature_S1 = jnp.where(greedy_S, 1.0, temperature_S)[:, None]
     scaled_SV = logits_SV / temperature_S1
     logp_SV = jax.nn.log_softmax(scaled_SV, axis=-1)
-    if bias is not None:
-        logits_SV = jax.lax.cond(jnp.any(bias[0] >= 0), _add_bias, lambda z, _: z, logits_SV,
-                                 bias)
+    if adjust is not None:
+        logits_SV = adjust(logits_SV)
         scaled_SV = logits_SV / temperature_S1
     vocab_V = jnp.arange(logits_SV.shape[-1])
     keep_SV = None
@@ -111,12 +124,29 @@ def sample(logits_SV, temperature_S, top_k_S, top_p_S, keys_S, banned_S=None, al
     return tokens_S, jnp.take_along_axis(logp_SV, tokens_S[:, None], axis=-1)[:, 0]
 
 
-def _add_bias(logits_SV, bias):
-    ids_SB, values_SB = bias
-    valid_SB = ids_SB >= 0
-    rows_S1 = jnp.arange(logits_SV.shape[0])[:, None]
-    return logits_SV.at[rows_S1, jnp.where(valid_SB, ids_SB, 0)].add(
-        jnp.where(valid_SB, values_SB, 0.0))
+def with_bias(logits_SV, ids_SB, values_SB):
+    """logit_bias: values_SB added at token ids_SB of each row (-1: no entry). Skipped when no
+    row has an entry."""
+    def add(z):
+        valid_SB = ids_SB >= 0
+        rows_S1 = jnp.arange(z.shape[0])[:, None]
+        return z.at[rows_S1, jnp.where(valid_SB, ids_SB, 0)].add(
+            jnp.where(valid_SB, values_SB, 0.0))
+
+    return jax.lax.cond(jnp.any(ids_SB >= 0), add, lambda z: z, logits_SV)
+
+
+def with_penalties(logits_SV, presence_S, frequency_S, seen):
+    """OpenAI's penalties: each token's logit less frequency times its count and presence if
+    the count is not zero. `seen()` gives the counts [S, V] (a gather from the decode state,
+    made only when some row has a penalty)."""
+    def penalize(z):
+        count_SV = seen().astype(jnp.float32)
+        return (z - frequency_S[:, None] * count_SV
+                - presence_S[:, None] * (count_SV > 0).astype(jnp.float32))
+
+    return jax.lax.cond(jnp.any((presence_S != 0) | (frequency_S != 0)), penalize,
+                        lambda z: z, logits_SV)
 
 
 def _inverse_cdf(keys_S, logits_SV):

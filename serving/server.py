@@ -168,7 +168,8 @@ class GenerationService(gen_grpc.GenerationServicer):
             top_p=o.top_p if 0 < o.top_p < 1 else 1.0, seed=o.seed, n=o.n or 1,
             stop_token_ids=tuple(o.stop_token_ids), stop_at_eos=not o.ignore_eos,
             min_tokens=o.min_tokens, grammar=o.grammar or None,
-            logit_bias=tuple(zip(o.bias_token_ids, o.bias_values, strict=True))),
+            logit_bias=tuple(zip(o.bias_token_ids, o.bias_values, strict=True)),
+            presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty),
             carry=[Sample(list(c.token_ids), list(c.logprobs), list(c.versions))
                    for c in request.carry] or None,
             session=_session(request.sessions, o.n or 1))

@@ -38,9 +38,13 @@ class DecodeState:
     sample_index: jax.Array   # int32 [S]: which of the request's n samples
     bias_ids: jax.Array       # int32 [S, MAX_LOGIT_BIAS]: logit_bias's tokens (-1: none) ...
     bias_values: jax.Array    # float32 [S, MAX_LOGIT_BIAS]: ... and their biases
+    presence: jax.Array       # float32 [S]: presence_penalty ...
+    frequency: jax.Array      # float32 [S]: ... and frequency_penalty, applied from ...
+    seen: jax.Array           # int32 [S, V]: ... how often each slot has drawn each token
 
 
-PER_SLOT = tuple(f.name for f in dataclasses.fields(DecodeState) if f.name != "kv")
+# What a decode batch gathers for its rows (`seen` is gathered only when a row is penalized).
+PER_SLOT = tuple(f.name for f in dataclasses.fields(DecodeState) if f.name not in ("kv", "seen"))
 # temperature, top_k, top_p, seed, banned, min_tokens, bias ids, bias values, each (dtype,
 # shape after the entry axis): serving.engine's _sampling_arrays
 SAMPLING = ((jnp.float32, ()), (jnp.int32, ()), (jnp.float32, ()), (jnp.uint32, ()),
@@ -86,7 +90,7 @@ class Spec:
 
     def state_shardings(self) -> DecodeState:
         rep = shd.replicated(self.mesh)
-        return DecodeState(kv=self.pool_sharding(), **{n: rep for n in PER_SLOT})
+        return DecodeState(kv=self.pool_sharding(), seen=rep, **{n: rep for n in PER_SLOT})
 
     def abstract_state(self) -> DecodeState:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -108,7 +112,9 @@ def empty_state(spec: Spec) -> DecodeState:
                        seeds=zeros(jnp.uint32), banned=zeros(jnp.int32) - 1,
                        min_tokens=zeros(jnp.int32), sample_index=zeros(jnp.int32),
                        bias_ids=jnp.full((s, MAX_LOGIT_BIAS), -1, jnp.int32),
-                       bias_values=jnp.zeros((s, MAX_LOGIT_BIAS), jnp.float32)))[0]
+                       bias_values=jnp.zeros((s, MAX_LOGIT_BIAS), jnp.float32),
+                       presence=zeros(jnp.float32), frequency=zeros(jnp.float32),
+                       seen=jnp.zeros((s, spec.model_cfg.vocab_size), jnp.int32)))[0]
 
 
 # Every output is pinned to one layout (the pool over kv heads, everything else replicated):

@@ -125,8 +125,8 @@ def test_chat_renders_the_template_and_equals_the_engine(served, tokenizer):
     ({"max_tokens": 500}, "max_tokens"),                     # past max_len
     ({"stop": [f"w{i}" for i in range(17)]}, "stop"),      # up to 16
     ({"logit_bias": {"5": 101}}, "logit_bias"),             # biases are in [-100, 100]
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),        # penalties are in [-2, 2]
+    ({"frequency_penalty": -3.0}, "frequency_penalty"),
     ({"best_of": 3}, "best_of"),
     ({"echo": True, "logprobs": 1}, "logprobs"),             # a server without --score
 ])
@@ -168,6 +168,20 @@ def test_logit_bias_steers_the_draw_and_bad_entries_are_400s(served, tokenizer):
         with pytest.raises(openai.BadRequestError) as error:
             client.completions.create(model="tiny", prompt="w1", max_tokens=2, logit_bias=bias)
         assert error.value.body["param"] == "logit_bias"
+
+
+def test_penalties_reach_the_engine(served, tokenizer):
+    """frequency_penalty and presence_penalty give the engine's penalized greedy tokens (which
+    tests/serving/test_penalties.py checks against a reference), not the plain ones."""
+    client, o, _ = served
+    prompt = "w3 w3 w8 w3"
+    ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
+    want = o.generate(ids, SamplingParams(temperature=0.0, max_tokens=12,
+                                          frequency_penalty=1.5, presence_penalty=0.5))[0]
+    assert want.tokens != _greedy(o, ids, 12).tokens
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                    frequency_penalty=1.5, presence_penalty=0.5)
+    assert got.choices[0].text == tokenizer.decode(want.tokens)
 
 
 def test_another_model_s_name_is_a_404(served):

@@ -49,12 +49,14 @@ def test_both_implement_the_interface(remote, local):
     assert isinstance(remote, Generation) and isinstance(local, Generation)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.75])
-def test_remote_equals_local(remote, local, temperature):
+@pytest.mark.parametrize("temperature,penalty", [(0.0, 0.0), (0.75, 0.0), (0.75, 1.0)])
+def test_remote_equals_local(remote, local, temperature, penalty):
     """Groups of 3 over prompts of several lengths, greedy and sampled (the draws are keyed by
-    seed, sample and position): token for token, log-probs bit for bit, versions too."""
+    seed, sample and position), with and without penalties: token for token, log-probs bit for
+    bit, versions too."""
     for i, prompt in enumerate(prompts(3, 9, 21, seed=4)):
-        sampling = SamplingParams(max_tokens=24, temperature=temperature, seed=11 + i, n=3)
+        sampling = SamplingParams(max_tokens=24, temperature=temperature, seed=11 + i, n=3,
+                                  frequency_penalty=penalty, presence_penalty=penalty / 2)
         streams = [local.submit(prompt, sampling), remote.submit(prompt, sampling)]
         want, got = (s.result() for s in streams)
         assert [s.tokens for s in got] == [s.tokens for s in want]
