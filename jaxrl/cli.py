@@ -97,7 +97,8 @@ def _serve(args) -> None:
                                 prefill_chunk=args.prefill_chunk, dtype=args.dtype,
                                 page_size=args.page_size, num_pages=args.num_pages,
                                 memory_fraction=args.memory_fraction,
-                                attention=args.attention, score=args.score)
+                                attention=args.attention, score=args.score,
+                                record_routes=args.record_routes)
         except ValueError as e:  # name the flags the user gave, not EngineConfig's fields
             raise UserError(re.sub(r"\b(\w+)=", lambda m: f"{_SERVE_NAMES[m[1]]} "
                                    if m[1] in _SERVE_NAMES else m[0], str(e))) from None
@@ -316,6 +317,9 @@ def _serve_arguments(sub) -> None:
                    help="compile the score programs (one per power-of-two length up to "
                         "--max-len): prompt log-probs (echo with logprobs, lm-evaluation-"
                         "harness's loglikelihood tasks) and top_logprobs on the HTTP API")
+    p.add_argument("--record-routes", action="store_true",
+                   help="a mixture-of-experts model: send back with each sample the experts "
+                        "every token was routed to (a trainer's rl.moe_routing replays them)")
     p.add_argument("--max-prefill-length", type=_int_at_least(0), default=0,
                    help="longest prompt; 0: up to --max-len less one token (a prompt is "
                         "prefilled in chunks of --prefill-chunk whatever its length)")

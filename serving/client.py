@@ -143,7 +143,9 @@ class RemoteGeneration:
         try:
             for r in stream.call:
                 if r.finish_reason:
-                    stream.put(DoneEvent(r.sample_index, r.finish_reason))
+                    routes = (np.frombuffer(r.routes, "<i4").reshape(r.routes_shape).astype(
+                        np.int32) if r.routes_shape else None)
+                    stream.put(DoneEvent(r.sample_index, r.finish_reason, routes))
                 for token, logprob, version in zip(r.token_ids, r.logprobs, r.versions):
                     stream.put(TokenEvent(r.sample_index, token, logprob, version))
             reason = "lost"        # the call ended with samples still open

@@ -52,6 +52,9 @@ class Engine:
         if cfg.attention == "auto":
             cfg = dataclasses.replace(cfg, attention="loop" if platform == "cpu" else "reference")
         self.cfg = cfg
+        if cfg.record_routes and not model_cfg.num_experts:
+            raise ValueError(f"record_routes needs a mixture-of-experts model; "
+                             f"model.family={model_cfg.family} has no experts")
         if cfg.attention == "pallas" and platform not in ("tpu", "cpu"):
             raise ValueError(f"attention='pallas' is a TPU (Mosaic) kernel; on {platform} use "
                              f"attention='reference'")
@@ -118,7 +121,8 @@ class Engine:
         sit at positions starts_P[i].. and go into the pages of `table_PW[i]`. Returns
         (state, logits [P, V] after each row's last token; more rows may follow, padding).
         Rows are padded to `cfg.prefill_rows` of their chunk bucket (padding rows write only to
-        the null page), tokens to the bucket, the table to a prefill width."""
+        the null page), tokens to the bucket, the table to a prefill width. With
+        `cfg.record_routes`: (state, logits, experts [P, T, L, K] of each row's tokens)."""
         tokens_PT = np.asarray(tokens_PT, np.int32)
         p, t = tokens_PT.shape
         bucket = self.cfg.bucket(t)
@@ -132,9 +136,11 @@ class Engine:
         grid[:p, :t] = tokens_PT
         table = np.zeros((rows, width), np.int32)
         table[:p, : table_PW.shape[1]] = table_PW[:, :width]
-        state, logits = self.programs("prefill", (rows, bucket, width), params, state, grid,
-                                      _rows(starts_P, rows), _rows(lengths_P, rows), table)
-        return state, logits     # [max_prefill_rows, V]: rows past P are padding
+        state, logits, *routes = self.programs("prefill", (rows, bucket, width), params, state,
+                                               grid, _rows(starts_P, rows),
+                                               _rows(lengths_P, rows), table)
+        # logits [max_prefill_rows, V]: rows past P are padding
+        return (state, logits, *(np.asarray(r)[:p, :t] for r in routes))
 
     def score(self, params, tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Log-probs of `tokens` under the model, each given those before it: (logprobs [n-1],
@@ -221,8 +227,8 @@ class Engine:
 
     def generate(self, params, state: DecodeState, table_SW):
         """One decode step for every slot: (state, tokens [S], logprobs [S])."""
-        state, tokens, logprobs = self.generate_steps(params, state, table_SW, 1)
-        return state, tokens[0], logprobs[0]
+        state, tokens, logprobs, *routes = self.generate_steps(params, state, table_SW, 1)
+        return (state, tokens[0], logprobs[0], *(r[0] for r in routes))
 
     def generate_steps(self, params, state: DecodeState, table_SW, steps: int, slots=None,
                        allowed=None):
@@ -236,7 +242,8 @@ class Engine:
         when S <= 8), padded with rows of other slots that read and write only the null page and
         whose state is left as it was (another batch of the same step may be decoding them). A
         long tail with few busy slots then costs those rows, not every slot. Returns tokens and
-        logprobs [K, R]."""
+        logprobs [K, R]. With `cfg.record_routes`, then the experts [K, R, L, K'] each fed
+        token was routed to."""
         s = self.cfg.max_concurrent_decodes
         slots = list(range(s)) if slots is None else list(slots)
         table = np.asarray(table_SW, np.int32)
@@ -251,16 +258,19 @@ class Engine:
         if allowed is not None and steps != 1:
             raise ValueError(f"token masks apply to one decode step at a time, not {steps}")
         if steps == 1:
-            state, logits = self.programs("decode", (rows, width), params, state, grid, padded)
+            state, logits, *routes = self.programs("decode", (rows, width), params, state, grid,
+                                                   padded)
             state, tokens, logprobs = self.programs("advance", (rows,), state, logits, padded,
                                                     real, self._masks(allowed, rows))
             tokens, logprobs = np.asarray(tokens)[None], np.asarray(logprobs)[None]
+            routes = [np.asarray(r)[None] for r in routes]
         else:
-            state, tokens, logprobs = self.programs("decode_steps", (rows, width, steps),
-                                                    params, state, grid, padded, real)
+            state, tokens, logprobs, *routes = self.programs(
+                "decode_steps", (rows, width, steps), params, state, grid, padded, real)
             tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+            routes = [np.asarray(r) for r in routes]
         n = len(slots)     # host arrays: slicing them compiles nothing
-        return state, tokens[:, :n], logprobs[:, :n]
+        return (state, tokens[:, :n], logprobs[:, :n], *(r[:, :n] for r in routes))
 
 
 def _rows(values, rows: int) -> np.ndarray:

@@ -55,6 +55,10 @@ class EngineConfig:
     # Compile `score` (serving/programs.py) at start, one program per power-of-two length up
     # to max_len: log-probs of given tokens, for prompt log-probs (`echo`) and top_logprobs.
     score: bool = False
+    # A mixture-of-experts model's routing: prefill and decode also return the experts each
+    # token was routed to in each layer, and every sample comes back with them (Sample.routes),
+    # for the trainer to compare with its own or replay (rl.moe_routing).
+    record_routes: bool = False
 
     def __post_init__(self):
         if self.max_prefill_length >= self.max_len:

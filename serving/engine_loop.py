@@ -31,7 +31,7 @@ from serving.engine import Engine
 from serving.length_predictor import LengthPredictor
 from serving.scheduler import Scheduler
 from serving.sequence import Prefill, Request, Sequence
-from serving.stream import DoneEvent, TokenEvent
+from serving.stream import FINISHED, DoneEvent, TokenEvent
 
 
 @dataclasses.dataclass
@@ -182,16 +182,25 @@ class EngineLoop:
                           np.int32)
         for i, (_, _, t) in enumerate(chunks):
             tokens[i, : len(t)] = t
-        state, logits = engine.prefill(self.params, state, tokens,
-                                       [start for _, start, _ in chunks],
-                                       [len(t) for _, _, t in chunks],
-                                       sched.table([p.pages for p, _, _ in chunks], width))
+        state, logits, *routes = engine.prefill(
+            self.params, state, tokens, [start for _, start, _ in chunks],
+            [len(t) for _, _, t in chunks], sched.table([p.pages for p, _, _ in chunks], width))
+        if routes:
+            self._record_routes(chunks, routes[0])
         self._count(prefill_chunks=1, prefill_tokens=sum(len(t) for _, _, t in chunks))
         complete = [(row, p) for row, (p, _, t) in enumerate(chunks)
                     if sched.prefilled(p, len(t))]
         if complete:
             state = self._start(state, complete, logits)
         return state, True
+
+    @staticmethod
+    def _record_routes(chunks, routes_PTLK) -> None:
+        """Appends each prefill chunk's routing to its prefill (record_routes)."""
+        unknown = np.full(routes_PTLK.shape[2:], -1, np.int32)
+        for row, (p, start, t) in enumerate(chunks):
+            # Tokens a continued session's kept pages hold were routed in an earlier turn.
+            p.routes += [unknown] * (start - len(p.routes)) + list(routes_PTLK[row, : len(t)])
 
     def _start(self, state, complete: list[tuple[int, Prefill]], logits):
         """Forks completed prompts into their sequences, draws new requests' first tokens, and
@@ -202,6 +211,8 @@ class EngineLoop:
             seqs, page_copies = sched.start(p)
             copies += page_copies
             started += seqs
+            for seq in seqs:     # routing recorded before a preemption is kept
+                seq.routes += p.routes[len(seq.routes):]
             if p.resumed is None:
                 fresh += [(row, seq) for seq in seqs]
         if copies:
@@ -241,15 +252,17 @@ class EngineLoop:
         width of the longest of them."""
         engine = self.engine
         width = engine.cfg.table_width(max(s.cached for _, s in owners) + k)
-        state, tokens, logprobs = engine.generate_steps(
+        state, tokens, logprobs, *routes = engine.generate_steps(
             self.params, state, self.scheduler.table([s.pages for _, s in owners], width), k,
             slots=[slot for slot, _ in owners], allowed=self._masks([s for _, s in owners]))
         held = k * sum(s.cached for _, s in owners)
         tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
         pushed = 0
-        for step_tokens, step_logprobs in zip(tokens, logprobs):
+        for step, (step_tokens, step_logprobs) in enumerate(zip(tokens, logprobs)):
             for row, (_, seq) in enumerate(owners):
                 if not seq.finished:
+                    if routes:       # the routing of the token this step fed
+                        seq.routes.append(routes[0][step, row])
                     pushed += self._push(seq, step_tokens[row], step_logprobs[row], version)
         self._count(steps=k, busy_slot_steps=k * len(owners), held_tokens=held, tokens=pushed)
         return state
@@ -288,13 +301,14 @@ class EngineLoop:
             self.scheduler.finish(seq, keep=reason in ("eos", "stop", "length"))
         seq.finished = True
         seq.request.longest = max(seq.request.longest, len(seq.tokens))
-        self._done(seq.request, seq.index, reason)
+        self._done(seq.request, seq.index, reason,
+                   np.stack(seq.routes) if seq.routes and reason in FINISHED else None)
 
-    def _done(self, req: Request, index: int, reason: str) -> None:
+    def _done(self, req: Request, index: int, reason: str, routes=None) -> None:
         if req.done[index]:
             return
         req.done[index] = True
-        req.stream.put(DoneEvent(index, reason))
+        req.stream.put(DoneEvent(index, reason, routes))
         if all(req.done):
             self._count(requests_done=1)
             if self.length_predictor is not None and reason in ("eos", "stop", "length"):

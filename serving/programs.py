@@ -62,14 +62,16 @@ HISTORY_CHUNK = 32
 # -- the programs -----------------------------------------------------------------------------
 # Every output is pinned to one layout (serving/spec.py, `pinned`).
 def _prefill(spec: Spec, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
+    """(state, logits [max_prefill_rows, V]), and with record_routes each token's experts
+    [P, T, L, K] after them."""
     model = merge_params(spec.graphdef, params)
-    x_PTD, cache = model.extend(tokens_PT, starts_P, spec.cache(state.kv, table_PW),
-                                valid_B=lengths_P)
+    x_PTD, cache, *routes = model.extend(tokens_PT, starts_P, spec.cache(state.kv, table_PW),
+                                         valid_B=lengths_P, routes=spec.cfg.record_routes)
     last_P11 = jnp.maximum(lengths_P - 1, 0)[:, None, None]
     logits_PV = model.logits(jnp.take_along_axis(x_PTD, last_P11, axis=1))[:, 0]
     # Padded to the most rows any prefill call has, so one sampling program serves them all.
     logits_PV = jnp.pad(logits_PV, ((0, spec.cfg.max_prefill_rows - logits_PV.shape[0]), (0, 0)))
-    return pinned(spec, dataclasses.replace(state, kv=cache.kv), logits_PV)
+    return pinned(spec, dataclasses.replace(state, kv=cache.kv), logits_PV, *routes)
 
 
 def _banned(banned_S, min_tokens_S, counts_S):
@@ -126,10 +128,12 @@ def _copy_pages(spec: Spec, state: DecodeState, src_K, dst_K):
 
 
 def _forward_rows(spec: Spec, params, kv, tokens_R, lengths_R, table_RW):
-    """One token per row through the model: (pool, logits [R, V])."""
+    """One token per row through the model: (pool, logits [R, V]), and with record_routes the
+    token's experts [R, L, K]."""
     model = merge_params(spec.graphdef, params)
-    x_R1D, cache = model.extend(tokens_R[:, None], lengths_R, spec.cache(kv, table_RW))
-    return cache.kv, model.logits(x_R1D)[:, 0]
+    x_R1D, cache, *routes = model.extend(tokens_R[:, None], lengths_R, spec.cache(kv, table_RW),
+                                         routes=spec.cfg.record_routes)
+    return (cache.kv, model.logits(x_R1D)[:, 0], *(r[:, 0] for r in routes))
 
 
 def _advance(spec: Spec, state: DecodeState, logits_RV, slots_R, real_R, allowed_RW=None):
@@ -158,22 +162,23 @@ def _advance(spec: Spec, state: DecodeState, logits_RV, slots_R, real_R, allowed
 def _decode(spec: Spec, params, state: DecodeState, table_RW, slots_R):
     """The forward half of one decode step for the rows `slots_R`: (state with their keys and
     values written, logits [R, V]). Padding rows read and write only the null page."""
-    kv, logits_RV = _forward_rows(spec, params, state.kv, state.tokens[slots_R],
-                                  state.lengths[slots_R], table_RW)
-    return pinned(spec, dataclasses.replace(state, kv=kv), logits_RV)
+    kv, logits_RV, *routes = _forward_rows(spec, params, state.kv, state.tokens[slots_R],
+                                           state.lengths[slots_R], table_RW)
+    return pinned(spec, dataclasses.replace(state, kv=kv), logits_RV, *routes)
 
 
 def _decode_steps(spec: Spec, params, state: DecodeState, table_RW, slots_R, real_R,
                   steps: int):
     """`steps` whole decode steps (forward and sampling) in one program (steps_per_dispatch >
-    1): (state, tokens [steps, R], logprobs [steps, R])."""
+    1): (state, tokens [steps, R], logprobs [steps, R]), and with record_routes the fed
+    tokens' experts [steps, R, L, K]."""
     def body(state, _):
-        state, logits_RV = _decode(spec, params, state, table_RW, slots_R)
+        state, logits_RV, *routes = _decode(spec, params, state, table_RW, slots_R)
         state, tokens_R, logprobs_R = _advance(spec, state, logits_RV, slots_R, real_R)
-        return state, (tokens_R, logprobs_R)
+        return state, (tokens_R, logprobs_R, *routes)
 
-    state, (tokens, logprobs) = jax.lax.scan(body, state, length=steps)
-    return pinned(spec, state, tokens, logprobs)
+    state, out = jax.lax.scan(body, state, length=steps)
+    return pinned(spec, state, *out)
 
 
 # The most alternatives `score` returns per position (OpenAI's top_logprobs limit).

@@ -56,6 +56,9 @@ class Sequence:
     order: int = -1          # when it last started running: the youngest is preempted first
     finished: bool = False
     matcher: object = None   # its grammar's state (serving/constraints.py), if it has one
+    # With EngineConfig.record_routes: each fed position's experts [L, K], recorded the first
+    # time the position is computed (a preempted sequence's recompute does not overwrite them).
+    routes: list = dataclasses.field(default_factory=list)
 
     @property
     def cached(self) -> int:
@@ -81,6 +84,7 @@ class Prefill:
     resumed: Sequence | None = None
     copy_pages: list[int] = dataclasses.field(default_factory=list)  # see Scheduler.admit
     done: int = 0                     # tokens written so far
+    routes: list = dataclasses.field(default_factory=list)   # per written token, as Sequence's
 
     @property
     def remaining(self) -> int:

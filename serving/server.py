@@ -15,6 +15,7 @@ from concurrent import futures
 
 import grpc
 import jax
+import numpy as np
 
 from jaxrl.models.tokenizer import Tokenizer
 from serving.detokenize import IncrementalDecoder
@@ -80,9 +81,12 @@ def _responses(batch, detok: _Detokenizer):
     for event in batch:
         if isinstance(event, DoneEvent):
             yield from _tokens(runs.pop(event.sample_index, ()), detok)
+            routes = {} if event.routes is None else {
+                "routes": np.asarray(event.routes, "<i4").tobytes(),
+                "routes_shape": list(event.routes.shape)}
             yield gen_pb2.GenerateResponse(sample_index=event.sample_index,
                                            finish_reason=event.reason,
-                                           text=detok.flush(event.sample_index))
+                                           text=detok.flush(event.sample_index), **routes)
         else:
             runs.setdefault(event.sample_index, []).append(event)
     for events in runs.values():

@@ -25,6 +25,9 @@ class DoneEvent:
     # stopped. lost: the connection to a remote engine failed. refused: a remote engine said
     # the request is bad (see RequestStream.error).
     reason: str
+    # With EngineConfig.record_routes: the experts each fed token (prompt and sample, all but
+    # the last token) was routed to in each layer, int32 [tokens - 1, L, K]. None: not recorded.
+    routes: object = None
 
 
 FINISHED = ("eos", "stop", "length")   # the reasons of a sample that is complete
@@ -36,6 +39,7 @@ class Sample:
     logprobs: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    routes: object = None         # DoneEvent.routes
 
 
 class RequestStream:
@@ -115,3 +119,4 @@ def _apply(sample: Sample, event: TokenEvent | DoneEvent) -> None:
         sample.versions.append(event.version)
     else:
         sample.finish_reason = event.reason
+        sample.routes = event.routes

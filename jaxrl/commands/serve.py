@@ -85,7 +85,8 @@ def _load_engines(model_dir: str | None, checkpoint_dir: str,
         try:
             return Engine(model_cfg, engine_cfg, mesh=meshes[0])
         except ValueError as e:     # e.g. --attention pallas on a GPU
-            raise UserError(str(e).replace("attention=", "--attention ")) from None
+            raise UserError(str(e).replace("attention=", "--attention ").replace(
+                "record_routes", "--record-routes")) from None
 
     engines: list[Engine] = []
 

@@ -131,12 +131,19 @@ def features(rollout: Rollout) -> dict[str, np.ndarray]:
 
 def pack(rollouts: list[Rollout], cfg: RLConfig) -> dict[str, Any]:
     """One step's samples as `{"arrays": {name: [M, R, T]}, "microbatches": used M,
-    "rollouts": ...}`, packed first-fit into M * R rows of `pack_len` tokens."""
+    "rollouts": ...}`, packed first-fit into M * R rows of `pack_len` tokens. Where the samples
+    carry a mixture-of-experts engine's routing, `arrays["routes"]` is [M, R, T, L, K] (-1
+    where unknown)."""
     rows_total = cfg.max_microbatches * cfg.microbatch_rows
-    source = grain.MapDataset.source([features(r) for r in rollouts]).to_iter_dataset()
+    # `sample`: which rollout (1-based; 0 is padding) each packed token came from.
+    packed_features = FEATURES + ("sample",)
+    source = grain.MapDataset.source([
+        {**features(r), "sample": np.full(len(r.prompt) + len(r.completion) - 1, i + 1,
+                                          np.int32)}
+        for i, r in enumerate(rollouts)]).to_iter_dataset()
     packed = grain.experimental.FirstFitPackIterDataset(
-        source, length_struct={k: cfg.pack_len for k in FEATURES},
-        num_packing_bins=rows_total, shuffle_bins=False, meta_features=FEATURES[1:],
+        source, length_struct={k: cfg.pack_len for k in packed_features},
+        num_packing_bins=rows_total, shuffle_bins=False, meta_features=packed_features[1:],
         max_sequences_per_bin=cfg.max_segments)
     rows = list(packed)
     if len(rows) > rows_total:  # cannot happen: see RLConfig.max_microbatches
@@ -152,10 +159,31 @@ def pack(rollouts: list[Rollout], cfg: RLConfig) -> dict[str, Any]:
             arrays[k][i] = row[k]
         arrays["segment_ids"][i] = row["input_ids_segment_ids"]
         arrays["positions"][i] = row["input_ids_positions"]
+    routes = _packed_routes(rollouts, rows, rows_total, cfg.pack_len)
+    if routes is not None:
+        arrays["routes"] = routes
     shape = (cfg.max_microbatches, cfg.microbatch_rows, cfg.pack_len)
-    return {"arrays": {k: v.reshape(shape) for k, v in arrays.items()},
+    return {"arrays": {k: v.reshape(shape + v.shape[2:]) for k, v in arrays.items()},
             "microbatches": -(-len(rows) // cfg.microbatch_rows),
             "rollouts": rollouts}
+
+
+def _packed_routes(rollouts: list[Rollout], rows: list[dict], rows_total: int, pack_len: int
+                   ) -> np.ndarray | None:
+    """The rollouts' routing ([tokens - 1, L, K] each) laid out as their tokens were packed:
+    [rows_total, pack_len, L, K], -1 where unknown. None when no rollout has any."""
+    known = [r.routes for r in rollouts if r.routes is not None]
+    if not known:
+        return None
+    out = np.full((rows_total, pack_len, *known[0].shape[1:]), -1, np.int32)
+    for i, row in enumerate(rows):
+        sample, position = row["sample"], row["input_ids_positions"]
+        for s in np.unique(sample[sample > 0]):
+            routes = rollouts[s - 1].routes
+            if routes is not None:
+                at = np.nonzero(sample == s)[0]
+                out[i, at] = routes[position[at]]
+    return out
 
 
 def rl_batches(log: RolloutLog, cfg: RLConfig, *, current_step: Callable[[], int],

@@ -15,6 +15,7 @@ import threading
 from typing import Any, Iterable
 
 import grain
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -37,6 +38,9 @@ class Rollout:
     # Per completion token: its advantage, where it is not `advantage` for every token (the
     # turns of a multi-turn episode under rl.turn_advantage=per_turn). None: `advantage`.
     token_advantages: list[float] | None = None
+    # A mixture-of-experts engine's routing of each fed token (prompt and completion, all but
+    # the last token): int32 [tokens - 1, layers, experts per token]. None: not recorded.
+    routes: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         n = len(self.completion)
@@ -49,13 +53,21 @@ class Rollout:
                                 else f", {len(self.trained)} trained flags")
                              + ("" if self.token_advantages is None
                                 else f", {len(self.token_advantages)} token advantages"))
+        fed = len(self.prompt) + n - 1
+        if self.routes is not None and len(self.routes) != fed:
+            raise ValueError(f"rollout of group {self.group}: routing of {len(self.routes)} "
+                             f"tokens; {fed} tokens were fed to the model")
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.routes is not None:
+            d["routes"] = np.asarray(self.routes).tolist()
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Rollout":
-        return cls(**d)
+        routes = d.get("routes")
+        return cls(**{**d, "routes": None if routes is None else np.asarray(routes, np.int32)})
 
 
 class StreamClosed(Exception):

@@ -19,25 +19,41 @@ import jax.numpy as jnp
 from jaxrl.models.config import ModelConfig
 
 
-def route(cfg: ModelConfig, router_DE, x_SD):
-    """(expert ids int32 [S, K], their weights float32 [S, K]) of each token: the top-k of the
-    softmax over the router's logits (computed in the compute dtype, the softmax in float32,
-    as Hugging Face's Qwen3-MoE), renormalised to sum to 1 when model.norm_topk_prob."""
+def route(cfg: ModelConfig, router_DE, x_SD, replay_SK=None):
+    """(expert ids int32 [S, K], their weights float32 [S, K], the router's own top-k ids
+    [S, K]) of each token: the top-k of the softmax over the router's logits (computed in the
+    compute dtype, the softmax in float32, as Hugging Face's Qwen3-MoE), renormalised to sum to
+    1 when model.norm_topk_prob. `replay_SK`: experts chosen elsewhere (the engine that sampled
+    the token; -1 where unknown) used instead of the router's own, weighted by the router's
+    probabilities of them, so the router still learns (routing replay, as verl and prime-rl)."""
     logits_SE = (x_SD @ router_DE).astype(jnp.float32)
     probs_SE = jax.nn.softmax(logits_SE, axis=-1)
-    weights_SK, experts_SK = jax.lax.top_k(probs_SE, cfg.experts_per_token)
+    weights_SK, own_SK = jax.lax.top_k(probs_SE, cfg.experts_per_token)
+    own_SK = own_SK.astype(jnp.int32)
+    experts_SK = own_SK
+    if replay_SK is not None:
+        known_S1 = jnp.all(replay_SK >= 0, axis=-1, keepdims=True)
+        experts_SK = jnp.where(known_S1, replay_SK, own_SK)
+        weights_SK = jnp.take_along_axis(probs_SE, experts_SK, axis=-1)
     if cfg.norm_topk_prob:
         weights_SK = weights_SK / jnp.sum(weights_SK, axis=-1, keepdims=True)
-    return experts_SK.astype(jnp.int32), weights_SK
+    return experts_SK, weights_SK, own_SK
 
 
 def moe_mlp(cfg: ModelConfig, w: dict, x_BTD):
     """The MoE block of one layer: `w` holds router [D, E], experts_gate and experts_up
     [E, D, F], experts_down [E, F, D]."""
+    return moe_mlp_routed(cfg, w, x_BTD)[0]
+
+
+def moe_mlp_routed(cfg: ModelConfig, w: dict, x_BTD, replay_BTK=None):
+    """`moe_mlp` with its routing: (output [B, T, D], the router's own top-k experts
+    [B, T, K]). `replay_BTK`: the experts to use instead (see `route`)."""
     b, t, d = x_BTD.shape
     x_SD = x_BTD.reshape(b * t, d)
-    experts_SK, weights_SK = route(cfg, w["router"], x_SD)
     k, e = cfg.experts_per_token, cfg.num_experts
+    replay_SK = None if replay_BTK is None else replay_BTK.reshape(b * t, k)
+    experts_SK, weights_SK, own_SK = route(cfg, w["router"], x_SD, replay_SK)
     # Every (token, choice) pair as one row, the rows sorted by expert: group g is expert g's.
     order_R = jnp.argsort(experts_SK.reshape(-1), stable=True)
     token_R = order_R // k
@@ -47,4 +63,13 @@ def moe_mlp(cfg: ModelConfig, w: dict, x_BTD):
     up_RF = jax.lax.ragged_dot(x_RD, w["experts_up"], sizes_E)
     out_RD = jax.lax.ragged_dot(jax.nn.silu(gate_RF) * up_RF, w["experts_down"], sizes_E)
     out_RD = out_RD * weights_SK.reshape(-1)[order_R][:, None].astype(out_RD.dtype)
-    return jnp.zeros_like(x_SD).at[token_R].add(out_RD).reshape(b, t, d)
+    out_BTD = jnp.zeros_like(x_SD).at[token_R].add(out_RD).reshape(b, t, d)
+    return out_BTD, own_SK.reshape(b, t, k)
+
+
+def routing_mismatch(own_BTK, engine_BTK):
+    """Whether each token's set of top-k experts differs from the one recorded by the engine
+    ([B, T] bool; False where the engine's is unknown, -1)."""
+    known_BT = jnp.all(engine_BTK >= 0, axis=-1)
+    same_BT = jnp.all(jnp.sort(own_BTK, axis=-1) == jnp.sort(engine_BTK, axis=-1), axis=-1)
+    return known_BT & ~same_BT

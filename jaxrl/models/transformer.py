@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxrl.models import layers as ops
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.moe import moe_mlp
+from jaxrl.models.moe import moe_mlp_routed, routing_mismatch
 
 _normal = nnx.initializers.normal(stddev=0.02)
 
@@ -92,21 +92,23 @@ def _attention_inputs(cfg: ModelConfig, w: dict, x_BTD, cos_BTH, sin_BTH):
             v_BTGH)
 
 
-def _attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH):
+def _attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH, replay_BTK=None):
+    """(the layer's output, the MoE router's own top-k experts [B, T, K] or None)."""
     o_BTD = jnp.einsum("btnh,nhd->btd", a_BTNH, w["o_proj"])
     if cfg.gemma:
         o_BTD = _norm(cfg, o_BTD, w["post_attn_norm"])
     x_BTD = x_BTD + o_BTD
     h_BTD = checkpoint_name(_norm(cfg, x_BTD, w["mlp_norm"]), "mlp_in")
+    experts_BTK = None
     if cfg.num_experts:
-        m_BTD = moe_mlp(cfg, w, h_BTD)
+        m_BTD, experts_BTK = moe_mlp_routed(cfg, w, h_BTD, replay_BTK)
     else:
         mlp = ops.geglu if cfg.gemma else ops.swiglu
         m_BTD = mlp(h_BTD, w["gate_proj"], w["up_proj"], w["down_proj"],
                     ordered=cfg.mlp_backward == "ordered")
     if cfg.gemma:
         m_BTD = _norm(cfg, m_BTD, w["post_mlp_norm"])
-    return x_BTD + m_BTD
+    return x_BTD + m_BTD, experts_BTK
 
 
 def _attend(cfg: ModelConfig, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT):
@@ -115,10 +117,19 @@ def _attend(cfg: ModelConfig, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT):
                          causal=True)
 
 
+# Keys a caller may add to a MoE model's per-layer parameters (`Transformer.hidden`'s
+# `engine_experts`): the experts the engine chose for each token [B, T, K], compared with the
+# router's own (ENGINE_EXPERTS), or compared and used instead (REPLAY_EXPERTS). A layer given
+# either returns (x, whether each token's experts differ [B, T]) instead of x.
+ENGINE_EXPERTS, REPLAY_EXPERTS = "engine_experts", "replay_experts"
+
+
 def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
                   segment_ids_BT=None):
     """One pre-norm decoder layer; `p` holds that layer's parameters (no `layers` axis)."""
-    w = {k: v.astype(cfg.compute_dtype) for k, v in p.items()}
+    engine_BTK = p.get(ENGINE_EXPERTS, p.get(REPLAY_EXPERTS))
+    w = {k: v.astype(cfg.compute_dtype) for k, v in p.items()
+         if k not in (ENGINE_EXPERTS, REPLAY_EXPERTS)}
     q_BTNH, k_BTGH, v_BTGH = _attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
     # Names a remat policy can save, offload or recompute (sharding/offload.py).
     q_BTNH = checkpoint_name(q_BTNH, "query_proj")
@@ -126,7 +137,10 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
     v_BTGH = checkpoint_name(v_BTGH, "value_proj")
     a_BTNH = checkpoint_name(_attend(cfg, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT),
                              "attention_out")
-    return _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH)
+    x_BTD, own_BTK = _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH, p.get(REPLAY_EXPERTS))
+    if engine_BTK is None:
+        return x_BTD
+    return x_BTD, routing_mismatch(own_BTK, engine_BTK)
 
 
 def layer_inputs(cfg: ModelConfig, positions_BT, segment_ids_BT, length: int):
@@ -174,20 +188,24 @@ def run_layers(cfg: ModelConfig, stacked: dict, x_BTD, positions_BT, segment_ids
     model whose layers are all alike may hold any)."""
     inputs = layer_inputs(cfg, positions_BT, segment_ids_BT, x_BTD.shape[1])
     layer_fn = layer_fn or decoder_layer
-    if len(set(cfg.sliding_layers())) == 1:      # layers all alike: nothing to tell apart
-        def body(x, p):
-            return layer_fn(cfg, p, x, *inputs(None), segment_ids_BT), None
+    # With the engine's experts given, each layer also says which tokens' experts differ:
+    # (x, mismatch [L, B, T]) is returned.
+    routed = ENGINE_EXPERTS in stacked or REPLAY_EXPERTS in stacked
 
-        return jax.lax.scan(body, x_BTD, stacked, unroll=layer_unroll(cfg))[0]
+    def step(x, p, sliding):
+        out = layer_fn(cfg, p, x, *inputs(sliding), segment_ids_BT)
+        return out if routed else (out, None)
+
+    if len(set(cfg.sliding_layers())) == 1:      # layers all alike: nothing to tell apart
+        x_BTD, ys = jax.lax.scan(lambda x, p: step(x, p, None), x_BTD, stacked,
+                                 unroll=layer_unroll(cfg))
+        return (x_BTD, ys) if routed else x_BTD
     if jax.tree.leaves(stacked)[0].shape[0] != cfg.num_layers:
         _check_layers_alike(cfg)                 # a stage's slice: raises
-
-    def body_mixed(x, xs):
-        p, sliding = xs
-        return layer_fn(cfg, p, x, *inputs(sliding), segment_ids_BT), None
-
     sliding_L = jnp.asarray(cfg.sliding_layers())
-    return jax.lax.scan(body_mixed, x_BTD, (stacked, sliding_L), unroll=layer_unroll(cfg))[0]
+    x_BTD, ys = jax.lax.scan(lambda x, xs: step(x, *xs), x_BTD, (stacked, sliding_L),
+                             unroll=layer_unroll(cfg))
+    return (x_BTD, ys) if routed else x_BTD
 
 
 def layer_unroll(cfg: ModelConfig) -> bool:
@@ -238,6 +256,25 @@ class Transformer(nnx.Module):
                                          segment_ids_BT)
         return self.final_hidden(x_BTD)
 
+    def hidden_routed(self, input_ids_BT, engine_experts_BTLK, positions_BT=None,
+                      segment_ids_BT=None, stack_fn=None, replay: bool = False):
+        """`hidden` of a MoE model given the experts the engine chose for each token in each
+        layer ([B, T, L, K], -1 where unknown): (hidden states, whether each token's experts
+        differ from the engine's, per layer [B, T, L]). `replay`: the layers use the engine's
+        experts (where known) instead of their routers' choice."""
+        cfg = self.cfg
+        if not cfg.num_experts:
+            raise ValueError("hidden_routed needs a mixture-of-experts model "
+                             f"(model.family={cfg.family} has no experts)")
+        b, t = input_ids_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        key = REPLAY_EXPERTS if replay else ENGINE_EXPERTS
+        stacked = {**self.layers.stacked(), key: jnp.moveaxis(engine_experts_BTLK, 2, 0)}
+        x_BTD, mismatch_LBT = (stack_fn or run_layers)(
+            cfg, stacked, self.embed_tokens(input_ids_BT), positions_BT, segment_ids_BT)
+        return self.final_hidden(x_BTD), jnp.moveaxis(mismatch_LBT, 0, 2)
+
     def embed_tokens(self, input_ids_BT):
         cfg = self.cfg
         x_BTD = jnp.take(self.embed[...], input_ids_BT, axis=0).astype(cfg.compute_dtype)
@@ -249,14 +286,15 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         return _norm(cfg, x_BTD, self.final_norm[...].astype(cfg.compute_dtype))
 
-    def extend(self, input_ids_BT, start_B, cache, valid_B=None):
+    def extend(self, input_ids_BT, start_B, cache, valid_B=None, routes: bool = False):
         """Runs T new tokens per row on top of a KV cache: row b's tokens sit at positions
         start_B[b] .. start_B[b]+T-1, attend to what the cache holds before them and causally
         to each other, and their keys and values are written into it. Only the first
         valid_B[b] tokens of row b are real (default: all); the rest are padding and are not
         stored. One mechanism for prefill, chunked prefill (T = chunk) and decode (T = 1), on
         any cache of jaxrl.models.kv_cache's protocol (contiguous, or serving's paged pool).
-        Returns (final hidden states [B, T, D], cache)."""
+        Returns (final hidden states [B, T, D], cache), and with `routes` (a MoE model) the
+        experts each token was routed to in each layer [B, T, L, K] after them."""
         cfg = self.cfg
         b, t = input_ids_BT.shape
         offsets_T = jnp.arange(t, dtype=start_B.dtype)
@@ -276,10 +314,14 @@ class Transformer(nnx.Module):
             a_BTNH = cache.attend(layer, q_BTNH, positions_BT,
                                   window=window,
                                   scale=cfg.attention_scale, softcap=cfg.attn_softcap)
-            return (_attention_output_and_mlp(cfg, w, x_BTD, a_BTNH), cache), None
+            x_BTD, experts_BTK = _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH)
+            return (x_BTD, cache), experts_BTK if routes else None
 
         layers = jnp.arange(cfg.num_layers)
-        (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache), (self.layers.stacked(), layers))
+        (x_BTD, cache), experts_LBTK = jax.lax.scan(body, (x_BTD, cache),
+                                                    (self.layers.stacked(), layers))
+        if routes:
+            return self.final_hidden(x_BTD), cache, jnp.moveaxis(experts_LBTK, 0, 2)
         return self.final_hidden(x_BTD), cache
 
     def head(self):

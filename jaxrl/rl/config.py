@@ -143,6 +143,14 @@ class RLConfig:
     # old log-probs: ratio exactly 1 on those tokens, the numeric gap ignored; no extra pass,
     # since the step's loss computes them anyway). Tokens of older weights keep the engine's.
     behaviour_logprobs: Literal["engine", "trainer"] = "engine"
+    # A mixture-of-experts model's routing: the in-process engine records the experts it routed
+    # each token to, and every step logs the share of lag-0 tokens whose experts the trainer's
+    # routers choose differently (router_mismatch). own: the trainer routes with its own
+    # routers; replay: it uses the engine's experts (weighted by its own routers, which still
+    # learn), as verl's and prime-rl's routing replay, so sampler and trainer run the same
+    # experts. `jaxrl serve` processes send it back when started with --record-routes (as
+    # rl.generation.launch does for such a model); replay stops the run on a sample without.
+    moe_routing: Literal["own", "replay"] = "own"
     clip_low: float = 0.2           # ppo/gspo: ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2          # the upper side (DAPO's clip-higher: above clip_low)
     kl_coef: float = 0.0            # k3 KL penalty to the frozen warm-up model; 0: none

@@ -32,6 +32,7 @@ from jaxrl.rl.env import Trajectory, is_multi_turn
 from jaxrl.rl.rewards import Scorer
 from jaxrl.rl.tasks.base import Problem, Task
 from jaxrl.rollout.episodes import EpisodeGroup
+from jaxrl.rollout.filters import FilterStall, describe_drops, filter_drops, generated_samples
 from serving import threads
 from serving.generation import Generation
 from serving.sampling import SamplingParams
@@ -175,6 +176,9 @@ class Actor:
         completions = [self.tokenizer.decode(s.tokens[:-1] if s.tokens and s.tokens[-1] == eos
                                              else s.tokens) for s in samples]
         self._lengths.extend(len(s.tokens) for s in samples)
+        if self.cfg.moe_routing == "replay" and any(s.routes is None for s in samples):
+            raise UserError("rl.moe_routing=replay: a generation server sent samples without "
+                            "their routing; start `jaxrl serve` with --record-routes")
         rewards = self.scorer.group(problem, completions)
         if rewards is None:      # reported by the scorer; the run goes on without the group
             self.stats["dropped_reward_error"] += len(samples)
@@ -186,7 +190,7 @@ class Actor:
             (s.finish_reason, lambda a, s=s, r=r: Rollout(
                 prompt=list(prompt), completion=list(s.tokens), logprobs=list(s.logprobs),
                 versions=list(s.versions), reward=float(r), advantage=float(a), group=index,
-                finish=s.finish_reason)) for s, r in zip(samples, rewards)])
+                finish=s.finish_reason, routes=s.routes)) for s, r in zip(samples, rewards)])
 
     def _score_episodes(self, index: int, trajectories: list[Trajectory]) -> list[Rollout]:
         rewards = np.asarray([t.episode_return for t in trajectories], np.float32)
@@ -299,7 +303,7 @@ class Actor:
         with self._lock:
             now, before = self.stats.copy(), self._report_stats
             self._report_stats = now
-        generated = _generated(now) - _generated(before)
+        generated = generated_samples(now) - generated_samples(before)
         dropped = sum(filter_drops(now, before).values())
         if not generated or 2 * dropped <= generated:
             return None
@@ -359,42 +363,3 @@ def _carried_tokens(partial) -> int:
         return sum(len(t["tokens"]) for t in partial["trajectories"]) + sum(
             len(s["tokens"]) for s in partial["turns"] if s)
     return sum(len(s.tokens) for s in partial)
-
-
-class FilterStall(UserError):
-    """The filters dropped every sample for rl.filter_wait_s; the message names them."""
-
-
-# The counters of samples dropped before the trainer, and the setting behind each.
-FILTERS = {"dropped_overlong": "rl.filter_overlong",
-           "dropped_zero_advantage": "rl.filter_zero_advantage",
-           "dropped_reward_error": "the reward's failures",
-           "dropped_agent": "the agents' lost episodes"}
-
-
-def filter_drops(now: dict, before: dict) -> dict[str, int]:
-    """Samples each filter dropped between two snapshots of the actor's counters."""
-    return {k: now.get(k, 0) - before.get(k, 0) for k in FILTERS}
-
-
-def _generated(stats: dict) -> int:
-    """Samples that reached the filters: scored, or lost to the reward or the agents."""
-    return stats.get("scored", 0) + stats.get("dropped_reward_error", 0) + \
-        stats.get("dropped_agent", 0)
-
-
-def describe_drops(now: dict, before: dict, cfg: RLConfig) -> str:
-    """Which filters dropped how many samples between two snapshots of the actor's counters,
-    the largest first, with what to change for each; "" when none dropped any."""
-    advice = {
-        "dropped_overlong": f"samples cut at rl.max_new_tokens={cfg.max_new_tokens}: raise it, "
-                            f"or train on them with rl.filter_overlong=false",
-        "dropped_zero_advantage": "groups whose rewards were all equal: a denser reward, a "
-                                  "larger rl.group_size, or rl.filter_zero_advantage=false",
-        "dropped_reward_error": "the reward raised or timed out (see its reports above)",
-        "dropped_agent": "episodes the agent programs lost (see their stderr)"}
-    generated = _generated(now) - _generated(before)
-    dropped = filter_drops(now, before)
-    parts = [f"{n} of {generated} samples by {FILTERS[k]} ({advice[k]})"
-             for k, n in sorted(dropped.items(), key=lambda kv: -kv[1]) if n]
-    return "dropped " + "; ".join(parts) if parts else ""

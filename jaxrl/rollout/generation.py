@@ -50,7 +50,8 @@ def engine_config(cfg: RunConfig, model_cfg: ModelConfig) -> EngineConfig:
     return EngineConfig(max_concurrent_decodes=rl.slots, max_len=rl.sample_len + 1,
                         max_prefill_length=rl.prefill_len, prefill_chunk=chunk,
                         min_bucket=max(8, chunk // 2), prefill_budget=max(64, 4 * chunk),
-                        dtype=model_cfg.dtype, attention=rl.engine_attention)
+                        dtype=model_cfg.dtype, attention=rl.engine_attention,
+                        record_routes=bool(model_cfg.num_experts))
 
 
 @dataclasses.dataclass

@@ -137,6 +137,8 @@ class LocalServers:
                        "--prefill-chunk", str(engine.prefill_chunk),
                        "--page-size", str(engine.page_size), "--dtype", dtype,
                        "--update-token-file", str(self.token_file)]
+                if engine.record_routes:
+                    cmd += ["--record-routes"]
                 if pinned:
                     cmd += ["--cpus", ",".join(map(str, pinned))]
                 out = open(log_path, "w")    # noqa: SIM115 (closed in close)

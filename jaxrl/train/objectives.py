@@ -21,10 +21,23 @@ def token_logp(model, mb, temperature: float = 1.0, stack_fn=None, chunk: int = 
     whether the target is the argmax [B, T]) under softmax(logits / temperature), the
     distribution the engine samples from. `stack_fn`: how the layer stack runs (a remat policy
     or a pipeline schedule, sharding/). Logits exist `chunk` positions at a time (see
-    `chunked_token_stats`); chunk=0: all at once."""
+    `chunked_token_stats`); chunk=0: all at once. The model routes with its own routers."""
     x_BTD = model.hidden(mb["input_ids"], mb.get("positions"), mb.get("segment_ids"), stack_fn)
     return chunked_token_stats(x_BTD, model.head(), mb["targets"], temperature, chunk,
                                model.cfg.final_softcap)
+
+
+def routed_token_logp(model, mb, temperature: float = 1.0, stack_fn=None, chunk: int = 512,
+                      replay: bool = False):
+    """`token_logp` and, where the batch holds a MoE engine's routing (`routes` [B, T, L, K]),
+    whether each token's experts differ from it per layer [B, T, L] (else None). `replay`: the
+    layers run the engine's experts instead of their routers' choice."""
+    if "routes" not in mb or not model.cfg.num_experts:
+        return (*token_logp(model, mb, temperature, stack_fn, chunk), None)
+    x_BTD, mismatch_BTL = model.hidden_routed(mb["input_ids"], mb["routes"], mb.get("positions"),
+                                              mb.get("segment_ids"), stack_fn, replay)
+    return (*chunked_token_stats(x_BTD, model.head(), mb["targets"], temperature, chunk,
+                                 model.cfg.final_softcap), mismatch_BTL)
 
 
 def chunked_token_stats(x_BTD, head_DV, targets_BT, temperature: float = 1.0, chunk: int = 512,
@@ -94,10 +107,12 @@ class PolicyGradientLoss:
     max_segments: int = 16
     logits_chunk: int = 512   # positions whose logits exist at once (token_logp); 0: all
     behaviour: str = "engine"  # trainer: mu of lag-0 tokens is the trainer's own log-prob
+    moe_routing: str = "own"   # replay: a MoE model runs the engine's experts (rl.moe_routing)
 
     def __call__(self, model, mb, ref_model=None, stack_fn=None):
-        logp_BT, entropy_BT, _ = token_logp(model, mb, self.temperature, stack_fn,
-                                            self.logits_chunk)
+        logp_BT, entropy_BT, _, mismatch_BTL = routed_token_logp(
+            model, mb, self.temperature, stack_fn, self.logits_chunk,
+            replay=self.moe_routing == "replay")
         ref_logp_BT = mb.get("ref_logp")          # computed by a pipeline's R ops
         if ref_logp_BT is None and ref_model is not None:
             ref_logp_BT = self.reference_logp(ref_model, mb)
@@ -115,6 +130,8 @@ class PolicyGradientLoss:
         if "on_policy" in mb:
             stats.update(logprob_parity(jax.lax.stop_gradient(logp_BT), mb["behaviour_logp"],
                                         mb["on_policy"]))
+            if mismatch_BTL is not None:
+                stats.update(routing_parity(mismatch_BTL, mb["routes"], mb["on_policy"]))
         return loss_sum, weight, stats
 
     def reference_logp(self, ref_model, mb, stack_fn=None):
@@ -134,7 +151,7 @@ class PolicyGradientLoss:
                 "kl_new_old": stats["kl_new_old_sum"] / tokens,
                 "kl_ref": stats["kl_ref_sum"] / tokens,
                 "entropy": stats["entropy_sum"] / tokens,
-                **summarize_parity(stats)}
+                **summarize_parity(stats), **summarize_routing(stats)}
 
 
 def logprob_parity(logp_BT, behaviour_BT, on_policy_BT) -> dict:
@@ -150,6 +167,33 @@ def logprob_parity(logp_BT, behaviour_BT, on_policy_BT) -> dict:
     return {"parity_tokens": jnp.sum(on_policy_BT), "parity_diff_sum": jnp.sum(d_BT),
             "parity_kl_sum": jnp.sum(k3_BT),
             "parity_abs_diff_max": jnp.max(jnp.where(counted, jnp.abs(d_BT), -jnp.inf))}
+
+
+def routing_parity(mismatch_BTL, routes_BTLK, on_policy_BT) -> dict:
+    """Counts, over the lag-0 tokens whose engine routing is known, of tokens where any layer's
+    set of experts differs between engine and trainer, and of (token, layer) choices that do."""
+    counted_BT = (on_policy_BT > 0) & jnp.all(routes_BTLK >= 0, axis=(-2, -1))
+    layers = mismatch_BTL.shape[-1]
+    any_BT = jnp.any(mismatch_BTL, axis=-1) & counted_BT
+    choices_BT = jnp.sum(mismatch_BTL, axis=-1) * counted_BT
+    return {"routing_tokens": jnp.sum(counted_BT).astype(jnp.float32),
+            "routing_choices": jnp.sum(counted_BT).astype(jnp.float32) * layers,
+            "routing_mismatch_sum": jnp.sum(any_BT).astype(jnp.float32),
+            "routing_choice_mismatch_sum": jnp.sum(choices_BT).astype(jnp.float32)}
+
+
+def summarize_routing(stats) -> dict:
+    """router_mismatch: the share of lag-0 tokens whose experts differ in any layer;
+    router_choice_mismatch: the share of (token, layer) choices that differ (NaN, logged as
+    null, when no such token)."""
+    if "routing_tokens" not in stats:
+        return {}
+    n, some = stats["routing_tokens"], stats["routing_tokens"] > 0
+    return {"router_mismatch": jnp.where(
+                some, stats["routing_mismatch_sum"] / jnp.maximum(n, 1.0), jnp.nan),
+            "router_choice_mismatch": jnp.where(
+                some, stats["routing_choice_mismatch_sum"]
+                / jnp.maximum(stats["routing_choices"], 1.0), jnp.nan)}
 
 
 def summarize_parity(stats) -> dict:

@@ -73,6 +73,14 @@ def check_rl_config(cfg: RunConfig, mesh) -> None:
     if cfg.rl.microbatch_rows % dp:
         raise ConfigError(f"rl.microbatch_rows={cfg.rl.microbatch_rows} is not divisible by the "
                           f"{dp}-way data-parallel trainer mesh (mesh.data x mesh.fsdp)")
+    if cfg.rl.moe_routing == "replay":
+        if not model_config(cfg).num_experts:
+            raise ConfigError(f"rl.moe_routing=replay replays a mixture-of-experts model's "
+                              f"routing; model.family={cfg.model.family} has no experts")
+        if cfg.sharding.pipeline.stages > 1:
+            raise ConfigError(f"rl.moe_routing=replay cannot run in a pipeline (sharding."
+                              f"pipeline.stages={cfg.sharding.pipeline.stages}): the stages do "
+                              f"not take per-token inputs beside the activations")
 
 
 def reinforce(cfg: RunConfig, log: Callable[[str], None] = print,

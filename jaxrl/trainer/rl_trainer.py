@@ -24,7 +24,7 @@ def make_objective(cfg: RunConfig) -> PolicyGradientLoss:
                               clip_low=rl.clip_low, clip_high=rl.clip_high,
                               kl_coef=rl.kl_coef, max_segments=rl.max_segments,
                               logits_chunk=cfg.train.logits_chunk,
-                              behaviour=rl.behaviour_logprobs)
+                              behaviour=rl.behaviour_logprobs, moe_routing=rl.moe_routing)
 
 
 class RLTrainer(Trainer):

@@ -128,6 +128,35 @@ def test_pack_shortest_samples():
     assert batch["microbatches"] == 1
 
 
+def test_pack_lays_routing_out_with_the_tokens():
+    """A MoE engine's routing ([tokens - 1, L, K] per rollout) lands at the packed position of
+    the token it routed: every value names its rollout and position, and the input token there
+    is that rollout's token at that position; padding and rollouts without routing get -1."""
+    rollouts = random_rollouts(CFG.batch_size, CFG, seed=3)
+    for i, r in enumerate(rollouts[1:], 1):      # the first has none
+        fed = len(r.prompt) + len(r.completion) - 1
+        r.routes = (np.arange(fed)[:, None, None] + 1000 * i + np.zeros((1, 2, 3), int)
+                    ).astype(np.int32)
+    batch = pack(rollouts, CFG)
+    check_packed(batch, rollouts, CFG)
+    routes = np.asarray(batch["arrays"]["routes"]).reshape(-1, CFG.pack_len, 2, 3)
+    ids = np.asarray(batch["arrays"]["input_ids"]).reshape(-1, CFG.pack_len)
+    assert (routes == routes[..., :1, :1]).all()           # one value per token
+    value = routes[..., 0, 0]
+    seen = collections.Counter()
+    for row, t in zip(*np.nonzero(value >= 0)):
+        i, position = divmod(int(value[row, t]), 1000)
+        r = rollouts[i]
+        assert ids[row, t] == (r.prompt + r.completion)[position]
+        seen[i] += 1
+    assert seen == {i: len(r.prompt) + len(r.completion) - 1
+                    for i, r in enumerate(rollouts) if i}
+    back = Rollout.from_json(json.loads(json.dumps(rollouts[1].to_json())))
+    np.testing.assert_array_equal(back.routes, rollouts[1].routes)
+    with pytest.raises(ValueError, match="routing of 2 tokens"):
+        dataclasses.replace(rollouts[1], routes=rollouts[1].routes[:2])
+
+
 # --- 2. lag filter -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("lag, kept", [("oldest", [True, True, False, False, False]),

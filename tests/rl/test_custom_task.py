@@ -16,7 +16,7 @@ from jaxrl.rl.rewards import RewardFailure, Scorer, score_samples
 from jaxrl.rl.tasks.base import Problem
 from jaxrl.rl.tasks.custom import CustomConfig, CustomTask, load_object
 from jaxrl.rl.tasks.rows import TaskDataError
-from jaxrl.rollout.actor import describe_drops
+from jaxrl.rollout.filters import describe_drops
 
 REWARDS = '''
 import json, os

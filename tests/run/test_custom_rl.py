@@ -12,7 +12,7 @@ import pytest
 from jaxrl.commands import job
 from jaxrl.config import load_run_config
 from jaxrl.rl.rewards import RewardFailure
-from jaxrl.rollout.actor import FilterStall
+from jaxrl.rollout.filters import FilterStall
 from jaxrl.telemetry.metrics import read_metrics
 from tests.tiny_hf import tiny_qwen
 

@@ -4,8 +4,9 @@ paged cache and the trainer recomputes every token's log-prob over packed rows: 
 agree as they do for Llama (tests/run/test_rl.py).
 - gemma2: sandwich norms, GeGLU, both soft-caps, a sliding layer whose window is shorter than
   every sample, then a full one;
-- qwen3_moe: 4 experts, each token routed to 2 (the engine and the trainer route every token
-  on their own: in float32 they must pick the same experts)."""
+- qwen3_moe: 4 experts, each token routed to 2; the engine records its routing and the
+  trainer replays it (rl.moe_routing=replay), logging every step how often its own routers
+  would have chosen differently (in float32, on these weights: never)."""
 
 import pytest
 
@@ -19,7 +20,8 @@ FAMILIES = {
                "model.layer_types=[sliding, full]", "model.query_pre_attn_scalar=12",
                "model.attn_softcap=4.0", "model.final_softcap=8.0"],
     "qwen3_moe": ["model.family=qwen3_moe", "model.qk_norm=true", "model.num_experts=4",
-                  "model.experts_per_token=2", "model.moe_mlp_dim=48"],
+                  "model.experts_per_token=2", "model.moe_mlp_dim=48",
+                  "rl.moe_routing=replay"],
 }
 
 
@@ -37,3 +39,6 @@ def test_sync_rl_trains_on_the_engine_s_log_probs(family, tmp_path):
     assert sum(r["logprob_parity_tokens"] for r in rows) >= 0.9 * sum(
         r["trained_tokens"] for r in rows)
     assert max(r["logprob_abs_diff_max"] for r in rows) <= 5e-5
+    if family == "qwen3_moe":
+        assert all(r["router_mismatch"] == 0 and r["router_choice_mismatch"] == 0
+                   for r in rows)

@@ -273,7 +273,11 @@ def test_resume_mid_run_continues_the_stream(async_run):
      r"rl.microbatch_rows=6 is not divisible by the 4-way data-parallel trainer mesh"),
     (["rl.max_prompt_len=24", "rl.max_new_tokens=16", "rl.pack_len=64"],
      r"rl.max_prompt_len \+ rl.max_new_tokens = 40 exceeds the model's max_seq_len=32"),
-], ids=["engine_devices", "microbatch_rows", "microbatch_rows_split", "max_seq_len"])
+    (["rl.moe_routing=replay"],
+     r"rl.moe_routing=replay replays a mixture-of-experts model's routing; model.family=llama "
+     r"has no experts"),
+], ids=["engine_devices", "microbatch_rows", "microbatch_rows_split", "max_seq_len",
+        "moe_routing"])
 def test_bad_rl_config_is_refused_naming_the_values(warm, tmp_path, overrides, message):
     run_dir = rl_run_dir(warm, tmp_path)
     with pytest.raises(ConfigError, match=message):
