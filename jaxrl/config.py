@@ -287,6 +287,11 @@ class RunConfig:
             raise ConfigError(f"sharding.pipeline.stages={pipe.stages}: a pipeline cannot run "
                               f"a model that mixes sliding-window and full-attention layers "
                               f"({model.family}); train it without a pipeline")
+        if model.router_aux_loss_coef:
+            raise ConfigError(f"sharding.pipeline.stages={pipe.stages}: the load-balancing "
+                              f"loss (model.router_aux_loss_coef={model.router_aux_loss_coef}) "
+                              f"is not computed inside pipeline stages; set it to 0 or train "
+                              f"without a pipeline")
         num_layers = model.num_layers
         try:
             pipe.check(num_layers, self.train.batch_size, "train.batch_size")

@@ -67,6 +67,9 @@ class ModelConfig:
     experts_per_token: int = 2
     moe_mlp_dim: int = 0
     norm_topk_prob: bool = False   # renormalise the top-k router weights to sum to 1
+    # The load-balancing loss (Switch Transformer's, as Hugging Face's Qwen3-MoE adds it with
+    # output_router_logits) added to the training loss with this weight; 0: off.
+    router_aux_loss_coef: float = 0.0
     bos_token_id: int | None = None  # written to config.json by to_hf; read from it by from_hf
     eos_token_id: int | None = None  # likewise; generation stops at it
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"        # compute
@@ -110,6 +113,9 @@ class ModelConfig:
                                  f"model.num_experts={self.num_experts}")
         elif self.num_experts < 0:
             raise ValueError(f"model.num_experts={self.num_experts} must be >= 0 (0: dense)")
+        if self.router_aux_loss_coef < 0 or (self.router_aux_loss_coef and not self.num_experts):
+            raise ValueError(f"model.router_aux_loss_coef={self.router_aux_loss_coef} must be >= "
+                             f"0, and 0 for a model without experts")
         for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap",
                      "sliding_window", "rope_local_theta"):
             value = getattr(self, name)

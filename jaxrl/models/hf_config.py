@@ -102,7 +102,10 @@ def _moe_fields(raw: dict, file: Path) -> dict:
     return dict(num_experts=raw.get("num_experts") or raw["num_local_experts"],
                 experts_per_token=raw["num_experts_per_tok"],
                 moe_mlp_dim=raw["moe_intermediate_size"],
-                norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                # Hugging Face adds the loss only with output_router_logits.
+                router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.0))
+                if raw.get("output_router_logits") else 0.0)
 
 
 def _gemma_fields(raw: dict, family: str, local_rope: dict, file: Path) -> dict:
@@ -187,7 +190,9 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict:
         out.update(num_experts=cfg.num_experts, num_local_experts=cfg.num_experts,
                    num_experts_per_tok=cfg.experts_per_token,
                    moe_intermediate_size=cfg.moe_mlp_dim, norm_topk_prob=cfg.norm_topk_prob,
-                   decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
+                   decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                   output_router_logits=cfg.router_aux_loss_coef > 0,
+                   router_aux_loss_coef=cfg.router_aux_loss_coef or 0.001)
     return out
 
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxrl.models import layers as ops
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.moe import moe_mlp_routed, routing_mismatch
+from jaxrl.models.moe import moe_mlp_routed, router_load, routing_mismatch
 
 _normal = nnx.initializers.normal(stddev=0.02)
 
@@ -93,22 +93,23 @@ def _attention_inputs(cfg: ModelConfig, w: dict, x_BTD, cos_BTH, sin_BTH):
 
 
 def _attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH, replay_BTK=None):
-    """(the layer's output, the MoE router's own top-k experts [B, T, K] or None)."""
+    """(the layer's output, the MoE router's own (top-k experts [B, T, K], probabilities
+    [B, T, E]), or None for a dense model)."""
     o_BTD = jnp.einsum("btnh,nhd->btd", a_BTNH, w["o_proj"])
     if cfg.gemma:
         o_BTD = _norm(cfg, o_BTD, w["post_attn_norm"])
     x_BTD = x_BTD + o_BTD
     h_BTD = checkpoint_name(_norm(cfg, x_BTD, w["mlp_norm"]), "mlp_in")
-    experts_BTK = None
+    routing = None
     if cfg.num_experts:
-        m_BTD, experts_BTK = moe_mlp_routed(cfg, w, h_BTD, replay_BTK)
+        m_BTD, *routing = moe_mlp_routed(cfg, w, h_BTD, replay_BTK)
     else:
         mlp = ops.geglu if cfg.gemma else ops.swiglu
         m_BTD = mlp(h_BTD, w["gate_proj"], w["up_proj"], w["down_proj"],
                     ordered=cfg.mlp_backward == "ordered")
     if cfg.gemma:
         m_BTD = _norm(cfg, m_BTD, w["post_mlp_norm"])
-    return x_BTD + m_BTD, experts_BTK
+    return x_BTD + m_BTD, routing
 
 
 def _attend(cfg: ModelConfig, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT):
@@ -117,11 +118,17 @@ def _attend(cfg: ModelConfig, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT):
                          causal=True)
 
 
-# Keys a caller may add to a MoE model's per-layer parameters (`Transformer.hidden`'s
+# Keys a caller may add to a MoE model's per-layer parameters (`Transformer.hidden_aux`'s
 # `engine_experts`): the experts the engine chose for each token [B, T, K], compared with the
-# router's own (ENGINE_EXPERTS), or compared and used instead (REPLAY_EXPERTS). A layer given
-# either returns (x, whether each token's experts differ [B, T]) instead of x.
+# router's own (ENGINE_EXPERTS), or compared and used instead (REPLAY_EXPERTS).
 ENGINE_EXPERTS, REPLAY_EXPERTS = "engine_experts", "replay_experts"
+
+
+def _has_aux(cfg: ModelConfig, p: dict) -> bool:
+    """Whether a layer returns (x, aux) rather than x: a MoE layer given the engine's experts
+    (aux["mismatch"]: whether each token's experts differ [B, T]) or training with the
+    load-balancing loss (aux: moe.router_load's counts)."""
+    return ENGINE_EXPERTS in p or REPLAY_EXPERTS in p or bool(cfg.router_aux_loss_coef)
 
 
 def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
@@ -137,10 +144,17 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
     v_BTGH = checkpoint_name(v_BTGH, "value_proj")
     a_BTNH = checkpoint_name(_attend(cfg, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT),
                              "attention_out")
-    x_BTD, own_BTK = _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH, p.get(REPLAY_EXPERTS))
-    if engine_BTK is None:
+    x_BTD, routing = _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH, p.get(REPLAY_EXPERTS))
+    if not _has_aux(cfg, p):
         return x_BTD
-    return x_BTD, routing_mismatch(own_BTK, engine_BTK)
+    aux = {}
+    if engine_BTK is not None:
+        aux["mismatch"] = routing_mismatch(routing[0], engine_BTK)
+    if cfg.router_aux_loss_coef:
+        valid_BT = (jnp.ones(x_BTD.shape[:2], bool) if segment_ids_BT is None
+                    else segment_ids_BT > 0)
+        aux.update(router_load(*routing, valid_BT))
+    return x_BTD, aux
 
 
 def layer_inputs(cfg: ModelConfig, positions_BT, segment_ids_BT, length: int):
@@ -173,6 +187,10 @@ def apply_layer(cfg: ModelConfig, p: dict, x_BTD, positions_BT, segment_ids_BT=N
     `layer_fn` as in `run_layers`. The layer does not know its index, so the model's layers
     must all be alike (no mix of sliding-window and full-attention layers)."""
     _check_layers_alike(cfg)
+    if cfg.router_aux_loss_coef:
+        raise ValueError(f"model.router_aux_loss_coef={cfg.router_aux_loss_coef}: the "
+                         f"load-balancing loss is not computed inside pipeline stages; train "
+                         f"without a pipeline or set it to 0")
     cos_BTH, sin_BTH, mask_BTS = layer_inputs(cfg, positions_BT, segment_ids_BT,
                                               x_BTD.shape[1])(None)
     return (layer_fn or decoder_layer)(cfg, p, x_BTD, cos_BTH, sin_BTH, mask_BTS,
@@ -188,9 +206,8 @@ def run_layers(cfg: ModelConfig, stacked: dict, x_BTD, positions_BT, segment_ids
     model whose layers are all alike may hold any)."""
     inputs = layer_inputs(cfg, positions_BT, segment_ids_BT, x_BTD.shape[1])
     layer_fn = layer_fn or decoder_layer
-    # With the engine's experts given, each layer also says which tokens' experts differ:
-    # (x, mismatch [L, B, T]) is returned.
-    routed = ENGINE_EXPERTS in stacked or REPLAY_EXPERTS in stacked
+    # Layers that return aux (`_has_aux`): (x, aux with a leading layer axis) is returned.
+    routed = _has_aux(cfg, stacked)
 
     def step(x, p, sliding):
         out = layer_fn(cfg, p, x, *inputs(sliding), segment_ids_BT)
@@ -254,26 +271,33 @@ class Transformer(nnx.Module):
         x_BTD = self.embed_tokens(input_ids_BT)
         x_BTD = (stack_fn or run_layers)(cfg, self.layers.stacked(), x_BTD, positions_BT,
                                          segment_ids_BT)
+        if _has_aux(cfg, {}):        # the load-balancing counts: see hidden_aux
+            x_BTD = x_BTD[0]
         return self.final_hidden(x_BTD)
 
-    def hidden_routed(self, input_ids_BT, engine_experts_BTLK, positions_BT=None,
-                      segment_ids_BT=None, stack_fn=None, replay: bool = False):
-        """`hidden` of a MoE model given the experts the engine chose for each token in each
-        layer ([B, T, L, K], -1 where unknown): (hidden states, whether each token's experts
-        differ from the engine's, per layer [B, T, L]). `replay`: the layers use the engine's
-        experts (where known) instead of their routers' choice."""
+    def hidden_aux(self, input_ids_BT, positions_BT=None, segment_ids_BT=None, stack_fn=None,
+                   engine_experts_BTLK=None, replay: bool = False):
+        """`hidden` of a MoE model and what its layers report, each with a leading layer axis:
+        given the experts the engine chose for each token in each layer ([B, T, L, K], -1
+        where unknown), `mismatch` (whether each token's experts differ from them [L, B, T]);
+        with model.router_aux_loss_coef, moe.router_load's counts. `replay`: the layers use
+        the engine's experts (where known) instead of their routers' choice."""
         cfg = self.cfg
         if not cfg.num_experts:
-            raise ValueError("hidden_routed needs a mixture-of-experts model "
+            raise ValueError("hidden_aux needs a mixture-of-experts model "
                              f"(model.family={cfg.family} has no experts)")
         b, t = input_ids_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        key = REPLAY_EXPERTS if replay else ENGINE_EXPERTS
-        stacked = {**self.layers.stacked(), key: jnp.moveaxis(engine_experts_BTLK, 2, 0)}
-        x_BTD, mismatch_LBT = (stack_fn or run_layers)(
+        stacked = self.layers.stacked()
+        if engine_experts_BTLK is not None:
+            key = REPLAY_EXPERTS if replay else ENGINE_EXPERTS
+            stacked = {**stacked, key: jnp.moveaxis(engine_experts_BTLK, 2, 0)}
+        if not _has_aux(cfg, stacked):
+            return self.hidden(input_ids_BT, positions_BT, segment_ids_BT, stack_fn), {}
+        x_BTD, aux_L = (stack_fn or run_layers)(
             cfg, stacked, self.embed_tokens(input_ids_BT), positions_BT, segment_ids_BT)
-        return self.final_hidden(x_BTD), jnp.moveaxis(mismatch_LBT, 0, 2)
+        return self.final_hidden(x_BTD), aux_L
 
     def embed_tokens(self, input_ids_BT):
         cfg = self.cfg
@@ -314,8 +338,8 @@ class Transformer(nnx.Module):
             a_BTNH = cache.attend(layer, q_BTNH, positions_BT,
                                   window=window,
                                   scale=cfg.attention_scale, softcap=cfg.attn_softcap)
-            x_BTD, experts_BTK = _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH)
-            return (x_BTD, cache), experts_BTK if routes else None
+            x_BTD, routing = _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH)
+            return (x_BTD, cache), routing[0] if routes else None
 
         layers = jnp.arange(cfg.num_layers)
         (x_BTD, cache), experts_LBTK = jax.lax.scan(body, (x_BTD, cache),

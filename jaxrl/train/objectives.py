@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.layers import soft_cap
+from jaxrl.models.moe import load_balancing_loss
 from jaxrl.rl.losses import effective_sample_size, policy_loss
 
 
@@ -29,15 +30,40 @@ def token_logp(model, mb, temperature: float = 1.0, stack_fn=None, chunk: int = 
 
 def routed_token_logp(model, mb, temperature: float = 1.0, stack_fn=None, chunk: int = 512,
                       replay: bool = False):
-    """`token_logp` and, where the batch holds a MoE engine's routing (`routes` [B, T, L, K]),
-    whether each token's experts differ from it per layer [B, T, L] (else None). `replay`: the
-    layers run the engine's experts instead of their routers' choice."""
-    if "routes" not in mb or not model.cfg.num_experts:
-        return (*token_logp(model, mb, temperature, stack_fn, chunk), None)
-    x_BTD, mismatch_BTL = model.hidden_routed(mb["input_ids"], mb["routes"], mb.get("positions"),
-                                              mb.get("segment_ids"), stack_fn, replay)
+    """`token_logp` and what a MoE model's routing adds (else {}): where the batch holds the
+    engine's routing (`routes` [B, T, L, K]), `mismatch`, whether each token's experts differ
+    from it per layer [L, B, T]; with model.router_aux_loss_coef, `load_balancing`, the
+    microbatch's load-balancing loss. `replay`: the layers run the engine's experts instead of
+    their routers' choice."""
+    cfg = model.cfg
+    routes = mb.get("routes") if cfg.num_experts else None
+    if routes is None and not cfg.router_aux_loss_coef:
+        return (*token_logp(model, mb, temperature, stack_fn, chunk), {})
+    x_BTD, aux_L = model.hidden_aux(mb["input_ids"], mb.get("positions"), mb.get("segment_ids"),
+                                    stack_fn, routes, replay)
+    out = {"mismatch": aux_L["mismatch"]} if "mismatch" in aux_L else {}
+    if cfg.router_aux_loss_coef:
+        out["load_balancing"] = load_balancing_loss(aux_L)
     return (*chunked_token_stats(x_BTD, model.head(), mb["targets"], temperature, chunk,
-                                 model.cfg.final_softcap), mismatch_BTL)
+                                 cfg.final_softcap), out)
+
+
+def with_load_balancing(model, loss_sum, weight, stats: dict, routing: dict):
+    """The load-balancing loss added to the microbatch's loss sum (weighted like its other
+    tokens: the step divides the sum by the total weight) and to its stats."""
+    if "load_balancing" not in routing:
+        return loss_sum, stats
+    lb = routing["load_balancing"]
+    return (loss_sum + model.cfg.router_aux_loss_coef * lb * weight,
+            {**stats, "router_aux_sum": jax.lax.stop_gradient(lb) * weight,
+             "router_aux_weight": weight})
+
+
+def summarize_load_balancing(stats) -> dict:
+    if "router_aux_sum" not in stats:
+        return {}
+    return {"router_aux_loss": stats["router_aux_sum"]
+            / jnp.maximum(stats["router_aux_weight"], 1e-9)}
 
 
 def chunked_token_stats(x_BTD, head_DV, targets_BT, temperature: float = 1.0, chunk: int = 512,
@@ -81,17 +107,19 @@ class SupervisedLoss:
     behaviour: str = "engine"  # trainer: mu of lag-0 tokens is the trainer's own log-prob
 
     def __call__(self, model, mb, ref_model=None, stack_fn=None):
-        logp_BT, _, correct_BT = token_logp(model, mb, stack_fn=stack_fn,
-                                            chunk=self.logits_chunk)
+        logp_BT, _, correct_BT, routing = routed_token_logp(model, mb, stack_fn=stack_fn,
+                                                            chunk=self.logits_chunk)
         mask_BT = mb["loss_mask"].astype(jnp.float32)
         correct_BT = correct_BT.astype(jnp.float32)
         tokens = jnp.sum(mask_BT)
-        return -jnp.sum(logp_BT * mask_BT), tokens, {
-            "tokens": tokens, "correct": jnp.sum(correct_BT * mask_BT)}
+        loss_sum, stats = with_load_balancing(model, -jnp.sum(logp_BT * mask_BT), tokens, {
+            "tokens": tokens, "correct": jnp.sum(correct_BT * mask_BT)}, routing)
+        return loss_sum, tokens, stats
 
     def summarize(self, stats):
         tokens = jnp.maximum(stats["tokens"], 1.0)
-        return {"tokens": stats["tokens"], "token_accuracy": stats["correct"] / tokens}
+        return {"tokens": stats["tokens"], "token_accuracy": stats["correct"] / tokens,
+                **summarize_load_balancing(stats)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +138,7 @@ class PolicyGradientLoss:
     moe_routing: str = "own"   # replay: a MoE model runs the engine's experts (rl.moe_routing)
 
     def __call__(self, model, mb, ref_model=None, stack_fn=None):
-        logp_BT, entropy_BT, _, mismatch_BTL = routed_token_logp(
+        logp_BT, entropy_BT, _, routing = routed_token_logp(
             model, mb, self.temperature, stack_fn, self.logits_chunk,
             replay=self.moe_routing == "replay")
         ref_logp_BT = mb.get("ref_logp")          # computed by a pipeline's R ops
@@ -130,8 +158,9 @@ class PolicyGradientLoss:
         if "on_policy" in mb:
             stats.update(logprob_parity(jax.lax.stop_gradient(logp_BT), mb["behaviour_logp"],
                                         mb["on_policy"]))
-            if mismatch_BTL is not None:
-                stats.update(routing_parity(mismatch_BTL, mb["routes"], mb["on_policy"]))
+            if "mismatch" in routing:
+                stats.update(routing_parity(routing["mismatch"], mb["routes"], mb["on_policy"]))
+        loss_sum, stats = with_load_balancing(model, loss_sum, weight, stats, routing)
         return loss_sum, weight, stats
 
     def reference_logp(self, ref_model, mb, stack_fn=None):
@@ -151,7 +180,8 @@ class PolicyGradientLoss:
                 "kl_new_old": stats["kl_new_old_sum"] / tokens,
                 "kl_ref": stats["kl_ref_sum"] / tokens,
                 "entropy": stats["entropy_sum"] / tokens,
-                **summarize_parity(stats), **summarize_routing(stats)}
+                **summarize_parity(stats), **summarize_routing(stats),
+                **summarize_load_balancing(stats)}
 
 
 def logprob_parity(logp_BT, behaviour_BT, on_policy_BT) -> dict:
@@ -169,13 +199,13 @@ def logprob_parity(logp_BT, behaviour_BT, on_policy_BT) -> dict:
             "parity_abs_diff_max": jnp.max(jnp.where(counted, jnp.abs(d_BT), -jnp.inf))}
 
 
-def routing_parity(mismatch_BTL, routes_BTLK, on_policy_BT) -> dict:
+def routing_parity(mismatch_LBT, routes_BTLK, on_policy_BT) -> dict:
     """Counts, over the lag-0 tokens whose engine routing is known, of tokens where any layer's
     set of experts differs between engine and trainer, and of (token, layer) choices that do."""
     counted_BT = (on_policy_BT > 0) & jnp.all(routes_BTLK >= 0, axis=(-2, -1))
-    layers = mismatch_BTL.shape[-1]
-    any_BT = jnp.any(mismatch_BTL, axis=-1) & counted_BT
-    choices_BT = jnp.sum(mismatch_BTL, axis=-1) * counted_BT
+    layers = mismatch_LBT.shape[0]
+    any_BT = jnp.any(mismatch_LBT, axis=0) & counted_BT
+    choices_BT = jnp.sum(mismatch_LBT, axis=0) * counted_BT
     return {"routing_tokens": jnp.sum(counted_BT).astype(jnp.float32),
             "routing_choices": jnp.sum(counted_BT).astype(jnp.float32) * layers,
             "routing_mismatch_sum": jnp.sum(any_BT).astype(jnp.float32),

@@ -188,3 +188,46 @@ def test_from_hf_places_each_tensor_on_the_mesh(hf_checkpoint):
     L, D, N, H = q.shape
     assert {s.data.shape for s in q.addressable_shards} == {(L, D // 4, N // 2, H)}
     np.testing.assert_allclose(np.asarray(model(ids)), expected, atol=1e-4)
+
+
+def test_moe_load_balancing_loss_equals_transformers(tmp_path):
+    """Qwen3-MoE with output_router_logits: transformers' training loss (cross-entropy plus
+    router_aux_loss_coef times its load_balancing_loss_func over every layer's router logits)
+    against SupervisedLoss on the same tokens, and its gradient on the routers; the setting
+    survives from_hf and to_hf."""
+    import jax
+
+    from jaxrl.models import merge_params, split_params
+    from jaxrl.train.objectives import SupervisedLoss
+
+    config = FAMILIES["qwen3_moe"]()
+    config.output_router_logits, config.router_aux_loss_coef = True, 0.25
+    hf = _random_hf_model(config)
+    hf.save_pretrained(tmp_path / "in")
+    ids = np.random.default_rng(2).integers(0, 97, size=(2, 11)).astype(np.int32)
+    out = hf(torch.from_numpy(ids).long(), labels=torch.from_numpy(ids).long())
+    out.loss.backward()
+    assert float(out.aux_loss.detach()) > 0
+
+    model = from_hf(tmp_path / "in", dtype="float32")
+    assert model.cfg.router_aux_loss_coef == 0.25
+    mask = np.ones(ids.shape, np.float32)
+    mask[:, -1] = 0                        # transformers predicts tokens 1..T-1
+    mb = {"input_ids": ids, "targets": np.roll(ids, -1, axis=1), "loss_mask": mask}
+    graphdef, params = split_params(model)
+
+    def loss(p):
+        loss_sum, weight, stats = SupervisedLoss()(merge_params(graphdef, p), mb)
+        return loss_sum / weight, stats
+
+    (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    np.testing.assert_allclose(float(value), float(out.loss), rtol=1e-5)
+    summary = SupervisedLoss().summarize(stats)
+    np.testing.assert_allclose(float(summary["router_aux_loss"]), float(out.aux_loss),
+                               rtol=1e-5)
+    want = np.stack([layer.mlp.gate.weight.grad.numpy().T for layer in hf.model.layers])
+    np.testing.assert_allclose(np.asarray(grads["layers"]["router"]), want, atol=1e-5)
+
+    to_hf(model, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["output_router_logits"] and written["router_aux_loss_coef"] == 0.25

@@ -6,7 +6,8 @@ agree as they do for Llama (tests/run/test_rl.py).
   every sample, then a full one;
 - qwen3_moe: 4 experts, each token routed to 2; the engine records its routing and the
   trainer replays it (rl.moe_routing=replay), logging every step how often its own routers
-  would have chosen differently (in float32, on these weights: never)."""
+  would have chosen differently (in float32, on these weights: never); the warm-up and RL
+  train with the load-balancing loss."""
 
 import pytest
 
@@ -21,7 +22,7 @@ FAMILIES = {
                "model.attn_softcap=4.0", "model.final_softcap=8.0"],
     "qwen3_moe": ["model.family=qwen3_moe", "model.qk_norm=true", "model.num_experts=4",
                   "model.experts_per_token=2", "model.moe_mlp_dim=48",
-                  "rl.moe_routing=replay"],
+                  "rl.moe_routing=replay", "model.router_aux_loss_coef=0.01"],
 }
 
 
@@ -42,3 +43,5 @@ def test_sync_rl_trains_on_the_engine_s_log_probs(family, tmp_path):
     if family == "qwen3_moe":
         assert all(r["router_mismatch"] == 0 and r["router_choice_mismatch"] == 0
                    for r in rows)
+        # The load-balancing loss (tests/models/test_hf.py checks its value): at most E = 4.
+        assert all(0 < r["router_aux_loss"] <= 4 for r in rows)

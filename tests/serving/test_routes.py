@@ -1,6 +1,6 @@
 """Router parity for a mixture-of-experts model: the engine records the experts it routed every
 fed token to (prefill chunks, decode steps, a preempted sample's recompute), and the trainer's
-forward (`Transformer.hidden_routed`, an independent path: the whole sequence at once, no pages)
+forward (`Transformer.hidden_aux`, an independent path: the whole sequence at once, no pages)
 compares them with its own routers' or replays them.
 
 With routers whose experts nearly tie, the two paths' float32 rounding picks different experts
@@ -45,9 +45,10 @@ def _trainer_logp(model, sample, prompt, replay: bool):
     """The trainer's log-prob of each sampled token given the engine's routing, and whether
     each fed token's experts differ from the engine's in any layer."""
     ids = jnp.asarray([prompt + sample.tokens[:-1]])
-    x, mismatch_BTL = model.hidden_routed(ids, jnp.asarray(sample.routes)[None], replay=replay)
+    x, aux = model.hidden_aux(ids, engine_experts_BTLK=jnp.asarray(sample.routes)[None],
+                              replay=replay)
     logp, _, _ = chunked_token_stats(x, model.head(), jnp.asarray([prompt[1:] + sample.tokens]))
-    return np.asarray(logp[0, len(prompt) - 1:]), np.asarray(mismatch_BTL[0].any(-1))
+    return np.asarray(logp[0, len(prompt) - 1:]), np.asarray(aux["mismatch"][:, 0].any(0))
 
 
 @pytest.fixture(scope="module")
