@@ -8,7 +8,6 @@ for some tokens, and the log-probs differ; replaying the engine's experts makes 
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
