@@ -16,21 +16,22 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "stage", "fsdp", "tensor")
+MESH_AXES = ("data", "stage", "fsdp", "expert", "tensor")
 
 # logical axis -> mesh axes it is split over, in order. Unlisted axes are replicated.
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "embed": ("fsdp",),
     "vocab": ("tensor",),
     "q_heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
     "layers": ("stage",),
-    # Mixture-of-experts weights [L, E, D, F]: the experts split over fsdp (each fsdp shard
-    # stores E / fsdp of them whole; embed, after them, stays unsplit), their hidden size over
-    # tensor. XLA gathers the experts for the grouped matmuls (no all-to-all dispatch yet).
-    "experts": ("fsdp",),
+    # Mixture-of-experts weights [L, E, D, F]: the experts split over `expert` (expert
+    # parallelism: each shard runs its own experts on the tokens the others send it, all-to-all,
+    # jaxrl/models/moe_parallel.py) and then fsdp (each fsdp shard stores a part of them whole,
+    # gathered by XLA; embed, after them, stays unsplit), their hidden size over tensor.
+    "experts": ("expert", "fsdp"),
 }
 
 
@@ -42,6 +43,10 @@ class MeshConfig:
     data: int = 1     # pure data parallelism (replicated parameters)
     stage: int = 1    # pipeline stages (the `layers` axis is split over it)
     fsdp: int = -1    # data parallelism with parameters and optimizer state sharded (ZeRO-3)
+    # Expert parallelism for mixture-of-experts models: the experts split over it, tokens sent
+    # to their experts' devices and back (all-to-all); the rest of the model takes it as data
+    # parallelism.
+    expert: int = 1
     tensor: int = 1   # tensor parallelism over heads, mlp and vocab
 
     def __post_init__(self):
@@ -67,7 +72,7 @@ class MeshConfig:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes (data, stage, fsdp, tensor) over `devices` (default: all)."""
+    """A mesh with axes (data, stage, fsdp, expert, tensor) over `devices` (default: all)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = cfg.resolve(len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)

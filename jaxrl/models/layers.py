@@ -204,7 +204,7 @@ def _attention_splash(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, scale: float):
     g = k_BSGH.shape[2]
     mesh = jax.sharding.get_abstract_mesh()
     platform = mesh.abstract_device.platform if not mesh.empty else jax.default_backend()
-    batch_axes = tuple(a for a in ("data", "fsdp") if not mesh.empty
+    batch_axes = tuple(a for a in ("data", "fsdp", "expert") if not mesh.empty
                        and a in mesh.axis_names and mesh.shape[a] > 1)
     head_axis = ("tensor" if not mesh.empty and "tensor" in mesh.axis_names
                  and mesh.shape["tensor"] > 1 else None)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.moe_parallel import expert_mesh, parallel_experts
 
 
 def route(cfg: ModelConfig, router_DE, x_SD, replay_SK=None):
@@ -54,6 +55,11 @@ def moe_mlp_routed(cfg: ModelConfig, w: dict, x_BTD, replay_BTK=None):
     x_SD = x_BTD.reshape(b * t, d)
     k, e = cfg.experts_per_token, cfg.num_experts
     replay_SK = None if replay_BTK is None else replay_BTK.reshape(b * t, k)
+    mesh = expert_mesh()
+    if mesh is not None:       # expert parallelism (moe_parallel.py)
+        out_SD, own_SK, probs_SE = parallel_experts(
+            lambda router, x, replay: route(cfg, router, x, replay), w, x_SD, replay_SK, mesh)
+        return out_SD.reshape(b, t, d), own_SK.reshape(b, t, k), probs_SE.reshape(b, t, e)
     experts_SK, weights_SK, own_SK, probs_SE = route(cfg, w["router"], x_SD, replay_SK)
     # Every (token, choice) pair as one row, the rows sorted by expert: group g is expert g's.
     order_R = jnp.argsort(experts_SK.reshape(-1), stable=True)

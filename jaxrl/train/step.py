@@ -230,9 +230,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
         if "oldest_version" in batch:   # RL: tokens whose whole context these weights made
             batch = {**batch, "on_policy": ((batch["oldest_version"] == state["step"])
                                             & (batch["loss_mask"] > 0)).astype(jnp.float32)}
-        # Splash attention runs in shard_map over the mesh it finds in this context.
+        # Splash attention and expert parallelism run in shard_map over the mesh they find
+        # in this context.
+        cfg = merge_params(graphdef, state["params"]).cfg
         context = (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None
-                   and merge_params(graphdef, state["params"]).cfg.attention == "splash"
+                   and (cfg.attention == "splash" or cfg.num_experts
+                        and mesh.shape.get("expert", 1) > 1)
                    else contextlib.nullcontext())
         with context:
             loss, grads, aux = loss_and_grads(graphdef, state["params"], batch, objective,

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl.models import ModelConfig, abstract_model, split_params
+from jaxrl.models import moe_parallel
 from jaxrl.models.moe import moe_mlp
 from jaxrl.optim_config import OptimConfig
 from jaxrl.train.optim import make_optimizer
@@ -56,27 +57,49 @@ def test_grouped_experts_equal_every_expert_on_every_token(norm_topk_prob):
 
 
 @pytest.mark.multi_device
-def test_moe_train_step_on_a_mesh_equals_one_device():
-    """Experts stored split over fsdp (the `experts` axis), their hidden size over tensor, rows
-    over data and fsdp: the loss and every gradient as on one device."""
+@pytest.mark.parametrize("sizes", [dict(data=2, fsdp=2, tensor=2), dict(fsdp=2, expert=2, tensor=2),
+                                   dict(fsdp=1, expert=4, tensor=2)],
+                         ids=["fsdp", "expert2", "expert4"])
+def test_moe_train_step_on_a_mesh_equals_one_device(sizes, monkeypatch):
+    """Experts stored split over `expert` (all-to-all dispatch: jaxrl/models/moe_parallel.py)
+    and fsdp, their hidden size over tensor, rows over data, fsdp and expert: the loss, the
+    load-balancing loss and every gradient as on one device."""
+    cfg = dataclasses.replace(CFG, router_aux_loss_coef=0.1)
     tx = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0), total_steps=10)
-    graphdef, _ = split_params(abstract_model(CFG))
+    graphdef, _ = split_params(abstract_model(cfg))
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, CFG.vocab_size, size=(8, 9)).astype(np.int32)
+    ids = rng.integers(0, cfg.vocab_size, size=(8, 9)).astype(np.int32)
     batch = {"input_ids": ids[:, :-1], "targets": ids[:, 1:],
              "loss_mask": (rng.random((8, 8)) < 0.7).astype(np.float32)}
+    exchanges = []        # layers traced through the all-to-all path
+    exchange = moe_parallel._exchange
+    monkeypatch.setattr(moe_parallel, "_exchange",
+                        lambda *a: exchanges.append(1) or exchange(*a))
     results, params = [], None
     for mesh in (make_mesh(MeshConfig(fsdp=1), devices=jax.devices()[:1]),
-                 make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))):
-        shardings = state_shardings(CFG, tx, mesh)
-        state = init_state(CFG, tx, shardings, seed=0, params=params)
+                 make_mesh(MeshConfig(**sizes))):
+        shardings = state_shardings(cfg, tx, mesh)
+        state = init_state(cfg, tx, shardings, seed=0, params=params)
         params = jax.device_get(state["params"])
         experts = state["params"]["layers"]["experts_gate"]      # [L, E, D, F]
         mb = jax.device_put(split_microbatches(batch, 1), batch_sharding(mesh, 3, leading=1))
         fn = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b))
-        results.append((experts.sharding.spec, jax.device_get(fn(state["params"], mb)[:2])))
-    (_, (loss1, grads1)), (spec8, (loss8, grads8)) = results
-    assert tuple(spec8)[:2] == (None, "fsdp") and "tensor" in tuple(spec8)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):   # as the train step does
+            results.append((experts.sharding.spec, jax.device_get(fn(state["params"], mb))))
+    (_, (loss1, grads1, aux1)), (spec8, (loss8, grads8, aux8)) = results
+    split = tuple(a for a in ("expert", "fsdp") if sizes.get(a, 1) > 1)
+    assert tuple(spec8)[1] in (split, split[0]) and "tensor" in tuple(spec8)
+    assert bool(exchanges) == ("expert" in sizes)
     np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
+    np.testing.assert_allclose(aux8["router_aux_loss"], aux1["router_aux_loss"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads8), jax.tree.leaves(grads1)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_experts_must_divide_over_the_expert_axis():
+    class Mesh:
+        shape = {"expert": 3}
+
+    w = {"experts_gate": np.zeros((4, 2, 2))}
+    with pytest.raises(ValueError, match="model.num_experts=4 is not divisible by mesh.expert=3"):
+        moe_parallel.parallel_experts(None, w, np.zeros((6, 2)), None, Mesh())
