@@ -24,9 +24,10 @@ def route(cfg: ModelConfig, router_DE, x_SD, replay_SK=None):
     """(expert ids int32 [S, K], their weights float32 [S, K], the router's own top-k ids
     [S, K], its probabilities [S, E]) of each token: the top-k of the softmax over the
     router's logits (computed in the compute dtype, the softmax in float32, as Hugging Face's
-    Qwen3-MoE), renormalised to sum to 1 when model.norm_topk_prob. `replay_SK`: experts chosen elsewhere (the engine that sampled
-    the token; -1 where unknown) used instead of the router's own, weighted by the router's
-    probabilities of them, so the router still learns (routing replay, as verl and prime-rl)."""
+    Qwen3-MoE), renormalised to sum to 1 when model.norm_topk_prob. `replay_SK`: experts
+    chosen elsewhere (the engine that sampled the token; -1 where unknown) used instead of the
+    router's own, weighted by the router's probabilities of them, so the router still learns
+    (routing replay, as verl and prime-rl do)."""
     logits_SE = (x_SD @ router_DE).astype(jnp.float32)
     probs_SE = jax.nn.softmax(logits_SE, axis=-1)
     weights_SK, own_SK = jax.lax.top_k(probs_SE, cfg.experts_per_token)
