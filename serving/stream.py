@@ -39,7 +39,7 @@ class Sample:
     logprobs: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
-    routes: object = None         # DoneEvent.routes
+    routes: object = dataclasses.field(default=None, compare=False)   # DoneEvent.routes
 
 
 class RequestStream:

@@ -10,6 +10,7 @@ interrupted one had not trained on yet.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import threading
 from typing import Any, Iterable
@@ -60,14 +61,18 @@ class Rollout:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if self.routes is not None:
-            d["routes"] = np.asarray(self.routes).tolist()
+        if self.routes is not None:   # int16 bytes, base64 (a long sample's routing is large)
+            d["routes"] = {"shape": list(self.routes.shape), "int16": base64.b64encode(
+                np.asarray(self.routes, "<i2").tobytes()).decode()}
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Rollout":
         routes = d.get("routes")
-        return cls(**{**d, "routes": None if routes is None else np.asarray(routes, np.int32)})
+        if routes is not None:
+            routes = np.frombuffer(base64.b64decode(routes["int16"]), "<i2").reshape(
+                routes["shape"]).astype(np.int32)
+        return cls(**{**d, "routes": routes})
 
 
 class StreamClosed(Exception):
