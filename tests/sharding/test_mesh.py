@@ -7,9 +7,9 @@ from sharding.mesh import MeshConfig, batch_sharding, logical_to_spec, make_mesh
 
 def test_auto_axis_takes_the_remaining_devices():
     assert MeshConfig(data=2, tensor=2).resolve(8) == {"data": 2, "stage": 1, "fsdp": 2,
-                                                        "tensor": 2}
+                                                        "expert": 1, "tensor": 2}
     mesh = make_mesh(MeshConfig(data=2, tensor=2))
-    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "tensor": 2}
 
 
 def test_mesh_over_a_subset_of_devices():
@@ -37,3 +37,14 @@ def test_logical_rules():
     assert logical_to_spec(("layers", "embed", "kv_heads", "head_dim"), (4, 64, 1, 16),
                            mesh) == P(None, "fsdp", None, None)
     assert batch_sharding(mesh, 3, leading=1).spec == P(None, ("data", "fsdp"), None)
+
+
+def test_expert_axis_rules():
+    """Experts split over `expert` then fsdp; the batch over every data-like axis, `expert`
+    included (the dense layers treat it as data parallelism)."""
+    mesh = make_mesh(MeshConfig(fsdp=2, expert=2, tensor=2))
+    assert logical_to_spec(("layers", "experts", "embed", "mlp"), (2, 8, 64, 32), mesh) == P(
+        None, ("expert", "fsdp"), None, "tensor")
+    assert logical_to_spec(("layers", "experts", "embed", "mlp"), (2, 2, 64, 32), mesh) == P(
+        None, "expert", "fsdp", "tensor")
+    assert batch_sharding(mesh, 3, leading=1).spec == P(None, ("fsdp", "expert"), None)
