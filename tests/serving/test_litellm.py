@@ -7,13 +7,10 @@ checked is the protocol as litellm speaks it."""
 
 import json
 import os
-import string
 
 import pytest
 
-from jaxrl.models.tokenizer import CharTokenizer
-from serving.openai_api import OpenAIApp, start_http
-from tests.serving.test_tool_calls import CALLS, HERMES, TOOLS, ScriptedModel
+from tests.serving.test_tool_calls import CALLS, TOOLS, scripted_endpoint
 
 # litellm fetches its model price list from GitHub at import unless told to use its own copy.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -22,14 +19,9 @@ import litellm  # noqa: E402
 
 @pytest.fixture(scope="module")
 def served():
-    tokenizer = CharTokenizer(string.printable)
-    tokenizer.chat_template = HERMES
-    model = ScriptedModel(tokenizer)
-    server, port = start_http(OpenAIApp(model, tokenizer, "tiny", 4096).app, "127.0.0.1", 0)
-    args = {"model": "openai/tiny", "api_base": f"http://127.0.0.1:{port}/v1",
-            "api_key": "unused", "num_retries": 0, "timeout": 60}
-    yield model, args
-    server.should_exit = True
+    with scripted_endpoint() as (model, port):
+        yield model, {"model": "openai/tiny", "api_base": f"http://127.0.0.1:{port}/v1",
+                      "api_key": "unused", "num_retries": 0, "timeout": 60}
 
 
 def _calls(message):

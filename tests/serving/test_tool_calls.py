@@ -5,6 +5,7 @@ output or input is text or a 400, never a 500. The model is scripted (it writes 
 test gives it), so what is checked is the protocol against OpenAI's own client; the parsers'
 formats are checked on their own below."""
 
+import contextlib
 import itertools
 import json
 import string
@@ -67,16 +68,26 @@ class ScriptedModel:
         pass
 
 
-@pytest.fixture(scope="module")
-def served():
+@contextlib.contextmanager
+def scripted_endpoint():
+    """(ScriptedModel, port) of the OpenAI endpoint over a scripted model with HERMES's
+    template on a character tokenizer, served by uvicorn on 127.0.0.1 while the block runs."""
     tokenizer = CharTokenizer(string.printable)
     tokenizer.chat_template = HERMES
     model = ScriptedModel(tokenizer)
     server, port = start_http(OpenAIApp(model, tokenizer, "tiny", 4096).app, "127.0.0.1", 0)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                           max_retries=0, timeout=60)
-    yield client, model, port
-    server.should_exit = True
+    try:
+        yield model, port
+    finally:
+        server.should_exit = True
+
+
+@pytest.fixture(scope="module")
+def served():
+    with scripted_endpoint() as (model, port):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        yield client, model, port
 
 
 CALLS = ('Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
