@@ -112,8 +112,10 @@ def _serve(args) -> None:
                         f"{e.strerror.lower()}") from None
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-    logging.getLogger("jaxrl").addHandler(handler)
-    logging.getLogger("jaxrl").setLevel(logging.INFO)
+    logger = logging.getLogger("jaxrl")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False    # a library's root handler (absl's) would print every line again
     tls = read_tls(args.tls_cert, args.tls_key)
     serve(model_dir=args.model, checkpoint_dir=args.checkpoint, host=args.host, port=args.port,
           engine_config=engine_config, update_token=token, log=lambda m: print(m, flush=True),

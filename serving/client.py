@@ -207,6 +207,24 @@ class RemoteGeneration:
             raise ConnectionError(f"{self.address}: {e.code().name}: {e.details()}") from None
         return json.loads(reply.json)
 
+    def pause(self, timeout: float = 60.0, lease_s: float | None = None) -> None:
+        """Pauses the server's engine (partial rollouts; Orchestrator.pause) and returns once it
+        is idle. The server resumes by itself after `lease_s` (default 600 s) unless `resume`
+        is called first. Raises ConnectionError when it cannot be reached or refuses (token)."""
+        self._call("Pause", gen_pb2.PauseRequest(lease_s=lease_s or 600.0), timeout)
+
+    def resume(self) -> None:
+        self._call("Resume", gen_pb2.ResumeRequest(), self._rpc_timeout_s)
+
+    def _call(self, rpc: str, request, timeout: float):
+        try:
+            return getattr(self._stub, rpc)(
+                request, timeout=timeout,
+                metadata=[("authorization", f"Bearer {self._token or ''}")])
+        except grpc.RpcError as e:
+            raise ConnectionError(f"{rpc} {self.address}: {e.code().name}: {e.details()}"
+                                  ) from None
+
     def end_session(self, key: str) -> None:
         try:
             self._stub.EndSession(gen_pb2.EndSessionRequest(session=key),

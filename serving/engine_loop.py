@@ -82,6 +82,7 @@ class EngineLoop:
         self.scores: queue.SimpleQueue[Score] = queue.SimpleQueue()
         self._hold = threading.Event()      # set: dispatch nothing until release()
         self.held = threading.Event()       # set by the loop once it honours the hold
+        self._hold_until: float | None = None   # monotonic time a leased hold ends by itself
         self._hold_lock = threading.Lock()
         # what it reports
         self.pauses_s: list[float] = []
@@ -92,15 +93,26 @@ class EngineLoop:
         self.admit_lock = threading.Lock()
         self.closed = False
 
-    def hold(self) -> None:
-        self._hold.set()
+    def hold(self, lease_s: float | None = None) -> None:
+        """Dispatch nothing until `release`, or for at most `lease_s` seconds (a remote
+        trainer that paused the engine and died does not leave it paused for good)."""
+        with self._hold_lock:
+            self._hold_until = None if lease_s is None else time.monotonic() + lease_s
+            self._hold.set()
         self.wake.set()
 
     def release(self) -> None:
         with self._hold_lock:
             self._hold.clear()
             self.held.clear()
+            self._hold_until = None
         self.wake.set()
+
+    def paused(self) -> bool:
+        """Held (by `hold`, its lease not run out)."""
+        with self._hold_lock:
+            return self._hold.is_set() and (self._hold_until is None
+                                            or time.monotonic() <= self._hold_until)
 
     def stats(self) -> collections.Counter:
         with self._stats_lock:
@@ -141,6 +153,12 @@ class EngineLoop:
 
     def _holding(self) -> bool:
         with self._hold_lock:
+            if self._hold.is_set() and self._hold_until is not None \
+                    and time.monotonic() > self._hold_until:
+                self._hold.clear()
+                self.held.clear()
+                self._hold_until = None
+                self._count(hold_leases_expired=1)
             if self._hold.is_set():
                 self.held.set()
                 return True

@@ -151,12 +151,13 @@ class Orchestrator:
         why = f": {type(self.error).__name__}: {self.error}" if self.error else ""
         return EngineStopped(f"the engine loop has stopped{why}")
 
-    def pause(self, timeout: float = 60.0) -> None:
+    def pause(self, timeout: float = 60.0, lease_s: float | None = None) -> None:
         """Stops dispatching prefill and decode calls between two of them and returns once the
         device is free (partial rollouts: the trainer gets it for a step). Every sequence keeps
         its tokens, slot and pages; weight updates, cancellations and new requests are still
-        taken, and `resume` continues decoding exactly where it stopped."""
-        self._loop.hold()
+        taken, and `resume` continues decoding exactly where it stopped. `lease_s`: resume by
+        itself after that long unless resumed (or paused again) before."""
+        self._loop.hold(lease_s)
         deadline = time.monotonic() + timeout
         while not self._loop.held.wait(0.05):
             if not self.running:
@@ -166,6 +167,11 @@ class Orchestrator:
 
     def resume(self) -> None:
         self._loop.release()
+
+    @property
+    def paused(self) -> bool:
+        """Paused, its lease (if any) not run out."""
+        return self._loop.paused()
 
     # -- requests ------------------------------------------------------------------------------
     def validate(self, prompt: Seq[int], sampling: SamplingParams,
@@ -309,6 +315,8 @@ class Orchestrator:
                 "prefix_reused_tokens": sched.sessions.reused_tokens,
                 "carried_tokens": self._carried_tokens,
                 "updates": len(updates),
+                "paused": self.paused,
+                "pause_leases_expired": s["hold_leases_expired"],
                 "update_pause_ms_max": 1e3 * max(pauses),
                 "update_pause_ms_mean": 1e3 * sum(pauses) / len(pauses),
                 "programs": self.engine.programs.compiled,

@@ -181,15 +181,15 @@ class GenerationService(gen_grpc.GenerationServicer):
         for batch in stream.batches(max(request.stream_interval_ms, 0) / 1000):
             yield from _responses(batch, detok)
 
-    def _authorize(self, context) -> None:
+    def _authorize(self, context, what: str = "weight updates") -> None:
         if not self.update_token:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          "weight updates are disabled: the server was started without an "
+                          f"{what} are disabled: the server was started without an "
                           "update token")
         given = dict(context.invocation_metadata()).get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self.update_token}".encode()):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "weight updates need 'authorization: Bearer <token>' metadata with "
+                          f"{what} need 'authorization: Bearer <token>' metadata with "
                           "the server's update token")
 
     def UpdateWeights(self, request_iterator, context):
@@ -253,6 +253,34 @@ class GenerationService(gen_grpc.GenerationServicer):
     def EndSession(self, request, context):
         self.orchestrator.end_session(request.session)
         return gen_pb2.EndSessionResponse()
+
+    def Pause(self, request, context):
+        """Partial rollouts' pause, for a trainer on other devices; leased, so a trainer that
+        dies while the engine is paused does not leave it paused."""
+        self._authorize(context, "pauses")
+        if not 0 < request.lease_s <= MAX_PAUSE_LEASE_S:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"lease_s={request.lease_s} must be in (0, {MAX_PAUSE_LEASE_S:g}]")
+        remaining = context.time_remaining()
+        try:
+            self.orchestrator.pause(timeout=60.0 if remaining is None else max(remaining, 0.0),
+                                    lease_s=request.lease_s)
+        except TimeoutError as e:
+            self.orchestrator.resume()      # not paused after a failed call
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        log.info("paused (lease %g s) at %d tokens generated", request.lease_s,
+                 self.orchestrator.metrics()["generated_tokens"])
+        return gen_pb2.PauseResponse(paused=self.orchestrator.paused)
+
+    def Resume(self, request, context):
+        self._authorize(context, "pauses")
+        generated = self.orchestrator.metrics()["generated_tokens"]
+        self.orchestrator.resume()
+        log.info("resumed at %d tokens generated", generated)
+        return gen_pb2.PauseResponse(paused=False)
+
+
+MAX_PAUSE_LEASE_S = 3600.0
 
 
 def _session(keys, n: int):

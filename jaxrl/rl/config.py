@@ -219,10 +219,6 @@ class RLConfig:
                              f"rl.clip_high={self.clip_high} > 0")
         if self.kl_coef < 0:
             raise ValueError(f"rl.kl_coef={self.kl_coef} must be >= 0")
-        if self.generation.remote and self.mode == "partial":
-            raise ValueError("rl.mode=partial pauses the engine while the trainer steps, which "
-                             "only an in-process engine can do; with rl.generation.servers use "
-                             "rl.mode=async or rl.mode=sync")
         if self.agent.command and self.generation.remote:
             raise ValueError("rl.agent runs its agents against this process's engine (an "
                              "OpenAI endpoint on 127.0.0.1); it cannot be combined with "

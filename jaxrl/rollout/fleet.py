@@ -20,6 +20,7 @@ where a group is generated.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -246,6 +247,29 @@ class Fleet:
     @staticmethod
     def _behind(m: Member, version: int) -> bool:
         return m.alive and (m.version is None or m.version < version)
+
+    # -- partial rollouts ------------------------------------------------------------------------
+    def pause(self, lease_s: float, timeout: float = 60.0) -> None:
+        """Pauses every member that answers (all at once) and returns once each is idle; each
+        resumes by itself after `lease_s` unless `resume` comes first. A member that cannot be
+        paused is said and left generating (its samples are still correct, only generated
+        beside the step); heartbeats deal with members that are gone."""
+        self._each("pause", lambda m: m.generation.pause(timeout=timeout, lease_s=lease_s))
+
+    def resume(self) -> None:
+        self._each("resume", lambda m: m.generation.resume())
+
+    def _each(self, what: str, call: Callable[[Member], None]) -> None:
+        with self._lock:
+            members = [m for m in self.members if m.alive]
+        if not members:
+            return
+        with concurrent.futures.ThreadPoolExecutor(len(members),
+                                                   thread_name_prefix=f"fleet-{what}") as pool:
+            futures = {pool.submit(call, m): m for m in members}
+        for future, m in futures.items():
+            if (e := future.exception()) is not None:
+                self._warn(f"generation: could not {what} {m.name} ({e})")
 
     # -- counters --------------------------------------------------------------------------------
     _COUNTERS = ("steps", "busy_slot_steps", "generated_tokens", "held_tokens", "carried_tokens",

@@ -7,9 +7,10 @@ each batch is taken (`before_batch`), and around each train step and weight publ
   between two decode steps, so sequences in flight continue under the new weights.
 - sync (conventional RL): generate one step's samples with fixed weights, train, publish,
   repeat; the engines idle while the trainer trains and the trainer while they generate.
-- partial (sync with partial rollouts; in-process engine only): the actor keeps the engine full
-  as in async mode, but the engine pauses while the trainer steps; sequences unfinished when a
-  batch is complete keep their tokens and continue under the new weights after the step.
+- partial (sync with partial rollouts): the actor keeps the engines full as in async mode, but
+  every engine pauses while the trainer steps (a server through its leased Pause call);
+  sequences unfinished when a batch is complete keep their tokens and continue under the new
+  weights after the step.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from jaxrl.data.rollouts import RolloutLog, source_position
 
 class Mode:
     def __init__(self, actor, publisher, batches, rollout_log: RolloutLog, batch_size: int,
-                 local=None):
+                 fleet=None):
         self.actor, self.publisher, self.batches = actor, publisher, batches
-        self.rollout_log, self.batch_size, self.local = rollout_log, batch_size, local
+        self.rollout_log, self.batch_size, self.fleet = rollout_log, batch_size, fleet
 
     def start(self) -> None:
         """Before the first step."""
@@ -49,14 +50,19 @@ class Async(Mode):
         self.actor.start()
 
 
+# A server paused for a step resumes by itself after this long: a trainer that dies mid-step
+# does not leave its servers paused (a step that takes longer only overlaps generation).
+PAUSE_LEASE_S = 600.0
+
+
 class Partial(Async):
     @contextlib.contextmanager
     def stepping(self):
-        self.local.pause()
+        self.fleet.pause(PAUSE_LEASE_S)
         try:
             yield
         finally:
-            self.local.resume()
+            self.fleet.resume()
 
 
 MODES = {"sync": Sync, "async": Async, "partial": Partial}

@@ -223,7 +223,7 @@ class RLRun:
                                          phase="rl", phase_restarts=self.trainer.restarted)
         stack.callback(self.metrics_log.close)
         self.mode = MODES[rl.mode](self.actor, gen.publisher, self.batches, self.rollout_log,
-                                   rl.batch_size, local=gen.local)
+                                   rl.batch_size, fleet=gen.fleet)
 
     def _build_pipeline(self, r: ResumeState) -> None:
         """The rollout pipeline. One process: batches go onto the trainer's devices in the

@@ -59,6 +59,16 @@ class GenerationStub:
                 request_serializer=serving_dot_proto_dot_generation__pb2.EndSessionRequest.SerializeToString,
                 response_deserializer=serving_dot_proto_dot_generation__pb2.EndSessionResponse.FromString,
                 _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/jaxrl.serving.Generation/Pause',
+                request_serializer=serving_dot_proto_dot_generation__pb2.PauseRequest.SerializeToString,
+                response_deserializer=serving_dot_proto_dot_generation__pb2.PauseResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/jaxrl.serving.Generation/Resume',
+                request_serializer=serving_dot_proto_dot_generation__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=serving_dot_proto_dot_generation__pb2.PauseResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -102,6 +112,22 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pause(self, request, context):
+        """Partial rollouts: stop dispatching decode and prefill calls (every sequence keeps its
+        tokens and pages; requests and weight updates are still taken) until Resume, or until the
+        lease runs out. Answers once the engine is idle. Both need the update token, as
+        UpdateWeights does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +155,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.EndSession,
                     request_deserializer=serving_dot_proto_dot_generation__pb2.EndSessionRequest.FromString,
                     response_serializer=serving_dot_proto_dot_generation__pb2.EndSessionResponse.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=serving_dot_proto_dot_generation__pb2.PauseRequest.FromString,
+                    response_serializer=serving_dot_proto_dot_generation__pb2.PauseResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=serving_dot_proto_dot_generation__pb2.ResumeRequest.FromString,
+                    response_serializer=serving_dot_proto_dot_generation__pb2.PauseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +302,60 @@ class Generation:
             '/jaxrl.serving.Generation/EndSession',
             serving_dot_proto_dot_generation__pb2.EndSessionRequest.SerializeToString,
             serving_dot_proto_dot_generation__pb2.EndSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxrl.serving.Generation/Pause',
+            serving_dot_proto_dot_generation__pb2.PauseRequest.SerializeToString,
+            serving_dot_proto_dot_generation__pb2.PauseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxrl.serving.Generation/Resume',
+            serving_dot_proto_dot_generation__pb2.ResumeRequest.SerializeToString,
+            serving_dot_proto_dot_generation__pb2.PauseResponse.FromString,
             options,
             channel_credentials,
             insecure,

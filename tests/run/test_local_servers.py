@@ -42,10 +42,13 @@ def test_a_server_that_cannot_start_fails_the_wait_with_its_log(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
-def test_train_launches_a_pinned_server_and_trains_on_it(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "partial"])
+def test_train_launches_a_pinned_server_and_trains_on_it(tmp_path, mode):
+    """Partial rollouts pause the server for each step (its Pause call): it generates nothing
+    between the pause and the resume, each logged with the server's token count."""
     cores = sorted(os.sched_getaffinity(0))
     overrides = [o for o in BASE if not o.startswith("rl.steps=")] + [
-        f"run_dir={tmp_path}", "rl.steps=4", "rl.mode=sync", "rl.generation.launch=1",
+        f"run_dir={tmp_path}", "rl.steps=4", f"rl.mode={mode}", "rl.generation.launch=1",
         f"rl.generation.cpus={cores[-1]}"]
     done = subprocess.run([sys.executable, "-m", "jaxrl.cli", "train", *overrides],
                           capture_output=True, text=True, timeout=600,
@@ -60,3 +63,9 @@ def test_train_launches_a_pinned_server_and_trains_on_it(tmp_path):
     assert [r["samples_trained"] for r in rows] == [16 * 8 * k for k in range(1, 5)]
     assert all(r["members_ready"] == 1 for r in rows)
     assert f"weights version {WARMUP + 3} streamed" in server_log   # it served every version
+    paused = [int(n) for n in re.findall(r"paused \(lease 600 s\) at (\d+) tokens", server_log)]
+    resumed = [int(n) for n in re.findall(r"resumed at (\d+) tokens", server_log)]
+    if mode == "sync":
+        assert paused == resumed == []
+    else:                   # every step, and nothing generated in between
+        assert len(paused) == 4 and paused == resumed and paused[0] > 0, (paused, resumed)

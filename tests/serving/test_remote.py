@@ -3,6 +3,7 @@ this process's orchestrator on the same weights: the same tokens, log-probs and 
 group carried in continues exactly; refusals, stale versions, bad tokens and deadlines come back
 as the errors the Generation interface names."""
 
+import concurrent.futures
 import time
 
 import numpy as np
@@ -124,6 +125,47 @@ def test_weight_updates_over_the_interface(remote, server, params):
         wrong.update_params(params, version + 1, timeout=30)
     wrong.close()
     assert remote.newest_version == version
+
+
+def _within(seconds: float, fn):
+    """fn()'s value, failing the test if it takes longer than `seconds`."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result(timeout=seconds)
+
+
+def test_pause_over_grpc_holds_the_engine_until_resume_or_its_lease(remote, server):
+    """Partial rollouts with a server (Pause/Resume): a paused server takes a request and
+    generates nothing for it until resumed; a lease that runs out resumes it by itself (a
+    trainer that died mid-step); pauses need the update token and a lease in (0, 3600]."""
+    o = server.orchestrator
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, stop_at_eos=False)
+    remote.pause(lease_s=120)
+    assert o.paused and o.metrics()["paused"]
+    before = o.metrics()
+    stream = remote.submit(prompts(6, seed=12)[0], greedy)
+    time.sleep(0.4)
+    during = o.metrics()
+    assert (during["generated_tokens"], during["prefill_chunks"]) == \
+        (before["generated_tokens"], before["prefill_chunks"])
+    remote.resume()
+    assert not o.paused
+    [sample] = _within(60, stream.result)
+    assert len(sample.tokens) == 30
+
+    expired = o.metrics()["pause_leases_expired"]
+    remote.pause(lease_s=0.5)
+    [sample] = _within(60, remote.submit(prompts(6, seed=13)[0], greedy).result)
+    assert len(sample.tokens) == 30 and not o.paused
+    assert o.metrics()["pause_leases_expired"] == expired + 1
+
+    wrong = RemoteGeneration(server.address, token="not-it")
+    with pytest.raises(ConnectionError, match="UNAUTHENTICATED.*pauses need"):
+        wrong.pause(lease_s=10)
+    wrong.close()
+    for lease in (-1.0, 3601.0):
+        with pytest.raises(ConnectionError, match=f"INVALID_ARGUMENT.*lease_s={lease}"):
+            remote.pause(lease_s=lease)
+    assert not o.paused
 
 
 @pytest.fixture
