@@ -134,7 +134,12 @@ def test_reward_rises_with_remote_generation(fleet_run, report_table):
     report_table("RL on arithmetic (tiny model): mean reward of the first and last steps",
                  ("run", "steps", "first 8", "last 8"),
                  ("2 jaxrl serve, one killed", len(rows), f"{first:.3f}", f"{last:.3f}"))
-    assert last > first + 0.05, rewards.round(2).tolist()
+    # It failed 2 times in about 15 runs (a flat reward over all 30 steps) and passed in the
+    # next 6 with the same code; what a failure needs to be told from noise is said with it.
+    assert last > first + 0.05, [
+        {k: r.get(k) if not isinstance(r.get(k), float) else round(r[k], 3)
+         for k in ("step", "reward", "lag_mean", "lag_max", "kl_new_old", "members_ready",
+                   "dropped_lag", "entropy")} for r in rows]
 
 
 def test_every_group_is_trained_once_and_nothing_finished_is_lost(fleet_run):
