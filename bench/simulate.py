@@ -237,6 +237,9 @@ def _sync(mode: str, args, c: Cluster, n_gen: int, n_train: int) -> dict:
             for s in g.pop_finished():
                 finished += 1
                 trained_tokens += c.prompt_len + LENGTHS[s]
+                if mode == "partial" and not pending:     # the engines are kept full
+                    pending.append(next_sample)
+                    next_sample += 1
                 if pending:
                     s = pending.pop()
                     g.admit(s, LENGTHS[s])

@@ -64,3 +64,12 @@ def test_a_calibration_file_sets_the_defaults_and_flags_win(tmp_path, capsys):
     step = _generate_s() + B * (P + L) * 400e-6 + RELOAD_S
     assert from_file["samples_per_s"] == pytest.approx(B / step, rel=1e-6)
     assert overridden["samples_per_s"] < from_file["samples_per_s"]
+
+
+def test_partial_keeps_fewer_slots_than_a_batch_full(capsys):
+    """Half a batch of slots: partial refills each slot as it frees (it used to wait for
+    samples it never admitted, for ever); with every sample the same length it then runs
+    two full rounds of decoding a step, as sync does."""
+    flags = ["--slots", str(B // 2), "--train-us-per-token", "400", "--modes", "sync", "partial"]
+    r = _run(capsys, *flags)
+    assert r["partial"]["samples_per_s"] == pytest.approx(r["sync"]["samples_per_s"], rel=0.05)
