@@ -235,12 +235,19 @@ class Actor:
         return self
 
     def _run(self) -> None:
-        limit = 2 * self.cfg.batch_size   # one step training, one generating
+        """At most two batches wait finished (the one training and the next); beside them up
+        to two batches are in flight, as many as the engines' slots hold. So the next batch
+        is not held up by the longest group in flight (with only one batch in flight it is:
+        that is sync's tail): short groups complete it while long ones go on under the newer
+        weights (PipelineRL)."""
+        batch = self.cfg.batch_size
         try:
             while not self._stop.is_set():
                 with self._lock:
-                    ahead = self.log.end + sum(self._in_flight.values()) - self.trained_position
-                    if ahead >= limit:
+                    finished = self.log.end - self.trained_position
+                    flying = sum(self._in_flight.values())
+                    if finished >= 2 * batch or flying >= max(batch, min(self._slots(),
+                                                                         2 * batch)):
                         self._lock.wait(0.05)
                         continue
                 self._check_progress()
@@ -248,6 +255,10 @@ class Actor:
         except BaseException as e:
             self._fail(e)
             raise
+
+    def _slots(self) -> int:
+        """The slots of the engines generating now (rl.slots for a bare engine)."""
+        return getattr(self.generation, "slots", None) or self.cfg.slots
 
     def _fail(self, error: BaseException) -> None:
         """Ends the stream so the trainer, blocked on it, sees the error instead of hanging."""

@@ -102,6 +102,13 @@ class Fleet:
         or a session's turn on the member holding its pages."""
         return FleetStream(self, list(prompt), sampling, predicted_len, carry, session)
 
+    @property
+    def slots(self) -> int:
+        """Sequences the ready members decode at once (all members' while none is ready)."""
+        with self._lock:
+            ready = [m.slots for m in self.members if m.ready]
+            return sum(ready) or sum(m.slots for m in self.members)
+
     def end_session(self, key: str) -> None:
         with self._lock:
             home = self._router.forget(key)

@@ -4,6 +4,7 @@ regenerating them, ending with exactly the samples an uninterrupted run produces
 
 import dataclasses
 import json
+import time
 
 import pytest
 from flax import nnx
@@ -16,6 +17,7 @@ from jaxrl.rollout.actor import Actor
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams
+from serving.stream import DoneEvent, RequestStream, TokenEvent
 
 # An untrained model: samples of up to 24 tokens; no filter, so every sample reaches the log.
 CFG = load_run_config(None, ["model.num_layers=2", "model.embed_dim=32", "model.mlp_dim=64",
@@ -119,3 +121,63 @@ def test_answer_lengths_fix_every_sample(parts):
         answer = tokenizer.encode(a.problem(r.group).answer)
         assert len(r.completion) == len(answer) + 1
         assert tokenizer.eos_id not in r.completion[:-1]
+
+
+class HeldGeneration:
+    """Generation whose groups end only when the test ends them: what the actor has in flight
+    is then exactly what it submitted and the test has not finished."""
+
+    def __init__(self, slots: int):
+        self.slots, self.streams = slots, []
+
+    def submit(self, prompt, sampling, *, carry=None, predicted_len=None, session=None):
+        self.streams.append(RequestStream(len(self.streams), sampling.n))
+        return self.streams[-1]
+
+    def finish(self, stream: RequestStream) -> None:
+        for i in range(stream.n):
+            stream.put(TokenEvent(i, 5, -1.0, 0))
+            stream.put(DoneEvent(i, "length"))
+
+
+def _settle(count, timeout: float = 30.0) -> int:
+    """count() once it has stopped changing for half a second."""
+    deadline, last, since = time.monotonic() + timeout, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since > 0.5:
+            return now
+        time.sleep(0.05)
+    raise AssertionError("the actor kept submitting")
+
+
+@pytest.mark.parametrize("slots", [8, 64])
+def test_async_keeps_the_engines_full_beside_two_finished_batches(parts, slots):
+    """Async mode: with the batch being trained and the next one finished, the actor still
+    keeps up to two batches in flight (as many as the engines' slots, at least one batch), so
+    a long group in flight does not hold the batch after up; and no more once two batches wait
+    finished."""
+    _, _, task, tokenizer = parts
+    batch = CFG.rl.batch_size
+    gen, log = HeldGeneration(slots), RolloutLog()
+    a = actor(gen, task, tokenizer, log).start()
+    try:
+        cap = max(batch, min(slots, 2 * batch)) // GROUP
+        assert _settle(lambda: len(gen.streams)) == cap
+        for stream in gen.streams[1:]:          # every group but the first (a long one) ends
+            gen.finish(stream)
+        # Finished, not trained: cap - 1 groups (< two batches), the first still in flight.
+        assert _settle(lambda: len(gen.streams)) == cap + cap - 1
+        while log.end < 2 * batch:              # two batches wait finished: nothing more
+            gen.finish(next(s for s in gen.streams if not s.snapshot()[0].finish_reason))
+            time.sleep(0.01)
+        submitted = _settle(lambda: len(gen.streams))
+        a.notify_trained(batch)                 # a step trains a batch: room again
+        assert _settle(lambda: len(gen.streams)) > submitted
+    finally:
+        a.stop()
+        for s in gen.streams:                   # its collectors end with their groups
+            if not s.snapshot()[0].finish_reason:
+                gen.finish(s)
