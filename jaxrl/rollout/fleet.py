@@ -257,13 +257,16 @@ class Fleet:
 
     # -- partial rollouts ------------------------------------------------------------------------
     def pause(self, lease_s: float, timeout: float = 60.0) -> None:
-        """Pauses every member that answers (all at once) and returns once each is idle; each
-        resumes by itself after `lease_s` unless `resume` comes first. A member that cannot be
-        paused is said and left generating (its samples are still correct, only generated
-        beside the step); heartbeats deal with members that are gone."""
-        self._each("pause", lambda m: m.generation.pause(timeout=timeout, lease_s=lease_s))
+        """Pauses every member that answers (all at once) and returns once each is idle; a
+        server resumes by itself after `lease_s` unless `resume` comes first. A member that
+        cannot be paused is said and left generating (its samples are still correct, only
+        generated beside the step); heartbeats deal with members that are gone."""
+        self._each("pause", lambda m: m.generation.pause(
+            timeout=timeout, lease_s=lease_s if m.remote else None))
 
     def resume(self) -> None:
+        """Resumes every member that answers (one set aside since the pause resumes when its
+        lease ends)."""
         self._each("resume", lambda m: m.generation.resume())
 
     def _each(self, what: str, call: Callable[[Member], None]) -> None:

@@ -58,6 +58,14 @@ class FakeGeneration:
     def newest_version(self):
         return self.version
 
+    def pause(self, timeout=60.0, lease_s=None):
+        if self.down:
+            raise ConnectionError("UNAVAILABLE: it is down")
+        self.paused = lease_s
+
+    def resume(self):
+        self.paused = "resumed"
+
 
 def member(name, gen, slots=4, remote=True, version=0):
     return Member(name, gen, slots, remote=remote, version=version, joined=True)
@@ -87,6 +95,24 @@ def test_groups_go_where_there_is_room():
             s.result()
     more = [fleet.submit([3], SAMPLING) for _ in range(3)]
     assert [s.member.name for s in more] == ["big"] * 3
+    fleet.close()
+
+
+def test_partial_rollouts_pause_every_member_that_answers():
+    """Servers get the lease, the in-process engine none (nothing to outlive); a member that
+    cannot be paused is said and the others still are; a member set aside is not called."""
+    local, good, bad, aside = (FakeGeneration() for _ in range(4))
+    bad.down = True
+    warned = []
+    fleet = Fleet([member("local", local, remote=False), member("good", good),
+                   member("bad", bad), member("aside", aside)], eos_id=1, heartbeat_s=3600,
+                  warn=warned.append)
+    fleet.members[3].alive = False
+    fleet.pause(lease_s=600)
+    assert (local.paused, good.paused) == (None, 600) and not hasattr(aside, "paused")
+    assert [w for w in warned if "could not pause bad" in w and "it is down" in w]
+    fleet.resume()
+    assert local.paused == good.paused == "resumed" and not hasattr(aside, "paused")
     fleet.close()
 
 
