@@ -100,11 +100,14 @@ class RequestStream:
         first event (a list ends early once every sample is done). The reader wakes once per
         list, not once per token: on a server whose core also decodes, a wake-up per token of
         every stream costs more than the decoding."""
+        if interval_s <= 0:
+            for event in self:
+                yield [event]
+            return
         done = 0
         while done < self.n:
             batch = [self._events.get()]
-            if interval_s > 0:
-                self._all_done.wait(interval_s)
+            self._all_done.wait(interval_s)
             while True:
                 try:
                     batch.append(self._events.get_nowait())

@@ -47,5 +47,5 @@ def test_interval_zero_sends_each_event_as_it_comes():
     for t in range(3):
         stream.put(TokenEvent(0, t, -0.1, 0))
     stream.put(DoneEvent(0, "eos"))
-    events = [e for b in stream.batches(0.0) for e in b]
-    assert [getattr(e, "token", None) for e in events] == [0, 1, 2, None]
+    batches = list(stream.batches(0.0))
+    assert [[getattr(e, "token", None) for e in b] for b in batches] == [[0], [1], [2], [None]]
