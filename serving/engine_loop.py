@@ -111,8 +111,11 @@ class EngineLoop:
     def paused(self) -> bool:
         """Held (by `hold`, its lease not run out)."""
         with self._hold_lock:
-            return self._hold.is_set() and (self._hold_until is None
-                                            or time.monotonic() <= self._hold_until)
+            return self._hold.is_set() and not self._lease_over()
+
+    def _lease_over(self) -> bool:
+        """The hold's lease has run out (under _hold_lock)."""
+        return self._hold_until is not None and time.monotonic() > self._hold_until
 
     def stats(self) -> collections.Counter:
         with self._stats_lock:
@@ -153,8 +156,7 @@ class EngineLoop:
 
     def _holding(self) -> bool:
         with self._hold_lock:
-            if self._hold.is_set() and self._hold_until is not None \
-                    and time.monotonic() > self._hold_until:
+            if self._hold.is_set() and self._lease_over():
                 self._hold.clear()
                 self.held.clear()
                 self._hold_until = None

@@ -153,6 +153,9 @@ class JetStreamService(js_grpc.OrchestratorServicer):
         return js_pb2.HealthCheckResponse(is_live=self.orchestrator.error is None)
 
 
+MAX_PAUSE_LEASE_S = 3600.0      # the longest a Pause may hold the engine
+
+
 class GenerationService(gen_grpc.GenerationServicer):
     def __init__(self, orchestrator: Orchestrator, tokenizer: Tokenizer | None,
                  update_token: str | None, transfer_host: str = "127.0.0.1"):
@@ -278,9 +281,6 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.orchestrator.resume()
         log.info("resumed at %d tokens generated", generated)
         return gen_pb2.PauseResponse(paused=False)
-
-
-MAX_PAUSE_LEASE_S = 3600.0
 
 
 def _session(keys, n: int):
