@@ -140,17 +140,20 @@ class HeldGeneration:
             stream.put(DoneEvent(i, "length"))
 
 
-def _settle(count, timeout: float = 30.0) -> int:
-    """count() once it has stopped changing for half a second."""
-    deadline, last, since = time.monotonic() + timeout, -1, time.monotonic()
-    while time.monotonic() < deadline:
-        now = count()
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since > 0.5:
-            return now
+def _settle(count, at_least: int = 0, timeout: float = 60.0) -> int:
+    """count() once it is at least `at_least` and has then not changed for half a second (a
+    slow machine only makes it wait longer, never return early below `at_least`)."""
+    deadline = time.monotonic() + timeout
+    while count() < at_least:
+        assert time.monotonic() < deadline, f"{count()} submitted, {at_least} expected"
         time.sleep(0.05)
-    raise AssertionError("the actor kept submitting")
+    last, since = count(), time.monotonic()
+    while time.monotonic() - since < 0.5:
+        assert time.monotonic() < deadline, "the actor kept submitting"
+        time.sleep(0.05)
+        if count() != last:
+            last, since = count(), time.monotonic()
+    return last
 
 
 @pytest.mark.parametrize("slots", [8, 64])
@@ -165,17 +168,17 @@ def test_async_keeps_the_engines_full_beside_two_finished_batches(parts, slots):
     a = actor(gen, task, tokenizer, log).start()
     try:
         cap = max(batch, min(slots, 2 * batch)) // GROUP
-        assert _settle(lambda: len(gen.streams)) == cap
+        assert _settle(lambda: len(gen.streams), cap) == cap
         for stream in gen.streams[1:]:          # every group but the first (a long one) ends
             gen.finish(stream)
         # Finished, not trained: cap - 1 groups (< two batches), the first still in flight.
-        assert _settle(lambda: len(gen.streams)) == cap + cap - 1
+        assert _settle(lambda: len(gen.streams), cap + cap - 1) == cap + cap - 1
         while log.end < 2 * batch:              # two batches wait finished: nothing more
             gen.finish(next(s for s in gen.streams if not s.snapshot()[0].finish_reason))
             time.sleep(0.01)
         submitted = _settle(lambda: len(gen.streams))
         a.notify_trained(batch)                 # a step trains a batch: room again
-        assert _settle(lambda: len(gen.streams)) > submitted
+        assert _settle(lambda: len(gen.streams), submitted + 1) > submitted
     finally:
         a.stop()
         for s in gen.streams:                   # its collectors end with their groups
