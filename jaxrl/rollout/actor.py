@@ -235,19 +235,18 @@ class Actor:
         return self
 
     def _run(self) -> None:
-        """At most two batches wait finished (the one training and the next); beside them up
-        to two batches are in flight, as many as the engines' slots hold. So the next batch
-        is not held up by the longest group in flight (with only one batch in flight it is:
-        that is sync's tail): short groups complete it while long ones go on under the newer
-        weights (PipelineRL)."""
+        """Samples finished and not yet trained plus those in flight: at most one batch (the
+        one training) and beside it as many as the engines' slots hold, at least a batch and at
+        most two. With slots for more than a batch, the next batch is not held up by the
+        longest group in flight (with only one batch in flight it is: sync's tail): short groups
+        complete it while long ones go on under the newer weights (PipelineRL). With fewer, the
+        bound is two batches, which keeps the samples' lag low."""
         batch = self.cfg.batch_size
         try:
             while not self._stop.is_set():
                 with self._lock:
-                    finished = self.log.end - self.trained_position
-                    flying = sum(self._in_flight.values())
-                    if finished >= 2 * batch or flying >= max(batch, min(self._slots(),
-                                                                         2 * batch)):
+                    ahead = self.log.end + sum(self._in_flight.values()) - self.trained_position
+                    if ahead >= batch + max(batch, min(self._slots(), 2 * batch)):
                         self._lock.wait(0.05)
                         continue
                 self._check_progress()

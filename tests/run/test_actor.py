@@ -157,28 +157,26 @@ def _settle(count, at_least: int = 0, timeout: float = 60.0) -> int:
 
 
 @pytest.mark.parametrize("slots", [8, 64])
-def test_async_keeps_the_engines_full_beside_two_finished_batches(parts, slots):
-    """Async mode: with the batch being trained and the next one finished, the actor still
-    keeps up to two batches in flight (as many as the engines' slots, at least one batch), so
-    a long group in flight does not hold the batch after up; and no more once two batches wait
-    finished."""
+def test_async_keeps_the_engines_full_beside_the_batch_training(parts, slots):
+    """Async mode: samples finished and not trained plus those in flight stay within one batch
+    (the one training) and as many as the engines' slots hold, at least one batch and at most
+    two: with 64 slots for batches of 32, 24 groups go out at once, not 16, so a long group
+    in flight does not hold the batch after up; nothing more until a step trains a batch."""
     _, _, task, tokenizer = parts
     batch = CFG.rl.batch_size
     gen, log = HeldGeneration(slots), RolloutLog()
     a = actor(gen, task, tokenizer, log).start()
     try:
-        cap = max(batch, min(slots, 2 * batch)) // GROUP
+        cap = (batch + max(batch, min(slots, 2 * batch))) // GROUP
+        assert cap == {8: 16, 64: 24}[slots]
         assert _settle(lambda: len(gen.streams), cap) == cap
         for stream in gen.streams[1:]:          # every group but the first (a long one) ends
             gen.finish(stream)
-        # Finished, not trained: cap - 1 groups (< two batches), the first still in flight.
-        assert _settle(lambda: len(gen.streams), cap + cap - 1) == cap + cap - 1
-        while log.end < 2 * batch:              # two batches wait finished: nothing more
-            gen.finish(next(s for s in gen.streams if not s.snapshot()[0].finish_reason))
+        while log.end < (cap - 1) * GROUP:      # their rollouts reach the log
             time.sleep(0.01)
-        submitted = _settle(lambda: len(gen.streams))
+        assert _settle(lambda: len(gen.streams)) == cap      # the bound holds: nothing more
         a.notify_trained(batch)                 # a step trains a batch: room again
-        assert _settle(lambda: len(gen.streams), submitted + 1) > submitted
+        assert _settle(lambda: len(gen.streams), cap + 1) == cap + batch // GROUP
     finally:
         a.stop()
         for s in gen.streams:                   # its collectors end with their groups
