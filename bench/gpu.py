@@ -11,8 +11,9 @@ weights), each figure against a ceiling measured in the same run:
 - update: the in-flight weight swap's decode pause against one device copy of the weights;
 - causal: the train step at `--causal-seq` tokens a row with XLA attention dense, XLA attention
   in causal query blocks (jaxrl/models/layers.py, the CPU/TPU default), and cuDNN;
-- admit: an RL step's requests (32 x 8 samples of 6 tokens) through the orchestrator: the
-  engine loop's host work per request and per decode step, against `decode`'s device time;
+- admit: an RL step's requests (32 x 8 samples of `--admit-tokens` tokens, 6 by default)
+  through the orchestrator: the engine loop's host work per request and per decode step,
+  against `decode`'s device time;
 - rl: async against sync RL steps/s on this one device (colocated), the demo task at the
   0.5B shape.
 
@@ -280,6 +281,8 @@ def main(argv=None) -> None:
     p.add_argument("--decode-attention", nargs="+", default=["reference", "loop"],
                    choices=["reference", "loop"],
                    help="the engine's paged attention(s) to decode with (update: the first)")
+    p.add_argument("--admit-tokens", type=int, default=6,
+                   help="tokens each sample of the admit section generates")
     p.add_argument("--rl-steps", type=int, default=4)
     p.add_argument("--attention", choices=["xla", "cudnn"], default=None,
                    help="the train step's attention (default: cudnn on a GPU, else xla; xla "
@@ -343,12 +346,13 @@ def main(argv=None) -> None:
                          f"{u['pause_vs_copy']:.3f}x one copy")
                 del engine
         if "admit" in sections:
-            engine = Engine(cfg, EngineConfig(max_concurrent_decodes=32, max_len=16,
+            new = args.admit_tokens
+            engine = Engine(cfg, EngineConfig(max_concurrent_decodes=32, max_len=8 + new + 2,
                                               max_prefill_length=8, prefill_chunk=8,
                                               dtype="bfloat16"))
             params = engine.prepare_params(split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
-            a = row["admit"] = admit(engine, params)
-            save(f"{name} admit: 256 samples x 6 tokens in {a['wave_ms']:.0f} ms "
+            a = row["admit"] = admit(engine, params, max_tokens=new)
+            save(f"{name} admit: 256 samples x {new} tokens in {a['wave_ms']:.0f} ms "
                  f"({a['samples_per_s']:.0f} samples/s), {a['decode_steps']:.0f} decode steps "
                  f"of {a['ms_per_decode_step']:.2f} ms, {a['slots_busy_fraction']:.0%} full")
             del engine

@@ -7,6 +7,7 @@ sequence has is the scheduler's (serving/scheduler.py), passed in as page tables
     tokens, logprobs = engine.sample_first(logits, rows, samplings, sample_indices)
     state = engine.insert(state, slots, lengths, next_tokens, counts, samplings, indices)
     state, tokens, logprobs = engine.generate_steps(params, state, table, steps)
+    state, decoded = engine.dispatch_steps(params, state, table, steps)   # read back later
 
 Prefill writes a chunk of each row's prompt straight into that row's pages and attends over
 the pages before it (Sarathi-Serve's chunked prefill); decode does the same with one token per
@@ -37,7 +38,7 @@ from serving.spec import DecodeState, Spec
 from sharding import mesh as shd
 from sharding.reshard import reshard
 
-__all__ = ["DecodeState", "Engine", "EngineConfig"]
+__all__ = ["DecodeState", "Decoded", "Engine", "EngineConfig"]
 
 class Engine:
     """The programs of one model on one mesh, and the host-side padding of their arguments.
@@ -232,18 +233,24 @@ class Engine:
 
     def generate_steps(self, params, state: DecodeState, table_SW, steps: int, slots=None,
                        allowed=None):
-        """`steps` decode steps: (state, tokens [K, S], logprobs [K, S]). The page table must
-        already hold the pages the steps write; `steps` is 1 or cfg.steps_per_dispatch.
-        `allowed`: [R, mask words] token bitmasks of the rows (serving/constraints.py), one
-        step only.
+        """`steps` decode steps, read back: (state, tokens [K, R], logprobs [K, R], ...) as
+        `dispatch_steps`'s `Decoded.fetch`."""
+        state, decoded = self.dispatch_steps(params, state, table_SW, steps, slots, allowed)
+        return (state, *decoded.fetch())
+
+    def dispatch_steps(self, params, state: DecodeState, table_SW, steps: int, slots=None,
+                       allowed=None) -> tuple[DecodeState, "Decoded"]:
+        """Dispatches `steps` decode steps and returns at once: (state, their outputs still on
+        the device). The sampled tokens stay in the state too, so the next dispatch can follow
+        before these are read back. The page table must already hold the pages the steps
+        write; `steps` is 1 or cfg.steps_per_dispatch. `allowed`: [R, mask words] token
+        bitmasks of the rows (serving/constraints.py), one step only.
 
         With `slots` (R of them, table_SW then [R, W] in the same order), only those slots are
         decoded: their rows are gathered into a batch of S/16, S/4 or S rows (S slots; always S
         when S <= 8), padded with rows of other slots that read and write only the null page and
         whose state is left as it was (another batch of the same step may be decoding them). A
-        long tail with few busy slots then costs those rows, not every slot. Returns tokens and
-        logprobs [K, R]. With `cfg.record_routes`, then the experts [K, R, L, K'] each fed
-        token was routed to."""
+        long tail with few busy slots then costs those rows, not every slot."""
         s = self.cfg.max_concurrent_decodes
         slots = list(range(s)) if slots is None else list(slots)
         table = np.asarray(table_SW, np.int32)
@@ -262,15 +269,33 @@ class Engine:
                                                    padded)
             state, tokens, logprobs = self.programs("advance", (rows,), state, logits, padded,
                                                     real, self._masks(allowed, rows))
-            tokens, logprobs = np.asarray(tokens)[None], np.asarray(logprobs)[None]
-            routes = [np.asarray(r)[None] for r in routes]
         else:
             state, tokens, logprobs, *routes = self.programs(
                 "decode_steps", (rows, width, steps), params, state, grid, padded, real)
-            tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
-            routes = [np.asarray(r) for r in routes]
-        n = len(slots)     # host arrays: slicing them compiles nothing
-        return (state, tokens[:, :n], logprobs[:, :n], *(r[:, :n] for r in routes))
+        return state, Decoded(tokens, logprobs, routes, len(slots), one_step=steps == 1)
+
+
+@dataclasses.dataclass
+class Decoded:
+    """A decode dispatch's outputs while the device may still be computing them: `fetch` waits
+    and reads them back. Their copy to the host starts at once."""
+    tokens: jax.Array             # [K, R'] (or [R'] for one step), R' >= rows: padding rows
+    logprobs: jax.Array
+    routes: list                  # with record_routes: the experts each fed token went to
+    rows: int
+    one_step: bool
+
+    def __post_init__(self):
+        for a in (self.tokens, self.logprobs, *self.routes):
+            a.copy_to_host_async()
+
+    def fetch(self) -> tuple[np.ndarray, ...]:
+        """(tokens [K, rows], logprobs [K, rows], *routes [K, rows, L, K']) as host arrays."""
+        n = self.rows
+        out = [np.asarray(a) for a in (self.tokens, self.logprobs, *self.routes)]
+        if self.one_step:
+            out = [a[None] for a in out]
+        return tuple(a[:, :n] for a in out)    # host arrays: slicing them compiles nothing
 
 
 def _rows(values, rows: int) -> np.ndarray:

@@ -7,10 +7,12 @@ Each iteration it
    preempted sequences recomputed) and runs it; each prompt that completes is forked into its
    n samples, whose first tokens are drawn and which take their slots,
 3. has the scheduler give every running sequence the pages of the next `steps_per_dispatch`
-   tokens (preempting the youngest when the pool runs dry), runs the decode steps, and appends
-   each token to its sequence and its request's stream, applying the stop rules (EOS, stop
-   tokens, max_tokens, max_len, client gone). A finished sequence's pages and slot are free for
-   the next iteration.
+   tokens (preempting the youngest when the pool runs dry) and dispatches the decode steps;
+   while the device runs them, it reads back the previous dispatch's tokens and appends each
+   to its sequence and its request's stream, applying the stop rules (EOS, stop tokens,
+   max_tokens, max_len, client gone). A finished sequence's pages and slot are free for the
+   next iteration (serving/decode_batches.py: one step is decoded and dropped past an end the
+   host learns one step late).
 
 Other threads reach it only through its inbox: `updates` (weights to swap in), `ended`
 (sessions to forget), `wake`, `stop`, and `hold` / `release` (partial rollouts).
@@ -27,6 +29,7 @@ import time
 import numpy as np
 
 from serving.constraints import Grammars
+from serving.decode_batches import InFlight, decode_groups, ends_in_flight
 from serving.engine import Engine
 from serving.length_predictor import LengthPredictor
 from serving.scheduler import Scheduler
@@ -89,6 +92,7 @@ class EngineLoop:
         self.error: BaseException | None = None
         self._stats = collections.Counter()
         self._stats_lock = threading.Lock()
+        self._inflight: InFlight | None = None     # the decode dispatch not read back yet
         # closing: the loop's end takes every request queued before it, refuses later ones
         self.admit_lock = threading.Lock()
         self.closed = False
@@ -148,6 +152,7 @@ class EngineLoop:
             self.error = e
             self.shutdown("error")
             raise
+        self._collect()         # the tokens of the last dispatch reach their streams
         self.shutdown("shutdown")
 
     def _count(self, **deltas: int) -> None:
@@ -155,6 +160,8 @@ class EngineLoop:
             self._stats.update(deltas)
 
     def _holding(self) -> bool:
+        if self._hold.is_set():
+            self._collect()     # a hold starts with every token dispatched read back
         with self._hold_lock:
             if self._hold.is_set() and self._lease_over():
                 self._hold.clear()
@@ -253,39 +260,68 @@ class EngineLoop:
         return state
 
     def _decode(self, state):
-        """Runs `steps_per_dispatch` decode steps for every running sequence."""
+        """Dispatches `steps_per_dispatch` decode steps for every running sequence not ending
+        by length, then reads back the previous dispatch's tokens while these run. False when
+        there was nothing to do."""
         engine, sched = self.engine, self.scheduler
         for seq in list(sched.running.values()):
             if seq.request.stream.cancelled:
                 self._finish(seq, "cancelled")
-        k = engine.cfg.steps_per_dispatch
-        sched.reserve(k)
-        if not sched.running:
-            return state, False
-        version = self.version
-        for group in decode_groups(engine.cfg, sorted(sched.running.items()), k):
-            state = self._decode_group(state, group, k, version)
+        if self._constrained():
+            self._collect()     # a grammar's next mask follows the token before it
+        k, max_len = engine.cfg.steps_per_dispatch, engine.cfg.max_len
+        sched.reserve(k, [s for s in sched.running.values() if not ends_in_flight(s, max_len)])
+        owners = sorted((slot, s) for slot, s in sched.running.items()
+                        if not ends_in_flight(s, max_len))
+        if not owners:
+            return state, self._collect()
+        batches = []
+        for group in decode_groups(engine.cfg, owners, k):
+            state, decoded = self._dispatch(state, group, k)
+            batches.append((group, decoded))
+        held = k * sum(s.cached for _, s in owners)
+        for _, seq in owners:
+            seq.inflight += k
+        self._collect()
+        self._inflight = InFlight(batches, k, self.version, held)
         return state, True
 
-    def _decode_group(self, state, owners: list[tuple[int, Sequence]], k: int, version: int):
-        """Decodes the slots of `owners` (gathered into a batch of their own) at the page-table
-        width of the longest of them."""
+    def _constrained(self) -> bool:
+        return self.grammars is not None and any(
+            s.request.sampling.grammar is not None for s in self.scheduler.running.values())
+
+    def _dispatch(self, state, owners: list[tuple[int, Sequence]], k: int):
+        """Dispatches the decode steps of the slots of `owners` (gathered into a batch of their
+        own) at the page-table width of the longest of them: (state, Decoded)."""
         engine = self.engine
         width = engine.cfg.table_width(max(s.cached for _, s in owners) + k)
-        state, tokens, logprobs, *routes = engine.generate_steps(
+        return engine.dispatch_steps(
             self.params, state, self.scheduler.table([s.pages for _, s in owners], width), k,
             slots=[slot for slot, _ in owners], allowed=self._masks([s for _, s in owners]))
-        held = k * sum(s.cached for _, s in owners)
-        tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
-        pushed = 0
-        for step, (step_tokens, step_logprobs) in enumerate(zip(tokens, logprobs)):
-            for row, (_, seq) in enumerate(owners):
-                if not seq.finished:
-                    if routes:       # the routing of the token this step fed
-                        seq.routes.append(routes[0][step, row])
-                    pushed += self._push(seq, step_tokens[row], step_logprobs[row], version)
-        self._count(steps=k, busy_slot_steps=k * len(owners), held_tokens=held, tokens=pushed)
-        return state
+
+    def _collect(self) -> bool:
+        """Reads back the dispatch in flight, if any, and appends its tokens to their sequences
+        and streams (a sequence that ended meanwhile drops its own); whether there was one."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return False
+        k, version, pushed, rows = inflight.steps, inflight.version, 0, 0
+        for owners, decoded in inflight.batches:
+            tokens, logprobs, *routes = decoded.fetch()
+            tokens, logprobs = tokens.tolist(), logprobs.tolist()
+            rows += len(owners)
+            for _, seq in owners:
+                seq.inflight -= k
+            for step, (step_tokens, step_logprobs) in enumerate(zip(tokens, logprobs)):
+                for row, (_, seq) in enumerate(owners):
+                    if not seq.finished:
+                        if routes:       # the routing of the token this step fed
+                            seq.routes.append(routes[0][step, row])
+                        pushed += self._push(seq, step_tokens[row], step_logprobs[row],
+                                             version)
+        self._count(steps=k * len(inflight.batches), busy_slot_steps=k * rows,
+                    held_tokens=inflight.held_tokens, tokens=pushed)
+        return True
 
     def _masks(self, seqs: list[Sequence]):
         """The rows' token bitmasks, or None when no row has a grammar (nothing is sent)."""
@@ -319,6 +355,8 @@ class EngineLoop:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.slot is not None:
             self.scheduler.finish(seq, keep=reason in ("eos", "stop", "length"))
+        elif seq in self.scheduler.resumes:    # preempted while its last tokens were in flight
+            self.scheduler.resumes.remove(seq)
         seq.finished = True
         seq.request.longest = max(seq.request.longest, len(seq.tokens))
         self._done(seq.request, seq.index, reason,
@@ -355,31 +393,3 @@ class EngineLoop:
             job = self.scores.get()
             job.error = RuntimeError(f"the engine loop ended ({reason})")
             job.done.set()
-
-
-# A row of a decode batch costs about this many pages of attention in the rest of the model
-# (projections, MLP, sampling), and a dispatch about this many row-pages of host overhead.
-_ROW_PAGES, _DISPATCH_ROW_PAGES = 4, 16
-_SPLIT_GAIN = 0.8     # two batches only when they cost at most this share of one
-
-
-def decode_groups(cfg, owners: list[tuple[int, Sequence]], k: int
-                  ) -> list[list[tuple[int, Sequence]]]:
-    """The running (slot, sequence) pairs in one decode batch, or two when that is cheaper: the
-    reference attention pads every row to the batch's longest, so in a long tail (many short
-    sequences, a few long ones) the short rows go in a batch at their own width. Cost of a batch:
-    its rows (bucketed) x (its page-table width + _ROW_PAGES), plus a dispatch; two batches
-    when they cost at most _SPLIT_GAIN of one."""
-    by_length = sorted(owners, key=lambda o: o[1].cached)
-    widths = [cfg.table_width(seq.cached + k) for _, seq in by_length]   # each row's, once
-    n = len(by_length)
-
-    def cost(rows: int, width: int) -> int:
-        return cfg.row_bucket(rows) * (width + _ROW_PAGES) + _DISPATCH_ROW_PAGES
-
-    best, split = _SPLIT_GAIN * cost(n, widths[-1]), None    # split only for a clear gain
-    for i in range(n - 1, 0, -1):   # on a tie, the fewest rows at the wide width
-        c = cost(i, widths[i - 1]) + cost(n - i, widths[-1])
-        if c < best:
-            best, split = c, i
-    return [by_length] if split is None else [by_length[:split], by_length[split:]]

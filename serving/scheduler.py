@@ -208,11 +208,13 @@ class Scheduler:
         return seqs, copies
 
     # -- decode --------------------------------------------------------------------------------
-    def reserve(self, steps: int) -> list[Sequence]:
-        """Pages for `steps` more tokens of every running sequence, oldest first; returns the
-        sequences preempted to find them."""
+    def reserve(self, steps: int, seqs=None) -> list[Sequence]:
+        """Pages for `steps` more tokens of the running sequences `seqs` (default: all), oldest
+        first; returns the sequences preempted to find them (the youngest running, which may
+        be among `seqs`)."""
         preempted = []
-        for seq in sorted(self.running.values(), key=lambda s: s.order):
+        for seq in sorted(self.running.values() if seqs is None else seqs,
+                          key=lambda s: s.order):
             if seq.slot is None:
                 continue   # preempted earlier in this loop
             need = self.pool.pages_for(min(seq.cached + steps, self.max_len)) - len(seq.pages)

@@ -55,6 +55,7 @@ class Sequence:
     slot: int | None = None
     order: int = -1          # when it last started running: the youngest is preempted first
     finished: bool = False
+    inflight: int = 0        # tokens decoded on the device, not read back yet (decode_batches)
     matcher: object = None   # its grammar's state (serving/constraints.py), if it has one
     # With EngineConfig.record_routes: each fed position's experts [L, K], recorded the first
     # time the position is computed (a preempted sequence's recompute does not overwrite them).
@@ -63,8 +64,9 @@ class Sequence:
     @property
     def cached(self) -> int:
         """Tokens whose keys and values are in its pages while it runs: the prompt and every
-        generated token but the last, which the next decode step feeds."""
-        return len(self.request.prompt) + len(self.tokens) - 1
+        generated token but the last, which the next decode step feeds; tokens in flight
+        count as generated."""
+        return len(self.request.prompt) + len(self.tokens) + self.inflight - 1
 
     def total_len(self) -> int:
         return len(self.request.prompt) + len(self.tokens)

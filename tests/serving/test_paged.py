@@ -131,13 +131,13 @@ def test_only_busy_slots_are_decoded(params, model):
     still equals the references."""
     wide = Engine(CFG, dataclasses.replace(ENGINE, max_concurrent_decodes=16))
     busy = []
-    generate_steps = wide.generate_steps
+    dispatch_steps = wide.dispatch_steps
 
     def record(params, state, table, steps, slots=None, **masks):
         busy.append(len(slots))
-        return generate_steps(params, state, table, steps, slots, **masks)
+        return dispatch_steps(params, state, table, steps, slots, **masks)
 
-    wide.generate_steps = record
+    wide.dispatch_steps = record
     requests = [(p, SamplingParams(temperature=0.0, max_tokens=m)) for p, m in
                 zip(prompts(5, 9, 3, 14, 7, 11, 4, 6, 8, 10, seed=6),
                     (4, 8, 12, 16, 20, 24, 28, 32, 40, 52))]
