@@ -51,8 +51,10 @@ def decode_groups(cfg, owners: list[tuple[int, Sequence]], k: int
     sequences, a few long ones) the short rows go in a batch at their own width. Cost of a batch:
     its rows (bucketed) x (its page-table width + _ROW_PAGES), plus a dispatch; two batches
     when they cost at most _SPLIT_GAIN of one."""
-    by_length = sorted(owners, key=lambda o: o[1].cached)
-    widths = [cfg.table_width(seq.cached + k) for _, seq in by_length]   # each row's, once
+    cached = [seq.cached for _, seq in owners]       # each row's, once
+    order = sorted(range(len(owners)), key=cached.__getitem__)
+    by_length = [owners[i] for i in order]
+    widths = [cfg.table_width(cached[i] + k) for i in order]
     n = len(by_length)
 
     def cost(rows: int, width: int) -> int:

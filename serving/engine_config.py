@@ -9,6 +9,7 @@ import functools
 import math
 
 from serving.paged_kv import IMPLEMENTATIONS, table_width
+from serving.sampling import FEATURES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +60,15 @@ class EngineConfig:
     # token was routed to in each layer, and every sample comes back with them (Sample.routes),
     # for the trainer to compare with its own or replay (rl.moe_routing).
     record_routes: bool = False
+    # What the sampling programs can do beyond temperature (serving/sampling.py, FEATURES): a
+    # request that needs more is refused. An RL run's engine compiles only what its own
+    # sampling uses; a server, everything.
+    sampling_features: tuple[str, ...] = FEATURES
 
     def __post_init__(self):
+        unknown = [f for f in self.sampling_features if f not in FEATURES]
+        if unknown:
+            raise ValueError(f"sampling_features {unknown} unknown: each is one of {FEATURES}")
         if self.max_prefill_length >= self.max_len:
             raise ValueError(f"max_prefill_length={self.max_prefill_length} must be below "
                              f"max_len={self.max_len}")
@@ -96,7 +104,13 @@ class EngineConfig:
         return (s,) if s <= 8 else tuple(sorted({-(-s // 16), -(-s // 4), s}))
 
     def row_bucket(self, n: int) -> int:
-        return next(size for size in self.row_sizes if size >= n)
+        return self._row_buckets[n]
+
+    @functools.cached_property
+    def _row_buckets(self) -> tuple[int, ...]:
+        """row_bucket(n) for every n up to the slots (the engine loop asks per step and row)."""
+        return tuple(next(size for size in self.row_sizes if size >= n)
+                     for n in range(self.max_concurrent_decodes + 1))
 
     @functools.cached_property
     def buckets(self) -> tuple[int, ...]:

@@ -271,7 +271,7 @@ class EngineLoop:
             self._collect()     # a grammar's next mask follows the token before it
         k, max_len = engine.cfg.steps_per_dispatch, engine.cfg.max_len
         sched.reserve(k, [s for s in sched.running.values() if not ends_in_flight(s, max_len)])
-        owners = sorted((slot, s) for slot, s in sched.running.items()
+        owners = sorted((slot, s) for slot, s in sched.running.items()   # preempted ones gone
                         if not ends_in_flight(s, max_len))
         if not owners:
             return state, self._collect()

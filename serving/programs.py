@@ -83,10 +83,14 @@ def _sample_first(spec: Spec, logits_PV, rows_K, index_K, temperature_K, top_k_K
                   seeds_K, banned_K, min_tokens_K, bias_ids_KB, bias_values_KB, allowed_KW):
     zeros = jnp.zeros_like(index_K)
     keys = slot_keys(seeds_K, index_K, zeros)
+    has = spec.cfg.sampling_features.__contains__
     # A sample's first token: nothing generated yet to penalize.
-    tokens_K, logprobs_K = sample(logits_PV[rows_K], temperature_K, top_k_K, top_p_K, keys,
-                                  _banned(banned_K, min_tokens_K, zeros), allowed_KW,
-                                  partial(with_bias, ids_SB=bias_ids_KB, values_SB=bias_values_KB))
+    tokens_K, logprobs_K = sample(
+        logits_PV[rows_K], temperature_K, top_k_K, top_p_K, keys,
+        _banned(banned_K, min_tokens_K, zeros) if has("min_tokens") else None,
+        allowed_KW if has("grammar") else None,
+        partial(with_bias, ids_SB=bias_ids_KB, values_SB=bias_values_KB)
+        if has("logit_bias") else None, top_k_top_p=has("top_k_top_p"))
     rep = shd.replicated(spec.mesh)
     return (jax.lax.with_sharding_constraint(tokens_K, rep),
             jax.lax.with_sharding_constraint(logprobs_K, rep))
@@ -118,6 +122,8 @@ def _insert(spec: Spec, state: DecodeState, slots_K, lengths_K, tokens_K, counts
         slot_KC = jnp.where(penalized_K[:, None] & (history_KC >= 0), slots_K[:, None], s)
         return seen_SV.at[slot_KC, history_KC].add(1, mode="drop")
 
+    if "penalties" not in spec.cfg.sampling_features:
+        return pinned(spec, state)[0]
     seen = jax.lax.cond(jnp.any(penalized_K), recount, lambda z: z, state.seen)
     return pinned(spec, dataclasses.replace(state, seen=seen))[0]
 
@@ -141,18 +147,27 @@ def _advance(spec: Spec, state: DecodeState, logits_RV, slots_R, real_R, allowed
     its slot on by one; padding rows (real_R false) leave their slots as they were."""
     rows = {n: getattr(state, n)[slots_R] for n in PER_SLOT}
     keys = slot_keys(rows["seeds"], rows["sample_index"], rows["counts"])
+    has = spec.cfg.sampling_features.__contains__
 
     def adjust(logits_RV):
-        logits_RV = with_bias(logits_RV, rows["bias_ids"], rows["bias_values"])
-        return with_penalties(logits_RV, rows["presence"], rows["frequency"],
-                              lambda: state.seen[slots_R])
+        if has("logit_bias"):
+            logits_RV = with_bias(logits_RV, rows["bias_ids"], rows["bias_values"])
+        if has("penalties"):
+            logits_RV = with_penalties(logits_RV, rows["presence"], rows["frequency"],
+                                       lambda: state.seen[slots_R])
+        return logits_RV
 
-    tokens_R, logprobs_R = sample(logits_RV, rows["temperature"], rows["top_k"], rows["top_p"],
-                                  keys, _banned(rows["banned"], rows["min_tokens"], rows["counts"]),
-                                  allowed_RW, adjust)
+    tokens_R, logprobs_R = sample(
+        logits_RV, rows["temperature"], rows["top_k"], rows["top_p"], keys,
+        _banned(rows["banned"], rows["min_tokens"], rows["counts"])
+        if has("min_tokens") else None, allowed_RW if has("grammar") else None,
+        adjust if has("logit_bias") or has("penalties") else None,
+        top_k_top_p=has("top_k_top_p"))
     new = {"lengths": jnp.minimum(rows["lengths"] + 1, spec.cfg.max_len), "tokens": tokens_R,
            "counts": rows["counts"] + 1}
-    seen = state.seen.at[slots_R, tokens_R].add(real_R.astype(jnp.int32))
+    seen = state.seen   # token counts: only penalties read them
+    if has("penalties"):
+        seen = seen.at[slots_R, tokens_R].add(real_R.astype(jnp.int32))
     state = dataclasses.replace(state, seen=seen, **{
         n: getattr(state, n).at[slots_R].set(jnp.where(real_R, v, rows[n]))
         for n, v in new.items()})

@@ -26,8 +26,9 @@ class EngineStopped(RuntimeError):
 
 def validate(cfg: EngineConfig, pool: PagePool, vocab_size: int, prompt: Seq[int],
              sampling: SamplingParams, session: str | Seq[str] | None = None) -> None:
-    """Raises InvalidRequest naming what the engine cannot serve: the session keys, the
-    prompt's length or tokens, max_tokens, n, or the KV pages the request would need at once."""
+    """Raises InvalidRequest naming what the engine cannot serve: the session keys, a sampling
+    feature it did not compile, the prompt's length or tokens, max_tokens, n, or the KV pages
+    the request would need at once."""
     if isinstance(session, str):
         if sampling.n != 1:
             raise InvalidRequest(f"a turn of session {session!r} must have n=1, not "
@@ -36,6 +37,11 @@ def validate(cfg: EngineConfig, pool: PagePool, vocab_size: int, prompt: Seq[int
             session) or not all(isinstance(k, str) for k in session)):
         raise InvalidRequest(f"sessions {list(session)!r}: a group's first turn names "
                              f"n={sampling.n} distinct sessions, one per sample")
+    missing = [f for f in sampling.features() if f not in cfg.sampling_features]
+    if missing:
+        raise InvalidRequest(f"this sampling needs {missing}, which this engine's sampling "
+                             f"programs leave out (EngineConfig.sampling_features="
+                             f"{list(cfg.sampling_features)})")
     if len(prompt) == 0:
         raise InvalidRequest("prompt is empty")
     if len(prompt) > cfg.max_prefill_length:

@@ -22,6 +22,7 @@ from serving.client import RemoteGeneration
 from serving.constraints import Grammars
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
+from serving.sampling import FEATURES
 from sharding import mesh as shd
 
 
@@ -47,11 +48,15 @@ def engine_config(cfg: RunConfig, model_cfg: ModelConfig) -> EngineConfig:
     chunk = max(8, min(2 ** math.ceil(math.log2(rl.max_prompt_len)), 512))
     # Two prefill buckets (RL's prompts are of similar lengths; each bucket is a set of
     # programs compiled at start) and four prompts of the longest per prefill call.
+    # The sampling programs hold what the run's own requests use (temperature; min_tokens for
+    # answer-length completions); an agent's OpenAI requests may use any of it.
+    features = (FEATURES if rl.agent.command else
+                ("min_tokens",) if rl.completion_length == "answer" else ())
     return EngineConfig(max_concurrent_decodes=rl.slots, max_len=rl.sample_len + 1,
                         max_prefill_length=rl.prefill_len, prefill_chunk=chunk,
                         min_bucket=max(8, chunk // 2), prefill_budget=max(64, 4 * chunk),
                         dtype=model_cfg.dtype, attention=rl.engine_attention,
-                        record_routes=bool(model_cfg.num_experts))
+                        record_routes=bool(model_cfg.num_experts), sampling_features=features)
 
 
 @dataclasses.dataclass
