@@ -55,14 +55,12 @@ def decode_groups(cfg, owners: list[tuple[int, Sequence]], k: int
     order = sorted(range(len(owners)), key=cached.__getitem__)
     by_length = [owners[i] for i in order]
     widths = [cfg.table_width(cached[i] + k) for i in order]
-    n = len(by_length)
-
-    def cost(rows: int, width: int) -> int:
-        return cfg.row_bucket(rows) * (width + _ROW_PAGES) + _DISPATCH_ROW_PAGES
-
-    best, split = _SPLIT_GAIN * cost(n, widths[-1]), None    # split only for a clear gain
+    n, bucket, wide = len(by_length), cfg.row_bucket, widths[-1] + _ROW_PAGES
+    # cost(rows, width) = bucket(rows) * (width + _ROW_PAGES) + _DISPATCH_ROW_PAGES
+    best = _SPLIT_GAIN * (bucket(n) * wide + _DISPATCH_ROW_PAGES)   # split only for a clear gain
+    split = None
     for i in range(n - 1, 0, -1):   # on a tie, the fewest rows at the wide width
-        c = cost(i, widths[i - 1]) + cost(n - i, widths[-1])
-        if c < best:
-            best, split = c, i
+        c = bucket(i) * (widths[i - 1] + _ROW_PAGES) + bucket(n - i) * wide
+        if c + 2 * _DISPATCH_ROW_PAGES < best:
+            best, split = c + 2 * _DISPATCH_ROW_PAGES, i
     return [by_length] if split is None else [by_length[:split], by_length[split:]]

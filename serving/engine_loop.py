@@ -270,9 +270,10 @@ class EngineLoop:
         if self._constrained():
             self._collect()     # a grammar's next mask follows the token before it
         k, max_len = engine.cfg.steps_per_dispatch, engine.cfg.max_len
-        sched.reserve(k, [s for s in sched.running.values() if not ends_in_flight(s, max_len)])
-        owners = sorted((slot, s) for slot, s in sched.running.items()   # preempted ones gone
-                        if not ends_in_flight(s, max_len))
+        ready = [(slot, s) for slot, s in sorted(sched.running.items())
+                 if not ends_in_flight(s, max_len)]
+        sched.reserve(k, [s for _, s in ready])
+        owners = [(slot, s) for slot, s in ready if s.slot is not None]   # none preempted
         if not owners:
             return state, self._collect()
         batches = []
