@@ -21,7 +21,6 @@ Other threads reach it only through its inbox: `updates` (weights to swap in), `
 from __future__ import annotations
 
 import collections
-import dataclasses
 import queue
 import threading
 import time
@@ -31,30 +30,11 @@ import numpy as np
 from serving.constraints import Grammars
 from serving.decode_batches import InFlight, decode_groups, ends_in_flight
 from serving.engine import Engine
+from serving.inbox import Score, Update
 from serving.length_predictor import LengthPredictor
 from serving.scheduler import Scheduler
 from serving.sequence import Prefill, Request, Sequence
-from serving.stream import FINISHED, DoneEvent, TokenEvent
-
-
-@dataclasses.dataclass
-class Update:
-    """Weights queued for the loop to swap in; `applied` is set once they serve."""
-    params: object
-    version: int
-    applied: threading.Event = dataclasses.field(default_factory=threading.Event)
-    pause_s: float = 0.0
-    retired: object = None      # the weights it replaced, freed off the decode path
-
-
-@dataclasses.dataclass
-class Score:
-    """Tokens queued for the loop to score (Engine.score) between two of its calls; `done` is
-    set once `result` or `error` is."""
-    tokens: list[int]
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    result: tuple | None = None
-    error: BaseException | None = None
+from serving.stream import FINISHED, DoneEvent, RequestStream, TokenEvent
 
 
 def stop_reason(seq: Sequence, eos_id: int | None, max_len: int) -> str | None:
@@ -93,6 +73,8 @@ class EngineLoop:
         self._stats = collections.Counter()
         self._stats_lock = threading.Lock()
         self._inflight: InFlight | None = None     # the decode dispatch not read back yet
+        # Events of this iteration per stream, handed over together at its end (_send).
+        self._outbox: dict[RequestStream, list] = {}
         # closing: the loop's end takes every request queued before it, refuses later ones
         self.admit_lock = threading.Lock()
         self.closed = False
@@ -140,11 +122,13 @@ class EngineLoop:
                 for request in self.scheduler.take_cancelled():
                     self._finish_request(request, "cancelled")
                 if self._holding():
+                    self._send()
                     self.wake.wait(0.05)
                     continue
                 self._score()
                 state, prefilled = self._prefill(state)
                 state, decoded = self._decode(state)
+                self._send()
                 self.scheduler.publish_load()
                 if not (prefilled or decoded):
                     self.wake.wait(0.05)
@@ -154,6 +138,12 @@ class EngineLoop:
             raise
         self._collect()         # the tokens of the last dispatch reach their streams
         self.shutdown("shutdown")
+
+    def _send(self) -> None:
+        """Hands each stream the events this iteration made for it, in order."""
+        outbox, self._outbox = self._outbox, {}
+        for stream, events in outbox.items():
+            stream.put_many(events)
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -344,7 +334,8 @@ class EngineLoop:
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(version)
-        req.stream.put(TokenEvent(seq.index, token, logprob, version))
+        self._outbox.setdefault(req.stream, []).append(
+            TokenEvent(seq.index, token, logprob, version))
         reason = self.stop_reason(seq)
         if seq.matcher is not None and reason is None and (
                 not seq.matcher.consume_token(token) or seq.matcher.is_stopped()):
@@ -367,7 +358,7 @@ class EngineLoop:
         if req.done[index]:
             return
         req.done[index] = True
-        req.stream.put(DoneEvent(index, reason, routes))
+        self._outbox.setdefault(req.stream, []).append(DoneEvent(index, reason, routes))
         if all(req.done):
             self._count(requests_done=1)
             if self.length_predictor is not None and reason in ("eos", "stop", "length"):
@@ -390,6 +381,7 @@ class EngineLoop:
             self._finish_request(p.request, reason)
         for seq in list(sched.resumes) + list(sched.running.values()):
             self._done(seq.request, seq.index, reason)
+        self._send()
         while not self.scores.empty():
             job = self.scores.get()
             job.error = RuntimeError(f"the engine loop ended ({reason})")
