@@ -34,7 +34,7 @@ from serving.inbox import Score, Update
 from serving.length_predictor import LengthPredictor
 from serving.scheduler import Scheduler
 from serving.sequence import Prefill, Request, Sequence
-from serving.stream import FINISHED, DoneEvent, RequestStream, TokenEvent
+from serving.stream import FINISHED, DoneEvent, TokenEvent
 
 
 def stop_reason(seq: Sequence, eos_id: int | None, max_len: int) -> str | None:
@@ -73,8 +73,6 @@ class EngineLoop:
         self._stats = collections.Counter()
         self._stats_lock = threading.Lock()
         self._inflight: InFlight | None = None     # the decode dispatch not read back yet
-        # Events of this iteration per stream, handed over together at its end (_send).
-        self._outbox: dict[RequestStream, list] = {}
         # closing: the loop's end takes every request queued before it, refuses later ones
         self.admit_lock = threading.Lock()
         self.closed = False
@@ -122,13 +120,11 @@ class EngineLoop:
                 for request in self.scheduler.take_cancelled():
                     self._finish_request(request, "cancelled")
                 if self._holding():
-                    self._send()
                     self.wake.wait(0.05)
                     continue
                 self._score()
                 state, prefilled = self._prefill(state)
                 state, decoded = self._decode(state)
-                self._send()
                 self.scheduler.publish_load()
                 if not (prefilled or decoded):
                     self.wake.wait(0.05)
@@ -138,12 +134,6 @@ class EngineLoop:
             raise
         self._collect()         # the tokens of the last dispatch reach their streams
         self.shutdown("shutdown")
-
-    def _send(self) -> None:
-        """Hands each stream the events this iteration made for it, in order."""
-        outbox, self._outbox = self._outbox, {}
-        for stream, events in outbox.items():
-            stream.put_many(events)
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -334,8 +324,7 @@ class EngineLoop:
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(version)
-        self._outbox.setdefault(req.stream, []).append(
-            TokenEvent(seq.index, token, logprob, version))
+        req.stream.put(TokenEvent(seq.index, token, logprob, version))
         reason = self.stop_reason(seq)
         if seq.matcher is not None and reason is None and (
                 not seq.matcher.consume_token(token) or seq.matcher.is_stopped()):
@@ -358,7 +347,7 @@ class EngineLoop:
         if req.done[index]:
             return
         req.done[index] = True
-        self._outbox.setdefault(req.stream, []).append(DoneEvent(index, reason, routes))
+        req.stream.put(DoneEvent(index, reason, routes))
         if all(req.done):
             self._count(requests_done=1)
             if self.length_predictor is not None and reason in ("eos", "stop", "length"):
@@ -381,7 +370,6 @@ class EngineLoop:
             self._finish_request(p.request, reason)
         for seq in list(sched.resumes) + list(sched.running.values()):
             self._done(seq.request, seq.index, reason)
-        self._send()
         while not self.scores.empty():
             job = self.scores.get()
             job.error = RuntimeError(f"the engine loop ended ({reason})")

@@ -57,20 +57,14 @@ class RequestStream:
 
     def put(self, event: TokenEvent | DoneEvent) -> None:
         """The engine's side: one more event for the reader."""
-        self.put_many([event])
-
-    def put_many(self, events: list[TokenEvent | DoneEvent]) -> None:
-        """The engine's side: events for the reader, in order, handed over at once (the engine
-        loop gives a request's events of one step together, not one by one)."""
         with self._lock:
-            for event in events:
-                sample = self._so_far[event.sample_index]
-                if isinstance(event, DoneEvent) and sample.finish_reason is None:
-                    self._open -= 1
-                    if not self._open:
-                        self._all_done.set()
-                _apply(sample, event)
-            self._events.put(events)
+            sample = self._so_far[event.sample_index]
+            if isinstance(event, DoneEvent) and sample.finish_reason is None:
+                self._open -= 1
+                if not self._open:
+                    self._all_done.set()
+            _apply(sample, event)
+            self._events.put(event)
 
     def end(self, reason: str) -> None:
         """Ends every sample not done yet with `reason` (the engine behind it is gone)."""
@@ -97,9 +91,9 @@ class RequestStream:
     def __iter__(self) -> Iterator[TokenEvent | DoneEvent]:
         done = 0
         while done < self.n:
-            for event in self._events.get():
-                done += isinstance(event, DoneEvent)
-                yield event
+            event = self._events.get()
+            done += isinstance(event, DoneEvent)
+            yield event
 
     def batches(self, interval_s: float) -> Iterator[list[TokenEvent | DoneEvent]]:
         """The events in lists, in order: each list is what arrived within `interval_s` of its
@@ -112,11 +106,11 @@ class RequestStream:
             return
         done = 0
         while done < self.n:
-            batch = list(self._events.get())
+            batch = [self._events.get()]
             self._all_done.wait(interval_s)
             while True:
                 try:
-                    batch += self._events.get_nowait()
+                    batch.append(self._events.get_nowait())
                 except queue.Empty:
                     break
             done += sum(isinstance(e, DoneEvent) for e in batch)
