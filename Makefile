@@ -19,7 +19,7 @@ PY     := $(VENV)/bin/python
 # Replacing it under loadscope can hang pytest-xdist 3.8 for good (pytest-xdist#1323, #1378).
 # A test (setup included) still running after 15 minutes (the slowest took 241 s) is hung: its
 # worker prints every thread's stack and exits, which ends the run the same way.
-PYTEST := $(PY) -m pytest tests -n 2 --dist loadscope --max-worker-restart 0 \
+PYTEST := $(PY) -m pytest tests -n 2 --dist loadscope --no-loadscope-reorder --max-worker-restart 0 \
 	  -o faulthandler_timeout=900 -o faulthandler_exit_on_timeout=true
 
 # Every transitive dependency is pinned in constraints.txt (refresh it with  make lock).

@@ -112,46 +112,60 @@ class PagedKV:
 
     def _attend_loop(self, layer, q_BTNH, positions_BT, window=None, scale=None,
                      softcap=None):
-        """The pages read in a `fori_loop` over blocks of LOOP_TOKENS tokens, from the first
-        block any query's window reaches to the last block any query sees, folded into an
-        online softmax (flash decoding). The trip count is the call's own, so one program
-        serves every table width, and no [B, G, H, S] copy of the keys is made (what the
-        reference path's two batched dots cost on XLA:CPU)."""
+        """Flash decoding over a work list: each row's blocks of LOOP_TOKENS tokens, from the
+        first its queries' window reaches to the last they see, listed row after row; each
+        iteration of a loop attends B of those (row, block) pairs and folds them into their
+        rows' online softmax. A row reads only its own blocks, so a call costs the tokens its
+        rows hold, not B times its longest row's (rows that started at different times differ
+        a lot in length). The trip count is the call's own, so one program serves every table
+        width, and no [B, G, H, S] copy of the keys is made (what the reference path's two
+        batched dots cost on XLA:CPU)."""
         b, t, n, h = q_BTNH.shape
         w, k = self.table.shape[1], self.page_size
-        g = self.kv.shape[3] // 2
+        g, r = self.kv.shape[3] // 2, n // (self.kv.shape[3] // 2)
         per = max(1, min(LOOP_TOKENS // k, w))
-        block = per * k
-        first = 0 if window is None else (
-            jnp.maximum(jnp.min(positions_BT) - window + 1, 0) // block)
-        last = jnp.minimum(jnp.max(positions_BT) // block, -(-w // per) - 1)
+        block, blocks = per * k, -(-w // per)
+        last_B = jnp.minimum(jnp.max(positions_BT, axis=1) // block, blocks - 1)
+        first_B = jnp.zeros_like(last_B) if window is None else jnp.minimum(
+            jnp.maximum(jnp.min(positions_BT, axis=1) - window + 1, 0) // block, last_B)
+        ends_B = jnp.cumsum(last_B - first_B + 1)        # the work list: row b's pairs end here
         scale = h ** -0.5 if scale is None else scale
-        q_BTGRH = q_BTNH.reshape(b, t, g, n // g, h).astype(jnp.float32) * scale
+        q_BTGRH = q_BTNH.reshape(b, t, g, r, h).astype(jnp.float32) * scale
         low = jnp.finfo(jnp.float32).min
 
         def step(i, carry):
             m_BTGR, l_BTGR, acc_BTGRH = carry
-            index_C = i * per + jnp.arange(per)
-            pages_BC = jnp.take(self.table, jnp.minimum(index_C, w - 1), axis=1)
-            kv_BSCH = self.kv[layer, pages_BC].reshape(b, block, 2 * g, h).astype(jnp.float32)
-            s_BTGRS = ops.soft_cap(
-                jnp.einsum("btgrh,bsgh->btgrs", q_BTGRH, kv_BSCH[:, :, 0::2]), softcap)
-            keys_S = (index_C[:, None] * k + jnp.arange(k)[None]).reshape(block)
-            mask_BTS = ((keys_S[None, None] <= positions_BT[..., None])
-                        & (index_C < w).repeat(k)[None, None])
+            pair_R = i * b + jnp.arange(b)
+            valid_R = pair_R < ends_B[-1]
+            row_R = jnp.minimum(jnp.searchsorted(ends_B, pair_R, side="right"), b - 1)
+            block_R = jnp.minimum(   # past the list's end: the last row's last block again
+                first_B[row_R] + pair_R - (ends_B[row_R] - (last_B - first_B + 1)[row_R]),
+                last_B[row_R])
+            index_RC = block_R[:, None] * per + jnp.arange(per)
+            pages_RC = jnp.take_along_axis(self.table[row_R], jnp.minimum(index_RC, w - 1), 1)
+            kv_RSCH = self.kv[layer, pages_RC].reshape(b, block, 2 * g, h).astype(jnp.float32)
+            s_RTGRS = ops.soft_cap(
+                jnp.einsum("btgrh,bsgh->btgrs", q_BTGRH[row_R], kv_RSCH[:, :, 0::2]), softcap)
+            keys_RS = (index_RC[:, :, None] * k + jnp.arange(k)).reshape(b, block)
+            pos_RT = positions_BT[row_R]
+            mask_RTS = ((keys_RS[:, None] <= pos_RT[..., None])
+                        & (index_RC < w).repeat(k, axis=1)[:, None] & valid_R[:, None, None])
             if window is not None:
-                mask_BTS &= ops.window_mask(positions_BT, keys_S[None], window)
-            s_BTGRS = jnp.where(mask_BTS[:, :, None, None], s_BTGRS, low)
-            m_new = jnp.maximum(m_BTGR, s_BTGRS.max(-1))
-            p_BTGRS = jnp.exp(s_BTGRS - m_new[..., None])
-            c_BTGR = jnp.exp(m_BTGR - m_new)
-            pv_BTGRH = jnp.einsum("btgrs,bsgh->btgrh", p_BTGRS, kv_BSCH[:, :, 1::2])
-            return (m_new, l_BTGR * c_BTGR + p_BTGRS.sum(-1),
-                    acc_BTGRH * c_BTGR[..., None] + pv_BTGRH)
+                mask_RTS &= ops.window_mask(pos_RT, keys_RS, window)
+            mask_RTGRS = mask_RTS[:, :, None, None]
+            s_RTGRS = jnp.where(mask_RTGRS, s_RTGRS, low)
+            m_RTGR = s_RTGRS.max(-1)
+            p_RTGRS = jnp.where(mask_RTGRS, jnp.exp(s_RTGRS - m_RTGR[..., None]), 0.0)
+            pv_RTGRH = jnp.einsum("btgrs,bsgh->btgrh", p_RTGRS, kv_RSCH[:, :, 1::2])
+            m_new = m_BTGR.at[row_R].max(m_RTGR)      # pairs of one row may share an iteration
+            c_BTGR, c_RTGR = jnp.exp(m_BTGR - m_new), jnp.exp(m_RTGR - m_new[row_R])
+            return (m_new, (l_BTGR * c_BTGR).at[row_R].add(p_RTGRS.sum(-1) * c_RTGR),
+                    (acc_BTGRH * c_BTGR[..., None]).at[row_R].add(pv_RTGRH * c_RTGR[..., None]))
 
-        shape = (b, t, g, n // g)
+        shape = (b, t, g, r)
         init = (jnp.full(shape, low), jnp.zeros(shape), jnp.zeros((*shape, h)))
-        _, l_BTGR, acc_BTGRH = jax.lax.fori_loop(first, last + 1, step, init)
+        _, l_BTGR, acc_BTGRH = jax.lax.fori_loop(0, -(-ends_B[-1] // b), step, init)
+        l_BTGR = jnp.where(l_BTGR > 0, l_BTGR, 1.0)    # a padding query that sees no key
         return (acc_BTGRH / l_BTGR[..., None]).reshape(b, t, n, h).astype(q_BTNH.dtype)
 
     def _attend_kernel(self, layer, q_B1NH, positions_B1, scale=None):

@@ -42,14 +42,22 @@ def pytest_terminal_summary(terminalreporter):
                 terminalreporter.write_line("  ".join("-" * w for w in widths))
 
 
-# The longest modules first (measured on the 2-core CI machine, seconds): `make test` hands
-# whole modules to its two workers in collection order, so a long module collected last would
-# run alone at the end while the other worker idles.
-_HEAVY_FIRST = ["sharding/test_tpu_aot.py", "run/test_rl.py", "colab/test_notebooks.py",
-                "serving/test_paged.py", "run/test_fleet_rl.py", "test_serve.py",
-                "reliability/test_sigkill.py", "reliability/test_load.py",
-                "run/test_multihost.py", "sharding/test_pipeline.py", "run/test_tool_calc.py",
-                "run/test_long_tail.py", "run/test_warmup_stop.py", "run/test_agents.py"]
+# The longest modules first (measured on the 2-core CI machine, 2026-11-27, each tier's order
+# by the seconds its tests took): `make test` hands whole modules to its two workers in
+# collection order (--no-loadscope-reorder: pytest-xdist otherwise sorts them by test count, and
+# the one-test runs came last), so a long module collected late would run alone at the end
+# while the other worker idles.
+_HEAVY_FIRST = [
+    # multi-device tier
+    "sharding/test_tpu_aot.py", "sharding/test_pipeline.py", "run/test_rl.py",
+    "reliability/test_sigkill.py", "serving/test_paged_attention.py",
+    # one-device tier
+    "colab/test_notebooks.py", "reliability/test_load.py", "run/test_multihost.py",
+    "run/test_long_tail.py", "run/test_fleet_rl.py", "test_serve.py", "test_lm_eval.py",
+    "serving/test_paged.py", "run/test_warmup_stop.py", "run/test_local_servers.py",
+    "test_docs.py", "test_cli.py", "serving/test_runtime.py", "run/test_families_rl.py",
+    "models/test_hf.py", "serving/test_routes.py", "run/test_rl_run.py", "run/test_tool_calc.py",
+    "train/test_objectives.py", "run/test_agents.py"]
 
 
 # The suite's tiers, named once (the Makefile selects them by marker):

@@ -75,8 +75,8 @@ def test_kernel_equals_attention_over_the_held_tokens(dtype, atol, kv_heads, q_h
 def test_loop_equals_attention_over_the_held_tokens(monkeypatch, dtype, atol, window, scale,
                                                     softcap):
     """Blocks of two pages: rows of one token, partial and full pages, one row reaching into
-    the third block. Pages past the block the longest row ends in are NaN: a loop that read
-    one would return NaN; shorter rows read other rows' pages there, masked."""
+    the third block. Each row's pages past the block it ends in are NaN: a loop that read one
+    (as one running every row to the longest row's block did) would return NaN."""
     monkeypatch.setattr(paged_kv, "LOOP_TOKENS", 8)
     layers, pages, width, page, kv_heads, q_heads, head_dim = 2, 64, 8, 4, 2, 4, 8
     rng = np.random.default_rng(7)
@@ -84,7 +84,8 @@ def test_loop_equals_attention_over_the_held_tokens(monkeypatch, dtype, atol, wi
     rows = len(lengths)
     table = rng.permutation(np.arange(1, pages))[:rows * width].reshape(rows, width)
     kv = rng.standard_normal((layers, pages, page, 2 * kv_heads, head_dim)).astype(np.float32)
-    kv[:, table[:, 6:].ravel()] = np.nan      # blocks 0-2 end at page 6: none reads past it
+    for row, length in enumerate(lengths):    # a row's blocks end at its last token's
+        kv[:, table[row, -(-length // 8) * 2:]] = np.nan
     kv = np.asarray(jnp.asarray(kv, dtype).astype(jnp.float32))
     q = np.asarray(jnp.asarray(rng.standard_normal((rows, q_heads, head_dim)), dtype)
                    .astype(jnp.float32))
