@@ -22,7 +22,8 @@ def model_config(cfg: RunConfig) -> ModelConfig:
                                param_dtype=cfg.model.param_dtype, attention=cfg.model.attention,
                                max_segments=cfg.model.max_segments,
                                scan_layers=cfg.model.scan_layers,
-                               mlp_backward=cfg.model.mlp_backward)
+                               mlp_backward=cfg.model.mlp_backward,
+                               packed_attention=cfg.model.packed_attention)
     cfg.check_pipeline(model_cfg)
     return model_cfg
 

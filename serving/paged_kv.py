@@ -17,9 +17,10 @@ a decode step costs what the batch holds, not what the longest possible sequence
 
 Attention implementations (`impl`):
 - reference: gather the row's pages and attend with XLA; runs everywhere.
-- loop: decode steps and prefill chunks read the pages in a loop of blocks up to the last
-  block a query sees, with an online softmax: one program for every table width; the CPU
-  default (serving/engine.py).
+- loop: decode steps and prefill chunks read each row's own blocks of pages, up to the last
+  block its queries see, in a loop over a work list of (row, block) pairs with an online
+  softmax: a call costs the tokens its rows hold, and one program serves every table width;
+  the CPU default (serving/engine.py).
 - pallas: decode steps (one token per row) through serving/paged_attention.py, a Pallas kernel
   that streams each row's pages from the pool up to its length; under a mesh it runs in
   `shard_map` over the kv-head axis. Prefill chunks (compute-bound) keep the reference path.

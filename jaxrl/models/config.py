@@ -93,6 +93,13 @@ class ModelConfig:
     # copy of every activation gradient, ~8% of a CPU RL step); auto: ordered when the trainer's
     # devices are CPUs, autodiff elsewhere (remat and offload policies act on its residuals).
     mlp_backward: Literal["auto", "autodiff", "ordered"] = "auto"
+    # Attention within packed rows on the xla path: dense (every query scored against every key
+    # of its row, then masked), or blocks (jaxrl/models/block_attention.py: only the pairs of
+    # 64-token blocks that share a segment, flash attention over a work list; a row of short
+    # samples costs what its samples hold); auto: blocks when the trainer's devices are CPUs,
+    # dense elsewhere (remat and offload policies and the TPU memory figures are the dense
+    # path's). Models with sliding windows or soft-capped attention stay dense.
+    packed_attention: Literal["auto", "dense", "blocks"] = "auto"
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
@@ -155,7 +162,7 @@ class ModelConfig:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def for_platform(self, platform: str) -> "ModelConfig":
-        """This config with scan_layers=auto and mlp_backward=auto decided for a trainer on
+        """This config with scan_layers, mlp_backward and packed_attention=auto decided for a trainer on
         `platform` ("cpu", "gpu", "tpu")."""
         cpu = platform == "cpu"
         out = self
@@ -163,6 +170,8 @@ class ModelConfig:
             out = dataclasses.replace(out, scan_layers="unroll" if cpu else "scan")
         if out.mlp_backward == "auto":
             out = dataclasses.replace(out, mlp_backward="ordered" if cpu else "autodiff")
+        if out.packed_attention == "auto":
+            out = dataclasses.replace(out, packed_attention="blocks" if cpu else "dense")
         return out
 
     @property

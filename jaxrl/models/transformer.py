@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.models import block_attention
 from jaxrl.models import layers as ops
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.moe import moe_mlp_routed, router_load, routing_mismatch
@@ -113,6 +114,11 @@ def _attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH, replay_B
 
 
 def _attend(cfg: ModelConfig, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT):
+    if (segment_ids_BT is not None and cfg.attention == "xla"
+            and cfg.packed_attention == "blocks" and cfg.attn_softcap is None
+            and not any(cfg.sliding_layers()) and block_attention.usable(q_BTNH.shape[1])):
+        return block_attention.block_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT,
+                                               cfg.attention_scale)
     return ops.attention(q_BTNH, k_BTGH, v_BTGH, mask_BTS, cfg.attention, segment_ids_BT,
                          cfg.max_segments, scale=cfg.attention_scale, softcap=cfg.attn_softcap,
                          causal=True)

@@ -54,8 +54,8 @@ def _check_same_model(saved: dict, model_cfg: ModelConfig, path: Path) -> None:
     saved_model = from_dict(RunConfig, saved).model if saved.get("hf_path") is None else \
         load_hf_config(saved["hf_path"])
     ours, theirs = to_dict(model_cfg), to_dict(saved_model)
-    diff = [k for k in ours if k not in ("dtype", "attention", "scan_layers", "mlp_backward")
-            and ours[k] != theirs[k]]
+    runtime = ("dtype", "attention", "scan_layers", "mlp_backward", "packed_attention")
+    diff = [k for k in ours if k not in runtime and ours[k] != theirs[k]]
     if diff:
         k = diff[0]
         raise CheckpointError(f"the checkpoint in {str(path)!r} is of another model: "
