@@ -96,9 +96,10 @@ class ModelConfig:
     # Attention within packed rows on the xla path: dense (every query scored against every key
     # of its row, then masked), or blocks (jaxrl/models/block_attention.py: only the pairs of
     # 64-token blocks that share a segment, flash attention over a work list; a row of short
-    # samples costs what its samples hold); auto: blocks when the trainer's devices are CPUs,
+    # samples costs what its samples hold); auto: blocks when the trainer is one CPU device,
     # dense elsewhere (remat and offload policies and the TPU memory figures are the dense
-    # path's). Models with sliding windows or soft-capped attention stay dense.
+    # path's, and GSPMD does not partition the work list's gathers: a mesh would gather every
+    # row onto each device). Models with sliding windows or soft-capped attention stay dense.
     packed_attention: Literal["auto", "dense", "blocks"] = "auto"
 
     def __post_init__(self):
@@ -161,9 +162,9 @@ class ModelConfig:
         """What q.k is multiplied by: 1 / sqrt(query_pre_attn_scalar or head_dim)."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-    def for_platform(self, platform: str) -> "ModelConfig":
-        """This config with scan_layers, mlp_backward and packed_attention=auto decided for a trainer on
-        `platform` ("cpu", "gpu", "tpu")."""
+    def for_platform(self, platform: str, devices: int = 1) -> "ModelConfig":
+        """This config with scan_layers, mlp_backward and packed_attention=auto decided for a
+        trainer of `devices` devices on `platform` ("cpu", "gpu", "tpu")."""
         cpu = platform == "cpu"
         out = self
         if out.scan_layers == "auto":
@@ -171,7 +172,8 @@ class ModelConfig:
         if out.mlp_backward == "auto":
             out = dataclasses.replace(out, mlp_backward="ordered" if cpu else "autodiff")
         if out.packed_attention == "auto":
-            out = dataclasses.replace(out, packed_attention="blocks" if cpu else "dense")
+            blocks = cpu and devices == 1
+            out = dataclasses.replace(out, packed_attention="blocks" if blocks else "dense")
         return out
 
     @property

@@ -53,7 +53,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, model_cfg, mesh, *, objective, optim: OptimConfig,
                  steps: int, first_step: int, restore: Restore, ref_params: bool = False):
         self.mesh = mesh
-        self.model_cfg = model_cfg = model_cfg.for_platform(mesh.devices.flat[0].platform)
+        self.model_cfg = model_cfg = model_cfg.for_platform(mesh.devices.flat[0].platform,
+                                                            mesh.devices.size)
         self.ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep,
                                  async_save=cfg.checkpoint.async_save)
         try:

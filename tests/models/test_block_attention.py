@@ -99,3 +99,12 @@ def test_a_model_s_loss_and_gradients_through_either_path():
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for a, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
         np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_is_blocks_for_one_cpu_device_only():
+    cfg = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=8, mlp_dim=64)
+    assert cfg.for_platform("cpu").packed_attention == "blocks"
+    assert cfg.for_platform("cpu", devices=8).packed_attention == "dense"
+    assert cfg.for_platform("tpu").packed_attention == "dense"
+    assert cfg.for_platform("gpu").packed_attention == "dense"
