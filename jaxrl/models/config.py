@@ -85,8 +85,9 @@ class ModelConfig:
     # time does not grow with depth: MaxText's scan_layers), unrolled (XLA schedules and lays
     # out each layer on its own), or auto: unrolled when the trainer's devices are CPUs, where
     # the scan's per-layer slicing and transposed weight-gradient layouts cost ~8% of an RL
-    # step (docs/benchmarks.md, "Against TRL and Tunix"), scanned on accelerators (and ahead-of-time TPU
-    # compiles). Everything else (evaluation, serving) scans unless this says unroll.
+    # step (docs/benchmarks.md, "Against TRL and Tunix"), scanned on accelerators (and
+    # ahead-of-time TPU compiles). Everything else (evaluation, serving) scans unless this
+    # says unroll.
     scan_layers: Literal["auto", "scan", "unroll"] = "auto"
     # The gated MLP's backward: autodiff's, or ordered (jaxrl/models/layers.py gated_mlp: each
     # weight gradient contracted with the wider operand first, which spares XLA:CPU a transposed
@@ -95,11 +96,12 @@ class ModelConfig:
     mlp_backward: Literal["auto", "autodiff", "ordered"] = "auto"
     # Attention within packed rows on the xla path: dense (every query scored against every key
     # of its row, then masked), or blocks (jaxrl/models/block_attention.py: only the pairs of
-    # 64-token blocks that share a segment, flash attention over a work list; a row of short
-    # samples costs what its samples hold); auto: blocks when the trainer is one CPU device,
-    # dense elsewhere (remat and offload policies and the TPU memory figures are the dense
-    # path's, and GSPMD does not partition the work list's gathers: a mesh would gather every
-    # row onto each device). Models with sliding windows or soft-capped attention stay dense.
+    # 64-token blocks that share a segment, flash attention over a work list, in rows of 1,024
+    # tokens or more; a row of short samples costs what its samples hold); auto: blocks when
+    # the trainer is one CPU device, dense elsewhere (remat and offload policies and the TPU
+    # memory figures are the dense path's, and GSPMD does not partition the work list's
+    # gathers: a mesh would gather every row onto each device). Models with sliding windows or
+    # soft-capped attention stay dense.
     packed_attention: Literal["auto", "dense", "blocks"] = "auto"
 
     def __post_init__(self):

@@ -73,10 +73,11 @@ def test_the_work_list_holds_only_pairs_that_share_a_segment():
     assert int(ends[-1]) == 4 + 10 + 6
 
 
-def test_a_model_s_loss_and_gradients_through_either_path():
+def test_a_model_s_loss_and_gradients_through_either_path(monkeypatch):
+    monkeypatch.setattr(ba, "MIN_LENGTH", 128)      # rows this short otherwise stay dense
     cfg = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=8, mlp_dim=64, max_seq_len=256)
-    seg = packed_segments([[100, 28, 60], [190]], 192)
+                      head_dim=8, mlp_dim=64, max_seq_len=512)
+    seg = packed_segments([[40, 30, 50, 60, 70, 45, 80], [64] * 5 + [50]], 384)
     rng = np.random.default_rng(1)
     ids = jnp.asarray(rng.integers(0, 64, seg.shape), jnp.int32)
     positions = np.zeros_like(seg)
