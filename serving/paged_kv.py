@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.models import layers as ops
+from jaxrl.models.block_attention import work_items
 from serving.paged_attention import paged_decode_attention
 
 NULL_PAGE = 0
@@ -129,19 +130,15 @@ class PagedKV:
         last_B = jnp.minimum(jnp.max(positions_BT, axis=1) // block, blocks - 1)
         first_B = jnp.zeros_like(last_B) if window is None else jnp.minimum(
             jnp.maximum(jnp.min(positions_BT, axis=1) - window + 1, 0) // block, last_B)
-        ends_B = jnp.cumsum(last_B - first_B + 1)        # the work list: row b's pairs end here
+        count_B = last_B - first_B + 1                   # the work list: row b's blocks
+        ends_B = jnp.cumsum(count_B)
         scale = h ** -0.5 if scale is None else scale
         q_BTGRH = q_BTNH.reshape(b, t, g, r, h).astype(jnp.float32) * scale
         low = jnp.finfo(jnp.float32).min
 
         def step(i, carry):
             m_BTGR, l_BTGR, acc_BTGRH = carry
-            pair_R = i * b + jnp.arange(b)
-            valid_R = pair_R < ends_B[-1]
-            row_R = jnp.minimum(jnp.searchsorted(ends_B, pair_R, side="right"), b - 1)
-            block_R = jnp.minimum(   # past the list's end: the last row's last block again
-                first_B[row_R] + pair_R - (ends_B[row_R] - (last_B - first_B + 1)[row_R]),
-                last_B[row_R])
+            row_R, block_R, valid_R = work_items(i, b, first_B, count_B, ends_B)
             index_RC = block_R[:, None] * per + jnp.arange(per)
             pages_RC = jnp.take_along_axis(self.table[row_R], jnp.minimum(index_RC, w - 1), 1)
             kv_RSCH = self.kv[layer, pages_RC].reshape(b, block, 2 * g, h).astype(jnp.float32)

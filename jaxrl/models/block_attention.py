@@ -69,13 +69,22 @@ def _work_list(segment_ids_BT):
     return first_C, count_C, jnp.cumsum(count_C)
 
 
+def work_items(i, size: int, first_C, count_C, ends_C):
+    """Items i*size .. i*size+size-1 of a work list in which cell c holds the blocks first_C[c]
+    .. first_C[c] + count_C[c] - 1, cell after cell (ends_C: the cumulative sum of count_C):
+    (cell, block, valid). Items past the list's end are the last cell's, on a block in its
+    range (or its first), and not valid."""
+    item_R = i * size + jnp.arange(size)
+    valid_R = item_R < ends_C[-1]
+    cell_R = jnp.minimum(jnp.searchsorted(ends_C, item_R, side="right"), ends_C.shape[0] - 1)
+    first_R, count_R = first_C[cell_R], count_C[cell_R]
+    block_R = first_R + item_R - (ends_C[cell_R] - count_R)
+    return cell_R, jnp.clip(block_R, first_R, first_R + jnp.maximum(count_R, 1) - 1), valid_R
+
+
 def _pairs(i, first_C, count_C, ends_C, nb: int):
     """Pairs i*PAIRS .. +PAIRS of the list: (query cell b*nb+qi, key cell b*nb+kj, valid)."""
-    pair_R = i * PAIRS + jnp.arange(PAIRS)
-    valid_R = pair_R < ends_C[-1]
-    cell_R = jnp.minimum(jnp.searchsorted(ends_C, pair_R, side="right"), ends_C.shape[0] - 1)
-    kj_R = first_C[cell_R] + pair_R - (ends_C[cell_R] - count_C[cell_R])
-    kj_R = jnp.clip(kj_R, 0, cell_R % nb)       # past the list's end: a block of its own row
+    cell_R, kj_R, valid_R = work_items(i, PAIRS, first_C, count_C, ends_C)
     return cell_R, cell_R - cell_R % nb + kj_R, valid_R
 
 
@@ -112,7 +121,6 @@ def _forward(q_BTNH, k_BTGH, v_BTGH, seg_BT, scale):
     v_CCGH = _blocks(v_BTGH.astype(jnp.float32), nb)
     seg_CC = _blocks(seg_BT, nb)
     first_C, count_C, ends_C = _work_list(seg_BT)
-
     cells = b * nb
 
     def step(i, carry):
