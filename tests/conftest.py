@@ -2,12 +2,13 @@ import os
 import threading
 import time
 
+from tests.xla import COMPILING
+
 # One CPU device, or eight for the multi-device tier (JAXRL_TEST_DEVICES=8, `make test-multi`),
 # compiled at -O0 and without XLA:CPU's MLIR fusion emitters (see the Makefile); set before jax
 # is imported anywhere.
 DEVICES = int(os.environ.get("JAXRL_TEST_DEVICES", "1"))
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES} "
-                      "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES} {COMPILING}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The persistent XLA compilation cache: JAXRL_TEST_CACHE_DIR (`make test` gives each run a fresh
 # one, shared by its workers and the processes tests start); unset: no cache, here and in the

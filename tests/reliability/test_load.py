@@ -6,7 +6,6 @@ returns to where it was."""
 
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from serving.proto import generation_pb2 as gen
 from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.proto import jetstream_pb2 as js
 from serving.proto import jetstream_pb2_grpc as js_grpc
+from tests.xla import running_env
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def server(tmp_path_factory):
          "--page-size", "4",
          "--max-queued", "4096", "--max-concurrent-rpcs", "2048"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        env=running_env())
     try:
         for line in proc.stdout:
             if "ready on" in line:

@@ -39,7 +39,7 @@ K = 4   # steps averaged at each end
 def run(tmp_path_factory) -> tuple[Path, list[dict]]:
     run_dir = tmp_path_factory.mktemp("long_tail") / "run"
     one_device.train("configs/long_tail_cpu.yaml", [*SCALED_DOWN, f"train.seed={SEED}"],
-                     run_dir)
+                     run_dir, running=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return run_dir, rows
 
