@@ -8,8 +8,16 @@ against sync on cores of their own):
   `--core` alone at several held lengths, fitted as fixed ms + us per held token;
 - prefill: one full prefill call (its rows of one chunk), per prompt token;
 - train and weight push: from a pinned sync run's metrics.jsonl (`--run-dir`): each RL step's
-  train time over its tokens (prompt and completion, as the simulator counts them), and the
-  weight transfer (sync) and in-flight swap (async) per update;
+  train time, fitted as a cost per microbatch (its packed rows, however full) plus a cost per
+  token (prompt and completion, as the simulator counts them), and the weight transfer (sync)
+  and in-flight swap (async) per update;
+- the groups the run dropped as they finished (`rl.filter_zero_advantage`: every reward
+  equal), which the actor regenerates;
+- the trainer's host work per generated sample (receiving it, its reward, packing): the sync
+  run's process CPU seconds beyond its train steps, over the samples it generated;
+- contention: a decode step timed on `--core` while another process decodes on
+  `--load-core`, over the same step alone (the two sides of an async run share the
+  machine's memory and caches; measured with decode on both cores, not with a train step);
 - the workload: the output length of each of `--problems` problems as the run's actor draws
   them (`rl.completion_length=answer`: a sample is as long as its answer, plus its EOS), the
   mean prompt length, slots, batch, group size and max lag.
@@ -38,32 +46,45 @@ def pin(core: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def decode_costs(engine, params, held: list[int], steps: int = 8) -> dict:
-    """(fixed ms, us per held token) of a decode step, least squares over `held` lengths."""
+def decode_step_s(engine, params, rows: int, held: int, steps: int = 8) -> float:
+    """Median seconds of a decode step of `rows` busy slots holding `held` tokens each."""
     import numpy as np
 
     from serving.sampling import SamplingParams
 
     s = engine.cfg.max_concurrent_decodes
     sampling = [SamplingParams(temperature=1.0)] * s
-    points = []
-    for h in held:
-        width = engine.cfg.table_width(h + steps)
-        table = 1 + np.arange(s * width, dtype=np.int32).reshape(s, width) % (engine.num_pages - 1)
-        times = []
-        for _ in range(3):
-            state = engine.insert(engine.init_decode_state(), list(range(s)), [h] * s, [3] * s,
-                                  [1] * s, sampling, [0] * s)
-            for i in range(steps):
-                t0 = time.perf_counter()
-                state, tokens, _ = engine.generate_steps(params, state, table, 1)
-                np.asarray(tokens)
-                if i:                         # the first of each round loads the program
-                    times.append(time.perf_counter() - t0)
-        points.append((s * h, statistics.median(times)))
+    width = engine.cfg.table_width(held + steps)
+    table = 1 + np.arange(s * width, dtype=np.int32).reshape(s, width) % (engine.num_pages - 1)
+    times = []
+    for _ in range(3):
+        state = engine.insert(engine.init_decode_state(), list(range(s)), [held] * s, [3] * s,
+                              [1] * s, sampling, [0] * s)
+        for i in range(steps):
+            t0 = time.perf_counter()
+            state, tokens, _ = engine.generate_steps(params, state, table[:rows], 1,
+                                                     slots=list(range(rows)))
+            np.asarray(tokens)
+            if i:                             # the first of each round loads the program
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def decode_costs(engine, params, held: list[int]) -> dict:
+    """A decode step's cost per held token (least squares over `held` lengths, every slot
+    busy) and its fixed cost at each of the engine's row counts (S/16, S/4, S of S slots: a
+    step decodes the smallest that holds its busy slots)."""
+    import numpy as np
+
+    s = engine.cfg.max_concurrent_decodes
+    points = [(s * h, decode_step_s(engine, params, s, h)) for h in held]
     x, y = np.array([p[0] for p in points], float), np.array([p[1] for p in points])
     slope, fixed = np.polyfit(x, y, 1)
+    low = min(held)
+    by_rows = {r: 1e3 * (decode_step_s(engine, params, r, low) - slope * r * low)
+               for r in engine.cfg.row_sizes if r < s}
     return {"decode_ms": 1e3 * float(fixed), "decode_us_per_held": 1e6 * float(slope),
+            "decode_ms_by_rows": {**by_rows, s: 1e3 * float(fixed)},
             "points": [{"held_tokens": int(a), "step_ms": 1e3 * float(b)} for a, b in points]}
 
 
@@ -104,15 +125,47 @@ def workload(cfg, model_cfg, problems: int) -> dict:
     return {"lengths": lengths, "prompt_len": round(statistics.mean(prompts))}
 
 
+def contention(engine, params, core: int, load_core: int, argv: list[str]) -> float:
+    """A decode step's time beside another process decoding on `load_core`, over alone."""
+    import subprocess
+
+    rows, held = engine.cfg.max_concurrent_decodes, 128
+    alone = decode_step_s(engine, params, rows, held, steps=16)
+    load = subprocess.Popen([sys.executable, __file__, "--load", *argv, "--core",
+                             str(load_core)], stdout=subprocess.PIPE, text=True)
+    try:
+        if load.stdout.readline().strip() != "ready":
+            raise SystemExit("the contention load process did not start")
+        beside = decode_step_s(engine, params, rows, held, steps=16)
+    finally:
+        load.kill()
+        load.wait()
+    return beside / alone
+
+
 def run_costs(run_dir: Path, prompt_len: int, batch: int) -> dict:
-    """Train us per token and weight push from a pinned sync run (its first RL step, which
-    compiles, left out)."""
+    """Train costs, dropped groups and weight push from a pinned sync run (its first RL step,
+    which compiles, left out)."""
+    import numpy as np
+
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    rows = [r for r in rows if "step_s" in r][1:]
-    if not rows:
-        raise SystemExit(f"{run_dir}/metrics.jsonl has no RL step after the first")
-    per_token = [r["step_s"] / (r["trained_tokens"] + prompt_len * batch)
-                 for r in rows]
+    rows = [r for r in rows if "step_s" in r]
+    first, rows = rows[0], rows[1:]
+    if len(rows) < 2:
+        raise SystemExit(f"{run_dir}/metrics.jsonl has fewer than 2 RL steps after the first")
+    # step_s = microbatches x ms + tokens x us, least squares; a negative cost is refitted as 0.
+    x = np.array([[r["microbatches"], r["trained_tokens"] + prompt_len * batch] for r in rows],
+                 float)
+    y = np.array([r["step_s"] for r in rows])
+    per_microbatch, per_token = np.linalg.lstsq(x, y, rcond=None)[0]
+    if min(per_microbatch, per_token) < 0:
+        keep = int(per_token > per_microbatch)
+        fit = float(np.linalg.lstsq(x[:, keep:keep + 1], y, rcond=None)[0][0])
+        per_microbatch, per_token = (0.0, fit) if keep else (fit, 0.0)
+    generated = rows[-1]["samples_generated"] - first["samples_generated"]
+    dropped = rows[-1]["dropped_zero_advantage"] - first["dropped_zero_advantage"]
+    host_cpu_s = sum(b["process_cpu_s"] - a["process_cpu_s"] - b["step_s"]
+                     for a, b in zip([first, *rows], rows))
     # A launched server logs each update it takes (the trainer's metrics leave a remote
     # server's transfer at 0): "weights version N streamed: transfer X ms, pause Y ms".
     logged = [tuple(map(float, m)) for log in run_dir.glob("launched_server_*.log")
@@ -121,7 +174,9 @@ def run_costs(run_dir: Path, prompt_len: int, batch: int) -> dict:
     transfer, pause = zip(*logged) if logged else (
         [r.get("update_transfer_ms", 0.0) for r in rows],
         [r.get("update_pause_ms", 0.0) for r in rows])
-    return {"train_us_per_token": 1e6 * statistics.median(per_token),
+    return {"train_us_per_token": 1e6 * per_token, "train_ms_per_microbatch": 1e3 * per_microbatch,
+            "drop_groups": dropped / generated if generated else 0.0,
+            "trainer_host_ms_per_sample": 1e3 * host_cpu_s / generated if generated else 0.0,
             "reload_s": statistics.median(transfer) / 1e3, "swap_ms": statistics.median(pause),
             "train_steps": len(rows)}
 
@@ -130,16 +185,22 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default=str(CONFIG))
-    p.add_argument("--run-dir", type=Path, required=True,
-                   help="a pinned sync run of the config (rl.generation.launch=1)")
-    p.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)),
+    p.add_argument("--run-dir", type=Path, help="a pinned sync run of the config "
+                   "(rl.generation.launch=1); required")
+    cores = sorted(os.sched_getaffinity(0))
+    p.add_argument("--core", type=int, default=cores[-1],
                    help="the core to time the engine on (a pinned run's server core)")
+    p.add_argument("--load-core", type=int, default=cores[0],
+                   help="the other side's core, loaded while contention is measured")
+    p.add_argument("--load", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--held", type=int, nargs="+", default=[32, 128, 512, 1024],
                    help="tokens each slot holds, per decode timing")
     p.add_argument("--problems", type=int, default=20000)
     p.add_argument("--out", default="calibration.json")
     p.add_argument("overrides", nargs="*", help="config overrides, as the run was given them")
     args = p.parse_args(argv)
+    if args.run_dir is None and not args.load:
+        p.error("--run-dir is required")
     pin(args.core)
     import logging
 
@@ -157,17 +218,28 @@ def main(argv=None) -> None:
     model_cfg = model_config(cfg)
     engine = Engine(model_cfg, engine_config(cfg, model_cfg))
     params = engine.prepare_params(split_params(Transformer(model_cfg, rngs=nnx.Rngs(0)))[1])
+    if args.load:           # contention's other side: decode until killed
+        decode_step_s(engine, params, engine.cfg.max_concurrent_decodes, 128)
+        print("ready", flush=True)
+        while True:
+            decode_step_s(engine, params, engine.cfg.max_concurrent_decodes, 128)
     work = workload(cfg, model_cfg, args.problems)
     decode = decode_costs(engine, params, args.held)
     out = {**{k: v for k, v in decode.items() if k != "points"},
            "prefill_us_per_token": prefill_us_per_token(engine, params),
            **run_costs(args.run_dir, work["prompt_len"], cfg.rl.batch_size), **work,
            "slots": cfg.rl.slots, "batch": cfg.rl.batch_size, "group_size": cfg.rl.group_size,
+           "pack_len": cfg.rl.pack_len, "microbatch_rows": cfg.rl.microbatch_rows,
+           "max_segments": cfg.rl.max_segments,
            "max_lag": cfg.rl.max_lag, "accelerators": 2, "gen_fraction": 0.5, "split": True,
+           "contention": contention(engine, params, args.core, args.load_core,
+                                    ["--config", args.config, *args.overrides]),
            "decode_points": decode["points"], "core": args.core}
     Path(args.out).write_text(json.dumps(out))
     shown = {k: v for k, v in out.items() if k not in ("lengths", "decode_points")}
     print(json.dumps(shown, indent=1))
+    print("decode step's fixed ms by busy rows: " + ", ".join(
+        f"{r}: {ms:.2f}" for r, ms in decode["decode_ms_by_rows"].items()))
     print("decode step (ms) by held tokens: " + ", ".join(
         f"{d['held_tokens']}: {d['step_ms']:.2f}" for d in decode["points"]))
     print(f"wrote {args.out}; then: jaxrl bench simulate --calibration {args.out} --steps 10 "

@@ -64,16 +64,37 @@ class Cluster:
     # a decode step's fixed cost and its cost per held token, prefill and training per token.
     decode_ms: float | None = None
     decode_us_per_held: float = 0.0
+    # The fixed cost by the rows a step decodes (an engine decodes the smallest of its row
+    # counts that holds the busy sequences); None: decode_ms at any count.
+    decode_ms_by_rows: dict[int, float] | None = None
     prefill_us_per_token: float | None = None
     train_us_per_token: float | None = None
+    # A packed trainer's step (jaxrl's): samples first-fit into rows of `pack_len` tokens (at most
+    # `max_segments` each), `microbatch_rows` rows per microbatch; each microbatch costs
+    # `train_ms_per_microbatch` beyond the per-token cost, however full its rows are.
+    train_ms_per_microbatch: float | None = None
+    pack_len: int = 0
+    microbatch_rows: int = 0
+    max_segments: int = 0
+    # Work on the trainer's own cores per sample generated (receiving it, its reward, packing):
+    # while the trainer waits (sync) it is free, beside a train step (async) it is not.
+    trainer_host_ms_per_sample: float = 0.0
+    # How much slower each side's steps run while the other side computes too (shared memory
+    # and caches; 1 on separate machines): in async, all the time.
+    contention: float = 1.0
 
     @property
     def weight_bytes(self) -> float:
         return 2 * self.params_b * 1e9       # bf16
 
-    def decode_step_s(self, held_tokens: float) -> float:
+    def decode_step_s(self, held_tokens: float, rows: int) -> float:
         if self.decode_ms is not None:
-            return self.decode_ms / 1e3 + held_tokens * self.decode_us_per_held / 1e6
+            fixed = self.decode_ms
+            if self.decode_ms_by_rows:
+                fixed = self.decode_ms_by_rows[min((r for r in self.decode_ms_by_rows
+                                                    if r >= rows), default=max(
+                                                        self.decode_ms_by_rows))]
+            return fixed / 1e3 + held_tokens * self.decode_us_per_held / 1e6
         bytes_read = self.weight_bytes + held_tokens * self.kv_kib_per_token * 1024
         return bytes_read / (self.hbm_gbps * 1e9 * self.hbm_efficiency)
 
@@ -82,11 +103,33 @@ class Cluster:
             return tokens * self.prefill_us_per_token / 1e6
         return 2 * self.params_b * 1e9 * tokens / (self.peak_tflops * 1e12 * self.mfu)
 
-    def train_s(self, tokens: float, accelerators: int) -> float:
-        if self.train_us_per_token is not None:
-            return tokens * self.train_us_per_token / 1e6 / accelerators
-        return 6 * self.params_b * 1e9 * tokens / (self.peak_tflops * 1e12 * self.mfu
-                                                   * accelerators)
+    def train_s(self, lengths, accelerators: int) -> float:
+        """One optimizer step over samples of these output lengths."""
+        tokens = sum(self.prompt_len + n for n in lengths)
+        if self.train_us_per_token is None:
+            return 6 * self.params_b * 1e9 * tokens / (self.peak_tflops * 1e12 * self.mfu
+                                                       * accelerators)
+        seconds = tokens * self.train_us_per_token / 1e6
+        if self.train_ms_per_microbatch is not None:
+            seconds += self.microbatches(lengths) * self.train_ms_per_microbatch / 1e3
+        return seconds / accelerators
+
+    def microbatches(self, lengths) -> int:
+        """Microbatches the samples pack into, first fit in order (as Grain's
+        FirstFitPackIterDataset packs a jaxrl step's batch)."""
+        free: list[int] = []        # tokens left in each row
+        segments: list[int] = []
+        for n in lengths:
+            size = self.prompt_len + n - 1       # next-token pairs
+            for i, room in enumerate(free):
+                if room >= size and segments[i] < self.max_segments:
+                    free[i] -= size
+                    segments[i] += 1
+                    break
+            else:
+                free.append(self.pack_len - size)
+                segments.append(1)
+        return -(-len(free) // self.microbatch_rows)
 
 
 class Instance:
@@ -99,6 +142,7 @@ class Instance:
         self.admit_sum = 0                           # sum of admission steps of `running`
         self.time = 0.0                              # when `step` was reached
         self.busy_s = 0.0                            # time with at least one sequence
+        self.slow = 1.0                              # cost factor (Cluster.contention)
         self.tokens = 0
 
     def held(self) -> float:
@@ -111,7 +155,7 @@ class Instance:
         steps = self.running[0][0] - self.step
         b = len(self.running)
         mid_held = self.held() + b * steps / 2
-        return self.time + steps * self.c.decode_step_s(mid_held)
+        return self.time + steps * self.slow * self.c.decode_step_s(mid_held, b)
 
     def advance(self, until: float) -> None:
         """Runs decode steps up to time `until` (never past the next finish)."""
@@ -121,7 +165,8 @@ class Instance:
         to_finish = self.running[0][0] - self.step
         # The step time next_finish assumed (the held tokens at the interval's midpoint), so
         # that advancing to the next finish lands exactly on it.
-        step_s = self.c.decode_step_s(self.held() + len(self.running) * to_finish / 2)
+        step_s = self.slow * self.c.decode_step_s(
+            self.held() + len(self.running) * to_finish / 2, len(self.running))
         steps = min(int((until - self.time) / step_s + 1e-6), to_finish)
         self.busy_s += until - self.time
         self.tokens += steps * len(self.running)
@@ -130,7 +175,7 @@ class Instance:
 
     def admit(self, sample: int, length: int, done_tokens: int = 0) -> None:
         """Starts `sample` with `length` output tokens, `done_tokens` of them already made."""
-        self.time += self.c.prefill_s(self.c.prompt_len + done_tokens)
+        self.time += self.slow * self.c.prefill_s(self.c.prompt_len + done_tokens)
         start = self.step - done_tokens
         heapq.heappush(self.running, (start + length, sample))
         self.admit_sum += start
@@ -168,6 +213,7 @@ class Finishes:
 
 
 LENGTHS = np.zeros(0, int)      # output length of every sample, by sample id
+DROPPED = np.zeros(0, bool)     # whether its group is dropped when it finishes (equal rewards)
 
 
 def draw_lengths(rng, n: int, args) -> np.ndarray:
@@ -184,13 +230,15 @@ def draw_lengths(rng, n: int, args) -> np.ndarray:
 
 
 def simulate(mode: str, args, cluster: Cluster, seed: int = 0) -> dict:
-    global LENGTHS
+    global LENGTHS, DROPPED
     rng = np.random.default_rng(seed)
     # Enough for a generation pool that outruns its trainer by far (its stale samples dropped).
     total = args.batch * (args.steps + args.max_lag + 4) * 16
     lengths = draw_lengths(rng, total, args)
     noise = rng.lognormal(0.0, args.predict_sigma, total)
     LENGTHS = lengths
+    groups = -(-total // args.group_size)
+    DROPPED = np.repeat(rng.random(groups) < args.drop_groups, args.group_size)[:total]
     if mode in ("sync", "partial"):
         if args.split:      # the same accelerators as async's: each side idles in turn
             n_gen = max(1, round(cluster.accelerators * (args.gen_fraction or 0.5)))
@@ -211,14 +259,17 @@ def _sync(mode: str, args, c: Cluster, n_gen: int, n_train: int) -> dict:
     """`n_gen` accelerators generate, then `n_train` train (all of them both, colocated, or
     two sets that idle in turn, --split). partial: generation stops at the batch's last sample
     instead of the longest admitted one; the rest keep their KV through the train phase (the
-    engine pauses) and continue after it."""
+    engine pauses) and continue after it. A dropped group (--drop-groups) is replaced by a new
+    one as it finishes; samples kept beyond the batch are trained in the next step."""
     gens = [Instance(i, c) for i in range(n_gen)]
     t, first, next_sample, gen_busy, train_busy = 0.0, 0.0, 0, 0.0, 0.0
     backlog: list[int] = []          # partial: admitted next step before new samples
+    surplus: list[int] = []          # lengths of samples kept beyond the last batch
     for step in range(args.steps):
         for g in gens:
             g.time = max(g.time, t)
-        want = (args.batch if mode == "sync"
+        trained, surplus = surplus[:args.batch], surplus[args.batch:]
+        want = (args.batch - len(trained) if mode == "sync"
                 else n_gen * c.slots - sum(len(g.running) for g in gens))
         pending = backlog[::-1]
         backlog = []
@@ -229,14 +280,16 @@ def _sync(mode: str, args, c: Cluster, n_gen: int, n_train: int) -> dict:
             while len(g.running) < c.slots and pending:
                 s = pending.pop()
                 g.admit(s, LENGTHS[s])
-        finished, trained_tokens = 0, 0
         finishes = Finishes(gens)
-        while finished < args.batch:
+        while len(trained) < args.batch:
             g, when = finishes.first()
             g.advance(when)
             for s in g.pop_finished():
-                finished += 1
-                trained_tokens += c.prompt_len + LENGTHS[s]
+                if DROPPED[s]:                            # regenerated
+                    pending.insert(0, next_sample)
+                    next_sample += 1
+                else:
+                    trained.append(LENGTHS[s])
                 if mode == "partial" and not pending:     # the engines are kept full
                     pending.append(next_sample)
                     next_sample += 1
@@ -253,9 +306,11 @@ def _sync(mode: str, args, c: Cluster, n_gen: int, n_train: int) -> dict:
             for g in gens:
                 while g.running:
                     g.advance(g.next_finish())
-                    g.pop_finished()
+                    surplus += [LENGTHS[s] for s in g.pop_finished() if not DROPPED[s]]
             gen_end = max(g.time for g in gens)
-        train = c.train_s(trained_tokens, n_train)
+        surplus = trained[args.batch:] + surplus
+        trained = trained[:args.batch]
+        train = c.train_s(trained, n_train)
         t = gen_end + train + c.reload_s
         first = first if step else t
         train_busy += train * n_train
@@ -268,6 +323,9 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
     ready. Events in time order: a sample finishing on an instance, the trainer finishing."""
     n_train = c.accelerators - n_gen
     gens = [Instance(i, c) for i in range(n_gen)]
+    for g in gens:
+        g.slow = c.contention
+    generated = [0, 0]                 # fresh samples finished: in all, at the last step's start
     longest_first = mode == "async+length"
     waiting: list = []                 # heap of (priority, sample)
     started: dict[int, int] = {}       # sample -> weights version when it started
@@ -290,7 +348,9 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
         if not training and len(done) >= args.batch:
             batch = done[:args.batch]
             del done[:args.batch]
-            seconds = c.train_s(sum(c.prompt_len + LENGTHS[s] for s in batch), n_train)
+            host = c.trainer_host_ms_per_sample * (generated[0] - generated[1]) / 1e3
+            generated[1] = generated[0]
+            seconds = c.train_s([LENGTHS[s] for s in batch], n_train) * c.contention + host
             trainer_free, training = now + seconds, True
             train_busy += seconds
 
@@ -313,9 +373,11 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
         g.advance(when)
         for s in g.pop_finished():
             if version - started.pop(s) > args.max_lag:
-                dropped += 1
+                dropped += 1        # (a generator this far ahead would be held back instead)
             else:
-                done.append(s)
+                generated[0] += 1
+                if not DROPPED[s]:
+                    done.append(s)
             admit(g)
         finishes.update(g)
         train_if_ready(when)
@@ -339,9 +401,11 @@ def _result(mode, args, seconds, first, gen_busy, train_busy, n_gen, n_train, dr
 
 MODES = ("sync", "partial", "async", "async+length")
 # What a calibration file may set: the measured costs and the workload they were measured on.
-CALIBRATED = {"decode_ms", "decode_us_per_held", "prefill_us_per_token", "train_us_per_token",
-              "lengths", "group_size", "slots", "prompt_len", "batch", "max_lag", "swap_ms",
-              "reload_s", "accelerators", "gen_fraction", "split"}
+CALIBRATED = {"decode_ms", "decode_us_per_held", "decode_ms_by_rows", "prefill_us_per_token",
+              "train_us_per_token", "train_ms_per_microbatch", "pack_len", "microbatch_rows",
+              "max_segments", "drop_groups", "lengths", "group_size", "slots", "prompt_len",
+              "batch", "max_lag", "swap_ms", "reload_s", "accelerators", "gen_fraction", "split",
+              "trainer_host_ms_per_sample", "contention"}
 
 
 def _over_seeds(runs: list[dict]) -> dict:
@@ -386,6 +450,9 @@ def main(argv=None) -> None:
                    help="async+length: log-normal noise of the length prediction")
     p.add_argument("--group-size", type=int, default=1,
                    help="samples per prompt sharing one output length")
+    p.add_argument("--drop-groups", type=float, default=0.0,
+                   help="share of groups dropped as they finish (jaxrl's "
+                        "rl.filter_zero_advantage: every sample's reward equal), regenerated")
     p.add_argument("--split", action="store_true",
                    help="sync and partial on async's split of the accelerators, each side "
                         "idling in turn (rl.placement=split; two pinned CPU cores)")
@@ -400,8 +467,20 @@ def main(argv=None) -> None:
     cal.add_argument("--decode-ms", type=float, default=None, help="a decode step's fixed cost")
     cal.add_argument("--decode-us-per-held", type=float, default=0.0,
                      help="a decode step's cost per token held by its sequences")
+    cal.add_argument("--decode-ms-by-rows", type=json.loads, default=None, metavar="JSON",
+                     help='the fixed cost by rows decoded, e.g. {"8": 2.1, "128": 11.5}')
     cal.add_argument("--prefill-us-per-token", type=float, default=None)
     cal.add_argument("--train-us-per-token", type=float, default=None)
+    cal.add_argument("--train-ms-per-microbatch", type=float, default=None,
+                     help="a packed step's cost per microbatch, beyond its tokens' (with "
+                          "--pack-len, --microbatch-rows, --max-segments)")
+    cal.add_argument("--trainer-host-ms-per-sample", type=float, default=0.0,
+                     help="trainer-side work per generated sample, on the trainer's cores")
+    cal.add_argument("--contention", type=float, default=1.0,
+                     help="async: each side's step costs this factor more beside the other's")
+    cal.add_argument("--pack-len", type=int, default=0)
+    cal.add_argument("--microbatch-rows", type=int, default=0)
+    cal.add_argument("--max-segments", type=int, default=0)
     cal.add_argument("--lengths", type=int, nargs="*", default=None,
                      help="output lengths to draw from instead of the log-normal")
     if (path := _calibration_path(argv)) is not None:
@@ -409,11 +488,25 @@ def main(argv=None) -> None:
                           json.loads(Path(path).read_text()).items()
                           if k.replace("-", "_") in CALIBRATED})
     args = p.parse_args(argv)
+    if not 0 <= args.drop_groups < 1:
+        p.error(f"--drop-groups={args.drop_groups} must be in [0, 1): a share of the groups")
+    if args.train_ms_per_microbatch is not None and not (
+            args.pack_len > 0 and args.microbatch_rows > 0 and args.max_segments > 0):
+        p.error("--train-ms-per-microbatch needs --pack-len, --microbatch-rows and "
+                "--max-segments (each > 0) to pack a step's samples")
+    by_rows = ({int(r): float(ms) for r, ms in args.decode_ms_by_rows.items()}
+               if args.decode_ms_by_rows else None)
     cluster = Cluster(args.accelerators, args.params_b, args.kv_kib_per_token, args.hbm_gbps,
                       args.hbm_efficiency, args.peak_tflops, args.mfu, args.slots,
-                      args.prompt_len, args.swap_ms, args.reload_s, args.decode_ms,
-                      args.decode_us_per_held, args.prefill_us_per_token,
-                      args.train_us_per_token)
+                      args.prompt_len, args.swap_ms, args.reload_s, decode_ms=args.decode_ms,
+                      decode_us_per_held=args.decode_us_per_held, decode_ms_by_rows=by_rows,
+                      prefill_us_per_token=args.prefill_us_per_token,
+                      train_us_per_token=args.train_us_per_token,
+                      train_ms_per_microbatch=args.train_ms_per_microbatch,
+                      pack_len=args.pack_len, microbatch_rows=args.microbatch_rows,
+                      max_segments=args.max_segments,
+                      trainer_host_ms_per_sample=args.trainer_host_ms_per_sample,
+                      contention=args.contention)
     results = [_over_seeds([simulate(mode, args, cluster, seed) for seed in range(args.seeds)])
                for mode in args.modes]
     base = results[0]["samples_per_s"]

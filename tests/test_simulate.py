@@ -2,6 +2,7 @@
 accelerators, against closed forms: every sample the same length, no cost per held token."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -73,3 +74,51 @@ def test_partial_keeps_fewer_slots_than_a_batch_full(capsys):
     flags = ["--slots", str(B // 2), "--train-us-per-token", "400", "--modes", "sync", "partial"]
     r = _run(capsys, *flags)
     assert r["partial"]["samples_per_s"] == pytest.approx(r["sync"]["samples_per_s"], rel=0.05)
+
+
+def test_a_packed_step_costs_its_microbatches_and_its_tokens(capsys):
+    """Each sample is P + L - 1 = 49 next-token pairs: two to a 100-token row (8 rows, 2
+    microbatches of 4), or one per row with max_segments=1 (16 rows, 4 microbatches)."""
+    train_us, mb_ms = 400.0, 250.0
+    packed = ["--modes", "sync", "--train-us-per-token", str(train_us),
+              "--train-ms-per-microbatch", str(mb_ms), "--pack-len", "100",
+              "--microbatch-rows", "4"]
+    for segments, microbatches in ((2, 2), (1, 4)):
+        r = _run(capsys, *packed, "--max-segments", str(segments))["sync"]
+        step = (_generate_s() + microbatches * mb_ms / 1e3 + B * (P + L) * train_us / 1e6
+                + RELOAD_S)
+        assert r["samples_per_s"] == pytest.approx(B / step, rel=1e-6)
+
+
+def test_dropped_groups_are_generated_again(capsys):
+    """One group per batch, dropped half the time: a sync step generates 1 / (1 - 0.5) = 2
+    rounds on average (a seeded draw over 200 steps: within 10%)."""
+    train_us = 400.0
+    flags = ["--modes", "sync", "--train-us-per-token", str(train_us), "--group-size", str(B),
+             "--steps", "200"]
+    kept = _run(capsys, *flags)["sync"]
+    halved = _run(capsys, *flags, "--drop-groups", "0.5")["sync"]
+    train = B * (P + L) * train_us / 1e6 + RELOAD_S
+    assert kept["samples_per_s"] == pytest.approx(B / (_generate_s() + train), rel=1e-6)
+    assert halved["samples_per_s"] == pytest.approx(B / (2 * _generate_s() + train), rel=0.1)
+
+
+def test_async_contention_slows_both_sides(capsys):
+    """Training is the slower side (as in test_async_is_bound_by_its_slower_side); with every
+    cost 1.25x, so is the whole run. Host work per sample lengthens the trainer's steps."""
+    flags = ["--modes", "async", "--train-us-per-token", "2000"]
+    base = _run(capsys, *flags)["async"]
+    slowed = _run(capsys, *flags, "--contention", "1.25")["async"]
+    assert slowed["samples_per_s"] == pytest.approx(base["samples_per_s"] / 1.25, rel=1e-6)
+    hosted = _run(capsys, *flags, "--trainer-host-ms-per-sample", "0.5")["async"]
+    assert hosted["samples_per_s"] < base["samples_per_s"] and hosted["trainer_busy"] > 0.95
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--drop-groups", "1"], r"--drop-groups=1.0 must be in \[0, 1\)"),
+    (["--train-ms-per-microbatch", "5"], "needs --pack-len, --microbatch-rows"),
+])
+def test_bad_settings_are_refused_by_name(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        simulate.main([*FLAGS, *flags])
+    assert re.search(message, capsys.readouterr().err)
