@@ -3,27 +3,34 @@
 The simulator's roofline formulas describe accelerators; this replaces them with what a run's
 pieces cost here, so that its prediction can be checked against a measured run (issue: async
 against sync on cores of their own):
-- decode: the engine's decode step (the run's model and EngineConfig, every slot busy,
-  one step per dispatch and a host sync after each, as the engine loop runs it), timed on
-  `--core` alone at several held lengths, fitted as fixed ms + us per held token;
+- decode: the engine's decode step (the run's model and EngineConfig, one step per dispatch
+  and a host sync after each, as the engine loop runs it), timed on `--core` alone: every slot
+  busy at several held lengths, fitted as fixed ms + us per held token, and the fixed cost at
+  each of the engine's smaller row counts (a step with few busy slots decodes fewer rows);
 - prefill: one full prefill call (its rows of one chunk), per prompt token;
-- train and weight push: from a pinned sync run's metrics.jsonl (`--run-dir`): each RL step's
-  train time, fitted as a cost per microbatch (its packed rows, however full) plus a cost per
-  token (prompt and completion, as the simulator counts them), and the weight transfer (sync)
-  and in-flight swap (async) per update;
-- the groups the run dropped as they finished (`rl.filter_zero_advantage`: every reward
+- train and weight push: from pinned sync runs' metrics.jsonl (`--run-dir`, their steps
+  pooled): each RL step's train time, fitted as a cost per microbatch (its packed rows, however
+  full) plus a cost per token (prompt and completion, as the simulator counts them), and the
+  weight transfer (sync) and in-flight swap (async) per update;
+- the groups the runs dropped as they finished (`rl.filter_zero_advantage`: every reward
   equal), which the actor regenerates;
 - the trainer's host work per generated sample (receiving it, its reward, packing): the sync
-  run's process CPU seconds beyond its train steps, over the samples it generated;
+  runs' process CPU seconds beyond their train steps, over the samples they generated;
+- serving: the same decode as a pinned `jaxrl serve` process runs it (its engine loop, the
+  token streams, gRPC), every slot busy with samples of one length, streamed to a client on
+  `--load-core` as an RL trainer reads them: its wall time over what the decode and prefill
+  costs above predict for the steps it ran (`serve_overhead`);
 - contention: a decode step timed on `--core` while another process decodes on
-  `--load-core`, over the same step alone (the two sides of an async run share the
-  machine's memory and caches; measured with decode on both cores, not with a train step);
+  `--load-core`, over the same step alone, the median of 5 pairs (the two sides of an async
+  run share the machine's memory and caches; measured with decode on both cores, not with a
+  train step);
+- the actor's bound on samples ahead of the trainer, as jaxrl/rollout/actor.py sets it;
 - the workload: the output length of each of `--problems` problems as the run's actor draws
   them (`rl.completion_length=answer`: a sample is as long as its answer, plus its EOS), the
   mean prompt length, slots, batch, group size and max lag.
 
-    jaxrl bench calibrate --run-dir /tmp/cal/sync --out /tmp/cal/costs.json
-    jaxrl bench simulate --calibration /tmp/cal/costs.json --steps 10 --modes sync async
+    jaxrl bench calibrate --run-dir /tmp/cal/sync_seed0 /tmp/cal/sync_seed1 --out costs.json
+    jaxrl bench simulate --calibration costs.json --steps 10 --modes sync async
 """
 
 from __future__ import annotations
@@ -125,68 +132,118 @@ def workload(cfg, model_cfg, problems: int) -> dict:
     return {"lengths": lengths, "prompt_len": round(statistics.mean(prompts))}
 
 
-def contention(engine, params, core: int, load_core: int, argv: list[str]) -> float:
-    """A decode step's time beside another process decoding on `load_core`, over alone."""
+def contention(engine, params, core: int, load_core: int, argv: list[str],
+               rounds: int = 5) -> float:
+    """A decode step's time beside another process decoding on `load_core`, over its time
+    alone: the median ratio of `rounds` pairs, the load stopped (SIGSTOP) for each alone."""
+    import signal
     import subprocess
 
     rows, held = engine.cfg.max_concurrent_decodes, 128
-    alone = decode_step_s(engine, params, rows, held, steps=16)
     load = subprocess.Popen([sys.executable, __file__, "--load", *argv, "--core",
                              str(load_core)], stdout=subprocess.PIPE, text=True)
     try:
         if load.stdout.readline().strip() != "ready":
             raise SystemExit("the contention load process did not start")
-        beside = decode_step_s(engine, params, rows, held, steps=16)
+        ratios = []
+        for _ in range(rounds):
+            load.send_signal(signal.SIGSTOP)
+            alone = decode_step_s(engine, params, rows, held)
+            load.send_signal(signal.SIGCONT)
+            ratios.append(decode_step_s(engine, params, rows, held) / alone)
     finally:
         load.kill()
         load.wait()
-    return beside / alone
+    return max(1.0, statistics.median(ratios))    # below 1: noise (a load cannot speed it up)
 
 
-def run_costs(run_dir: Path, prompt_len: int, batch: int) -> dict:
-    """Train costs, dropped groups and weight push from a pinned sync run (its first RL step,
-    which compiles, left out)."""
+def serve_overhead(cfg, engine, costs: dict, checkpoints: Path, core: int, load_core: int,
+                   length: int = 256) -> float:
+    """A `jaxrl serve` process on `core` decoding every slot's sample of `length` tokens for a
+    client on `load_core`: its wall time over the predicted (decode steps at the held tokens
+    its metrics count, the prefills)."""
+    import tempfile
+
+    from jaxrl.rollout.local_servers import LocalServers
+    from serving.client import RemoteGeneration
+    from serving.sampling import SamplingParams
+
+    s, group = engine.cfg.max_concurrent_decodes, cfg.rl.group_size
+    prompt = [3] * round(costs["prompt_len"])
+    sampling = SamplingParams(temperature=1.0, max_tokens=length, n=group, stop_at_eos=False)
+    os.sched_setaffinity(0, {load_core})          # the client reads as the trainer would
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = LocalServers(checkpoints, engine.cfg, engine.model_cfg.dtype, [[core]], Path(tmp),
+                               log=lambda message: None)
+        try:
+            servers.wait_ready(600)
+            client = RemoteGeneration(servers.addresses[0], token=servers.token,
+                                      stream_interval_ms=cfg.rl.generation.stream_interval_ms)
+            for _ in range(2):                    # the first round warms the streams up
+                before, t0 = client.metrics(), time.perf_counter()
+                streams = [client.submit(prompt, sampling) for _ in range(s // group)]
+                for stream in streams:
+                    stream.result()
+                wall, after = time.perf_counter() - t0, client.metrics()
+            client.close()
+        finally:
+            servers.close()
+    os.sched_setaffinity(0, {core})
+    steps = after["steps"] - before["steps"]
+    held = after["held_tokens"] - before["held_tokens"]
+    predicted = (steps * costs["decode_ms"] / 1e3 + held * costs["decode_us_per_held"] / 1e6
+                 + s * len(prompt) * costs["prefill_us_per_token"] / 1e6)
+    return wall / predicted
+
+
+def run_costs(run_dirs: list[Path], prompt_len: int, batch: int) -> dict:
+    """Train costs, dropped groups, host work and weight push from pinned sync runs, their
+    steps pooled (each run's first RL step, which compiles, left out)."""
     import numpy as np
 
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    rows = [r for r in rows if "step_s" in r]
-    first, rows = rows[0], rows[1:]
-    if len(rows) < 2:
-        raise SystemExit(f"{run_dir}/metrics.jsonl has fewer than 2 RL steps after the first")
+    steps, generated, dropped, host_cpu_s, logged, updates = [], 0, 0, 0.0, [], []
+    for run_dir in run_dirs:
+        rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+        rows = [r for r in rows if "step_s" in r]
+        if len(rows) < 3:
+            raise SystemExit(f"{run_dir}/metrics.jsonl has fewer than 2 RL steps after the "
+                             "first")
+        first, rows = rows[0], rows[1:]
+        steps += rows
+        generated += rows[-1]["samples_generated"] - first["samples_generated"]
+        dropped += rows[-1]["dropped_zero_advantage"] - first["dropped_zero_advantage"]
+        host_cpu_s += sum(b["process_cpu_s"] - a["process_cpu_s"] - b["step_s"]
+                          for a, b in zip([first, *rows], rows))
+        # A launched server logs each update it takes (the trainer's metrics leave a remote
+        # server's transfer at 0): "weights version N streamed: transfer X ms, pause Y ms".
+        logged += [tuple(map(float, m)) for log in run_dir.glob("launched_server_*.log")
+                   for m in re.findall(r"streamed: transfer ([0-9.]+) ms, pause ([0-9.]+) ms",
+                                       log.read_text())]
+        updates += [(r.get("update_transfer_ms", 0.0), r.get("update_pause_ms", 0.0))
+                    for r in rows]
     # step_s = microbatches x ms + tokens x us, least squares; a negative cost is refitted as 0.
-    x = np.array([[r["microbatches"], r["trained_tokens"] + prompt_len * batch] for r in rows],
-                 float)
-    y = np.array([r["step_s"] for r in rows])
+    x = np.array([[r["microbatches"], r["trained_tokens"] + prompt_len * batch]
+                  for r in steps], float)
+    y = np.array([r["step_s"] for r in steps])
     per_microbatch, per_token = np.linalg.lstsq(x, y, rcond=None)[0]
     if min(per_microbatch, per_token) < 0:
         keep = int(per_token > per_microbatch)
         fit = float(np.linalg.lstsq(x[:, keep:keep + 1], y, rcond=None)[0][0])
         per_microbatch, per_token = (0.0, fit) if keep else (fit, 0.0)
-    generated = rows[-1]["samples_generated"] - first["samples_generated"]
-    dropped = rows[-1]["dropped_zero_advantage"] - first["dropped_zero_advantage"]
-    host_cpu_s = sum(b["process_cpu_s"] - a["process_cpu_s"] - b["step_s"]
-                     for a, b in zip([first, *rows], rows))
-    # A launched server logs each update it takes (the trainer's metrics leave a remote
-    # server's transfer at 0): "weights version N streamed: transfer X ms, pause Y ms".
-    logged = [tuple(map(float, m)) for log in run_dir.glob("launched_server_*.log")
-              for m in re.findall(r"streamed: transfer ([0-9.]+) ms, pause ([0-9.]+) ms",
-                                  log.read_text())]
-    transfer, pause = zip(*logged) if logged else (
-        [r.get("update_transfer_ms", 0.0) for r in rows],
-        [r.get("update_pause_ms", 0.0) for r in rows])
+    transfer, pause = zip(*(logged or updates))
     return {"train_us_per_token": 1e6 * per_token, "train_ms_per_microbatch": 1e3 * per_microbatch,
             "drop_groups": dropped / generated if generated else 0.0,
             "trainer_host_ms_per_sample": 1e3 * host_cpu_s / generated if generated else 0.0,
             "reload_s": statistics.median(transfer) / 1e3, "swap_ms": statistics.median(pause),
-            "train_steps": len(rows)}
+            "train_steps": len(steps)}
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default=str(CONFIG))
-    p.add_argument("--run-dir", type=Path, help="a pinned sync run of the config "
-                   "(rl.generation.launch=1); required")
+    p.add_argument("--run-dir", type=Path, nargs="+", help="pinned sync runs of the config "
+                   "(rl.generation.launch=1), their steps pooled; required")
     cores = sorted(os.sched_getaffinity(0))
     p.add_argument("--core", type=int, default=cores[-1],
                    help="the core to time the engine on (a pinned run's server core)")
@@ -232,9 +289,14 @@ def main(argv=None) -> None:
            "pack_len": cfg.rl.pack_len, "microbatch_rows": cfg.rl.microbatch_rows,
            "max_segments": cfg.rl.max_segments,
            "max_lag": cfg.rl.max_lag, "accelerators": 2, "gen_fraction": 0.5, "split": True,
+           # the actor's bound (jaxrl/rollout/actor.py, Actor._run)
+           "max_ahead": cfg.rl.batch_size + max(cfg.rl.batch_size,
+                                                min(cfg.rl.slots, 2 * cfg.rl.batch_size)),
            "contention": contention(engine, params, args.core, args.load_core,
                                     ["--config", args.config, *args.overrides]),
            "decode_points": decode["points"], "core": args.core}
+    out["serve_overhead"] = serve_overhead(cfg, engine, out, args.run_dir[0] / "checkpoints",
+                                           args.core, args.load_core)
     Path(args.out).write_text(json.dumps(out))
     shown = {k: v for k, v in out.items() if k not in ("lengths", "decode_points")}
     print(json.dumps(shown, indent=1))

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -49,13 +50,15 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     compare.add_arguments(p, config=CONFIG, rl_steps=60, target=0.5, window=10,
                           variants=list(compare.VARIANTS))
+    p.add_argument("--keep", action="store_true",
+                   help="keep the runs' directories (e.g. the sync runs for jaxrl bench calibrate)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="jaxrl-bench-"))
     base = compare.warm_checkpoint(args, work)
     results = compare.run_all(base, work, args)
     compare.report(results, args.save)
     if args.pinned:         # the decode comparison below runs in this process, unpinned
-        shutil.rmtree(work, ignore_errors=True)
+        _finish(work, args.keep)
         return
     runs = results.get("async") or list(results.values())[-1]
     held = round(sum(r["held_tokens_mean"] for r in runs) / len(runs))
@@ -65,7 +68,14 @@ def main(argv=None) -> None:
           f"ms: paged {d['paged_vs_exact']:.2f}x; contiguous sized max_len "
           f"{d['contiguous_max_len_step_ms']:.3f} ms: {d['max_len_vs_paged']:.1f}x paged")
     print(json.dumps(d))
-    shutil.rmtree(work, ignore_errors=True)
+    _finish(work, args.keep)
+
+
+def _finish(work: Path, keep: bool) -> None:
+    if keep:
+        print(f"runs kept in {work}", file=sys.stderr)   # the last line stays the JSON
+    else:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

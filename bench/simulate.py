@@ -23,6 +23,14 @@ Assumptions (each a flag; the defaults describe a 7B-class model on H100s):
 - async+length: async, admitting the longest predicted request first on each instance
   (StreamRL's skewness-aware scheduling; the prediction is the true length times log-normal
   noise of `--predict-sigma`), so the tail starts early.
+- Measured costs (bench/calibrate.py's, `--calibration`) replace the formulas: a decode step's
+  fixed cost by the rows it decodes plus a cost per held token; a packed trainer's step as a
+  cost per microbatch plus one per token (`--train-ms-per-microbatch`, samples packed first
+  fit into `--pack-len` rows); groups dropped as they finish (`--drop-groups`, jaxrl's
+  zero-advantage filter) and generated again; the trainer's host work per sample
+  (`--trainer-host-ms-per-sample`), free while a sync trainer waits, taken from its steps in
+  async; `--contention`, the factor by which both sides' steps slow while both compute; and
+  `--serve-overhead`, a served engine's steps over the bare engine's measured costs.
 Measured figures (e.g. this project's decode step on an accelerator) enter through the flags;
 none of the defaults was measured here, and the result is a model, not a measurement.
 
@@ -82,6 +90,9 @@ class Cluster:
     # How much slower each side's steps run while the other side computes too (shared memory
     # and caches; 1 on separate machines): in async, all the time.
     contention: float = 1.0
+    # A served engine's steps (its loop, token streams, RPCs) over the measured decode and
+    # prefill costs.
+    serve_overhead: float = 1.0
 
     @property
     def weight_bytes(self) -> float:
@@ -142,7 +153,7 @@ class Instance:
         self.admit_sum = 0                           # sum of admission steps of `running`
         self.time = 0.0                              # when `step` was reached
         self.busy_s = 0.0                            # time with at least one sequence
-        self.slow = 1.0                              # cost factor (Cluster.contention)
+        self.slow = cluster.serve_overhead           # cost factor (and Cluster.contention)
         self.tokens = 0
 
     def held(self) -> float:
@@ -320,11 +331,14 @@ def _sync(mode: str, args, c: Cluster, n_gen: int, n_train: int) -> dict:
 
 def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> dict:
     """`n_gen` accelerators generate without stopping; the rest train whenever a batch is
-    ready. Events in time order: a sample finishing on an instance, the trainer finishing."""
+    ready. Events in time order: a sample finishing on an instance, the trainer finishing.
+    --max-ahead bounds the samples finished and not trained (the training batch included)
+    plus those generating, as jaxrl's actor does; a slot it holds back stays empty until
+    the trainer takes a batch."""
     n_train = c.accelerators - n_gen
     gens = [Instance(i, c) for i in range(n_gen)]
     for g in gens:
-        g.slow = c.contention
+        g.slow *= c.contention
     generated = [0, 0]                 # fresh samples finished: in all, at the last step's start
     longest_first = mode == "async+length"
     waiting: list = []                 # heap of (priority, sample)
@@ -343,6 +357,19 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
         started[s] = version
         g.admit(s, LENGTHS[s])
 
+    def room() -> bool:
+        ahead = (len(done) + (args.batch if training else 0)
+                 + sum(len(g.running) for g in gens))
+        return not args.max_ahead or ahead < args.max_ahead
+
+    def fill(now: float) -> None:
+        for g in gens:
+            if len(g.running) < c.slots and room():
+                g.advance(now)
+                while len(g.running) < c.slots and room():
+                    admit(g)
+                finishes.update(g)
+
     def train_if_ready(now: float) -> None:
         nonlocal trainer_free, training, train_busy
         if not training and len(done) >= args.batch:
@@ -355,7 +382,7 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
             train_busy += seconds
 
     for g in gens:
-        while len(g.running) < c.slots:
+        while len(g.running) < c.slots and room():
             admit(g)
     finishes = Finishes(gens)
     while version < args.steps:
@@ -365,10 +392,12 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
             first = first if version > 1 else trainer_free
             if version == args.steps:                # the run ends with its last step
                 break
+            now = trainer_free
             for other in gens:
                 other.time += c.swap_ms / 1e3
             finishes.rebuild()
-            train_if_ready(trainer_free)
+            train_if_ready(now)
+            fill(now)
             continue
         g.advance(when)
         for s in g.pop_finished():
@@ -378,9 +407,9 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
                 generated[0] += 1
                 if not DROPPED[s]:
                     done.append(s)
-            admit(g)
         finishes.update(g)
         train_if_ready(when)
+        fill(when)
     gen_busy = sum(g.busy_s for g in gens)
     return _result(mode, args, trainer_free, first, gen_busy, train_busy * n_train, n_gen,
                    n_train, dropped)
@@ -405,7 +434,7 @@ CALIBRATED = {"decode_ms", "decode_us_per_held", "decode_ms_by_rows", "prefill_u
               "train_us_per_token", "train_ms_per_microbatch", "pack_len", "microbatch_rows",
               "max_segments", "drop_groups", "lengths", "group_size", "slots", "prompt_len",
               "batch", "max_lag", "swap_ms", "reload_s", "accelerators", "gen_fraction", "split",
-              "trainer_host_ms_per_sample", "contention"}
+              "trainer_host_ms_per_sample", "contention", "serve_overhead", "max_ahead"}
 
 
 def _over_seeds(runs: list[dict]) -> dict:
@@ -443,6 +472,9 @@ def main(argv=None) -> None:
     p.add_argument("--gen-fraction", type=float, default=0.0,
                    help="async: share of accelerators that generate (0: the best split)")
     p.add_argument("--max-lag", type=int, default=8)
+    p.add_argument("--max-ahead", type=int, default=0,
+                   help="async: samples finished and not trained plus generating, at most "
+                        "(jaxrl's actor: a batch plus the slots, up to two batches; 0: no bound)")
     p.add_argument("--swap-ms", type=float, default=10.0, help="async: pause per update")
     p.add_argument("--reload-s", type=float, default=5.0,
                    help="sync: time to load new weights into the engines")
@@ -478,6 +510,8 @@ def main(argv=None) -> None:
                      help="trainer-side work per generated sample, on the trainer's cores")
     cal.add_argument("--contention", type=float, default=1.0,
                      help="async: each side's step costs this factor more beside the other's")
+    cal.add_argument("--serve-overhead", type=float, default=1.0,
+                     help="a served engine's decode and prefill over the measured costs")
     cal.add_argument("--pack-len", type=int, default=0)
     cal.add_argument("--microbatch-rows", type=int, default=0)
     cal.add_argument("--max-segments", type=int, default=0)
@@ -506,7 +540,7 @@ def main(argv=None) -> None:
                       pack_len=args.pack_len, microbatch_rows=args.microbatch_rows,
                       max_segments=args.max_segments,
                       trainer_host_ms_per_sample=args.trainer_host_ms_per_sample,
-                      contention=args.contention)
+                      contention=args.contention, serve_overhead=args.serve_overhead)
     results = [_over_seeds([simulate(mode, args, cluster, seed) for seed in range(args.seeds)])
                for mode in args.modes]
     base = results[0]["samples_per_s"]

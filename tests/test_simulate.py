@@ -122,3 +122,17 @@ def test_bad_settings_are_refused_by_name(flags, message, capsys):
     with pytest.raises(SystemExit):
         simulate.main([*FLAGS, *flags])
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_bounded_actor_holds_the_generator_back(capsys):
+    """Training is the slower side: an unbounded generator never stops (its samples pile up,
+    older and older); bounded to two batches ahead (jaxrl's actor) it generates a batch per
+    train step and idles the rest, at the same trainer-bound rate."""
+    flags = ["--modes", "async", "--train-us-per-token", "2000"]
+    free = _run(capsys, *flags)["async"]
+    bounded = _run(capsys, *flags, "--max-ahead", str(2 * B))["async"]
+    train_s = B * (P + L) * 2000e-6
+    decode_s = L * DECODE_MS / 1e3         # (generation_busy counts decoding, not prefills)
+    assert free["generation_busy"] == pytest.approx(decode_s / _generate_s(), rel=0.02)
+    assert bounded["generation_busy"] == pytest.approx(decode_s / train_s, rel=0.1)
+    assert bounded["samples_per_s"] == pytest.approx(free["samples_per_s"], rel=0.02)
