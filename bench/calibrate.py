@@ -1,4 +1,4 @@
-"""Measured op costs for bench/simulate.py, from one pinned core and a pinned RL run.
+"""Measured op costs for bench/simulate.py, from a pinned core and pinned sync RL runs.
 
 The simulator's roofline formulas describe accelerators; this replaces them with what a run's
 pieces cost here, so that its prediction can be checked against a measured run (issue: async

@@ -100,14 +100,18 @@ class Cluster:
 
     def decode_step_s(self, held_tokens: float, rows: int) -> float:
         if self.decode_ms is not None:
-            fixed = self.decode_ms
-            if self.decode_ms_by_rows:
-                fixed = self.decode_ms_by_rows[min((r for r in self.decode_ms_by_rows
-                                                    if r >= rows), default=max(
-                                                        self.decode_ms_by_rows))]
-            return fixed / 1e3 + held_tokens * self.decode_us_per_held / 1e6
+            return self.fixed_ms(rows) / 1e3 + held_tokens * self.decode_us_per_held / 1e6
         bytes_read = self.weight_bytes + held_tokens * self.kv_kib_per_token * 1024
         return bytes_read / (self.hbm_gbps * 1e9 * self.hbm_efficiency)
+
+    def fixed_ms(self, rows: int) -> float:
+        """A measured decode step's fixed cost for `rows` busy sequences: that of the smallest
+        row count measured that holds them (the largest, for more)."""
+        by_rows = self.decode_ms_by_rows
+        if not by_rows:
+            return self.decode_ms
+        holding = [r for r in by_rows if r >= rows]
+        return by_rows[min(holding) if holding else max(by_rows)]
 
     def prefill_s(self, tokens: int) -> float:
         if self.prefill_us_per_token is not None:

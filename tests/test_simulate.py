@@ -136,3 +136,13 @@ def test_a_bounded_actor_holds_the_generator_back(capsys):
     assert free["generation_busy"] == pytest.approx(decode_s / _generate_s(), rel=0.02)
     assert bounded["generation_busy"] == pytest.approx(decode_s / train_s, rel=0.1)
     assert bounded["samples_per_s"] == pytest.approx(free["samples_per_s"], rel=0.02)
+
+
+def test_a_decode_step_costs_the_rows_it_decodes(capsys):
+    """Slots for two batches, a batch busy: each step is the 16-row count's (1 ms), not the
+    32-row one's."""
+    flags = ["--modes", "sync", "--train-us-per-token", "400", "--slots", str(2 * B),
+             "--decode-ms-by-rows", json.dumps({"4": 0.5, str(B): 1.0, str(2 * B): 5.0})]
+    r = _run(capsys, *flags)["sync"]
+    step = (B * P * PREFILL_US / 1e6 + L * 1.0 / 1e3 + B * (P + L) * 400e-6 + RELOAD_S)
+    assert r["samples_per_s"] == pytest.approx(B / step, rel=1e-6)
