@@ -173,22 +173,24 @@ def serve_overhead(cfg, engine, costs: dict, checkpoints: Path, core: int, load_
     sampling = SamplingParams(temperature=1.0, max_tokens=length, n=group, stop_at_eos=False)
     os.sched_setaffinity(0, {load_core})          # the client reads as the trainer would
     with tempfile.TemporaryDirectory() as tmp:
-        servers = LocalServers(checkpoints, engine.cfg, engine.model_cfg.dtype, [[core]], Path(tmp),
-                               log=lambda message: None)
+        servers = LocalServers(checkpoints, engine.cfg, engine.model_cfg.dtype, [[core]],
+                               Path(tmp), log=lambda message: None)
         try:
             servers.wait_ready(600)
             client = RemoteGeneration(servers.addresses[0], token=servers.token,
                                       stream_interval_ms=cfg.rl.generation.stream_interval_ms)
-            for _ in range(2):                    # the first round warms the streams up
-                before, t0 = client.metrics(), time.perf_counter()
-                streams = [client.submit(prompt, sampling) for _ in range(s // group)]
-                for stream in streams:
-                    stream.result()
-                wall, after = time.perf_counter() - t0, client.metrics()
-            client.close()
+            try:
+                for _ in range(2):                # the first round warms the streams up
+                    before, t0 = client.metrics(), time.perf_counter()
+                    streams = [client.submit(prompt, sampling) for _ in range(s // group)]
+                    for stream in streams:
+                        stream.result()
+                    wall, after = time.perf_counter() - t0, client.metrics()
+            finally:
+                client.close()
         finally:
             servers.close()
-    os.sched_setaffinity(0, {core})
+            os.sched_setaffinity(0, {core})
     steps = after["steps"] - before["steps"]
     held = after["held_tokens"] - before["held_tokens"]
     predicted = (steps * costs["decode_ms"] / 1e3 + held * costs["decode_us_per_held"] / 1e6
@@ -266,6 +268,7 @@ def main(argv=None) -> None:
     from jaxrl.config import load_run_config
     from jaxrl.models import Transformer, split_params
     from jaxrl.recipe import model_config
+    from jaxrl.rollout.actor import ahead_bound
     from jaxrl.rollout.generation import engine_config
     from serving.engine import Engine
 
@@ -289,9 +292,7 @@ def main(argv=None) -> None:
            "pack_len": cfg.rl.pack_len, "microbatch_rows": cfg.rl.microbatch_rows,
            "max_segments": cfg.rl.max_segments,
            "max_lag": cfg.rl.max_lag, "accelerators": 2, "gen_fraction": 0.5, "split": True,
-           # the actor's bound (jaxrl/rollout/actor.py, Actor._run)
-           "max_ahead": cfg.rl.batch_size + max(cfg.rl.batch_size,
-                                                min(cfg.rl.slots, 2 * cfg.rl.batch_size)),
+           "max_ahead": ahead_bound(cfg.rl.batch_size, cfg.rl.slots),
            "contention": contention(engine, params, args.core, args.load_core,
                                     ["--config", args.config, *args.overrides]),
            "decode_points": decode["points"], "core": args.core}

@@ -343,7 +343,7 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
     gens = [Instance(i, c) for i in range(n_gen)]
     for g in gens:
         g.slow *= c.contention
-    generated = [0, 0]                 # fresh samples finished: in all, at the last step's start
+    fresh = 0                          # samples finished within max_lag since the last step
     longest_first = mode == "async+length"
     waiting: list = []                 # heap of (priority, sample)
     started: dict[int, int] = {}       # sample -> weights version when it started
@@ -375,12 +375,11 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
                 finishes.update(g)
 
     def train_if_ready(now: float) -> None:
-        nonlocal trainer_free, training, train_busy
+        nonlocal trainer_free, training, train_busy, fresh
         if not training and len(done) >= args.batch:
             batch = done[:args.batch]
             del done[:args.batch]
-            host = c.trainer_host_ms_per_sample * (generated[0] - generated[1]) / 1e3
-            generated[1] = generated[0]
+            host, fresh = c.trainer_host_ms_per_sample * fresh / 1e3, 0
             seconds = c.train_s([LENGTHS[s] for s in batch], n_train) * c.contention + host
             trainer_free, training = now + seconds, True
             train_busy += seconds
@@ -408,7 +407,7 @@ def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> di
             if version - started.pop(s) > args.max_lag:
                 dropped += 1        # (a generator this far ahead would be held back instead)
             else:
-                generated[0] += 1
+                fresh += 1
                 if not DROPPED[s]:
                     done.append(s)
         finishes.update(g)

@@ -39,6 +39,13 @@ from serving.sampling import SamplingParams
 from serving.stream import FINISHED, Sample
 
 
+
+def ahead_bound(batch: int, slots: int) -> int:
+    """How many samples async's actor keeps finished-and-untrained plus in flight: a batch
+    (the one training) and beside it as many as the slots hold, at least one batch more and at
+    most two (Actor._run)."""
+    return batch + max(batch, min(slots, 2 * batch))
+
 class Actor:
     def __init__(self, generation: Generation, task: Task, tokenizer: Tokenizer,
                  log: RolloutLog, cfg: RLConfig, *, seed: int, next_problem: int = 0,
@@ -241,12 +248,12 @@ class Actor:
         longest group in flight (with only one batch in flight it is: sync's tail): short groups
         complete it while long ones go on under the newer weights (PipelineRL). With fewer, the
         bound is two batches, which keeps the samples' lag low."""
-        batch = self.cfg.batch_size
+        bound = ahead_bound(self.cfg.batch_size, self._slots())
         try:
             while not self._stop.is_set():
                 with self._lock:
                     ahead = self.log.end + sum(self._in_flight.values()) - self.trained_position
-                    if ahead >= batch + max(batch, min(self._slots(), 2 * batch)):
+                    if ahead >= bound:
                         self._lock.wait(0.05)
                         continue
                 self._check_progress()
