@@ -39,7 +39,6 @@ from serving.sampling import SamplingParams
 from serving.stream import FINISHED, Sample
 
 
-
 def ahead_bound(batch: int, slots: int) -> int:
     """How many samples async's actor keeps finished-and-untrained plus in flight: a batch
     (the one training) and beside it as many as the slots hold, at least one batch more and at
