@@ -72,12 +72,15 @@ def test_kernel_equals_attention_over_the_held_tokens(dtype, atol, kv_heads, q_h
 @pytest.mark.parametrize("dtype,atol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 @pytest.mark.parametrize("window,scale,softcap", [(None, None, None), (5, None, None),
                                                   (3, 0.3, 2.0)])
+@pytest.mark.parametrize("products", ["elementwise", "dots"])
 def test_loop_equals_attention_over_the_held_tokens(monkeypatch, dtype, atol, window, scale,
-                                                    softcap):
+                                                    softcap, products):
     """Blocks of two pages: rows of one token, partial and full pages, one row reaching into
     the third block. Each row's pages past the block it ends in are NaN: a loop that read one
-    (as one running every row to the longest row's block did) would return NaN."""
+    (as one running every row to the longest row's block did) would return NaN. Both forms of
+    the loop's products (a decode step takes the elementwise one; dots forced here)."""
     monkeypatch.setattr(paged_kv, "LOOP_TOKENS", 8)
+    monkeypatch.setattr(paged_kv, "ELEMENTWISE_QUERIES", 64 if products == "elementwise" else 0)
     layers, pages, width, page, kv_heads, q_heads, head_dim = 2, 64, 8, 4, 2, 4, 8
     rng = np.random.default_rng(7)
     lengths = np.asarray([1, page + 3, 2 * page, 5 * page - 2, page - 1, 3 * page + 1])
