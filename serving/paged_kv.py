@@ -127,9 +127,10 @@ class PagedKV:
         a lot in length). The trip count is the call's own, so one program serves every table
         width, and no [B, G, H, S] copy of the keys is made (what the reference path's two
         batched dots cost on XLA:CPU). With at most ELEMENTWISE_QUERIES queries per kv head (a
-        decode step), the scores and the weighted values are multiplies summed along an axis
-        that is not the minor one, which XLA:CPU vectorises; XLA's batched dots of [t*r, H] x
-        [H, block] products are slower there, and faster for prefill chunks."""
+        decode step), the scores and the weighted values are written as multiplies summed over
+        an axis; XLA:CPU turns those into dots too, but over operands laid out for its YNNPACK
+        kernels (keys as [rows, G, H, block], weights with the block major), which run faster
+        than the batched dots it makes of the einsums; those win for prefill chunks."""
         b, t, n, h = q_BTNH.shape
         w, k = self.table.shape[1], self.page_size
         g, r = self.kv.shape[3] // 2, n // (self.kv.shape[3] // 2)
@@ -208,8 +209,9 @@ class _DOTS:
 
 
 class _ELEMENTWISE:
-    """The same products as multiplies summed along a major axis (keys transposed so that the
-    sum runs over H with S minor; values summed over S with H minor)."""
+    """The same products as multiplies summed over an axis: keys transposed to [R, G, H, S] and
+    summed over H, weighted values summed over S (XLA:CPU rewrites both as dots over these
+    layouts; nothing of size [R, S, H] is materialised)."""
 
     @staticmethod
     def scores(q_RTGRH, k_RSGH):
