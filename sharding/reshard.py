@@ -28,6 +28,21 @@ def _all_finite(leaves):
     return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
 
 
+def _in_host_memory(x) -> bool:
+    return isinstance(x, np.ndarray) or (
+        isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.devices()))
+
+
+def finite(leaves) -> np.ndarray:
+    """bool per leaf: no NaN or Inf in it. Arrays in host memory (numpy, CPU devices) are read
+    where they are, by numpy; others in one compiled program on their devices. (Compiling that
+    program took 0.65-1.0 s of a CPU run's start-up, on its critical path, for a check numpy
+    makes in ~5 ms at 3M parameters and ~50 ms at 30M.)"""
+    if all(_in_host_memory(x) for x in leaves):
+        return np.array([bool(np.isfinite(np.asarray(x)).all()) for x in leaves], bool)
+    return np.asarray(_all_finite(leaves))
+
+
 def check_weights(params, target) -> list[tuple[str, object, jax.ShapeDtypeStruct]]:
     """Validates `params` against `target` (ShapeDtypeStructs with shardings); returns
     (name, array, target) triples in tree order."""
@@ -48,9 +63,9 @@ def check_weights(params, target) -> list[tuple[str, object, jax.ShapeDtypeStruc
             raise WeightUpdateError(f"weight update: {name} has dtype {x.dtype}; a floating "
                                     f"dtype is required")
         out.append((name, x, t))
-    finite = np.asarray(_all_finite([x for _, x, _ in out]))
-    if not finite.all():
-        bad = [name for (name, _, _), ok in zip(out, finite) if not ok]
+    ok = finite([x for _, x, _ in out])
+    if not ok.all():
+        bad = [name for (name, _, _), good in zip(out, ok) if not good]
         raise WeightUpdateError(f"weight update rejected: {bad[0]} contains NaN or Inf"
                                 + (f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""))
     return out

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl.models import ModelConfig, Transformer, abstract_model, param_axes, split_params
 from serving.engine import Engine, EngineConfig
 from sharding.mesh import MeshConfig, make_mesh, tree_shardings
+import sharding.reshard as reshard_module
 from sharding.reshard import WeightUpdateError, reshard
 
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -42,3 +43,18 @@ def test_host_arrays_and_rejections():
     host["layers"]["v_proj"][0, 0, 0, 0] = np.inf
     with pytest.raises(WeightUpdateError, match="layers/v_proj contains NaN or Inf"):
         reshard(host, engine.param_target)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_finiteness_check_finds_each_bad_leaf_on_host_and_on_devices(dtype):
+    """Host arrays (numpy, CPU devices) are checked by numpy, others by one compiled program:
+    both name the same leaves, against numpy on float64 copies."""
+    rng = np.random.default_rng(0)
+    leaves = [rng.standard_normal((3, 5)).astype(np.float32) for _ in range(5)]
+    leaves[1][2, 4], leaves[3][0, 0], leaves[4][1, 1] = np.nan, np.inf, -np.inf
+    leaves = [np.asarray(jnp.asarray(x, dtype)) for x in leaves]
+    want = [bool(np.isfinite(x.astype(np.float64)).all()) for x in leaves]
+    assert want == [True, False, True, False, False]
+    assert reshard_module.finite(leaves).tolist() == want
+    assert reshard_module.finite([jnp.asarray(x) for x in leaves]).tolist() == want
+    assert np.asarray(reshard_module._all_finite(leaves)).tolist() == want   # devices' path
