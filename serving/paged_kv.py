@@ -144,7 +144,8 @@ class PagedKV:
         scale = h ** -0.5 if scale is None else scale
         q_BTGRH = q_BTNH.reshape(b, t, g, r, h).astype(jnp.float32) * scale
         low = jnp.finfo(jnp.float32).min
-        products = _ELEMENTWISE if t * r <= ELEMENTWISE_QUERIES else _DOTS
+        scores, weigh = ((_scores_by_sums, _weigh_by_sums) if t * r <= ELEMENTWISE_QUERIES
+                         else (_scores_by_dots, _weigh_by_dots))
 
         def step(i, carry):
             m_BTGR, l_BTGR, acc_BTGRH = carry
@@ -153,7 +154,7 @@ class PagedKV:
             pages_RC = jnp.take_along_axis(self.table[row_R], jnp.minimum(index_RC, w - 1), 1)
             kv_RSGCH = self.kv[layer, pages_RC].reshape(b, block, g, 2, h).astype(jnp.float32)
             k_RSGH, v_RSGH = kv_RSGCH[:, :, :, 0], kv_RSGCH[:, :, :, 1]
-            s_RTGRS = ops.soft_cap(products.scores(q_BTGRH[row_R], k_RSGH), softcap)
+            s_RTGRS = ops.soft_cap(scores(q_BTGRH[row_R], k_RSGH), softcap)
             keys_RS = (index_RC[:, :, None] * k + jnp.arange(k)).reshape(b, block)
             pos_RT = positions_BT[row_R]
             mask_RTS = ((keys_RS[:, None] <= pos_RT[..., None])
@@ -164,7 +165,7 @@ class PagedKV:
             s_RTGRS = jnp.where(mask_RTGRS, s_RTGRS, low)
             m_RTGR = s_RTGRS.max(-1)
             p_RTGRS = jnp.where(mask_RTGRS, jnp.exp(s_RTGRS - m_RTGR[..., None]), 0.0)
-            pv_RTGRH = products.weigh(p_RTGRS, v_RSGH)
+            pv_RTGRH = weigh(p_RTGRS, v_RSGH)
             m_new = m_BTGR.at[row_R].max(m_RTGR)      # pairs of one row may share an iteration
             c_BTGR, c_RTGR = jnp.exp(m_BTGR - m_new), jnp.exp(m_RTGR - m_new[row_R])
             return (m_new, (l_BTGR * c_BTGR).at[row_R].add(p_RTGRS.sum(-1) * c_RTGR),
@@ -196,31 +197,26 @@ class PagedKV:
         return out.astype(q_B1NH.dtype)[:, None]
 
 
-class _DOTS:
-    """The loop's two products as batched dots: scores [R, T, G, Rq, S], values [R, T, G, Rq, H]."""
-
-    @staticmethod
-    def scores(q_RTGRH, k_RSGH):
-        return jnp.einsum("btgrh,bsgh->btgrs", q_RTGRH, k_RSGH)
-
-    @staticmethod
-    def weigh(p_RTGRS, v_RSGH):
-        return jnp.einsum("btgrs,bsgh->btgrh", p_RTGRS, v_RSGH)
+def _scores_by_dots(q_RTGRH, k_RSGH):
+    """Scores [R, T, G, Rq, S] of the loop's pairs as a batched dot."""
+    return jnp.einsum("btgrh,bsgh->btgrs", q_RTGRH, k_RSGH)
 
 
-class _ELEMENTWISE:
-    """The same products as multiplies summed over an axis: keys transposed to [R, G, H, S] and
-    summed over H, weighted values summed over S (XLA:CPU rewrites both as dots over these
-    layouts; nothing of size [R, S, H] is materialised)."""
+def _weigh_by_dots(p_RTGRS, v_RSGH):
+    """Weighted values [R, T, G, Rq, H] as a batched dot."""
+    return jnp.einsum("btgrs,bsgh->btgrh", p_RTGRS, v_RSGH)
 
-    @staticmethod
-    def scores(q_RTGRH, k_RSGH):
-        k_RGHS = jnp.moveaxis(k_RSGH, 1, -1)
-        return (q_RTGRH[..., None] * k_RGHS[:, None, :, None]).sum(-2)
 
-    @staticmethod
-    def weigh(p_RTGRS, v_RSGH):
-        return (jnp.moveaxis(p_RTGRS, -1, 1)[..., None] * v_RSGH[:, :, None, :, None, :]).sum(1)
+def _scores_by_sums(q_RTGRH, k_RSGH):
+    """The same scores as multiplies summed over H, the keys transposed to [R, G, H, S]
+    (XLA:CPU makes a dot of it over that layout; nothing of size [R, S, H] is kept)."""
+    k_RGHS = jnp.moveaxis(k_RSGH, 1, -1)
+    return (q_RTGRH[..., None] * k_RGHS[:, None, :, None]).sum(-2)
+
+
+def _weigh_by_sums(p_RTGRS, v_RSGH):
+    """The same weighted values as multiplies summed over S."""
+    return (jnp.moveaxis(p_RTGRS, -1, 1)[..., None] * v_RSGH[:, :, None, :, None, :]).sum(1)
 
 
 def interleave(k_BTGH, v_BTGH):
