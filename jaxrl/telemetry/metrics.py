@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import sys
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -42,8 +43,18 @@ class MetricsLogger:
             _drop_rows(path, lambda row: (resume_step is None or row["step"] <= resume_step)
                        and not (phase_restarts and row.get("phase") == phase))
         self._jsonl = path.open("a", encoding="utf-8")
-        self._tb = _open_tensorboard(self.run_dir / "tensorboard", resume_step) \
-            if tensorboard else None
+        # tensorboardX takes most of a second to import: it is opened beside the run's start
+        # (compiling, loading weights) and joined by the first row logged.
+        self._tb_opening = _Opening(_open_tensorboard, self.run_dir / "tensorboard",
+                                    resume_step) if tensorboard else None
+        self._tb_writer = None
+
+    @property
+    def _tb(self):
+        if self._tb_opening is not None:
+            opening, self._tb_opening = self._tb_opening, None
+            self._tb_writer = opening.result()
+        return self._tb_writer
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         values = {name: float(value) for name, value in metrics.items()}
@@ -74,7 +85,7 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
-            self._tb = None
+            self._tb_writer = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
@@ -121,18 +132,54 @@ def _drop_rows(path: Path, keep) -> None:
         tmp.replace(path)
 
 
+class _Opening:
+    """`build(*args)` on a thread of its own; `result()` joins it and returns what it built, or
+    raises what it raised."""
+
+    def __init__(self, build, *args):
+        self._out: tuple = (None, None)
+
+        def run():
+            try:
+                self._out = (build(*args), None)
+            except BaseException as e:   # re-raised on the caller's thread by result()
+                self._out = (None, e)
+
+        self._thread = threading.Thread(target=run, name=f"open-{build.__name__}", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        value, error = self._out
+        if error is not None:
+            raise error
+        return value
+
+
+class _Refuse:
+    """A meta path finder that refuses to import module `name` on the thread that made it, and
+    lets every other thread import it as before."""
+
+    def __init__(self, name: str):
+        self.name, self.thread = name, threading.get_ident()
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.name and threading.get_ident() == self.thread:
+            raise ImportError(f"{name} is not imported on this thread")
+        return None
+
+
 def _summary_writer():
     """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch when
     it can, only to recognise torch tensors (1.4 s of a run's start where torch is installed),
-    and this logger passes it numbers and numpy arrays."""
-    blocked = "torch" not in sys.modules
-    if blocked:
-        sys.modules["torch"] = None   # `import torch` raises ImportError, which it expects
+    and this logger passes it numbers and numpy arrays. Only this thread is refused torch
+    (the import runs beside the run's start, whose other threads may import it)."""
+    finder = _Refuse("torch")
+    sys.meta_path.insert(0, finder)
     try:
         from tensorboardX import SummaryWriter
     finally:
-        if blocked:
-            del sys.modules["torch"]
+        sys.meta_path.remove(finder)
     return SummaryWriter
 
 

@@ -36,7 +36,6 @@ from jaxrl.rollout import generation, local_servers
 from jaxrl.rollout.actor import Actor
 from jaxrl.rollout.agents import Agents
 from jaxrl.telemetry.metrics import MetricsLogger
-from jaxrl.telemetry.plots import save_run_plots
 from jaxrl.telemetry.progress import Progress
 from jaxrl.telemetry.rl_metrics import StepMetrics, rate
 from jaxrl.trainer.lockstep import Lockstep
@@ -361,6 +360,9 @@ class RLRun:
             summary["examples"] = final["examples"]
             self.metrics_log.log(end, {"eval_accuracy": final["accuracy"],
                                        "time_s": self.clock()})
+        # Imported here: matplotlib costs a second of the run's start, and plots come last.
+        from jaxrl.telemetry.plots import save_run_plots
+
         plots = save_run_plots(Path(self.cfg.run_dir), self.rows, lags)
         summary["plots"] = {k: str(v) for k, v in plots.items()}
         return summary

@@ -1,9 +1,11 @@
 """MetricsLogger's three sinks and the plots, read back from the files they write."""
 
+import importlib
 import json
 import math
 import struct
 import sys
+import threading
 import time
 import zlib
 from collections import Counter
@@ -14,6 +16,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from jaxrl.errors import UserError
+from jaxrl.telemetry import metrics
 from jaxrl.telemetry.metrics import METRICS_FILE, MetricsLogger, read_metrics
 from jaxrl.telemetry.plots import (
     figure_lag_histogram,
@@ -130,6 +133,32 @@ def test_histogram_is_written(tmp_path):
     assert step == 3
     assert (histo.num, histo.min, histo.max, histo.sum) == (7, 0, 5, sum(lags))
     assert sum(histo.bucket) == 7
+
+
+def test_tensorboard_is_refused_torch_on_its_own_thread_only(tmp_path, monkeypatch):
+    """tensorboardX is imported beside the run's start with torch refused (a second of
+    import it does not need): only its thread is refused, never another thread's import."""
+    (tmp_path / "refused_mod.py").write_text("VALUE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "refused_mod", raising=False)
+    finder = metrics._Refuse("refused_mod")
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    with pytest.raises(ImportError, match="refused_mod is not imported on this thread"):
+        import refused_mod  # noqa: F401
+    other = {}
+    thread = threading.Thread(target=lambda: other.update(
+        value=importlib.import_module("refused_mod").VALUE))
+    thread.start()
+    thread.join()
+    assert other == {"value": 3}
+
+
+def test_tensorboard_that_cannot_open_fails_the_first_row(tmp_path):
+    (tmp_path / "tensorboard").write_text("a file where the event directory goes")
+    logger = MetricsLogger(tmp_path)
+    with pytest.raises(OSError):
+        logger.log(0, {"loss": 1.0})
+    logger.close()
 
 
 def test_resume_appends_to_the_same_run(tmp_path):
