@@ -44,18 +44,18 @@ _ROW_PAGES, _DISPATCH_ROW_PAGES = 4, 16
 _SPLIT_GAIN = 0.8     # two batches only when they cost at most this share of one
 
 
-def decode_groups(cfg, owners: list[tuple[int, Sequence]], k: int
+def decode_groups(cfg, owners: list[tuple[int, Sequence]], k: int, bucket=None
                   ) -> list[list[tuple[int, Sequence]]]:
     """The running (slot, sequence) pairs in one decode batch, or two when that is cheaper: the
     reference attention pads every row to the batch's longest, so in a long tail (many short
     sequences, a few long ones) the short rows go in a batch at their own width. Cost of a batch:
-    its rows (bucketed) x (its page-table width + _ROW_PAGES), plus a dispatch; two batches
-    when they cost at most _SPLIT_GAIN of one."""
+    its rows (bucketed: `bucket(n)`, by default the config's ladder) x (its page-table width +
+    _ROW_PAGES), plus a dispatch; two batches when they cost at most _SPLIT_GAIN of one."""
     cached = [seq.cached for _, seq in owners]       # each row's, once
     order = sorted(range(len(owners)), key=cached.__getitem__)
     by_length = [owners[i] for i in order]
     widths = [cfg.table_width(cached[i] + k) for i in order]
-    n, bucket, wide = len(by_length), cfg.row_bucket, widths[-1] + _ROW_PAGES
+    n, bucket, wide = len(by_length), bucket or cfg.row_bucket, widths[-1] + _ROW_PAGES
     # cost(rows, width) = bucket(rows) * (width + _ROW_PAGES) + _DISPATCH_ROW_PAGES
     best = _SPLIT_GAIN * (bucket(n) * wide + _DISPATCH_ROW_PAGES)   # split only for a clear gain
     split = None

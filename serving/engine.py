@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,8 @@ from jax.sharding import Mesh
 from jaxrl.models import ModelConfig
 from serving.constraints import mask_words
 from serving.engine_config import EngineConfig
-from serving.programs import HISTORY_CHUNK, Programs, programs_for
+from serving.programs import Programs, programs_for
+from serving.steps import HISTORY_CHUNK
 from serving.sampling import MAX_LOGIT_BIAS
 from serving.spec import DecodeState, Spec
 from sharding import mesh as shd
@@ -87,10 +89,16 @@ class Engine:
         share = math.prod(one_page.shard_shape(page)) * jnp.dtype(c.compute_dtype).itemsize
         return max(int(self.cfg.memory_fraction * free) // share, 2)
 
-    def compile(self) -> int:
-        """Compiles every program the engine can run, on this thread (serving/programs.py);
+    def compile(self, largest_rows_only: bool = False) -> int:
+        """Compiles every program the engine can run, on this thread (serving/programs.py;
+        `largest_rows_only`: those its largest batches need, `compile_rest` the others);
         returns how many were compiled now (0 when an engine of the same spec did it)."""
-        return self.programs.compile_all()
+        return self.programs.compile_all(largest_rows_only)
+
+    def compile_rest(self, stop: threading.Event) -> int:
+        """Compiles the programs `compile(largest_rows_only=True)` left, beside the running
+        engine (serving/programs.py); until they are, smaller batches run padded."""
+        return self.programs.compile_rest(stop)
 
     # -- JetStream Engine API ------------------------------------------------------------------
     @property
@@ -166,7 +174,7 @@ class Engine:
         with `samplings[i]` as sample `sample_indices[i]` of its request (`eos_id`: the token
         a sampling's min_tokens bans; `allowed`: [K, mask words] token bitmasks, None for
         none: serving/constraints.py)."""
-        k = self.cfg.row_bucket(len(rows))
+        k = self.programs.row_bucket(len(rows))
         tokens, logprobs = self.programs(
             "sample_first", (k,), logits_PV, _padded(rows, k, np.int32),
             _padded(sample_indices, k, np.int32), *_sampling_arrays(samplings, k, eos_id),
@@ -196,7 +204,7 @@ class Engine:
         on from `next_tokens[i]` at position `lengths[i]`, having sampled `counts[i]` tokens
         (`histories[i]`, needed where the sampling has penalties). Nothing is copied: the slot
         reaches its pages through the page table."""
-        k = self.cfg.row_bucket(len(slots))
+        k = self.programs.row_bucket(len(slots))
         histories = [h if s.penalized else () for h, s in
                      zip(histories or [()] * len(slots), samplings, strict=True)]
         for slot, h, n, s in zip(slots, histories, counts, samplings):
@@ -222,7 +230,7 @@ class Engine:
     def copy_pages(self, state: DecodeState, src, dst) -> DecodeState:
         """Pool page src[i] copied to dst[i] in every layer (the partly filled last prompt page
         of a group, once per sample beyond the first)."""
-        k = self.cfg.row_bucket(len(src))
+        k = self.programs.row_bucket(len(src))
         return self.programs("copy_pages", (k,), state, _padded(src, k, np.int32),
                              _padded(dst, k, np.int32))
 
@@ -254,7 +262,7 @@ class Engine:
         s = self.cfg.max_concurrent_decodes
         slots = list(range(s)) if slots is None else list(slots)
         table = np.asarray(table_SW, np.int32)
-        rows = self.cfg.row_bucket(len(slots))
+        rows = self.programs.row_bucket(len(slots))
         width = self.cfg.table_width(table.shape[1] * self.cfg.page_size)
         taken = set(slots)
         idle = [i for i in range(s) if i not in taken]

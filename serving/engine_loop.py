@@ -257,7 +257,7 @@ class EngineLoop:
         if not owners:
             return state, self._collect()
         batches = []
-        for group in decode_groups(engine.cfg, owners, k):
+        for group in decode_groups(engine.cfg, owners, k, engine.programs.row_bucket):
             state, decoded = self._dispatch(state, group, k)
             batches.append((group, decoded))
         held = k * sum(s.cached for _, s in owners)

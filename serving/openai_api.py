@@ -48,7 +48,7 @@ from serving.openai_schema import (  # noqa: F401
     refuse_unsupported,
 )
 from serving.orchestrator import EngineStopped, InvalidRequest, QueueFull
-from serving.programs import SCORE_TOP
+from serving.steps import SCORE_TOP
 from serving.sampling import SamplingParams
 from serving.stream import TokenEvent
 from serving.structured import response_format_grammar, tool_call_grammar

@@ -75,6 +75,7 @@ class Orchestrator:
         self._accepted_version = version         # the newest version queued or served
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._compiling: threading.Thread | None = None   # compile_rest's, with compile_rest
         self._carried_tokens = 0            # tokens replayed from `carry`, never regenerated
         self._carry_lock = threading.Lock()
 
@@ -110,27 +111,39 @@ class Orchestrator:
         return self._accepted_version
 
     # -- life ----------------------------------------------------------------------------------
-    def start(self) -> "Orchestrator":
+    def start(self, compile_rest: bool = False) -> "Orchestrator":
         """Compiles every program the engine can run (on this thread; nothing when an engine
-        of the same shapes did), then starts the loop: no request ever waits for a compile."""
+        of the same shapes did), then starts the loop: no request ever waits for a compile.
+        `compile_rest`: compile only what the largest batches need here, and the programs of
+        smaller batches on a thread of their own while the loop runs (serving/programs.py;
+        smaller batches run padded until theirs are ready), for a caller whose first batch
+        is due before everything could compile (an RL run's first step)."""
         if self._thread is not None:
             raise RuntimeError("this orchestrator was started already")
         t0 = time.perf_counter()
-        self.compiled_at_start = self.engine.compile()
+        self.compiled_at_start = self.engine.compile(largest_rows_only=compile_rest)
         self.compile_s = time.perf_counter() - t0
         self._thread = threading.Thread(target=self._loop.run, name="engine-loop", daemon=True)
         self._thread.start()
+        if compile_rest:
+            self._compiling = threading.Thread(target=self.engine.compile_rest,
+                                               args=(self._loop.stop,), name="engine-compile",
+                                               daemon=True)
+            self._compiling.start()
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ends the loop (every request not finished ends with reason "shutdown") and returns
-        once its thread has ended; raises TimeoutError naming it if it has not in `timeout`."""
+        once its threads have ended (the loop's, and compile_rest's after the program it is
+        compiling); raises TimeoutError naming one that has not in `timeout`."""
         self._loop.stop.set()
         self._loop.wake.set()
+        deadline = time.monotonic() + timeout
         if self._thread is not None:
             threads.join(self._thread, timeout)
         else:
             self._loop.shutdown("shutdown")
+        threads.join(self._compiling, max(deadline - time.monotonic(), 0.0))
 
     def __enter__(self):
         return self.start()

@@ -10,6 +10,12 @@ ahead of time, on the calling thread, before the engine loop starts; afterwards 
 looks its executable up. A call at a shape outside that set would be a bug in `shapes`: it is
 compiled on the spot, counted in `late_compiles` and logged, never silently.
 
+An engine that must start generating soon (an RL run's first step waits for it) compiles only
+its largest row count first (`compile_all(largest_rows_only=True)`) and the smaller ones on a
+thread of its own while it generates (`compile_rest`): until a row count's programs are all
+compiled, its batches run padded to the next row count that is (`row_bucket`), so no call waits
+for a compile either way.
+
 The shapes a call can take are fixed by a few ladders (serving/engine_config.py):
 - rows: a decode batch, an insert, a page copy or a sampling call holds S/16, S/4 or S rows
   (S slots; always S up to 8 slots);
@@ -20,8 +26,8 @@ The shapes a call can take are fixed by a few ladders (serving/engine_config.py)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import os
 import threading
 import time
 import weakref
@@ -30,10 +36,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxrl.models import merge_params
 from serving.constraints import mask_words
-from serving.sampling import sample, slot_keys, with_bias, with_penalties
-from serving.spec import PER_SLOT, SAMPLING, DecodeState, Spec, empty_state, pinned
+from serving.spec import SAMPLING, Spec
+from serving.steps import HISTORY_CHUNK, PROGRAMS
 from sharding import mesh as shd
 
 log = logging.getLogger(__name__)
@@ -54,180 +59,17 @@ def process_compiles() -> int:
     the server's metrics: none may happen once the server is ready)."""
     return _COMPILES[0]
 
-# Generated tokens an insert counts per call for a penalized sample (a longer history, from a
-# preempted or carried-over sample, takes more calls).
-HISTORY_CHUNK = 32
+# Programs whose key starts with a row count (serving/engine_config.py, `row_sizes`).
+ROWS_FIRST = ("sample_first", "insert", "copy_pages", "decode", "advance", "decode_steps")
 
 
-# -- the programs -----------------------------------------------------------------------------
-# Every output is pinned to one layout (serving/spec.py, `pinned`).
-def _prefill(spec: Spec, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
-    """(state, logits [max_prefill_rows, V]), and with record_routes each token's experts
-    [P, T, L, K] after them."""
-    model = merge_params(spec.graphdef, params)
-    x_PTD, cache, *routes = model.extend(tokens_PT, starts_P, spec.cache(state.kv, table_PW),
-                                         valid_B=lengths_P, routes=spec.cfg.record_routes)
-    last_P11 = jnp.maximum(lengths_P - 1, 0)[:, None, None]
-    logits_PV = model.logits(jnp.take_along_axis(x_PTD, last_P11, axis=1))[:, 0]
-    # Padded to the most rows any prefill call has, so one sampling program serves them all.
-    logits_PV = jnp.pad(logits_PV, ((0, spec.cfg.max_prefill_rows - logits_PV.shape[0]), (0, 0)))
-    return pinned(spec, dataclasses.replace(state, kv=cache.kv), logits_PV, *routes)
-
-
-def _banned(banned_S, min_tokens_S, counts_S):
-    """The token each slot may not draw now: its ban while it has fewer than min_tokens."""
-    return jnp.where(counts_S < min_tokens_S, banned_S, -1)
-
-
-def _sample_first(spec: Spec, logits_PV, rows_K, index_K, temperature_K, top_k_K, top_p_K,
-                  seeds_K, banned_K, min_tokens_K, bias_ids_KB, bias_values_KB, allowed_KW):
-    zeros = jnp.zeros_like(index_K)
-    keys = slot_keys(seeds_K, index_K, zeros)
-    has = spec.cfg.sampling_features.__contains__
-    # A sample's first token: nothing generated yet to penalize.
-    tokens_K, logprobs_K = sample(
-        logits_PV[rows_K], temperature_K, top_k_K, top_p_K, keys,
-        _banned(banned_K, min_tokens_K, zeros) if has("min_tokens") else None,
-        allowed_KW if has("grammar") else None,
-        partial(with_bias, ids_SB=bias_ids_KB, values_SB=bias_values_KB)
-        if has("logit_bias") else None, top_k_top_p=has("top_k_top_p"))
-    rep = shd.replicated(spec.mesh)
-    return (jax.lax.with_sharding_constraint(tokens_K, rep),
-            jax.lax.with_sharding_constraint(logprobs_K, rep))
-
-
-def _insert(spec: Spec, state: DecodeState, slots_K, lengths_K, tokens_K, counts_K,
-            temperature_K, top_k_K, top_p_K, seeds_K, banned_K, min_tokens_K, bias_ids_KB,
-            bias_values_KB, index_K, presence_K, frequency_K, history_KC, reset):
-    """Puts K sequences into their slots. A penalized one's token counts are rebuilt from the
-    tokens it has generated (`history_KC`, -1 padding), a chunk per call: `reset` zeroes them
-    first, later calls (a long history) add on."""
-    at = lambda a, x: a.at[slots_K].set(x)  # noqa: E731
-    state = dataclasses.replace(
-        state, lengths=at(state.lengths, lengths_K), tokens=at(state.tokens, tokens_K),
-        counts=at(state.counts, counts_K), temperature=at(state.temperature, temperature_K),
-        top_k=at(state.top_k, top_k_K), top_p=at(state.top_p, top_p_K),
-        seeds=at(state.seeds, seeds_K), banned=at(state.banned, banned_K),
-        min_tokens=at(state.min_tokens, min_tokens_K),
-        sample_index=at(state.sample_index, index_K), bias_ids=at(state.bias_ids, bias_ids_KB),
-        bias_values=at(state.bias_values, bias_values_KB),
-        presence=at(state.presence, presence_K), frequency=at(state.frequency, frequency_K))
-    penalized_K = (presence_K != 0) | (frequency_K != 0)
-
-    def recount(seen_SV):
-        s, v = seen_SV.shape
-        # Out-of-range indices are dropped: unpenalized entries, padding, and -1 history.
-        cleared_K = jnp.where(penalized_K & reset, slots_K, s)
-        seen_SV = seen_SV.at[cleared_K].set(0, mode="drop")
-        slot_KC = jnp.where(penalized_K[:, None] & (history_KC >= 0), slots_K[:, None], s)
-        return seen_SV.at[slot_KC, history_KC].add(1, mode="drop")
-
-    if "penalties" not in spec.cfg.sampling_features:
-        return pinned(spec, state)[0]
-    seen = jax.lax.cond(jnp.any(penalized_K), recount, lambda z: z, state.seen)
-    return pinned(spec, dataclasses.replace(state, seen=seen))[0]
-
-
-def _copy_pages(spec: Spec, state: DecodeState, src_K, dst_K):
-    return pinned(spec, dataclasses.replace(
-        state, kv=state.kv.at[:, dst_K].set(state.kv[:, src_K])))[0]
-
-
-def _forward_rows(spec: Spec, params, kv, tokens_R, lengths_R, table_RW):
-    """One token per row through the model: (pool, logits [R, V]), and with record_routes the
-    token's experts [R, L, K]."""
-    model = merge_params(spec.graphdef, params)
-    x_R1D, cache, *routes = model.extend(tokens_R[:, None], lengths_R, spec.cache(kv, table_RW),
-                                         routes=spec.cfg.record_routes)
-    return (cache.kv, model.logits(x_R1D)[:, 0], *(r[:, 0] for r in routes))
-
-
-def _advance(spec: Spec, state: DecodeState, logits_RV, slots_R, real_R, allowed_RW=None):
-    """Samples each row's next token (within its token mask: serving/constraints.py) and moves
-    its slot on by one; padding rows (real_R false) leave their slots as they were."""
-    rows = {n: getattr(state, n)[slots_R] for n in PER_SLOT}
-    keys = slot_keys(rows["seeds"], rows["sample_index"], rows["counts"])
-    has = spec.cfg.sampling_features.__contains__
-
-    def adjust(logits_RV):
-        if has("logit_bias"):
-            logits_RV = with_bias(logits_RV, rows["bias_ids"], rows["bias_values"])
-        if has("penalties"):
-            logits_RV = with_penalties(logits_RV, rows["presence"], rows["frequency"],
-                                       lambda: state.seen[slots_R])
-        return logits_RV
-
-    tokens_R, logprobs_R = sample(
-        logits_RV, rows["temperature"], rows["top_k"], rows["top_p"], keys,
-        _banned(rows["banned"], rows["min_tokens"], rows["counts"])
-        if has("min_tokens") else None, allowed_RW if has("grammar") else None,
-        adjust if has("logit_bias") or has("penalties") else None,
-        top_k_top_p=has("top_k_top_p"))
-    new = {"lengths": jnp.minimum(rows["lengths"] + 1, spec.cfg.max_len), "tokens": tokens_R,
-           "counts": rows["counts"] + 1}
-    seen = state.seen   # token counts: only penalties read them
-    if has("penalties"):
-        seen = seen.at[slots_R, tokens_R].add(real_R.astype(jnp.int32))
-    state = dataclasses.replace(state, seen=seen, **{
-        n: getattr(state, n).at[slots_R].set(jnp.where(real_R, v, rows[n]))
-        for n, v in new.items()})
-    return pinned(spec, state, tokens_R, logprobs_R)
-
-
-def _decode(spec: Spec, params, state: DecodeState, table_RW, slots_R):
-    """The forward half of one decode step for the rows `slots_R`: (state with their keys and
-    values written, logits [R, V]). Padding rows read and write only the null page."""
-    kv, logits_RV, *routes = _forward_rows(spec, params, state.kv, state.tokens[slots_R],
-                                           state.lengths[slots_R], table_RW)
-    return pinned(spec, dataclasses.replace(state, kv=kv), logits_RV, *routes)
-
-
-def _decode_steps(spec: Spec, params, state: DecodeState, table_RW, slots_R, real_R,
-                  steps: int):
-    """`steps` whole decode steps (forward and sampling) in one program (steps_per_dispatch >
-    1): (state, tokens [steps, R], logprobs [steps, R]), and with record_routes the fed
-    tokens' experts [steps, R, L, K]."""
-    def body(state, _):
-        state, logits_RV, *routes = _decode(spec, params, state, table_RW, slots_R)
-        state, tokens_R, logprobs_R = _advance(spec, state, logits_RV, slots_R, real_R)
-        return state, (tokens_R, logprobs_R, *routes)
-
-    state, out = jax.lax.scan(body, state, length=steps)
-    return pinned(spec, state, *out)
-
-
-# The most alternatives `score` returns per position (OpenAI's top_logprobs limit).
-SCORE_TOP = 20
-
-
-def _score(spec: Spec, params, tokens_T):
-    """One sequence through the model, every position at once: the log-prob of each token
-    given those before it, [T-1] (position i scores token i + 1), and the SCORE_TOP most
-    likely tokens at each position, ids [T-1, 20] and log-probs. Causal: padding after the
-    sequence changes none of its rows. No pages are read or written: prompt log-probs (`echo`)
-    and top_logprobs."""
-    model = merge_params(spec.graphdef, params)
-    logits_TV = model(tokens_T[None])[0, :-1].astype(jnp.float32)
-    logp_TV = jax.nn.log_softmax(logits_TV, axis=-1)
-    token_T = jnp.take_along_axis(logp_TV, tokens_T[1:, None], axis=1)[:, 0]
-    top_values, top_ids = jax.lax.top_k(logp_TV, min(SCORE_TOP, logp_TV.shape[-1]))
-    rep = shd.replicated(spec.mesh)
-    return tuple(jax.lax.with_sharding_constraint(a, rep)
-                 for a in (token_T, top_ids, top_values))
-
-
-# (function, static argument numbers, donated argument numbers), the spec not counted.
-PROGRAMS = {
-    "init": (empty_state, (), ()),
-    "prefill": (_prefill, (), (1,)),
-    "sample_first": (_sample_first, (), ()),
-    "insert": (_insert, (), (0,)),
-    "copy_pages": (_copy_pages, (), (0,)),
-    "decode": (_decode, (), (1,)),
-    "advance": (_advance, (), (0,)),
-    "decode_steps": (_decode_steps, (5,), (1,)),
-    "score": (_score, (), ()),
-}
+def _lower_priority() -> None:
+    """This thread at low CPU priority (nice 19; Linux sets it per thread), so that compiling
+    ahead takes the cores the engine and the trainer leave."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):   # not Linux, or not allowed: compile at normal priority
+        pass
 
 
 # -- shapes and compilation -------------------------------------------------------------------
@@ -246,6 +88,7 @@ class Programs:
         self._lock = threading.Lock()
         self.compile_s = 0.0
         self.late_compiles = 0
+        self._row_buckets = (0,) * (spec.cfg.max_concurrent_decodes + 1)   # none ready yet
 
     def shapes(self) -> list[tuple]:
         """(program, key) of every call the engine can make, key as in `args`."""
@@ -253,7 +96,7 @@ class Programs:
         rows = cfg.row_sizes
         for b in cfg.buckets:
             out += [("prefill", (cfg.prefill_rows(b), b, w)) for w in cfg.prefill_widths]
-        out += [(name, (k,)) for name in ("sample_first", "insert", "copy_pages") for k in rows]
+        out += [(name, (k,)) for name in ROWS_FIRST[:3] for k in rows]
         k = cfg.steps_per_dispatch
         for r in rows:
             if k == 1:
@@ -261,6 +104,11 @@ class Programs:
             else:
                 out += [("decode_steps", (r, w, k)) for w in cfg.decode_widths]
         return out + [("score", (b,)) for b in cfg.score_buckets]
+
+    def _rows(self, shape: tuple) -> int | None:
+        """The row count of a call at `shape`, None for programs without one."""
+        name, key = shape
+        return key[0] if name in ROWS_FIRST else None
 
     def args(self, name: str, key: tuple) -> tuple:
         """Abstract arguments of program `name` at shape `key`."""
@@ -307,16 +155,58 @@ class Programs:
         """The program lowered at `key` (ahead-of-time compiles for other devices, e.g. TPU)."""
         return self._jitted[name].lower(*self.args(name, key))
 
-    def compile_all(self) -> int:
-        """Compiles every program at every shape not compiled yet; returns how many it
-        compiled. Thread-safe; meant for the thread that starts the engine."""
+    def compile_all(self, largest_rows_only: bool = False) -> int:
+        """Compiles every program at every shape not compiled yet (`largest_rows_only`: those
+        of the largest row count and the programs without one; `compile_rest` does the rest);
+        returns how many it compiled. Thread-safe; meant for the thread that starts the
+        engine."""
+        largest = self.spec.cfg.row_sizes[-1]
         with self._lock:
-            todo = [s for s in self.shapes() if s not in self._compiled]
+            todo = [s for s in self.shapes() if s not in self._compiled and
+                    (not largest_rows_only or self._rows(s) in (None, largest))]
             t0 = time.perf_counter()
             for name, key in todo:
                 self._compiled[(name, key)] = self.lower(name, key).compile()
             self.compile_s += time.perf_counter() - t0
+            self._update_row_buckets()
         return len(todo)
+
+    def compile_rest(self, stop: threading.Event) -> int:
+        """Compiles what `compile_all` left, smaller row counts last, one program at a time
+        (a call between two of them never waits long for the lock), at low CPU priority;
+        each row count is used once all its programs are. Meant for a thread of its own beside
+        a running engine; returns between two programs once `stop` is set. Returns how many it
+        compiled."""
+        _lower_priority()
+        todo = sorted((s for s in self.shapes() if s not in self._compiled),
+                      key=lambda s: -(self._rows(s) or 0))
+        done = 0
+        for shape in todo:
+            if stop.is_set():
+                break
+            with self._lock:
+                if shape not in self._compiled:
+                    t0 = time.perf_counter()
+                    self._compiled[shape] = self.lower(*shape).compile()
+                    self.compile_s += time.perf_counter() - t0
+                    done += 1
+                self._update_row_buckets()
+        return done
+
+    def _update_row_buckets(self) -> None:
+        """`row_bucket`'s table, from the row counts whose programs are all compiled."""
+        sizes, shapes = self.spec.cfg.row_sizes, self.shapes()
+        ready = [r for r in sizes
+                 if all(s in self._compiled for s in shapes if self._rows(s) == r)]
+        self._row_buckets = tuple(next((r for r in ready if r >= n), 0)
+                                  for n in range(sizes[-1] + 1))
+
+    def row_bucket(self, n: int) -> int:
+        """Rows a call for `n` sequences runs with: the smallest row count of the ladder
+        (EngineConfig.row_sizes) at least n whose programs are all compiled; the ladder's own
+        choice before any is (an engine used without compiling first compiles as it goes,
+        each program logged: `__call__`)."""
+        return self._row_buckets[n] or self.spec.cfg.row_bucket(n)
 
     @property
     def compiled(self) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl.models import merge_params, split_params
-from serving.programs import HISTORY_CHUNK
+from serving.steps import HISTORY_CHUNK
 from serving.sampling import SamplingParams, sample, slot_keys
 from serving.stream import Sample
 from tests.serving.common import CFG, ENGINE, prompts

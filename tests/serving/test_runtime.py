@@ -12,6 +12,7 @@ import weakref
 import grpc
 import httpx
 import jax
+import numpy as np
 import pytest
 from jax import monitoring
 
@@ -19,13 +20,14 @@ from jaxrl.models.tokenizer import CharTokenizer
 from serving.engine import Engine
 from serving.openai_api import OpenAIApp, start_http
 from serving.orchestrator import EngineStopped, Orchestrator
+from serving.programs import ROWS_FIRST
 from serving.proto import generation_pb2 as gen
 from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.sampling import SamplingParams
 from serving.server import Server
 from serving.stream import DoneEvent, Sample
 
-from tests.serving.common import CFG, ENGINE, prompts
+from tests.serving.common import CFG, ENGINE, contiguous_decode, prompts
 
 # 16 slots (decode batches of 1, 4 or 16 rows), two table widths per doubling.
 RUNTIME = dataclasses.replace(ENGINE, max_concurrent_decodes=16, page_buckets=2)
@@ -101,6 +103,60 @@ def test_nothing_compiles_after_start_whatever_the_requests(params, attention, p
     del engine, o, second
     gc.collect()
     assert dropped() is None
+
+
+def test_smaller_batches_compile_beside_generation(params):
+    """start(compile_rest=True): the largest batches' programs compile before the loop starts,
+    the smaller ones' on a thread beside it. Until they are ready, small batches run padded to
+    the largest (nothing compiles on the loop's thread) and generate what the contiguous
+    reference does; once ready, they are used."""
+    cfg = dataclasses.replace(RUNTIME, attention="loop", prefill_chunk=8)  # a spec of its own
+    gc.collect()                                  # no engine of that spec is left alive
+    engine = Engine(CFG, cfg)
+    largest, sizes = cfg.row_sizes[-1], cfg.row_sizes
+    gate = threading.Event()
+    rest = engine.compile_rest
+    engine.compile_rest = lambda stop: gate.wait(60) and rest(stop)   # held until the gate
+    requests = [(prompts(7, seed=50)[0], SamplingParams(temperature=0.0, max_tokens=9)),
+                (prompts(12, seed=51)[0], SamplingParams(temperature=0.9, seed=3, n=2,
+                                                         max_tokens=7, stop_at_eos=False))]
+    o = Orchestrator(engine, params).start(compile_rest=True)
+    try:
+        first = {s[0] for s in engine.programs._compiled if s[0] != "init"}
+        assert o.compiled_at_start == sum(1 for name, key in engine.programs.shapes()
+                                          if name not in ROWS_FIRST or key[0] == largest)
+        assert "prefill" in first and "decode" in first
+        assert [engine.programs.row_bucket(n) for n in (1, largest)] == [largest, largest]
+        padded = [o.submit(p, sampling).result() for p, sampling in requests]
+        assert engine.programs.compiled == o.compiled_at_start       # still held at the gate
+        gate.set()
+        deadline = time.monotonic() + 120
+        while engine.programs.compiled < len(engine.programs.shapes()):
+            assert time.monotonic() < deadline, "compile_rest did not finish in 120 s"
+            time.sleep(0.05)
+        assert [engine.programs.row_bucket(n) for n in sizes] == list(sizes)
+        ready = [o.submit(p, sampling).result() for p, sampling in requests]
+        assert o.metrics()["late_compiles"] == 0
+    finally:
+        gate.set()
+        o.stop()
+    for (prompt, sampling), *runs in zip(requests, padded, ready):
+        for samples in runs:
+            for i, s in enumerate(samples):
+                tokens, logprobs = contiguous_decode(engine.graphdef, {0: params}, prompt,
+                                                     sampling, i, [0] * len(s.tokens))
+                assert s.tokens == tokens
+                np.testing.assert_allclose(s.logprobs, logprobs, atol=1e-5)
+
+
+def test_stop_ends_the_compiling_thread_between_programs(params):
+    cfg = dataclasses.replace(RUNTIME, attention="loop", prefill_chunk=4)  # a spec of its own
+    gc.collect()
+    engine = Engine(CFG, cfg)
+    o = Orchestrator(engine, params).start(compile_rest=True)
+    o.stop()
+    assert not o._compiling.is_alive()
+    assert engine.programs.compiled < len(engine.programs.shapes())   # stopped before the end
 
 
 class FailingOrchestrator(Orchestrator):
