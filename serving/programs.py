@@ -36,6 +36,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxrl import executables
 from serving.constraints import mask_words
 from serving.spec import SAMPLING, Spec
 from serving.steps import HISTORY_CHUNK, PROGRAMS
@@ -155,6 +156,15 @@ class Programs:
         """The program lowered at `key` (ahead-of-time compiles for other devices, e.g. TPU)."""
         return self._jitted[name].lower(*self.args(name, key))
 
+    def _compile(self, name: str, key: tuple):
+        """The program at `key`, compiled, or loaded as an earlier run compiled it
+        (jaxrl/executables.py: found without tracing it again)."""
+        spec = self.spec
+        return executables.load_or_compile(
+            lambda: self.lower(name, key), ("engine", name, key, spec.model_cfg, spec.cfg,
+                                            spec.num_pages), self.args(name, key),
+            list(spec.mesh.devices.flat))
+
     def compile_all(self, largest_rows_only: bool = False) -> int:
         """Compiles every program at every shape not compiled yet (`largest_rows_only`: those
         of the largest row count and the programs without one; `compile_rest` does the rest);
@@ -166,7 +176,7 @@ class Programs:
                     (not largest_rows_only or self._rows(s) in (None, largest))]
             t0 = time.perf_counter()
             for name, key in todo:
-                self._compiled[(name, key)] = self.lower(name, key).compile()
+                self._compiled[(name, key)] = self._compile(name, key)
             self.compile_s += time.perf_counter() - t0
             self._update_row_buckets()
         return len(todo)
@@ -187,7 +197,7 @@ class Programs:
             with self._lock:
                 if shape not in self._compiled:
                     t0 = time.perf_counter()
-                    self._compiled[shape] = self.lower(*shape).compile()
+                    self._compiled[shape] = self._compile(*shape)
                     self.compile_s += time.perf_counter() - t0
                     done += 1
                 self._update_row_buckets()
@@ -221,7 +231,7 @@ class Programs:
                     self.late_compiles += 1
                     log.warning("engine program %s%s was not compiled at start; compiling it "
                                 "now (a call outside Programs.shapes)", name, key)
-                    exe = self._compiled[(name, key)] = self.lower(name, key).compile()
+                    exe = self._compiled[(name, key)] = self._compile(name, key)
         return exe(*args)
 
 

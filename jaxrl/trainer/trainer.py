@@ -16,6 +16,7 @@ from typing import Callable
 
 import jax
 
+from jaxrl import executables
 from jaxrl.config import RunConfig
 from jaxrl.models import abstract_model
 from jaxrl.models.transformer import split_params
@@ -85,22 +86,26 @@ class Trainer:
                                        pipeline_order=order is not None,
                                        width=model_cfg.embed_dim)
         self.step = int(self.state["step"])
+        # What fixes the step's program beside its arguments (jaxrl/executables.py).
+        self._program = ("train_step", model_cfg, objective, optim, steps, first_step,
+                         cfg.train, cfg.sharding, ref_params)
         self._compiling: Future | None = None
         self._compiled = None   # (the batch's abstract arrays, the executable)
 
     def compile_async(self, like: dict) -> None:
         """Compiles the step for batches shaped like `like` (name -> array) in a thread of its
-        own, beside what this process compiles meanwhile (RL: the engine's programs); the
-        first step waits for it. A batch of any other shape or placement goes through the
-        jitted step as before."""
+        own, beside what this process compiles meanwhile (RL: the engine's programs), or loads
+        it as an earlier run compiled it (jaxrl/executables.py); the first step waits for it.
+        A batch of any other shape or placement goes through the jitted step as before."""
         abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
                     for k, v in like.items()}
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                             sharding=x.sharding), self.state)
         pool = ThreadPoolExecutor(1, thread_name_prefix="train-step-compile")
         try:
-            self._compiling = pool.submit(
-                lambda: (abstract, self._step_fn.lower(state, abstract).compile()))
+            self._compiling = pool.submit(lambda: (abstract, executables.load_or_compile(
+                lambda: self._step_fn.lower(state, abstract), self._program, (state, abstract),
+                list(self.mesh.devices.flat))))
         finally:
             pool.shutdown(wait=False)   # the thread ends with its one task
 

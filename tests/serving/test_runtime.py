@@ -14,13 +14,16 @@ import httpx
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax import monitoring
 
+from jaxrl import executables
+from jaxrl.models import Transformer, split_params
 from jaxrl.models.tokenizer import CharTokenizer
 from serving.engine import Engine
 from serving.openai_api import OpenAIApp, start_http
 from serving.orchestrator import EngineStopped, Orchestrator
-from serving.programs import ROWS_FIRST
+from serving.programs import ROWS_FIRST, Programs
 from serving.proto import generation_pb2 as gen
 from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.sampling import SamplingParams
@@ -157,6 +160,35 @@ def test_stop_ends_the_compiling_thread_between_programs(params):
     o.stop()
     assert not o._compiling.is_alive()
     assert engine.programs.compiled < len(engine.programs.shapes())   # stopped before the end
+
+
+def test_a_later_engine_loads_its_programs_without_tracing_them(tmp_path, monkeypatch):
+    """jaxrl/executables.py: an engine compiled once is kept on disk; the next Programs of
+    that spec (a second run) loads every program without tracing or lowering it, and
+    generates what the contiguous reference does."""
+    monkeypatch.setattr(executables, "directory", lambda: tmp_path)
+    model_cfg = dataclasses.replace(CFG, mlp_dim=48)   # programs no other test compiles, so
+    params = split_params(Transformer(model_cfg, rngs=nnx.Rngs(1)))[1]   # none from JAX's cache
+    gc.collect()
+    engine = Engine(model_cfg, RUNTIME)
+    compiled = engine.compile()
+    assert len(list(tmp_path.glob("*.exe"))) == compiled == len(engine.programs.shapes())
+    dropped = weakref.ref(engine.programs)
+    del engine
+    gc.collect()
+    assert dropped() is None                            # the next engine starts from disk
+    monkeypatch.setattr(Programs, "lower", lambda *_: pytest.fail("a program was lowered"))
+    engine = Engine(model_cfg, RUNTIME)
+    prompt, sampling = prompts(9, seed=60)[0], SamplingParams(temperature=0.8, seed=2, n=3,
+                                                              max_tokens=10, stop_at_eos=False)
+    with Orchestrator(engine, params) as o:
+        assert o.compiled_at_start == compiled
+        samples = o.submit(prompt, sampling).result()
+    for i, s in enumerate(samples):
+        tokens, logprobs = contiguous_decode(engine.graphdef, {0: params}, prompt, sampling, i,
+                                             [0] * len(s.tokens))
+        assert s.tokens == tokens
+        np.testing.assert_allclose(s.logprobs, logprobs, atol=1e-5)
 
 
 class FailingOrchestrator(Orchestrator):
