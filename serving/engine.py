@@ -89,16 +89,17 @@ class Engine:
         share = math.prod(one_page.shard_shape(page)) * jnp.dtype(c.compute_dtype).itemsize
         return max(int(self.cfg.memory_fraction * free) // share, 2)
 
-    def compile(self, largest_rows_only: bool = False) -> int:
+    def compile(self, largest_only: bool = False) -> int:
         """Compiles every program the engine can run, on this thread (serving/programs.py;
-        `largest_rows_only`: those its largest batches need, `compile_rest` the others);
-        returns how many were compiled now (0 when an engine of the same spec did it)."""
-        return self.programs.compile_all(largest_rows_only)
+        `largest_only`: those its largest batches and prefill chunks need, `compile_wanted`
+        the others as calls ask for them); returns how many were compiled now (0 when an
+        engine of the same spec did it)."""
+        return self.programs.compile_all(largest_only)
 
-    def compile_rest(self, stop: threading.Event) -> int:
-        """Compiles the programs `compile(largest_rows_only=True)` left, beside the running
-        engine (serving/programs.py); until they are, smaller batches run padded."""
-        return self.programs.compile_rest(stop)
+    def compile_wanted(self, stop: threading.Event) -> int:
+        """Compiles, beside the running engine, the programs of smaller batches and chunks as
+        calls ask for them (serving/programs.py); until they are, those calls run padded."""
+        return self.programs.compile_wanted(stop)
 
     # -- JetStream Engine API ------------------------------------------------------------------
     @property
@@ -123,7 +124,8 @@ class Engine:
         return self.spec.abstract_state()
 
     def bucket(self, length: int) -> int:
-        return self.cfg.bucket(length)
+        """The prefill chunk bucket a chunk of `length` tokens pads to (of those compiled)."""
+        return self.programs.bucket(length)
 
     def prefill(self, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
         """Writes the next chunk of P prompts into their pages: row i's `lengths_P[i]` tokens
@@ -134,7 +136,7 @@ class Engine:
         `cfg.record_routes`: (state, logits, experts [P, T, L, K] of each row's tokens)."""
         tokens_PT = np.asarray(tokens_PT, np.int32)
         p, t = tokens_PT.shape
-        bucket = self.cfg.bucket(t)
+        bucket = self.bucket(t)
         rows = self.cfg.prefill_rows(bucket)
         if p > rows:
             raise ValueError(f"a prefill of {p} chunks of up to {bucket} tokens: at most {rows} "
@@ -174,7 +176,7 @@ class Engine:
         with `samplings[i]` as sample `sample_indices[i]` of its request (`eos_id`: the token
         a sampling's min_tokens bans; `allowed`: [K, mask words] token bitmasks, None for
         none: serving/constraints.py)."""
-        k = self.programs.row_bucket(len(rows))
+        k = self.programs.row_bucket("sample_first", len(rows))
         tokens, logprobs = self.programs(
             "sample_first", (k,), logits_PV, _padded(rows, k, np.int32),
             _padded(sample_indices, k, np.int32), *_sampling_arrays(samplings, k, eos_id),
@@ -204,7 +206,7 @@ class Engine:
         on from `next_tokens[i]` at position `lengths[i]`, having sampled `counts[i]` tokens
         (`histories[i]`, needed where the sampling has penalties). Nothing is copied: the slot
         reaches its pages through the page table."""
-        k = self.programs.row_bucket(len(slots))
+        k = self.programs.row_bucket("insert", len(slots))
         histories = [h if s.penalized else () for h, s in
                      zip(histories or [()] * len(slots), samplings, strict=True)]
         for slot, h, n, s in zip(slots, histories, counts, samplings):
@@ -230,7 +232,7 @@ class Engine:
     def copy_pages(self, state: DecodeState, src, dst) -> DecodeState:
         """Pool page src[i] copied to dst[i] in every layer (the partly filled last prompt page
         of a group, once per sample beyond the first)."""
-        k = self.programs.row_bucket(len(src))
+        k = self.programs.row_bucket("copy_pages", len(src))
         return self.programs("copy_pages", (k,), state, _padded(src, k, np.int32),
                              _padded(dst, k, np.int32))
 
@@ -262,7 +264,7 @@ class Engine:
         s = self.cfg.max_concurrent_decodes
         slots = list(range(s)) if slots is None else list(slots)
         table = np.asarray(table_SW, np.int32)
-        rows = self.programs.row_bucket(len(slots))
+        rows = self.programs.row_bucket("decode", len(slots))
         width = self.cfg.table_width(table.shape[1] * self.cfg.page_size)
         taken = set(slots)
         idle = [i for i in range(s) if i not in taken]

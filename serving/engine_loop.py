@@ -24,6 +24,7 @@ import collections
 import queue
 import threading
 import time
+from functools import partial
 
 import numpy as np
 
@@ -257,7 +258,8 @@ class EngineLoop:
         if not owners:
             return state, self._collect()
         batches = []
-        for group in decode_groups(engine.cfg, owners, k, engine.programs.row_bucket):
+        for group in decode_groups(engine.cfg, owners, k,
+                                   partial(engine.programs.rows_now, "decode")):
             state, decoded = self._dispatch(state, group, k)
             batches.append((group, decoded))
         held = k * sum(s.cached for _, s in owners)

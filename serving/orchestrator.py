@@ -64,7 +64,7 @@ class Orchestrator:
                                    page_size=e.page_size, max_len=e.max_len,
                                    prefill_chunk=e.prefill_chunk,
                                    prefill_budget=e.prefill_budget,
-                                   prefill_rows=lambda n: e.prefill_rows(e.bucket(n)),
+                                   prefill_rows=lambda n: e.prefill_rows(engine.bucket(n)),
                                    longest_first=longest_first)
         self.length_predictor = LengthPredictor() if longest_first else None
         self.grammars = grammars
@@ -75,7 +75,7 @@ class Orchestrator:
         self._accepted_version = version         # the newest version queued or served
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
-        self._compiling: threading.Thread | None = None   # compile_rest's, with compile_rest
+        self._compiling: threading.Thread | None = None   # compile_wanted's (compile_later)
         self._carried_tokens = 0            # tokens replayed from `carry`, never regenerated
         self._carry_lock = threading.Lock()
 
@@ -111,22 +111,22 @@ class Orchestrator:
         return self._accepted_version
 
     # -- life ----------------------------------------------------------------------------------
-    def start(self, compile_rest: bool = False) -> "Orchestrator":
+    def start(self, compile_later: bool = False) -> "Orchestrator":
         """Compiles every program the engine can run (on this thread; nothing when an engine
         of the same shapes did), then starts the loop: no request ever waits for a compile.
-        `compile_rest`: compile only what the largest batches need here, and the programs of
-        smaller batches on a thread of their own while the loop runs (serving/programs.py;
-        smaller batches run padded until theirs are ready), for a caller whose first batch
-        is due before everything could compile (an RL run's first step)."""
+        `compile_later`: compile only what the largest batches and prefill chunks need here;
+        a call for a smaller batch or chunk runs padded to a compiled size and asks for its
+        own, which a thread beside the loop compiles (serving/programs.py). For a caller whose
+        first batch is due before everything could compile (an RL run's first step)."""
         if self._thread is not None:
             raise RuntimeError("this orchestrator was started already")
         t0 = time.perf_counter()
-        self.compiled_at_start = self.engine.compile(largest_rows_only=compile_rest)
+        self.compiled_at_start = self.engine.compile(largest_only=compile_later)
         self.compile_s = time.perf_counter() - t0
         self._thread = threading.Thread(target=self._loop.run, name="engine-loop", daemon=True)
         self._thread.start()
-        if compile_rest:
-            self._compiling = threading.Thread(target=self.engine.compile_rest,
+        if compile_later:
+            self._compiling = threading.Thread(target=self.engine.compile_wanted,
                                                args=(self._loop.stop,), name="engine-compile",
                                                daemon=True)
             self._compiling.start()
@@ -134,7 +134,7 @@ class Orchestrator:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ends the loop (every request not finished ends with reason "shutdown") and returns
-        once its threads have ended (the loop's, and compile_rest's after the program it is
+        once its threads have ended (the loop's, and compile_wanted's after the program it is
         compiling); raises TimeoutError naming one that has not in `timeout`."""
         self._loop.stop.set()
         self._loop.wake.set()

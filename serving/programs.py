@@ -11,10 +11,12 @@ looks its executable up. A call at a shape outside that set would be a bug in `s
 compiled on the spot, counted in `late_compiles` and logged, never silently.
 
 An engine that must start generating soon (an RL run's first step waits for it) compiles only
-its largest row count first (`compile_all(largest_rows_only=True)`) and the smaller ones on a
-thread of its own while it generates (`compile_rest`): until a row count's programs are all
-compiled, its batches run padded to the next row count that is (`row_bucket`), so no call waits
-for a compile either way.
+the top of each ladder below first (`compile_all(largest_only=True)`: S rows, the largest
+prefill chunk bucket). A call that would use a smaller row count or chunk bucket runs padded
+to the smallest compiled one (`row_bucket`, `bucket`); once ASK_AFTER calls have been padded
+so, their own is asked for, and a thread beside the engine compiles it (`compile_wanted`). No
+call waits for a compile, and what only a few calls would use (the first steps of a batch
+whose rows arrive a group at a time) is not compiled at all.
 
 The shapes a call can take are fixed by a few ladders (serving/engine_config.py):
 - rows: a decode batch, an insert, a page copy or a sampling call holds S/16, S/4 or S rows
@@ -26,6 +28,7 @@ The shapes a call can take are fixed by a few ladders (serving/engine_config.py)
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -62,6 +65,10 @@ def process_compiles() -> int:
 
 # Programs whose key starts with a row count (serving/engine_config.py, `row_sizes`).
 ROWS_FIRST = ("sample_first", "insert", "copy_pages", "decode", "advance", "decode_steps")
+# The programs a call's row count is chosen for together: a decode batch's logits go to
+# `advance` at its row count; the others choose theirs alone.
+FAMILY = {"decode": "decode", "advance": "decode", "decode_steps": "decode",
+          "sample_first": "sample_first", "insert": "insert", "copy_pages": "copy_pages"}
 
 
 def _lower_priority() -> None:
@@ -77,6 +84,10 @@ def _lower_priority() -> None:
 class Programs:
     """The executables of one spec, compiled ahead of time; `programs_for` shares them."""
 
+    # Calls padded to a larger row count or chunk bucket before their own is compiled: a
+    # padded decode step costs a few ms more, its programs about two seconds of compiling.
+    ASK_AFTER = 32
+
     def __init__(self, spec: Spec):
         self.spec = spec
         # jits of their own (the spec bound in), not module-level ones with the spec static:
@@ -89,7 +100,11 @@ class Programs:
         self._lock = threading.Lock()
         self.compile_s = 0.0
         self.late_compiles = 0
-        self._row_buckets = (0,) * (spec.cfg.max_concurrent_decodes + 1)   # none ready yet
+        self._row_tables: dict[str, tuple[int, ...]] = {}   # family -> rows by n (compiled)
+        self._buckets: tuple[int, ...] = ()
+        self._wanted: set[tuple[str, int]] = set()    # rungs a call asked for, not compiled
+        self._padded: collections.Counter = collections.Counter()   # calls padded, by rung
+        self._asked = threading.Event()
 
     def shapes(self) -> list[tuple]:
         """(program, key) of every call the engine can make, key as in `args`."""
@@ -106,10 +121,20 @@ class Programs:
                 out += [("decode_steps", (r, w, k)) for w in cfg.decode_widths]
         return out + [("score", (b,)) for b in cfg.score_buckets]
 
-    def _rows(self, shape: tuple) -> int | None:
-        """The row count of a call at `shape`, None for programs without one."""
+    def _rung(self, shape: tuple) -> tuple[str, int] | None:
+        """Where a call at `shape` sits on the ladders: (its FAMILY, its row count),
+        ("prefill", its chunk bucket), or None (init, score)."""
         name, key = shape
-        return key[0] if name in ROWS_FIRST else None
+        if name in FAMILY:
+            return (FAMILY[name], key[0])
+        return ("prefill", key[1]) if name == "prefill" else None
+
+    def _first(self, shape: tuple) -> bool:
+        """Compiled before the engine starts even with `largest_only`: the top of its ladder,
+        or on none."""
+        rung, cfg = self._rung(shape), self.spec.cfg
+        return rung is None or rung[1] == (cfg.buckets if rung[0] == "prefill"
+                                           else cfg.row_sizes)[-1]
 
     def args(self, name: str, key: tuple) -> tuple:
         """Abstract arguments of program `name` at shape `key`."""
@@ -165,58 +190,107 @@ class Programs:
                                             spec.num_pages), self.args(name, key),
             list(spec.mesh.devices.flat))
 
-    def compile_all(self, largest_rows_only: bool = False) -> int:
-        """Compiles every program at every shape not compiled yet (`largest_rows_only`: those
-        of the largest row count and the programs without one; `compile_rest` does the rest);
-        returns how many it compiled. Thread-safe; meant for the thread that starts the
-        engine."""
-        largest = self.spec.cfg.row_sizes[-1]
+    def compile_all(self, largest_only: bool = False) -> int:
+        """Compiles every program at every shape not compiled yet (`largest_only`: those of
+        the largest batches and prefill chunks, and those without either; `compile_wanted`
+        the others a call asks for); returns how many it compiled. Thread-safe; meant for the
+        thread that starts the engine."""
         with self._lock:
             todo = [s for s in self.shapes() if s not in self._compiled and
-                    (not largest_rows_only or self._rows(s) in (None, largest))]
+                    (not largest_only or self._first(s))]
             t0 = time.perf_counter()
             for name, key in todo:
                 self._compiled[(name, key)] = self._compile(name, key)
             self.compile_s += time.perf_counter() - t0
-            self._update_row_buckets()
+            self._update_ladders()
         return len(todo)
 
-    def compile_rest(self, stop: threading.Event) -> int:
-        """Compiles what `compile_all` left, smaller row counts last, one program at a time
-        (a call between two of them never waits long for the lock), at low CPU priority;
-        each row count is used once all its programs are. Meant for a thread of its own beside
-        a running engine; returns between two programs once `stop` is set. Returns how many it
-        compiled."""
+    def compile_wanted(self, stop: threading.Event) -> int:
+        """Compiles the programs of every row count and chunk bucket a call asked for (`row_bucket`,
+        `bucket`) as they are asked for, one program at a time (a call between two of them never
+        waits long for the lock), at low CPU priority. Meant for a thread of its own beside a
+        running engine; returns between two programs once `stop` is set, or once everything
+        is compiled. Returns how many it compiled."""
         _lower_priority()
-        todo = sorted((s for s in self.shapes() if s not in self._compiled),
-                      key=lambda s: -(self._rows(s) or 0))
         done = 0
-        for shape in todo:
-            if stop.is_set():
-                break
-            with self._lock:
-                if shape not in self._compiled:
-                    t0 = time.perf_counter()
-                    self._compiled[shape] = self._compile(*shape)
-                    self.compile_s += time.perf_counter() - t0
-                    done += 1
-                self._update_row_buckets()
+        while not stop.is_set() and len(self._compiled) < len(self.shapes()):
+            if not self._asked.wait(0.2):
+                continue
+            self._asked.clear()
+            todo = [s for s in self.shapes() if self._rung(s) in self._wanted]
+            for shape in todo:
+                if stop.is_set():
+                    break
+                with self._lock:
+                    if shape not in self._compiled:
+                        t0 = time.perf_counter()
+                        self._compiled[shape] = self._compile(*shape)
+                        self.compile_s += time.perf_counter() - t0
+                        done += 1
+                    self._update_ladders()
         return done
 
-    def _update_row_buckets(self) -> None:
-        """`row_bucket`'s table, from the row counts whose programs are all compiled."""
-        sizes, shapes = self.spec.cfg.row_sizes, self.shapes()
-        ready = [r for r in sizes
-                 if all(s in self._compiled for s in shapes if self._rows(s) == r)]
-        self._row_buckets = tuple(next((r for r in ready if r >= n), 0)
-                                  for n in range(sizes[-1] + 1))
+    @property
+    def wanted(self) -> set[tuple[str, int]]:
+        """The (family, row count) and ("prefill", bucket) rungs calls asked for whose
+        programs are not all compiled yet."""
+        return {(family, v) for family, v in set(self._wanted)
+                if (self.bucket_now(v) if family == "prefill"
+                    else self.rows_now(family, v)) != v}
 
-    def row_bucket(self, n: int) -> int:
-        """Rows a call for `n` sequences runs with: the smallest row count of the ladder
-        (EngineConfig.row_sizes) at least n whose programs are all compiled; the ladder's own
-        choice before any is (an engine used without compiling first compiles as it goes,
-        each program logged: `__call__`)."""
-        return self._row_buckets[n] or self.spec.cfg.row_bucket(n)
+    def _padded_call(self, rung: tuple[str, int]) -> None:
+        """A call ran padded for want of `rung`: the ASK_AFTER-th asks for it."""
+        self._padded[rung] += 1
+        if self._padded[rung] >= self.ASK_AFTER and rung not in self._wanted:
+            self._wanted.add(rung)
+            self._asked.set()
+
+    def _update_ladders(self) -> None:
+        """`row_bucket`'s tables and `bucket`'s list, from the row counts and chunk buckets
+        whose programs are all compiled."""
+        cfg, shapes = self.spec.cfg, self.shapes()
+        done: dict[tuple[str, int], bool] = {}
+        for shape in shapes:
+            rung = self._rung(shape)
+            if rung is not None:
+                done[rung] = done.get(rung, True) and shape in self._compiled
+        for family in set(FAMILY.values()):
+            rows = [r for r in cfg.row_sizes if done.get((family, r))]
+            self._row_tables[family] = tuple(next((r for r in rows if r >= n), 0)
+                                             for n in range(cfg.row_sizes[-1] + 1))
+        self._buckets = tuple(b for b in cfg.buckets if done.get(("prefill", b)))
+
+    def row_bucket(self, family: str, n: int) -> int:
+        """Rows a call of `family` (FAMILY) for `n` sequences runs with: the ladder's choice
+        (EngineConfig.row_sizes) when its programs are compiled, else the smallest compiled
+        row count above it (the ladder's choice asked for after ASK_AFTER such calls).
+        Before anything is compiled, the ladder's choice (an engine used without compiling
+        compiles as it goes, each program logged: `__call__`)."""
+        best, got = self.spec.cfg.row_bucket(n), self.rows_now(family, n, 0)
+        if got and got != best:
+            self._padded_call((family, best))
+        return got or best
+
+    def rows_now(self, family: str, n: int, default: int | None = None) -> int:
+        """What `row_bucket` returns, without asking for anything: for estimates of calls
+        that may not be made (serving/decode_batches.py)."""
+        table = self._row_tables.get(family)
+        got = table[n] if table else 0
+        return got or (self.spec.cfg.row_bucket(n) if default is None else default)
+
+    def bucket(self, length: int) -> int:
+        """The prefill chunk bucket a chunk of `length` tokens pads to: as `row_bucket`, the
+        ladder's (EngineConfig.buckets) when compiled, else the smallest compiled one above
+        it (the ladder's asked for after ASK_AFTER such calls)."""
+        best, got = self.spec.cfg.bucket(length), self.bucket_now(length, 0)
+        if got and got != best:
+            self._padded_call(("prefill", best))
+        return got or best
+
+    def bucket_now(self, length: int, default: int | None = None) -> int:
+        """What `bucket` returns, without asking for anything."""
+        got = next((b for b in self._buckets if b >= length), 0)
+        return got or (self.spec.cfg.bucket(length) if default is None else default)
 
     @property
     def compiled(self) -> int:

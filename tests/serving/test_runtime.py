@@ -108,41 +108,53 @@ def test_nothing_compiles_after_start_whatever_the_requests(params, attention, p
     assert dropped() is None
 
 
-def test_smaller_batches_compile_beside_generation(params):
-    """start(compile_rest=True): the largest batches' programs compile before the loop starts,
-    the smaller ones' on a thread beside it. Until they are ready, small batches run padded to
-    the largest (nothing compiles on the loop's thread) and generate what the contiguous
-    reference does; once ready, they are used."""
+def test_smaller_batches_compile_beside_generation_once_asked_for(params, monkeypatch):
+    """start(compile_later=True): the programs of the largest batches and prefill chunks
+    compile before the loop starts. A call for a smaller batch or chunk runs padded to those
+    (nothing compiles on the loop's thread), generates what the contiguous reference does,
+    and asks for its own (here at once), which a thread beside the loop compiles; later calls
+    use them."""
+    monkeypatch.setattr(Programs, "ASK_AFTER", 1)
     cfg = dataclasses.replace(RUNTIME, attention="loop", prefill_chunk=8)  # a spec of its own
     gc.collect()                                  # no engine of that spec is left alive
     engine = Engine(CFG, cfg)
-    largest, sizes = cfg.row_sizes[-1], cfg.row_sizes
+    largest, sizes, buckets = cfg.row_sizes[-1], cfg.row_sizes, cfg.buckets
+    assert sizes == (1, 4, 16) and buckets == (4, 8)
     gate = threading.Event()
-    rest = engine.compile_rest
-    engine.compile_rest = lambda stop: gate.wait(60) and rest(stop)   # held until the gate
+    wanted = engine.compile_wanted
+    engine.compile_wanted = lambda stop: gate.wait(60) and wanted(stop)   # held at the gate
+    # One row, then two (rows 1 and 4), prompts of 7, 3 and 12 tokens (chunks of 8 and 4).
     requests = [(prompts(7, seed=50)[0], SamplingParams(temperature=0.0, max_tokens=9)),
+                (prompts(3, seed=52)[0], SamplingParams(temperature=0.0, max_tokens=5)),
                 (prompts(12, seed=51)[0], SamplingParams(temperature=0.9, seed=3, n=2,
                                                          max_tokens=7, stop_at_eos=False))]
-    o = Orchestrator(engine, params).start(compile_rest=True)
+    o = Orchestrator(engine, params).start(compile_later=True)
     try:
-        first = {s[0] for s in engine.programs._compiled if s[0] != "init"}
-        assert o.compiled_at_start == sum(1 for name, key in engine.programs.shapes()
-                                          if name not in ROWS_FIRST or key[0] == largest)
-        assert "prefill" in first and "decode" in first
-        assert [engine.programs.row_bucket(n) for n in (1, largest)] == [largest, largest]
+        assert o.compiled_at_start == sum(
+            1 for name, key in engine.programs.shapes()
+            if (name in ROWS_FIRST and key[0] == largest) or name == "init"
+            or (name == "prefill" and key[1] == buckets[-1]))
         padded = [o.submit(p, sampling).result() for p, sampling in requests]
-        assert engine.programs.compiled == o.compiled_at_start       # still held at the gate
+        assert engine.programs.compiled == o.compiled_at_start       # held at the gate
+        assert [engine.programs.rows_now("decode", n) for n in sizes] == [largest] * 3
+        assert [engine.bucket(n) for n in buckets] == [8, 8]
+        assert engine.programs.wanted == {("decode", 1), ("decode", 4), ("prefill", 4),
+                                          ("sample_first", 1), ("sample_first", 4),
+                                          ("insert", 1), ("insert", 4)}
         gate.set()
         deadline = time.monotonic() + 120
-        while engine.programs.compiled < len(engine.programs.shapes()):
-            assert time.monotonic() < deadline, "compile_rest did not finish in 120 s"
+        while engine.programs.wanted:
+            assert time.monotonic() < deadline, "what was asked for did not compile in 120 s"
             time.sleep(0.05)
-        assert [engine.programs.row_bucket(n) for n in sizes] == list(sizes)
+        assert engine.programs.compiled < len(engine.programs.shapes())  # no page copy asked
+        assert [engine.programs.rows_now("decode", n) for n in sizes] == list(sizes)
+        assert [engine.bucket(n) for n in buckets] == list(buckets)
         ready = [o.submit(p, sampling).result() for p, sampling in requests]
         assert o.metrics()["late_compiles"] == 0
     finally:
         gate.set()
         o.stop()
+    assert not o._compiling.is_alive()
     for (prompt, sampling), *runs in zip(requests, padded, ready):
         for samples in runs:
             for i, s in enumerate(samples):
@@ -152,14 +164,32 @@ def test_smaller_batches_compile_beside_generation(params):
                 np.testing.assert_allclose(s.logprobs, logprobs, atol=1e-5)
 
 
-def test_stop_ends_the_compiling_thread_between_programs(params):
-    cfg = dataclasses.replace(RUNTIME, attention="loop", prefill_chunk=4)  # a spec of its own
+def test_programs_no_call_asks_for_are_never_compiled(params):
+    """A group that fills every slot and ends at once never shrinks its batches: with
+    compile_later, nothing beyond the largest batches' and chunks' programs is compiled; a
+    smaller one is asked for after ASK_AFTER padded calls; stop ends the compiling thread."""
+    cfg = dataclasses.replace(RUNTIME, attention="loop", prefill_chunk=8,
+                              max_prefill_length=36)              # a spec of its own
     gc.collect()
     engine = Engine(CFG, cfg)
-    o = Orchestrator(engine, params).start(compile_rest=True)
-    o.stop()
+    o = Orchestrator(engine, params).start(compile_later=True)
+    try:
+        before = engine.programs.compiled
+        samples = o.submit(prompts(8, seed=53)[0], SamplingParams(
+            temperature=0.9, seed=4, n=cfg.max_concurrent_decodes, max_tokens=6,
+            stop_at_eos=False)).result()
+        assert [len(s.tokens) for s in samples] == [6] * cfg.max_concurrent_decodes
+        time.sleep(0.5)                  # the compiling thread had time to act, were it asked
+        assert engine.programs.compiled == before < len(engine.programs.shapes())
+        # A row count is asked for once ASK_AFTER calls were padded for want of it.
+        for _ in range(Programs.ASK_AFTER - 1):
+            assert engine.programs.row_bucket("insert", 1) == cfg.row_sizes[-1]
+        assert engine.programs.wanted == set()
+        engine.programs.row_bucket("insert", 1)
+        assert engine.programs.wanted == {("insert", 1)}
+    finally:
+        o.stop()
     assert not o._compiling.is_alive()
-    assert engine.programs.compiled < len(engine.programs.shapes())   # stopped before the end
 
 
 def test_a_later_engine_loads_its_programs_without_tracing_them(tmp_path, monkeypatch):
