@@ -5,6 +5,7 @@ dropped, and a dead engine loop fails every client at once."""
 import collections
 import dataclasses
 import gc
+import random
 import threading
 import time
 import weakref
@@ -197,10 +198,15 @@ def test_a_later_engine_loads_its_programs_without_tracing_them(tmp_path, monkey
     that spec (a second run) loads every program without tracing or lowering it, and
     generates what the contiguous reference does."""
     monkeypatch.setattr(executables, "directory", lambda: tmp_path)
-    model_cfg = dataclasses.replace(CFG, mlp_dim=48)   # programs no other test compiles, so
-    params = split_params(Transformer(model_cfg, rngs=nnx.Rngs(1)))[1]   # none from JAX's cache
+    # Shapes no other test or run compiles (a vocabulary, an MLP and a pool of their own), so
+    # that nothing comes from JAX's persistent cache, which `make test` shares between tests:
+    # an executable JAX's cache loaded is never kept (jaxrl/executables.py).
+    rng = random.Random()
+    model_cfg = dataclasses.replace(CFG, vocab_size=rng.randrange(33, 1000), mlp_dim=48)
+    cfg = dataclasses.replace(RUNTIME, num_pages=rng.randrange(100, 10_000))
+    params = split_params(Transformer(model_cfg, rngs=nnx.Rngs(1)))[1]
     gc.collect()
-    engine = Engine(model_cfg, RUNTIME)
+    engine = Engine(model_cfg, cfg)
     compiled = engine.compile()
     assert len(list(tmp_path.glob("*.exe"))) == compiled == len(engine.programs.shapes())
     dropped = weakref.ref(engine.programs)
@@ -208,7 +214,7 @@ def test_a_later_engine_loads_its_programs_without_tracing_them(tmp_path, monkey
     gc.collect()
     assert dropped() is None                            # the next engine starts from disk
     monkeypatch.setattr(Programs, "lower", lambda *_: pytest.fail("a program was lowered"))
-    engine = Engine(model_cfg, RUNTIME)
+    engine = Engine(model_cfg, cfg)
     prompt, sampling = prompts(9, seed=60)[0], SamplingParams(temperature=0.8, seed=2, n=3,
                                                               max_tokens=10, stop_at_eos=False)
     with Orchestrator(engine, params) as o:
