@@ -11,7 +11,8 @@ flags. A hit deserializes the executable (0.27 s for those 18).
 Only executables this process compiled are written: XLA:CPU loses code when an executable
 that was itself loaded from a cache is serialized again (it then fails with "Function ...
 not found" when run), so a program JAX's cache already holds is found there, as before, until
-a run compiles it afresh. The directory is `jaxrl-executables/` inside JAX's cache directory,
+a run compiles it afresh; one JAX hands back from its memory (compiled or loaded earlier in
+the process) is not written either. The directory is `jaxrl-executables/` inside JAX's cache directory,
 and nothing is kept when that cache is off; it holds at most MAX_BYTES, the least recently
 used executables removed first. Entries are written whole (a file renamed into place) and one
 that cannot be read is compiled again, never run.
@@ -72,12 +73,13 @@ def load_or_compile(lower: Callable[[], jax.stages.Lowered], what: Hashable, arg
         except Exception as e:   # noqa: BLE001 (a cut or stale file: compiled again)
             log.warning("compiled executable %s could not be loaded (%s: %s); compiling it",
                         path.name, type(e).__name__, e)
-    hits = _cache_hits()
+    before = _events()
     compiled = lower().compile()
-    if _cache_hits() == hits:    # compiled here, not loaded from JAX's cache
+    compiles, hits = (a - b for a, b in zip(_events(), before))
+    if compiles and not hits:    # compiled here: not from JAX's caches, on disk or in memory
         _write(path, compiled)
     else:
-        log.debug("executable %s came from JAX's cache: not kept", path.name)
+        log.debug("executable %s was loaded, not compiled: not kept", path.name)
     return compiled
 
 
@@ -168,18 +170,22 @@ def _evict(root: Path, limit: int) -> None:
         total -= size
 
 
-# JAX's persistent cache reports each hit as an event; counted per thread, a compile can tell
-# whether it compiled or loaded.
-_HITS = threading.local()
+# JAX reports each backend compile (a fresh one or a load from its persistent cache) and each
+# persistent cache hit as events, on the compiling thread; counted per thread, a compile can
+# tell a fresh executable from a loaded one, and from one JAX kept in memory (no event).
+_EVENTS = threading.local()
 
 
-def _on_event(event: str, **_) -> None:
+def _on_event(event: str, *_, **__) -> None:
     if event == "/jax/compilation_cache/cache_hits":
-        _HITS.count = getattr(_HITS, "count", 0) + 1
+        _EVENTS.hits = getattr(_EVENTS, "hits", 0) + 1
+    elif event == "/jax/core/compile/backend_compile_duration":
+        _EVENTS.compiles = getattr(_EVENTS, "compiles", 0) + 1
 
 
-def _cache_hits() -> int:
-    return getattr(_HITS, "count", 0)
+def _events() -> tuple[int, int]:
+    return getattr(_EVENTS, "compiles", 0), getattr(_EVENTS, "hits", 0)
 
 
 jax.monitoring.register_event_listener(_on_event)
+jax.monitoring.register_event_duration_secs_listener(_on_event)

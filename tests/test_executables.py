@@ -80,14 +80,14 @@ def test_the_key_follows_the_description_the_shapes_and_the_shardings():
 
 def test_an_unreadable_entry_is_compiled_again_and_replaced(kept, caplog):
     f, args, devices, _ = _program(3.0)
-    executables.load_or_compile(lambda: f.lower(*args), "f", args, devices)
-    [path] = kept.glob("*.exe")
-    whole = path.read_bytes()
-    path.write_bytes(whole[: len(whole) // 2])       # a run killed mid-write by hand
+    path = kept / f"{executables.key(('f', [d.id for d in devices]), args)}.exe"
+    path.write_bytes(b"\x80\x04\x95 half an entry, as a run killed by hand may leave")
     compiled = executables.load_or_compile(lambda: f.lower(*args), "f", args, devices)
     assert "could not be loaded" in caplog.text
-    assert path.read_bytes() != whole[: len(whole) // 2]
     np.testing.assert_allclose(compiled(np.ones(4, np.float32), np.ones(4, np.float32))[0],
+                               (4 + RUN) * np.ones(4), rtol=1e-6)
+    again = executables.load_or_compile(_never, "f", args, devices)      # replaced, whole
+    np.testing.assert_allclose(again(np.ones(4, np.float32), np.ones(4, np.float32))[0],
                                (4 + RUN) * np.ones(4), rtol=1e-6)
 
 
@@ -102,6 +102,19 @@ def test_what_jaxs_cache_loaded_is_not_kept(kept):
 
     executables.load_or_compile(from_jaxs_cache, "f", args, devices)
     assert list(kept.glob("*")) == []
+
+
+def test_what_jax_kept_in_memory_is_not_kept(kept):
+    """An executable JAX compiled earlier in this process (perhaps loaded from its persistent
+    cache then) comes back from its memory without a compile: its origin unknown, it is run,
+    never written."""
+    f, args, devices, _ = _program(6.0)
+    f.lower(*args).compile()
+    executables.load_or_compile(lambda: f.lower(*args), "f", args, devices)
+    assert list(kept.glob("*")) == []
+    g, args, devices, _ = _program(7.0)           # the same, compiled here first: kept
+    executables.load_or_compile(lambda: g.lower(*args), "g", args, devices)
+    assert len(list(kept.glob("*.exe"))) == 1
 
 
 def test_the_engines_keys_are_the_same_in_another_process():
