@@ -40,6 +40,11 @@ class GenerationConfig:
     # trainer and the engine on cores of their own (jaxrl/rollout/local_servers.py).
     launch: int = 0
     cpus: str = ""
+    # This process's engine: as_needed compiles the programs of its largest batches and prefill
+    # chunks before the first step and those of smaller ones beside generation once calls ask
+    # for them (padded to a compiled size meanwhile: the soonest first step); all compiles
+    # every program before it generates, as `jaxrl serve` does (serving/programs.py).
+    compile: Literal["as_needed", "all"] = "as_needed"
 
     def __post_init__(self):
         for name in ("push_deadline_s", "heartbeat_s", "heartbeat_timeout_s", "wait_s"):

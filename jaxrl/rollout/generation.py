@@ -88,11 +88,13 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
                              max_queued=4 * cfg.rl.batch_size,
                              longest_first=cfg.rl.admission == "longest_first",
                              grammars=Grammars(tokenizer, model_cfg.vocab_size)
-                             ).start(compile_later=True)   # the first step waits for the engine
+                             ).start(compile_later=g.compile == "as_needed")
         if local.compiled_at_start:
             log(f"engine: compiled {local.compiled_at_start} programs in {local.compile_s:.1f} s "
-                f"(its largest batches' and chunks'; smaller ones compile beside generation "
-                f"once it needs them, padded to a compiled size meanwhile)")
+                + ("(its largest batches' and chunks'; smaller ones compile beside generation "
+                   "once it needs them, padded to a compiled size meanwhile)"
+                   if g.compile == "as_needed" else
+                   "(every shape it can run; none is compiled while it generates)"))
         members = [Member("local", local, cfg.rl.slots, remote=False, version=version,
                           joined=True)]
         fleet = Fleet(members, eos_id=tokenizer.eos_id, wait_s=g.wait_s, warn=log)

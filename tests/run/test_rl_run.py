@@ -2,14 +2,18 @@
 it is closed (no engine loop, actor, pipeline or checkpointer thread outlives the failure); and
 a run whose loop fails leaves nothing running either."""
 
+import gc
 import threading
 import time
 
 import pytest
 
 from jaxrl.commands import job
+from jaxrl.recipe import model_config
 from jaxrl.rollout import generation
+from jaxrl.rollout.generation import engine_config
 from jaxrl.trainer import rl as rl_run
+from serving.engine import Engine
 from tests.run.test_rl import config, quiet, rl_run_dir
 
 pytestmark = pytest.mark.slow
@@ -83,4 +87,26 @@ def test_a_loop_that_fails_leaves_nothing_running(warm, tmp_path, monkeypatch):
     with pytest.raises(Boom):
         rl_run.reinforce(cfg, log=quiet)
     assert len(steps) == 2
+    assert threads_after(before) == []
+
+
+@pytest.mark.parametrize("compile", ["as_needed", "all"])
+def test_the_engine_compiles_what_rl_generation_compile_says(warm, tmp_path, compile):
+    """as_needed: the programs of the largest batches and chunks before the first step, the
+    rest only once calls ask (serving/programs.py); all: every program first, as `jaxrl
+    serve` does. No thread of either outlives the run."""
+    cfg = config(rl_run_dir(warm, tmp_path), "train.steps=2", "rl.steps=1", "rl.mode=sync",
+                 "train.eval_problems=0", f"rl.generation.compile={compile}")
+    gc.collect()                      # no engine of an earlier test shares its programs
+    before = set(threading.enumerate())
+    lines = []
+    rl_run.reinforce(cfg, log=lines.append)
+    [line] = [x for x in lines if x.startswith("engine: compiled")]
+    programs = int(line.split()[2])
+    engine = Engine(model_config(cfg), engine_config(cfg, model_config(cfg)))
+    shapes = engine.programs.shapes()
+    if compile == "all":
+        assert programs == len(shapes) and "every shape it can run" in line
+    else:
+        assert programs == sum(map(engine.programs._first, shapes)) < len(shapes)
     assert threads_after(before) == []
