@@ -76,6 +76,7 @@ def fleet_run(tmp_path_factory):
     def record(rollouts, step):     # once per optimizer step, in the trainer's thread
         trained[step + 1] = list(rollouts)
         if step + 1 == KILL_AT:
+            _until_busy(addresses[1])     # killed with work in flight, whatever the timing
             servers[1][0].send_signal(signal.SIGKILL)
             servers[1][0].wait(30)
             restarting.start()
@@ -113,6 +114,22 @@ def fleet_run(tmp_path_factory):
     return {"run_dir": run_dir, "trained": trained, "events": events, "after": after,
             "addresses": addresses, "final": final, "lines": lines, "resumed": resumed,
             "after_resume": after_resume}
+
+
+def _until_busy(address, timeout: float = 120.0) -> None:
+    """Returns once the server at `address` holds a request (queued or decoding): an actor
+    that ran ahead of the trainer may leave both servers idle for a moment."""
+    remote = RemoteGeneration(address, rpc_timeout_s=30)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = remote.metrics()
+            if m["queued"] or m["held_tokens"]:
+                return
+            assert time.monotonic() < deadline, f"{address} held no request for {timeout} s"
+            time.sleep(0.002)
+    finally:
+        remote.close()
 
 
 def _versions(addresses) -> dict:
