@@ -63,12 +63,12 @@ def process_compiles() -> int:
     the server's metrics: none may happen once the server is ready)."""
     return _COMPILES[0]
 
-# Programs whose key starts with a row count (serving/engine_config.py, `row_sizes`).
-ROWS_FIRST = ("sample_first", "insert", "copy_pages", "decode", "advance", "decode_steps")
-# The programs a call's row count is chosen for together: a decode batch's logits go to
-# `advance` at its row count; the others choose theirs alone.
-FAMILY = {"decode": "decode", "advance": "decode", "decode_steps": "decode",
-          "sample_first": "sample_first", "insert": "insert", "copy_pages": "copy_pages"}
+# The programs whose key starts with a row count (serving/engine_config.py, `row_sizes`), and
+# the family each chooses it with: a decode batch's logits go to `advance` at its row count;
+# the others choose theirs alone.
+FAMILY = {"sample_first": "sample_first", "insert": "insert", "copy_pages": "copy_pages",
+          "decode": "decode", "advance": "decode", "decode_steps": "decode"}
+ROWS_FIRST = tuple(FAMILY)
 
 
 def _lower_priority() -> None:
@@ -112,7 +112,7 @@ class Programs:
         rows = cfg.row_sizes
         for b in cfg.buckets:
             out += [("prefill", (cfg.prefill_rows(b), b, w)) for w in cfg.prefill_widths]
-        out += [(name, (k,)) for name in ROWS_FIRST[:3] for k in rows]
+        out += [(name, (k,)) for name in ("sample_first", "insert", "copy_pages") for k in rows]
         k = cfg.steps_per_dispatch
         for r in rows:
             if k == 1:
@@ -198,10 +198,8 @@ class Programs:
         with self._lock:
             todo = [s for s in self.shapes() if s not in self._compiled and
                     (not largest_only or self._first(s))]
-            t0 = time.perf_counter()
-            for name, key in todo:
-                self._compiled[(name, key)] = self._compile(name, key)
-            self.compile_s += time.perf_counter() - t0
+            for shape in todo:
+                self._compile_into(shape)
             self._update_ladders()
         return len(todo)
 
@@ -212,8 +210,8 @@ class Programs:
         running engine; returns between two programs once `stop` is set, or once everything
         is compiled. Returns how many it compiled."""
         _lower_priority()
-        done = 0
-        while not stop.is_set() and len(self._compiled) < len(self.shapes()):
+        done, total = 0, len(self.shapes())
+        while not stop.is_set() and len(self._compiled) < total:
             if not self._asked.wait(0.2):
                 continue
             self._asked.clear()
@@ -223,12 +221,16 @@ class Programs:
                     break
                 with self._lock:
                     if shape not in self._compiled:
-                        t0 = time.perf_counter()
-                        self._compiled[shape] = self._compile(*shape)
-                        self.compile_s += time.perf_counter() - t0
+                        self._compile_into(shape)
                         done += 1
                     self._update_ladders()
         return done
+
+    def _compile_into(self, shape: tuple) -> None:
+        """Compiles (or loads) the program at `shape` into the table; the lock held."""
+        t0 = time.perf_counter()
+        self._compiled[shape] = self._compile(*shape)
+        self.compile_s += time.perf_counter() - t0
 
     @property
     def wanted(self) -> set[tuple[str, int]]:
