@@ -143,12 +143,15 @@ def main(argv=None):
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), new_params))
         restored = engine.prepare_params(restored)
         state = engine.init_decode_state()
-        slots = list(range(args.batch))
-        state, logits = engine.prefill(restored, state, prompts, [0] * args.batch,
-                                       [args.prompt] * args.batch, table)
-        first, _ = engine.sample_first(logits, slots, [greedy] * args.batch, [0] * args.batch)
-        state = engine.insert(state, slots, [args.prompt] * args.batch, first,
-                              [1] * args.batch, [greedy] * args.batch, [0] * args.batch)
+        rows = engine.cfg.prefill_rows(engine.bucket(args.prompt))
+        for lo in range(0, args.batch, rows):
+            slots = list(range(lo, min(lo + rows, args.batch)))
+            n = len(slots)
+            state, logits = engine.prefill(restored, state, prompts[slots], [0] * n,
+                                           [args.prompt] * n, table[slots])
+            first, _ = engine.sample_first(logits, list(range(n)), [greedy] * n, [0] * n)
+            state = engine.insert(state, slots, [args.prompt] * n, first, [1] * n,
+                                  [greedy] * n, [0] * n)
         jax.block_until_ready(state)
 
     reload()

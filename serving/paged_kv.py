@@ -152,8 +152,11 @@ class PagedKV:
             row_R, block_R, valid_R = work_items(i, b, first_B, count_B, ends_B)
             index_RC = block_R[:, None] * per + jnp.arange(per)
             pages_RC = jnp.take_along_axis(self.table[row_R], jnp.minimum(index_RC, w - 1), 1)
-            kv_RSGCH = self.kv[layer, pages_RC].reshape(b, block, g, 2, h).astype(jnp.float32)
-            k_RSGH, v_RSGH = kv_RSGCH[:, :, :, 0], kv_RSGCH[:, :, :, 1]
+            # Keys and values gathered apart: XLA:CPU fuses each gather into the copy that lays
+            # its operand out for the products; one gather of both, split after, is written out
+            # whole first (a decode step of 128 rows holding 65 tokens, 4 layers: 15 -> 12 ms).
+            k_RSGH, v_RSGH = (self.kv[layer, pages_RC, :, c::2].reshape(b, block, g, h)
+                              .astype(jnp.float32) for c in (0, 1))
             s_RTGRS = ops.soft_cap(scores(q_BTGRH[row_R], k_RSGH), softcap)
             keys_RS = (index_RC[:, :, None] * k + jnp.arange(k)).reshape(b, block)
             pos_RT = positions_BT[row_R]
