@@ -8,6 +8,7 @@ import logging
 import math
 import sys
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -45,8 +46,8 @@ class MetricsLogger:
         self._jsonl = path.open("a", encoding="utf-8")
         # tensorboardX takes most of a second to import: it is opened beside the run's start
         # (compiling, loading weights) and joined by the first row logged.
-        self._tb_opening = _Opening(_open_tensorboard, self.run_dir / "tensorboard",
-                                    resume_step) if tensorboard else None
+        self._tb_opening = _beside(_open_tensorboard, self.run_dir / "tensorboard",
+                                   resume_step) if tensorboard else None
         self._tb_writer = None
 
     @property
@@ -132,28 +133,14 @@ def _drop_rows(path: Path, keep) -> None:
         tmp.replace(path)
 
 
-class _Opening:
-    """`build(*args)` on a thread of its own; `result()` joins it and returns what it built, or
-    raises what it raised."""
-
-    def __init__(self, build, *args):
-        self._out: tuple = (None, None)
-
-        def run():
-            try:
-                self._out = (build(*args), None)
-            except BaseException as e:   # re-raised on the caller's thread by result()
-                self._out = (None, e)
-
-        self._thread = threading.Thread(target=run, name=f"open-{build.__name__}", daemon=True)
-        self._thread.start()
-
-    def result(self):
-        self._thread.join()
-        value, error = self._out
-        if error is not None:
-            raise error
-        return value
+def _beside(build, *args) -> Future:
+    """`build(*args)` on a thread of its own; the future's result() waits for what it built,
+    or raises what it raised."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=f"open-{build.__name__}")
+    try:
+        return pool.submit(build, *args)
+    finally:
+        pool.shutdown(wait=False)      # the thread ends once `build` returns
 
 
 class _Refuse:
