@@ -117,10 +117,14 @@ class RequestStream:
             yield batch
 
     def result(self) -> list[Sample]:
-        samples = [Sample() for _ in range(self.n)]
-        for e in self:
-            _apply(samples[e.sample_index], e)
-        return samples
+        """Every sample, once all n are done. It waits for the last DoneEvent alone, not for
+        each token (an RL actor holds one such wait per group in flight: woken per token, its
+        threads took the interpreter from the engine loop thousands of times a step), and
+        takes nothing from the events iteration reads."""
+        self._all_done.wait()
+        with self._lock:
+            return [dataclasses.replace(s, tokens=list(s.tokens), logprobs=list(s.logprobs),
+                                        versions=list(s.versions)) for s in self._so_far]
 
 
 def _apply(sample: Sample, event: TokenEvent | DoneEvent) -> None:
