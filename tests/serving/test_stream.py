@@ -49,3 +49,31 @@ def test_interval_zero_sends_each_event_as_it_comes():
     stream.put(DoneEvent(0, "eos"))
     batches = list(stream.batches(0.0))
     assert [[getattr(e, "token", None) for e in b] for b in batches] == [[0], [1], [2], [None]]
+
+
+def test_result_is_every_sample_once_all_are_done_and_leaves_the_events():
+    """`result` returns each sample whole, built from every event put, only after the last
+    sample's DoneEvent; it takes no event from the queue iteration reads."""
+    stream = RequestStream(0, n=3)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(stream.result()))
+    reader.start()
+    for t in range(30):
+        stream.put(TokenEvent(t % 3, t, -0.25 * t, t // 10))
+    stream.put(DoneEvent(0, "eos"))
+    stream.put(DoneEvent(2, "length"))
+    reader.join(0.2)
+    assert reader.is_alive() and not got        # sample 1 is not done yet
+    stream.put(DoneEvent(1, "stop"))
+    reader.join(10.0)
+    assert not reader.is_alive()
+    samples = got[0]
+    for i, s in enumerate(samples):
+        assert s.tokens == list(range(i, 30, 3))
+        assert s.logprobs == [-0.25 * t for t in range(i, 30, 3)]
+        assert s.versions == [t // 10 for t in range(i, 30, 3)]
+    assert [s.finish_reason for s in samples] == ["eos", "stop", "length"]
+    events = list(stream)                        # iteration still reads every event
+    assert len(events) == 33 and [e.token for e in events[:30]] == list(range(30))
+    samples[0].tokens.append(99)                 # a copy: the stream's own record is unchanged
+    assert stream.result()[0].tokens == list(range(0, 30, 3))
