@@ -50,11 +50,12 @@ def pytest_terminal_summary(terminalreporter):
 # while the other worker idles.
 _HEAVY_FIRST = [
     # multi-device tier
-    "sharding/test_tpu_aot.py", "sharding/test_pipeline.py", "run/test_rl.py",
+    "sharding/test_tpu_aot.py", "sharding/test_pipeline.py", "run/test_rl_mesh.py",
     "reliability/test_sigkill.py", "serving/test_paged_attention.py",
     # one-device tier
     "colab/test_notebooks.py", "reliability/test_load.py", "run/test_multihost.py",
-    "run/test_long_tail.py", "run/test_fleet_rl.py", "test_serve.py", "test_lm_eval.py",
+    "run/test_long_tail.py", "run/test_fleet_rl.py", "run/test_rl.py", "test_serve.py",
+    "test_lm_eval.py",
     "serving/test_paged.py", "run/test_warmup_stop.py", "run/test_local_servers.py",
     "test_docs.py", "test_cli.py", "serving/test_runtime.py", "run/test_families_rl.py",
     "models/test_hf.py", "serving/test_routes.py", "run/test_rl_run.py", "run/test_tool_calc.py",
@@ -68,7 +69,7 @@ _HEAVY_FIRST = [
 # - multi_device: meshes, collectives, pipelines, TPU compiles; eight CPU devices, their own
 #   pytest invocation (`make test-multi`). Single tests elsewhere carry the marker themselves.
 _MULTI_DEVICE = ["sharding/", "serving/test_mesh.py", "serving/test_paged_attention.py",
-                 "reliability/test_sigkill.py", "run/test_rl.py", "train/test_step.py"]
+                 "reliability/test_sigkill.py", "run/test_rl_mesh.py", "train/test_step.py"]
 _SLOW = ["colab/", "reliability/", "run/test_", "test_serve.py", "test_cli.py", "test_lm_eval.py",
          "train/test_checkpoint.py", "serving/test_decode_batches.py"]
 

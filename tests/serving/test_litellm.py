@@ -12,9 +12,15 @@ import pytest
 
 from tests.serving.test_tool_calls import CALLS, TOOLS, scripted_endpoint
 
-# litellm fetches its model price list from GitHub at import unless told to use its own copy.
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-import litellm  # noqa: E402
+
+@pytest.fixture(scope="module")
+def litellm():
+    """The litellm module, imported by the tests that use it: about 2 s that every worker of
+    both tiers would otherwise spend collecting this file."""
+    # litellm fetches its model price list from GitHub at import unless told to use its own copy.
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+    return litellm
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +34,7 @@ def _calls(message):
     return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
 
 
-def test_tool_calls_whole_and_streamed(served):
+def test_tool_calls_whole_and_streamed(served, litellm):
     model, args = served
     model.script = CALLS
     messages = [{"role": "user", "content": "2+3?"}]
@@ -43,7 +49,7 @@ def test_tool_calls_whole_and_streamed(served):
     assert built.choices[0].finish_reason == "tool_calls"
 
 
-def test_an_agent_loop_s_messages_render(served):
+def test_an_agent_loop_s_messages_render(served, litellm):
     model, args = served
     model.script = CALLS
     messages = [{"role": "user", "content": "2+3?"}]
@@ -60,7 +66,7 @@ def test_an_agent_loop_s_messages_render(served):
     assert '"name": "add", "arguments": {"a": 2, "b": 3}' in rendered
 
 
-def test_text_completion_and_a_bad_request(served):
+def test_text_completion_and_a_bad_request(served, litellm):
     model, args = served
     model.script = "w1 w2"
     text_args = {**args, "model": "text-completion-openai/tiny"}
