@@ -310,11 +310,13 @@ def _serve_arguments(sub) -> None:
     p.add_argument("--memory-fraction", type=float, default=0.0,
                    help="GPU/TPU: size the KV pool to this fraction of the device memory free "
                         "after the weights are loaded")
-    p.add_argument("--attention", default="auto", choices=["auto", "reference", "loop", "pallas"],
+    p.add_argument("--attention", default="auto",
+                   choices=["auto", "reference", "loop", "native", "pallas"],
                    help="decode attention over the KV pages: reference (gather + XLA, one "
                         "program per table width), loop (pages read in a loop up to the "
-                        "longest row, one program), pallas (the Pallas paged-attention kernel: "
-                        "TPU); auto: loop on CPU, reference on GPU and TPU")
+                        "longest row, one program), native (the same in a C++ kernel: CPU), "
+                        "pallas (the Pallas paged-attention kernel: TPU); auto: native on CPU "
+                        "(loop without a C++ compiler), reference on GPU and TPU")
     p.add_argument("--score", action="store_true",
                    help="compile the score programs (one per power-of-two length up to "
                         "--max-len): prompt log-probs (echo with logprobs, lm-evaluation-"

@@ -22,6 +22,7 @@ compiled once per shape, before serving starts (serving/programs.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import threading
 
@@ -31,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl.models import ModelConfig
+from serving import native
 from serving.constraints import mask_words
 from serving.engine_config import EngineConfig
 from serving.programs import Programs, programs_for
@@ -42,6 +44,25 @@ from sharding.reshard import reshard
 
 __all__ = ["DecodeState", "Decoded", "Engine", "EngineConfig"]
 
+_log = logging.getLogger(__name__)
+
+
+def _attention(asked: str, platform: str) -> str:
+    """The paged attention an engine on `platform` runs for `asked` (EngineConfig.attention)."""
+    if asked == "native" and platform != "cpu":
+        raise ValueError(f"attention='native' is a CPU kernel; on {platform} use "
+                         f"attention='reference'")
+    if asked in ("auto", "native") and platform == "cpu":
+        why = native.available()
+        if why is None:
+            return "native"
+        if asked == "native":
+            raise ValueError(f"attention='native' cannot run here: {why}")
+        _log.warning("paged attention: the XLA loop, not the native kernel (%s)", why)
+        return "loop"
+    return "reference" if asked == "auto" else asked
+
+
 class Engine:
     """The programs of one model on one mesh, and the host-side padding of their arguments.
     It holds no weights: the caller passes them to every call (the orchestrator owns them)."""
@@ -52,8 +73,7 @@ class Engine:
                                              attention="xla")
         self.mesh = mesh or shd.make_mesh(shd.MeshConfig(fsdp=1), jax.devices()[:1])
         platform = self.mesh.devices.flat[0].platform
-        if cfg.attention == "auto":
-            cfg = dataclasses.replace(cfg, attention="loop" if platform == "cpu" else "reference")
+        cfg = dataclasses.replace(cfg, attention=_attention(cfg.attention, platform))
         self.cfg = cfg
         if cfg.record_routes and not model_cfg.num_experts:
             raise ValueError(f"record_routes needs a mixture-of-experts model; "

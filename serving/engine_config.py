@@ -50,8 +50,9 @@ class EngineConfig:
     # for every width (fewer programs to compile, and faster on CPU); pallas: decode through
     # the Pallas paged-attention kernel (serving/paged_attention.py), compiled by Mosaic on
     # TPU, run in Pallas's interpreter on CPU (to check it: far too slow to serve with),
-    # refused on GPU.
-    # auto: loop on CPU, reference on GPU and TPU.
+    # refused on GPU; native: as loop, in a C++ kernel through XLA's FFI (serving/native),
+    # CPU only, the fastest there.
+    # auto: native on CPU (loop where no C++ compiler is found), reference on GPU and TPU.
     attention: str = "auto"
     # Compile `score` (serving/programs.py) at start, one program per power-of-two length up
     # to max_len: log-probs of given tokens, for prompt log-probs (`echo`) and top_logprobs.
@@ -154,9 +155,9 @@ class EngineConfig:
         return self._width(tokens, 1)
 
     def _width(self, tokens: int, per_doubling: int) -> int:
-        """The loop attention reads only the blocks its rows hold whatever the width: one
-        width, the whole table."""
-        if self.attention == "loop":
+        """The loop and native attentions read only the blocks their rows hold whatever the
+        width: one width, the whole table."""
+        if self.attention in ("loop", "native"):
             return self.pages_per_sequence
         return table_width(max(tokens, self.min_table_tokens), self.page_size,
                            self.pages_per_sequence, per_doubling)

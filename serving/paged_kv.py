@@ -19,8 +19,10 @@ Attention implementations (`impl`):
 - reference: gather the row's pages and attend with XLA; runs everywhere.
 - loop: decode steps and prefill chunks read each row's own blocks of pages, up to the last
   block its queries see, in a loop over a work list of (row, block) pairs with an online
-  softmax: a call costs the tokens its rows hold, and one program serves every table width;
-  the CPU default (serving/engine.py).
+  softmax: a call costs the tokens its rows hold, and one program serves every table width.
+- native: the same reading of each row's own pages, in a C++ kernel called through XLA's FFI
+  (serving/native): each key and value read once from the pool, no copy; CPU only, the CPU
+  default where a C++ compiler is present (serving/engine.py), `loop` otherwise.
 - pallas: decode steps (one token per row) through serving/paged_attention.py, a Pallas kernel
   that streams each row's pages from the pool up to its length; under a mesh it runs in
   `shard_map` over the kv-head axis. Prefill chunks (compute-bound) keep the reference path.
@@ -41,10 +43,11 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.models import layers as ops
 from jaxrl.models.block_attention import work_items
+from serving import native
 from serving.paged_attention import paged_decode_attention
 
 NULL_PAGE = 0
-IMPLEMENTATIONS = ("reference", "loop", "pallas")
+IMPLEMENTATIONS = ("reference", "loop", "native", "pallas")
 # Keys the loop implementation reads per iteration (decode steps and prefill chunks).
 LOOP_TOKENS = 32
 # The loop's products are elementwise for at most this many queries per kv head and call row (t x
@@ -93,10 +96,12 @@ class PagedKV:
 
     def attend(self, layer, q_BTNH, positions_BT, *, window=None, scale=None, softcap=None):
         """The protocol's attend; `window`, `scale` and `softcap` as in ContiguousKV.attend.
-        loop: every call through the loop over pages; pallas: the kernel runs decode steps of
+        loop and native: every call; pallas: the kernel runs decode steps of
         models without windows or soft-caps, the reference path everything else."""
         if self.impl == "loop":
             return self._attend_loop(layer, q_BTNH, positions_BT, window, scale, softcap)
+        if self.impl == "native":
+            return self._attend_native(layer, q_BTNH, positions_BT, window, scale, softcap)
         if (self.impl == "pallas" and q_BTNH.shape[1] == 1 and window is None
                 and softcap is None):
             return self._attend_kernel(layer, q_BTNH, positions_BT, scale)
@@ -180,6 +185,29 @@ class PagedKV:
         l_BTGR = jnp.where(l_BTGR > 0, l_BTGR, 1.0)    # a padding query that sees no key
         return (acc_BTGRH / l_BTGR[..., None]).reshape(b, t, n, h).astype(q_BTNH.dtype)
 
+    def _attend_native(self, layer, q_BTNH, positions_BT, window=None, scale=None,
+                       softcap=None):
+        """Every query through the C++ kernel (serving/native), per kv-head shard under a mesh."""
+        def kernel(q_BTNH, positions_BT, kv, table_BW, layer):
+            return native.paged_attention(q_BTNH, positions_BT, kv, table_BW, layer,
+                                          window=window, scale=scale, softcap=softcap)
+
+        return self._per_head_shard(kernel, (2, None, 3, None, None), 2)(
+            q_BTNH, positions_BT, self.kv, self.table, jnp.asarray(layer, jnp.int32))
+
+    def _per_head_shard(self, kernel, head_dims: tuple, out_head_dim: int):
+        """`kernel` as is, or under the pool's mesh in `shard_map` over its kv-head axis: each
+        argument split along its heads' dimension (`head_dims`, None: replicated), the result
+        along `out_head_dim`. A kernel call sees whole heads and knows nothing of the mesh."""
+        if self.mesh is None or self.head_axis is None:
+            return kernel
+
+        def spec(dim):
+            return PartitionSpec() if dim is None else PartitionSpec(*[None] * dim, self.head_axis)
+
+        return jax.shard_map(kernel, mesh=self.mesh, check_vma=False,
+                             in_specs=tuple(map(spec, head_dims)), out_specs=spec(out_head_dim))
+
     def _attend_kernel(self, layer, q_B1NH, positions_B1, scale=None):
         """One query per row through the Pallas kernel: row b attends to its first
         positions_B1[b] + 1 tokens, read page by page from the pool."""
@@ -189,14 +217,9 @@ class PagedKV:
             return paged_decode_attention(q_BNH, kv, layer, lengths_B, table_BW,
                                           interpret=self.interpret, scale=scale)
 
-        if self.mesh is not None and self.head_axis is not None:
-            heads, rep = PartitionSpec(None, self.head_axis), PartitionSpec()
-            kernel = jax.shard_map(
-                kernel, mesh=self.mesh, check_vma=False,
-                in_specs=(heads, PartitionSpec(None, None, None, self.head_axis), rep, rep, rep),
-                out_specs=heads)
-        out = kernel(q_B1NH[:, 0].astype(self.kv.dtype), self.kv, jnp.asarray(layer, jnp.int32),
-                     lengths_B.astype(jnp.int32), self.table.astype(jnp.int32))
+        out = self._per_head_shard(kernel, (1, 3, None, None, None), 1)(
+            q_B1NH[:, 0].astype(self.kv.dtype), self.kv, jnp.asarray(layer, jnp.int32),
+            lengths_B.astype(jnp.int32), self.table.astype(jnp.int32))
         return out.astype(q_B1NH.dtype)[:, None]
 
 

@@ -1,9 +1,9 @@
 """The engine's decode-attention implementations over the KV pages (serving/paged_kv.py): the
-Pallas kernel (serving/paged_attention.py), run on CPU in Pallas's TPU interpreter, and the
-loop over pages, each against attention computed in numpy float64 from the pool; then the
-engine decoding through each (pallas, loop, reference), on one device and tensor-parallel,
-against the references of test_paged.py. That the kernel compiles for TPU is in
-tests/sharding/test_tpu_aot.py."""
+Pallas kernel (serving/paged_attention.py), run on CPU in Pallas's TPU interpreter, the loop
+over pages and the native CPU kernel (serving/native), each against attention computed in
+numpy float64 from the pool; then the engine decoding through each (pallas, loop, native,
+reference), on one device and tensor-parallel, against the references of test_paged.py. That
+the Pallas kernel compiles for TPU is in tests/sharding/test_tpu_aot.py."""
 
 import dataclasses
 import jax
@@ -102,6 +102,64 @@ def test_loop_equals_attention_over_the_held_tokens(monkeypatch, dtype, atol, wi
                                atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("q_dtype,kv_dtype,atol", [("float32", "float32", 1e-5),
+                                                   ("bfloat16", "bfloat16", 2e-2),
+                                                   ("float32", "bfloat16", 1e-5)])
+@pytest.mark.parametrize("window,scale,softcap", [(None, None, None), (5, None, None),
+                                                  (3, 0.3, 2.0)])
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_native_equals_attention_over_the_held_tokens(q_dtype, kv_dtype, atol, window, scale,
+                                                      softcap, head_dim):
+    """Three queries a row (a prefill chunk's; a decode step is the last of them) at
+    consecutive positions, rows of one token up to the whole table, keys past its 64-token
+    block. Pages past each row's last token are NaN: a kernel that read one would return NaN.
+    Head width 64 takes the kernel's unrolled path, 8 its general one."""
+    layers, pages, width, page, kv_heads, q_heads, t = 2, 160, 24, 4, 2, 4, 3
+    rng = np.random.default_rng(head_dim)
+    lengths = np.asarray([t, page + 3, 2 * page, 70, width * page, 3 * page + 1])
+    rows = len(lengths)
+    table = rng.permutation(np.arange(1, pages))[:rows * width].reshape(rows, width)
+    kv = rng.standard_normal((layers, pages, page, 2 * kv_heads, head_dim)).astype(np.float32)
+    for row, length in enumerate(lengths):
+        kv[:, table[row, -(-length // page):]] = np.nan
+    kv = np.asarray(jnp.asarray(kv, kv_dtype).astype(jnp.float32))
+    q = np.asarray(jnp.asarray(rng.standard_normal((rows, t, q_heads, head_dim)), q_dtype)
+                   .astype(jnp.float32))
+    positions = lengths[:, None] - t + np.arange(t)
+    cache = paged_kv.PagedKV(jnp.asarray(kv, kv_dtype), jnp.asarray(table, jnp.int32), "native")
+    got = jax.jit(lambda c, q, p: c.attend(1, q, p, window=window, scale=scale,
+                                           softcap=softcap))(
+        cache, jnp.asarray(q, q_dtype), jnp.asarray(positions, jnp.int32))
+    assert got.dtype == jnp.dtype(q_dtype) and got.shape == q.shape
+    for i in range(t):
+        np.testing.assert_allclose(
+            np.asarray(got[:, i], np.float32),
+            _reference(q[:, i], kv, 1, positions[:, i] + 1, table, window, scale, softcap),
+            atol=atol, rtol=atol)
+
+
+def test_native_attention_is_refused_where_it_cannot_run(monkeypatch):
+    """Asked for by name without a C++ compiler: an error that says why; `auto` falls back to
+    the XLA loop."""
+    from serving import native
+    from serving.engine import _attention
+
+    native.available.cache_clear()
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "_library_path", lambda compiler: 1 / 0)
+    try:
+        with pytest.raises(ValueError, match=r"attention='native' cannot run here: no C\+\+ "
+                                             r"compiler found"):
+            _attention("native", "cpu")
+        assert _attention("auto", "cpu") == "loop"
+    finally:
+        monkeypatch.undo()
+        native.available.cache_clear()
+    with pytest.raises(ValueError, match="attention='native' is a CPU kernel; on gpu"):
+        _attention("native", "gpu")
+    assert _attention("auto", "cpu") == "native"
+
+
 def test_heads_that_do_not_divide_are_refused():
     with pytest.raises(ValueError, match="5 query heads do not divide over 2 kv heads"):
         paged_decode_attention(jnp.zeros((1, 5, 8)), jnp.zeros((1, 4, 4, 4, 8)), 0,
@@ -110,14 +168,15 @@ def test_heads_that_do_not_divide_are_refused():
 
 # The kernel in interpret mode costs about 20 s of CPU per engine run, so it runs once, sharded
 # (shard_map over the kv heads); its unsharded call is checked against the references above.
-@pytest.mark.parametrize("attention,tensor", [("pallas", 2), ("loop", 2), ("reference", 1),
+@pytest.mark.parametrize("attention,tensor", [("pallas", 2), ("loop", 1), ("loop", 2),
+                                              ("native", 2), ("reference", 1),
                                               ("reference", 2)])
 def test_engine_decoding_through_each_attention_equals_the_references(params, model, attention,
                                                                       tensor):
     """Continuous batching, staggered arrivals, groups, pages reused; tensor=2 runs the kernel
-    in shard_map over the kv heads, and the loop and reference paths on head-sharded pages.
-    Tokens equal, log-probs within 1e-5. (On one device every other serving test decodes
-    through the loop, the CPU default.)"""
+    and the native kernel in shard_map over the kv heads, and the loop and reference paths on
+    head-sharded pages. Tokens equal, log-probs within 1e-5. (On one device every other
+    serving test decodes through the native kernel, the CPU default.)"""
     mesh = make_mesh(MeshConfig(fsdp=1, tensor=tensor), jax.devices()[4:4 + tensor])
     engine = Engine(CFG, dataclasses.replace(ENGINE, attention=attention), mesh=mesh)
     assert engine.cfg.attention == attention

@@ -78,11 +78,11 @@ def _workload(o: Orchestrator, noisy) -> list:
     return results + [again]
 
 
-@pytest.mark.parametrize("attention,programs", [("loop", 19), ("reference", 52)])
+@pytest.mark.parametrize("attention,programs", [("native", 19), ("reference", 52)])
 def test_nothing_compiles_after_start_whatever_the_requests(params, attention, programs):
-    """Attention through the loop (one decode and one prefill program per row count and chunk
-    bucket, for every table width) and the reference path (one per width: 2 per doubling for
-    decode, 1 for prefill)."""
+    """Attention through the native kernel, the CPU default (one decode and one prefill
+    program per row count and chunk bucket, for every table width, as for the loop) and the
+    reference path (one per width: 2 per doubling for decode, 1 for prefill)."""
     noisy = jax.tree.map(lambda x: x * 1.01, params)
     engine = Engine(CFG, dataclasses.replace(RUNTIME, attention=attention))
     o = Orchestrator(engine, params, eos_id=2)
