@@ -11,7 +11,6 @@ compiler is found or the build fails, `available()` says why and the engine keep
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
 import hashlib
 import os
@@ -64,6 +63,8 @@ def _library_path(compiler: str) -> Path:
 def _build(compiler: str, library: Path) -> None:
     """Compiles the source into `library`, once across processes (a lock beside it; the file
     appears whole, by rename)."""
+    import fcntl   # POSIX only; where it is missing, available() gives the reason
+
     library.parent.mkdir(parents=True, exist_ok=True)
     with open(library.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -104,7 +105,7 @@ def available() -> str | None:
     else why not."""
     try:
         _load()
-    except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
+    except (KernelUnavailable, ImportError, OSError, subprocess.SubprocessError) as e:
         return str(e)
     return None
 
