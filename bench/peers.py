@@ -38,8 +38,9 @@ DIFFERENCES = [
     "microbatches: jaxrl accumulates gradients over microbatches of --microbatch samples "
     "(its default, 16) into the one optimizer step, TRL over --trl-microbatch (default: the "
     "same); Tunix trains the step's batch at once",
-    "generation: jaxrl its paged engine (jit, XLA:CPU); TRL Hugging Face `generate` "
-    "(PyTorch eager); Tunix its vanilla sampler (jit, XLA:CPU, a dense KV cache)",
+    "generation: jaxrl its paged engine (jit, XLA:CPU, its C++ paged attention); TRL Hugging "
+    "Face `generate` (PyTorch eager); Tunix its vanilla sampler (jit, XLA:CPU, a dense KV "
+    "cache)",
     "model: jaxrl and Tunix each load the folder's safetensors into their own Llama (Flax "
     "NNX); TRL runs transformers' LlamaForCausalLM",
     "jaxrl sync generates a step's samples with fixed weights and then trains, as TRL does; "
@@ -126,9 +127,11 @@ def main(argv=None) -> None:
                 for stack in order:
                     wait_until_quiet(args.busy_limit, "peers")
                     out = work / f"{stack}-{size}-{length}"
-                    # The first round starts with an empty compilation cache (a first run),
-                    # later rounds reuse it (a second run of the same config).
-                    env = {"JAX_COMPILATION_CACHE_DIR": str(out / "xla-cache")}
+                    # The first round starts with empty compilation and kernel caches (a first
+                    # run: jaxrl builds its C++ attention too), later rounds reuse them (a
+                    # second run of the same config).
+                    env = {"JAX_COMPILATION_CACHE_DIR": str(out / "xla-cache"),
+                           "JAXRL_KERNEL_CACHE": str(out / "kernels")}
                     runner, *mode = STACKS[stack]
                     r = run([str(python.get(stack, sys.executable)), str(HERE / runner),
                              job.to_json(), str(model), str(out / f"round{round_}"), *mode], env)
@@ -164,8 +167,8 @@ def report(job: Job, params: int, results: list[dict]) -> None:
               f"{r['cpu_s_per_step']:6.1f} {r['first_step_s']:7.1f}s {warm} {ratio:>12}")
     print("  (train: the optimizer step's share of a step; jaxrl async overlaps generation "
           "with it, so its gen column is what remains. 1st step: process start to the end of "
-          "the first step with an empty compilation cache; warm: the same with the cache the "
-          "first round left)")
+          "the first step with empty compilation and kernel caches; warm: the same with the "
+          "caches the first round left)")
 
 
 if __name__ == "__main__":

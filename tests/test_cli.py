@@ -147,8 +147,9 @@ def test_bad_flags_are_refused_before_any_work(capsys, args, message):
 def test_bench_lists_the_benchmarks_with_their_summaries(capsys):
     summaries = {name: (ROOT / "bench" / f"{name}.py").read_text().splitlines()[0].strip('"')
                  for name in ("async_vs_sync", "calibrate", "compile_stress", "constrained",
-                              "engine", "fleet", "gpu", "long_tail", "paged_decode", "parity",
-                              "peers", "pipeline_step", "simulate", "soak", "tpu_memory")}
+                              "engine", "fleet", "gpu", "long_tail", "paged_attention",
+                              "paged_decode", "parity", "peers", "pipeline_step", "simulate",
+                              "soak", "tpu_memory")}
     assert main(["bench"]) == 0
     listed = capsys.readouterr().out.splitlines()[1:]
     assert [line.split()[0] for line in listed] == list(summaries)
