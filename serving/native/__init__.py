@@ -117,6 +117,7 @@ def paged_attention(q_BTNH, positions_BT, kv, table_BW, layer, *, window: int | 
         raise KernelUnavailable(why)
     scale = q_BTNH.shape[-1] ** -0.5 if scale is None else scale
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype))
+    window = 0 if window is None else window    # may be traced: a layer's own, in a scan
     return call(q_BTNH, positions_BT.astype(jnp.int32), kv, table_BW.astype(jnp.int32),
-                jnp.asarray(layer, jnp.int32), window=np.int64(window or 0),
+                jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32),
                 scale=np.float32(scale), softcap=np.float32(softcap or 0.0))

@@ -14,7 +14,8 @@
 // softcap > 0. A query that sees no key gets zeros.
 //
 // Shapes (row-major): q [B, T, N, H]; positions int32 [B, T]; kv [L, P, K, 2G, H] with head g's
-// keys at 2g and its values at 2g + 1; table int32 [B, W]; layer int32 []; out [B, T, N, H].
+// keys at 2g and its values at 2g + 1; table int32 [B, W]; layer int32 []; window int32 []
+// (0: none; a buffer, since a model's layers may differ in it inside one scan); out [B, T, N, H].
 // Query head n uses kv head n / (N / G). Float32 or bfloat16 for q / out and for kv.
 
 #include <algorithm>
@@ -192,8 +193,9 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shape& s, const Q* q, const int32_
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q,
                               ffi::Buffer<ffi::S32> positions, ffi::AnyBuffer kv,
                               ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> layer,
-                              ffi::Result<ffi::AnyBuffer> out, int64_t window, float scale,
-                              float softcap) {
+                              ffi::Buffer<ffi::S32> window_buffer,
+                              ffi::Result<ffi::AnyBuffer> out, float scale, float softcap) {
+  const int64_t window = window_buffer.typed_data()[0];
   const auto qd = q.dimensions(), kvd = kv.dimensions(), td = table.dimensions();
   if (qd.size() != 4 || kvd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument("paged attention: q [B,T,N,H], kv [L,P,K,2G,H], "
@@ -240,7 +242,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("window")
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap"));
