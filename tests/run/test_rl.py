@@ -1,15 +1,14 @@
 """The RL loop (jaxrl/trainer/rl.py) on the demo arithmetic task with a tiny model, on one
-device: the reward rises in async and partial modes, partial rollouts pause the engine while
-the trainer steps, a run interrupted mid-way resumes the same rollout stream, and the sampler's
-and the trainer's log-probs agree. Split placement, meshes and pipelines: test_rl_mesh.py.
+device: with partial rollouts the reward rises and the engine pauses while the trainer steps,
+carrying unfinished samples; shared here: the config, the warm-up and the learning and
+log-prob parity checks that test_rl_mesh.py (async with a resume, split placement, pipelines,
+on eight devices) uses too.
 
-One supervised warm-up is trained for the module (`warm_up`, which test_rl_mesh.py trains on its
-own mesh too). Two RL runs start from copies of its checkpoint, through `jaxrl.commands.job.run`
-as `jaxrl train` does, and serve several tests each (every run compiles its own trainer and
-engine, which is most of its cost on CPU; on one device about half what it costs on a mesh of
-eight on two cores):
-- async, interrupted after step 11 and resumed from its checkpoint at step 10;
-- partial (sync with partial rollouts).
+One supervised warm-up is trained for the module (`warm_up`). The partial-rollout run starts
+from a copy of its checkpoint, through `jaxrl.commands.job.run` as `jaxrl train` does (on one
+device it costs about half what it costs on a mesh of eight on two cores). The async run stays
+on the mesh: on one device, under the suite's load, one CI run in three saw its reward climb
+and then dip for six steps at the end.
 """
 
 import shutil
@@ -19,11 +18,8 @@ import pytest
 
 from jaxrl.commands import job
 from jaxrl.config import ConfigError, load_run_config
-from jaxrl.data.rollouts import Rollout
-from jaxrl.rollout.actor import Actor
 from jaxrl.telemetry import rl_metrics
 from jaxrl.telemetry.metrics import read_metrics
-from jaxrl.train.checkpoint import Checkpointer
 from serving.orchestrator import Orchestrator
 
 WARMUP = 30      # supervised steps; RL steps are numbered on from there
@@ -82,53 +78,6 @@ def rl_rows(run_dir):
     return [r for r in read_metrics(run_dir) if "reward" in r]
 
 
-class Interrupted(Exception):
-    pass
-
-
-SAVED = WARMUP + 10   # the async run's checkpoint it resumes from
-
-
-@pytest.fixture(scope="module")
-def async_run(warm, tmp_path_factory):
-    """Async, colocated, checkpoints every 10 steps. The first run is interrupted after training
-    step SAVED + 1 (before its metrics and before any checkpoint of it); the second continues
-    from the checkpoint at SAVED to the end. Records what each run trained at every step and
-    which problems its actor submitted."""
-    run_dir = rl_run_dir(warm, tmp_path_factory.mktemp("async"))
-    cfg = config(run_dir, "rl.mode=async", "checkpoint.every=10")
-    out = {"cfg": cfg, "run_dir": run_dir, "trained": {"a": {}, "b": {}},
-           "submitted": {"a": [], "b": []}, "lines": []}
-    current = ["a"]
-    batch_stats, problem = rl_metrics.batch_stats, Actor.problem
-
-    def record_batch(rollouts, step):   # once per optimizer step, after it trained
-        out["trained"][current[0]][step + 1] = list(rollouts)
-        if current[0] == "a" and step + 1 == SAVED + 1:
-            raise Interrupted()
-        return batch_stats(rollouts, step)
-
-    def record_problem(self, index):    # once per group submitted to the engine
-        out["submitted"][current[0]].append(index)
-        return problem(self, index)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rl_metrics, "batch_stats", record_batch)
-        mp.setattr(Actor, "problem", record_problem)
-        with pytest.raises(Interrupted):
-            job.run(cfg, log=quiet)
-        ckpt = Checkpointer(run_dir / "checkpoints")
-        out["latest_after_interrupt"] = ckpt.latest_step()
-        out["saved"] = ckpt.saved_data(SAVED)
-        ckpt.close()
-        current[0] = "b"
-        job.run(cfg, log=out["lines"].append)
-    ckpt = Checkpointer(run_dir / "checkpoints")
-    out["final"] = ckpt.saved_data(WARMUP + RL_STEPS)
-    ckpt.close()
-    return out
-
-
 @pytest.fixture(scope="module")
 def partial_run(warm, tmp_path_factory):
     """Sync with partial rollouts, colocated. Records the engine's generated-token count when
@@ -179,10 +128,9 @@ def assert_reward_rises(run: str, run_dir, steps: int, report_table):
     assert last > first + 0.05, " ".join(f"{r:.2f}" for r in rewards)   # not cut short
 
 
-@pytest.mark.parametrize("run", ["async_run", "partial_run"])
+@pytest.mark.parametrize("run", ["partial_run"])
 def test_reward_rises(request, run, report_table):
-    steps = PARTIAL_STEPS if run == "partial_run" else RL_STEPS
-    assert_reward_rises(run, request.getfixturevalue(run)["run_dir"], steps, report_table)
+    assert_reward_rises(run, request.getfixturevalue(run)["run_dir"], PARTIAL_STEPS, report_table)
 
 
 # -- partial rollouts --------------------------------------------------------------------------
@@ -197,39 +145,6 @@ def test_partial_rollouts_pause_the_engine_and_carry_unfinished_samples(partial_
     assert carried, "no sample spanned a step boundary"
     for r in carried:   # versions only move forward along a sample, one step at a time
         assert all(b - a in (0, 1) for a, b in zip(r.versions, r.versions[1:]))
-
-
-# -- resume ------------------------------------------------------------------------------------
-
-def test_resume_mid_run_continues_the_stream(async_run):
-    run_dir, trained, submitted = async_run["run_dir"], async_run["trained"], async_run["submitted"]
-    saved, group_size = async_run["saved"], async_run["cfg"].rl.group_size
-    assert async_run["latest_after_interrupt"] == SAVED
-    assert f"resumed RL from {run_dir.absolute() / 'checkpoints'}/{SAVED}" in async_run["lines"]
-    assert sorted(trained["b"]) == list(range(SAVED + 1, WARMUP + RL_STEPS + 1))
-
-    # metrics.jsonl continues: the first run's steps up to the checkpoint, then the second's;
-    # the resumed clock continues from the saved one.
-    rows = rl_rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(WARMUP + 1, WARMUP + RL_STEPS + 1))
-    assert rows[SAVED - WARMUP]["time_s"] >= rows[SAVED - WARMUP - 1]["time_s"]
-
-    # The resumed run first trains the rollouts the checkpoint kept (generated, not yet trained) ...
-    tail = [Rollout.from_json(r) for r in saved["rollouts"]]
-    resumed = [r for step in sorted(trained["b"]) for r in trained["b"][step]]
-    assert resumed[:len(tail)] == tail
-    # ... redoes the groups that were in flight, then takes new problems from next_problem on.
-    redo, next_problem = saved["redo"], saved["next_problem"]
-    new = submitted["b"][len(redo):]
-    assert submitted["b"][:len(redo)] == redo and new
-    assert new == list(range(next_problem, next_problem + len(new)))
-    assert all(r.group in redo or r.group >= next_problem for r in resumed[len(tail):])
-    assert async_run["final"]["next_problem"] > next_problem
-    # No sample is trained twice: per group, the samples trained up to the checkpoint and after
-    # it add up to at most one group (a group may straddle the checkpoint).
-    before = [r for step in range(WARMUP + 1, SAVED + 1) for r in trained["a"][step]]
-    groups = [r.group for r in before + resumed]
-    assert max(groups.count(g) for g in set(groups)) <= group_size
 
 
 def test_pack_len_must_hold_one_sample(tmp_path):
@@ -251,9 +166,3 @@ def assert_log_probs_agree(rows):
     assert max(r["logprob_abs_diff_max"] for r in measured) <= 5e-5
     assert max(abs(r["logprob_diff_mean"]) for r in measured) <= 2e-6
     assert max(r["logprob_kl"] for r in measured) <= 1e-9
-
-
-def test_sampler_and_trainer_log_probs_agree_in_float32(async_run):
-    """Async measures the lag-0 tokens it has (sync, which trains on lag-0 tokens almost only,
-    on a mesh: test_rl_mesh.py)."""
-    assert_log_probs_agree(rl_rows(async_run["run_dir"]))

@@ -1,8 +1,9 @@
-"""The RL loop on a mesh of eight CPU devices (the one-device runs: test_rl.py): sync with split
-placement (4 devices train, 4 serve) learns and keeps trainer and engine apart, the KL
-reference survives a resume through a pipeline, the trainer keeps pipeline order inside and
-canonical order outside, the step compiled beside the engine is the jitted step, and bad
-configurations are refused naming the values."""
+"""The RL loop on a mesh of eight CPU devices (partial rollouts on one: test_rl.py): async,
+colocated, learns and, interrupted mid-way, resumes the same rollout stream; sync with split
+placement (4 devices train, 4 serve) learns and keeps trainer and engine apart; sampler and
+trainer log-probs agree; the KL reference survives a resume through a pipeline; the trainer
+keeps pipeline order inside and canonical order outside; the step compiled beside the engine
+is the jitted step; bad configurations are refused naming the values."""
 
 import jax
 import numpy as np
@@ -13,6 +14,9 @@ from jaxrl.commands import job
 from jaxrl.config import ConfigError
 from jaxrl.data.rollouts import Rollout
 from jaxrl.rollout import generation
+from jaxrl.rollout.actor import Actor
+from jaxrl.telemetry import rl_metrics
+from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.trainer import rl_trainer
 from jaxrl.trainer import trainer as trainer_module
 from tests.run.test_rl import (
@@ -31,6 +35,53 @@ from tests.run.test_rl import (
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
     return warm_up(tmp_path_factory)
+
+
+class Interrupted(Exception):
+    pass
+
+
+SAVED = WARMUP + 10   # the async run's checkpoint it resumes from
+
+
+@pytest.fixture(scope="module")
+def async_run(warm, tmp_path_factory):
+    """Async, colocated, checkpoints every 10 steps. The first run is interrupted after training
+    step SAVED + 1 (before its metrics and before any checkpoint of it); the second continues
+    from the checkpoint at SAVED to the end. Records what each run trained at every step and
+    which problems its actor submitted."""
+    run_dir = rl_run_dir(warm, tmp_path_factory.mktemp("async"))
+    cfg = config(run_dir, "rl.mode=async", "checkpoint.every=10")
+    out = {"cfg": cfg, "run_dir": run_dir, "trained": {"a": {}, "b": {}},
+           "submitted": {"a": [], "b": []}, "lines": []}
+    current = ["a"]
+    batch_stats, problem = rl_metrics.batch_stats, Actor.problem
+
+    def record_batch(rollouts, step):   # once per optimizer step, after it trained
+        out["trained"][current[0]][step + 1] = list(rollouts)
+        if current[0] == "a" and step + 1 == SAVED + 1:
+            raise Interrupted()
+        return batch_stats(rollouts, step)
+
+    def record_problem(self, index):    # once per group submitted to the engine
+        out["submitted"][current[0]].append(index)
+        return problem(self, index)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rl_metrics, "batch_stats", record_batch)
+        mp.setattr(Actor, "problem", record_problem)
+        with pytest.raises(Interrupted):
+            job.run(cfg, log=quiet)
+        ckpt = Checkpointer(run_dir / "checkpoints")
+        out["latest_after_interrupt"] = ckpt.latest_step()
+        out["saved"] = ckpt.saved_data(SAVED)
+        ckpt.close()
+        current[0] = "b"
+        job.run(cfg, log=out["lines"].append)
+    ckpt = Checkpointer(run_dir / "checkpoints")
+    out["final"] = ckpt.saved_data(WARMUP + RL_STEPS)
+    ckpt.close()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +109,9 @@ def sync_split_run(warm, tmp_path_factory):
     return {"run_dir": run_dir, "summary": summary, "served": served, "saved": saved}
 
 
-def test_reward_rises(sync_split_run, report_table):
-    assert_reward_rises("sync_split_run", sync_split_run["run_dir"], RL_STEPS, report_table)
+@pytest.mark.parametrize("run", ["async_run", "sync_split_run"])
+def test_reward_rises(request, run, report_table):
+    assert_reward_rises(run, request.getfixturevalue(run)["run_dir"], RL_STEPS, report_table)
 
 
 # -- placement ---------------------------------------------------------------------------------
@@ -74,6 +126,39 @@ def test_split_placement_keeps_trainer_and_engine_apart(sync_split_run):
     (state,) = sync_split_run["saved"]   # saved once, at the last step
     assert set(jax.tree.leaves(state)) == {trainer}
     assert local.version == WARMUP + RL_STEPS   # the engine got the last step's weights
+
+
+# -- resume ------------------------------------------------------------------------------------
+
+def test_resume_mid_run_continues_the_stream(async_run):
+    run_dir, trained, submitted = async_run["run_dir"], async_run["trained"], async_run["submitted"]
+    saved, group_size = async_run["saved"], async_run["cfg"].rl.group_size
+    assert async_run["latest_after_interrupt"] == SAVED
+    assert f"resumed RL from {run_dir.absolute() / 'checkpoints'}/{SAVED}" in async_run["lines"]
+    assert sorted(trained["b"]) == list(range(SAVED + 1, WARMUP + RL_STEPS + 1))
+
+    # metrics.jsonl continues: the first run's steps up to the checkpoint, then the second's;
+    # the resumed clock continues from the saved one.
+    rows = rl_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(WARMUP + 1, WARMUP + RL_STEPS + 1))
+    assert rows[SAVED - WARMUP]["time_s"] >= rows[SAVED - WARMUP - 1]["time_s"]
+
+    # The resumed run first trains the rollouts the checkpoint kept (generated, not yet trained) ...
+    tail = [Rollout.from_json(r) for r in saved["rollouts"]]
+    resumed = [r for step in sorted(trained["b"]) for r in trained["b"][step]]
+    assert resumed[:len(tail)] == tail
+    # ... redoes the groups that were in flight, then takes new problems from next_problem on.
+    redo, next_problem = saved["redo"], saved["next_problem"]
+    new = submitted["b"][len(redo):]
+    assert submitted["b"][:len(redo)] == redo and new
+    assert new == list(range(next_problem, next_problem + len(new)))
+    assert all(r.group in redo or r.group >= next_problem for r in resumed[len(tail):])
+    assert async_run["final"]["next_problem"] > next_problem
+    # No sample is trained twice: per group, the samples trained up to the checkpoint and after
+    # it add up to at most one group (a group may straddle the checkpoint).
+    before = [r for step in range(WARMUP + 1, SAVED + 1) for r in trained["a"][step]]
+    groups = [r.group for r in before + resumed]
+    assert max(groups.count(g) for g in set(groups)) <= group_size
 
 
 # -- bad configurations ------------------------------------------------------------------------
@@ -100,12 +185,14 @@ def test_bad_rl_config_is_refused_naming_the_values(warm, tmp_path, overrides, m
 
 
 
-def test_sampler_and_trainer_log_probs_agree_in_float32(sync_split_run):
-    """As in test_rl.py; sync trains on lag-0 tokens almost only, so nearly all are measured."""
+def test_sampler_and_trainer_log_probs_agree_in_float32(sync_split_run, async_run):
+    """Sync trains on lag-0 tokens almost only, so nearly all are measured; async measures the
+    lag-0 tokens it has (test_rl.py: assert_log_probs_agree)."""
     rows = rl_rows(sync_split_run["run_dir"])
     counted = sum(r["logprob_parity_tokens"] for r in rows)
     assert counted >= 0.9 * sum(r["trained_tokens"] for r in rows)
     assert_log_probs_agree(rows)
+    assert_log_probs_agree(rl_rows(async_run["run_dir"]))
 
 
 # -- the KL term against a frozen reference model ---------------------------------------------
