@@ -35,8 +35,8 @@ class KernelUnavailable(RuntimeError):
 
 def _compiler() -> str | None:
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        if name and (path := shutil.which(name)):
+            return path
     return None
 
 

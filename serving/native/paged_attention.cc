@@ -190,6 +190,24 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shape& s, const Q* q, const int32_
   return ffi::Error::Success();
 }
 
+// Attend with q and out as Q (float32 or bfloat16 bits) and the pool as its own element type.
+template <typename Q>
+ffi::Error WithKV(ffi::ThreadPool pool, const Shape& s, const void* q, const int32_t* positions,
+                  ffi::AnyBuffer kv, const int32_t* table, int64_t layer, void* out) {
+  const Q* query = static_cast<const Q*>(q);
+  Q* result = static_cast<Q*>(out);
+  switch (kv.element_type()) {
+    case ffi::DataType::F32:
+      return Attend(pool, s, query, positions, static_cast<const float*>(kv.untyped_data()),
+                    table, layer, result);
+    case ffi::DataType::BF16:
+      return Attend(pool, s, query, positions, static_cast<const uint16_t*>(kv.untyped_data()),
+                    table, layer, result);
+    default:
+      return ffi::Error::InvalidArgument("paged attention: a float32 or bfloat16 pool only");
+  }
+}
+
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q,
                               ffi::Buffer<ffi::S32> positions, ffi::AnyBuffer kv,
                               ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> layer,
@@ -209,27 +227,16 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q,
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= s.layers)
     return ffi::Error::InvalidArgument("paged attention: layer out of range");
-  const auto qt = q.element_type(), kvt = kv.element_type();
   const int32_t* pos = positions.typed_data();
   const int32_t* tab = table.typed_data();
-  using ffi::DataType;
-  if (qt == DataType::F32 && kvt == DataType::F32)
-    return Attend(pool, s, static_cast<const float*>(q.untyped_data()), pos,
-                  static_cast<const float*>(kv.untyped_data()), tab, l,
-                  static_cast<float*>(out->untyped_data()));
-  if (qt == DataType::F32 && kvt == DataType::BF16)
-    return Attend(pool, s, static_cast<const float*>(q.untyped_data()), pos,
-                  static_cast<const uint16_t*>(kv.untyped_data()), tab, l,
-                  static_cast<float*>(out->untyped_data()));
-  if (qt == DataType::BF16 && kvt == DataType::BF16)
-    return Attend(pool, s, static_cast<const uint16_t*>(q.untyped_data()), pos,
-                  static_cast<const uint16_t*>(kv.untyped_data()), tab, l,
-                  static_cast<uint16_t*>(out->untyped_data()));
-  if (qt == DataType::BF16 && kvt == DataType::F32)
-    return Attend(pool, s, static_cast<const uint16_t*>(q.untyped_data()), pos,
-                  static_cast<const float*>(kv.untyped_data()), tab, l,
-                  static_cast<uint16_t*>(out->untyped_data()));
-  return ffi::Error::InvalidArgument("paged attention: float32 or bfloat16 q and kv only");
+  switch (q.element_type()) {
+    case ffi::DataType::F32:
+      return WithKV<float>(pool, s, q.untyped_data(), pos, kv, tab, l, out->untyped_data());
+    case ffi::DataType::BF16:
+      return WithKV<uint16_t>(pool, s, q.untyped_data(), pos, kv, tab, l, out->untyped_data());
+    default:
+      return ffi::Error::InvalidArgument("paged attention: float32 or bfloat16 q only");
+  }
 }
 
 }  // namespace
