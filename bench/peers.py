@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -35,9 +36,10 @@ DIFFERENCES = [
     "Tunix with beta=0 and epsilon=0.2",
     "batch layout: jaxrl packs samples into rows of prompt + max_new_tokens; TRL pads each "
     "sample to the longest in the batch; Tunix pads prompts and completions to their limits",
-    "microbatches: jaxrl accumulates gradients over microbatches of --microbatch samples "
-    "(its default, 16) into the one optimizer step, TRL over --trl-microbatch (default: the "
-    "same); Tunix trains the step's batch at once",
+    "microbatches: each stack accumulates gradients over microbatches of --microbatch "
+    "samples (jaxrl's default, 16) into the one optimizer step; TRL over --trl-microbatch "
+    "where given; Tunix counts its micro batch in prompts, so --microbatch / group size of "
+    "them (the whole step where that is not whole)",
     "generation: jaxrl its paged engine (jit, XLA:CPU, its C++ paged attention); TRL Hugging "
     "Face `generate` (PyTorch eager); Tunix its vanilla sampler (jit, XLA:CPU, a dense KV "
     "cache)",
@@ -68,12 +70,24 @@ def venv(name: str, root: Path) -> Path:
     return python
 
 
-def run(cmd: list[str], env: dict | None = None) -> dict:
+def run(cmd: list[str], env: dict | None = None) -> dict | str:
+    """A runner's RESULT, or why it failed (its last error line; the tail of its stderr is
+    printed). A stack that fails (a peer out of memory at a shape) is reported as failed, and
+    the others are still measured."""
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if out.returncode or line is None:
-        sys.exit(f"peers: {' '.join(cmd[:3])} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    if out.returncode == 0 and line is not None:
+        return json.loads(line[len("RESULT "):])
+    print(f"peers: {' '.join(cmd[:3])} failed ({out.returncode}):\n{out.stderr[-3000:]}",
+          file=sys.stderr, flush=True)
+    return failure(out.stderr, out.returncode)
+
+
+def failure(stderr: str, returncode: int) -> str:
+    """A failed runner in one line: its last exception's line, else its exit status."""
+    errors = [x.strip() for x in stderr.splitlines()
+              if re.match(r"^[\w.]+(Error|Exception|Exhausted)\b.*:", x.strip())]
+    return errors[-1][:200] if errors else f"exit status {returncode}, no RESULT line"
 
 
 def summarize(r: dict) -> dict:
@@ -97,8 +111,8 @@ def main(argv=None) -> None:
     p.add_argument("--lengths", nargs="+", type=int, default=[64])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--microbatch", type=int, default=Job.microbatch,
-                   help="samples per forward and backward pass (jaxrl and TRL accumulate "
-                        "their gradients into one optimizer step)")
+                   help="samples per forward and backward pass (every stack accumulates "
+                        "its gradients into one optimizer step)")
     p.add_argument("--trl-microbatch", type=int, default=0,
                    help="TRL's samples per pass, if not --microbatch (128: the whole step)")
     p.add_argument("--rounds", type=int, default=2,
@@ -122,9 +136,10 @@ def main(argv=None) -> None:
                 write_model(job, model)
             params = int((model / "job_params.txt").read_text())
             runs = {stack: [] for stack in args.stacks}
+            failed: dict[str, str] = {}      # stack: why (not run again in later rounds)
             for round_ in range(args.rounds):   # every other round in reverse: drift evens out
                 order = args.stacks if round_ % 2 == 0 else args.stacks[::-1]
-                for stack in order:
+                for stack in (s for s in order if s not in failed):
                     wait_until_quiet(args.busy_limit, "peers")
                     out = work / f"{stack}-{size}-{length}"
                     # The first round starts with empty compilation and kernel caches (a first
@@ -135,10 +150,14 @@ def main(argv=None) -> None:
                     runner, *mode = STACKS[stack]
                     r = run([str(python.get(stack, sys.executable)), str(HERE / runner),
                              job.to_json(), str(model), str(out / f"round{round_}"), *mode], env)
+                    if isinstance(r, str):
+                        failed[stack] = r
+                        print(f"  round {round_ + 1}, {stack}: failed ({r})", flush=True)
+                        continue
                     runs[stack].append(summarize(r))
                     print(f"  round {round_ + 1}, {stack}: {runs[stack][-1]['s_per_step']:.2f} "
                           f"s/step", flush=True)
-            report(job, params, [combine(r) for r in runs.values()])
+            report(job, params, [combine(r) for r in runs.values() if r], failed)
 
 
 def combine(rounds: list[dict]) -> dict:
@@ -151,7 +170,7 @@ def combine(rounds: list[dict]) -> dict:
     return out
 
 
-def report(job: Job, params: int, results: list[dict]) -> None:
+def report(job: Job, params: int, results: list[dict], failed: dict[str, str]) -> None:
     peers = [r for r in results if not r["stack"].startswith("jaxrl")]
     best = max((r["samples_per_s"] for r in peers), default=None)
     print(f"\n{job.size} ({params / 1e6:.1f}M parameters), {job.prompts_per_step} prompts x "
@@ -165,6 +184,8 @@ def report(job: Job, params: int, results: list[dict]) -> None:
         print(f"  {r['stack']:<12} {r['s_per_step']:7.2f} {r['samples_per_s']:9.1f} "
               f"{r['tokens_per_s']:9.0f} {r['train_share']:6.0%} {1 - r['train_share']:6.0%} "
               f"{r['cpu_s_per_step']:6.1f} {r['first_step_s']:7.1f}s {warm} {ratio:>12}")
+    for stack, why in failed.items():
+        print(f"  {stack:<12} failed: {why}")
     print("  (train: the optimizer step's share of a step; jaxrl async overlaps generation "
           "with it, so its gen column is what remains. 1st step: process start to the end of "
           "the first step with empty compilation and kernel caches; warm: the same with the "

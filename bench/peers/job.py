@@ -41,9 +41,9 @@ class Job:
     prompt_words: int = 16        # every prompt is this many words (+ BOS)
     seed: int = 0
     # Samples per forward and backward pass, gradients accumulated into the one optimizer step:
-    # jaxrl's (rl.microbatch_rows, whose default this is) and TRL's
-    # (per_device_train_batch_size with gradient_accumulation_steps; 0: the same as jaxrl's).
-    # Tunix keeps its whole-batch micro batch.
+    # jaxrl's (rl.microbatch_rows, whose default this is), TRL's
+    # (per_device_train_batch_size with gradient_accumulation_steps; 0: the same as jaxrl's)
+    # and Tunix's (train_micro_batch_size, counted in prompts: `tunix_microbatch_prompts`).
     microbatch: int = 16
     trl_microbatch: int = 0
 
@@ -57,6 +57,14 @@ class Job:
             if value and self.samples_per_step % value:
                 raise ValueError(f"{name}={value} must divide the {self.samples_per_step} "
                                  f"samples of a step")
+
+    @property
+    def tunix_microbatch_prompts(self) -> int:
+        """Tunix's train_micro_batch_size: prompts of `group_size` samples each, so the
+        microbatch in prompts where it is a whole number of groups, else the step's."""
+        if self.microbatch % self.group_size:
+            return self.prompts_per_step
+        return self.microbatch // self.group_size
 
     @property
     def trl_batch(self) -> int:

@@ -33,16 +33,21 @@ class Clock:
         self.generate_s = self.train_s = 0.0
         self.rows, self.before = [], (START, 0.0, 0.0, 0.0)
 
-    def wrap(self, obj, name: str, field: str, end_of_step: bool = False):
+    def wrap(self, obj, name: str, field: str, calls_per_step: int = 0):
+        """Times `obj.name` into `field`; every `calls_per_step`-th call ends a step (Tunix
+        updates the actor once per micro batch, so a step is that many calls)."""
         inner = getattr(obj, name)
+        calls = 0
 
         def timed(*args, **kwargs):
+            nonlocal calls
             t0 = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
                 setattr(self, field, getattr(self, field) + time.perf_counter() - t0)
-                if end_of_step:
+                calls += 1
+                if calls_per_step and calls % calls_per_step == 0:
                     self.step_done()
 
         setattr(obj, name, timed)
@@ -68,7 +73,7 @@ def main(job_json: str, model_dir: str, work: str) -> None:
     reference = llama_params.create_model_from_safe_tensors(model_dir, config, mesh)
     training = rl_cluster_lib.RLTrainingConfig(
         actor_optimizer=optax.adamw(job.lr), eval_every_n_steps=10**9, max_steps=job.steps,
-        mini_batch_size=job.prompts_per_step, train_micro_batch_size=job.prompts_per_step,
+        mini_batch_size=job.prompts_per_step, train_micro_batch_size=job.tunix_microbatch_prompts,
         rollout_micro_batch_size=job.prompts_per_step,
         compute_logps_micro_batch_size=job.prompts_per_step, pbar_description=None)
     rollout = base_rollout.RolloutConfig(
@@ -96,7 +101,8 @@ def main(job_json: str, model_dir: str, work: str) -> None:
                                             beta=0.0, epsilon=0.2))
     clock = Clock()
     clock.wrap(cluster, "generate", "generate_s")
-    clock.wrap(cluster, "update_actor", "train_s", end_of_step=True)
+    clock.wrap(cluster, "update_actor", "train_s",
+               calls_per_step=job.prompts_per_step // job.tunix_microbatch_prompts)
     rows = prompts(job)
     n = job.prompts_per_step
     batches = [{"prompts": np.array(rows[i * n:(i + 1) * n])} for i in range(job.steps)]
