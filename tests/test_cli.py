@@ -148,7 +148,7 @@ def test_bench_lists_the_benchmarks_with_their_summaries(capsys):
     summaries = {name: (ROOT / "bench" / f"{name}.py").read_text().splitlines()[0].strip('"')
                  for name in ("async_vs_sync", "calibrate", "compile_stress", "constrained",
                               "engine", "fleet", "gpu", "long_tail", "paged_attention",
-                              "paged_decode", "parity", "peers", "pipeline_step", "simulate",
+                              "paged_decode", "parity", "peers", "pipeline_step", "products", "simulate",
                               "soak", "tpu_memory")}
     assert main(["bench"]) == 0
     listed = capsys.readouterr().out.splitlines()[1:]
