@@ -33,9 +33,13 @@ def prompts(*lengths, seed=0):
 
 @partial(jax.jit, static_argnums=0)
 def _contiguous_step(graphdef, params, token, position, cache, sampling_args):
+    """One token through the contiguous cache and the engine's sampler (its key made here:
+    `sampling_args` carries the seed, sample index and count it is made from)."""
+    temperature, top_k, top_p, seed, index, count, banned = sampling_args
     model = merge_params(graphdef, params)
     x, cache = model.extend(jnp.reshape(token, (1, 1)), jnp.reshape(position, (1,)), cache)
-    return sample(model.logits(x)[:, 0], *sampling_args), cache
+    keys = slot_keys(seed, index, count)
+    return sample(model.logits(x)[:, 0], temperature, top_k, top_p, keys, banned), cache
 
 
 def contiguous_decode(graphdef, params, prompt, sampling, index, versions, eos_id=None):
@@ -47,8 +51,8 @@ def contiguous_decode(graphdef, params, prompt, sampling, index, versions, eos_i
     args = lambda j: (np.asarray([sampling.temperature], np.float32),  # noqa: E731
                       np.asarray([sampling.top_k], np.int32),
                       np.asarray([sampling.top_p], np.float32),
-                      slot_keys(np.asarray([sampling.seed], np.uint32), np.asarray([index]),
-                                np.asarray([j])),
+                      np.asarray([sampling.seed], np.uint32), np.asarray([index], np.int32),
+                      np.asarray([j], np.int32),
                       np.asarray([eos_id if j < sampling.min_tokens and eos_id is not None
                                   else -1], np.int32))
     fed = list(prompt)

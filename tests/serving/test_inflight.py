@@ -34,17 +34,25 @@ def _swap_after(orchestrator, prompt, new_params, version, after=4):
     return tokens, result
 
 
+@jax.jit
+def _greedy_extend(model, ids_BT, start_B, cache):
+    """The dense model's cached forward (jaxrl.models, not serving's engine) and its greedy
+    next token, jitted so that the reference below runs at the engine's pace."""
+    x, cache = model.extend(ids_BT, start_B, cache)
+    return jnp.argmax(model.logits(x)[0, -1]), cache
+
+
 def _cached_reference(model_a, model_b, prompt, switch, total):
     """Greedy decode with a KV cache: `switch` tokens from A, then B on the same cache."""
     m = len(prompt) + total + 1
     cache = ContiguousKV.zeros(CFG.num_layers, 1, m, CFG.num_kv_heads, CFG.head_dim)
-    x, cache = model_a.extend(jnp.asarray([prompt]), jnp.asarray([0]), cache)
-    out = [int(jnp.argmax(model_a.logits(x)[0, -1]))]
+    token, cache = _greedy_extend(model_a, jnp.asarray([prompt]), jnp.asarray([0]), cache)
+    out = [int(token)]
     while len(out) < total:
         model = model_a if len(out) < switch else model_b
-        x, cache = model.extend(jnp.asarray([[out[-1]]]),
-                                jnp.asarray([len(prompt) + len(out) - 1]), cache)
-        out.append(int(jnp.argmax(model.logits(x)[0, -1])))
+        token, cache = _greedy_extend(model, jnp.asarray([[out[-1]]]),
+                                      jnp.asarray([len(prompt) + len(out) - 1]), cache)
+        out.append(int(token))
     return out
 
 

@@ -23,6 +23,15 @@ def _logits(graphdef, params, ids_T):
     return merge_params(graphdef, params)(ids_T[None])[0].astype(np.float32)
 
 
+@jax.jit
+def _draw(penalized_V, logits_V, temperature, top_k, top_p, keys):
+    """The engine's sampler on one row of penalized logits, and the unpenalized log-probs
+    (jitted: run eagerly, its small ops cost most of a test's time)."""
+    token, _ = sample(penalized_V[None], temperature, top_k, top_p, keys)
+    return token[0], jax.nn.log_softmax(logits_V / jax.numpy.where(temperature > 0,
+                                                                   temperature, 1.0)[0])
+
+
 def _reference(model, prompt, sampling, index=0):
     """(tokens, log-probs) of one sample, each token drawn from the logits less the penalties
     of the tokens before it, with the engine's keys; the log-probs are the unpenalized ones."""
@@ -35,13 +44,11 @@ def _reference(model, prompt, sampling, index=0):
         logits = np.asarray(_logits(graphdef, params, grid))[len(ids) - 1]
         penalized = (logits - sampling.frequency_penalty * counts
                      - sampling.presence_penalty * (counts > 0))
-        token, _ = sample(penalized[None], np.float32([sampling.temperature]),
-                          np.int32([sampling.top_k]), np.float32([sampling.top_p]),
-                          slot_keys(np.uint32([sampling.seed]), np.int32([index]),
-                                    np.int32([j])))
-        token = int(token[0])
-        temperature = sampling.temperature or 1.0
-        logp = jax.nn.log_softmax(logits / temperature)
+        token, logp = _draw(penalized, logits, np.float32([sampling.temperature]),
+                            np.int32([sampling.top_k]), np.float32([sampling.top_p]),
+                            slot_keys(np.uint32([sampling.seed]), np.int32([index]),
+                                      np.int32([j])))
+        token = int(token)
         tokens.append(token)
         logprobs.append(float(logp[token]))
         counts[token] += 1
