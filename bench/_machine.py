@@ -28,3 +28,18 @@ def wait_until_quiet(limit: float, who: str, patience_s: float = 120.0) -> None:
         if time.monotonic() > deadline:
             sys.exit(f"{who}: the machine is busy ({share:.0%} of its CPU used by other "
                      f"processes, the limit is {limit:.0%}); refusing to measure")
+
+
+def best_seconds(call, repeats: int, batch: int) -> float:
+    """Seconds one `call()` takes: the best of `repeats` batches of `batch` calls, after a first
+    call (compilation); a JAX result is waited for at the end of each batch."""
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(batch):
+            out = call()
+        if hasattr(out, "block_until_ready"):
+            out.block_until_ready()
+        best = min(best, (time.perf_counter() - start) / batch)
+    return best

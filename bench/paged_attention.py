@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -25,6 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from _machine import best_seconds  # noqa: E402
 from serving.paged_kv import PagedKV  # noqa: E402
 
 IMPLEMENTATIONS = ("reference", "loop", "native")
@@ -74,20 +74,6 @@ def torch_side(held, q):
     return attend
 
 
-def timed(call, repeats: int) -> float:
-    """Milliseconds a call, the best of `repeats` batches of 5 calls."""
-    call()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(5):
-            out = call()
-        if isinstance(out, jax.Array):
-            jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / 5 * 1e3)
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=128, help="rows (slots) attending together")
@@ -119,7 +105,7 @@ def main() -> None:
         times = {s: [] for s in sides}
         for _ in range(args.rounds):
             for s in sides:
-                times[s].append(timed(calls[s], args.repeats))
+                times[s].append(best_seconds(calls[s], args.repeats, 5) * 1e3)
         ms = {s: statistics.median(t) for s, t in times.items()}
         results.append({"length": length, "ms": ms, "max_abs_diff": error})
         print(f"{args.rows} rows x {args.queries} queries holding {length} tokens, "

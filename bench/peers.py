@@ -86,7 +86,7 @@ def run(cmd: list[str], env: dict | None = None) -> dict | str:
 def failure(stderr: str, returncode: int) -> str:
     """A failed runner in one line: its last exception's line, else its exit status."""
     errors = [x.strip() for x in stderr.splitlines()
-              if re.match(r"^[\w.]+(Error|Exception|Exhausted)\b.*:", x.strip())]
+              if re.match(r"^[\w.]+(Error|Exception):", x.strip())]
     return errors[-1][:200] if errors else f"exit status {returncode}, no RESULT line"
 
 

@@ -18,12 +18,13 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+
+from _machine import best_seconds  # noqa: E402
 
 FORMS = {   # name: (the product, its operands' shapes from (tokens, in, out))
     "x @ W": (lambda a, b: a @ b, lambda t, i, o: ((t, i), (i, o))),
@@ -31,20 +32,6 @@ FORMS = {   # name: (the product, its operands' shapes from (tokens, in, out))
     "x.T @ dy": (lambda a, b: a.T @ b, lambda t, i, o: ((t, i), (t, o))),
 }
 XLA_SIDES = {"xla": None, "xla-no-ynn": {"xla_cpu_experimental_ynn_fusion_type": ""}}
-
-
-def timed(call, repeats: int) -> float:
-    """Seconds a call, the best of `repeats` batches of 10 calls."""
-    call()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(10):
-            out = call()
-        if isinstance(out, jax.Array):
-            out.block_until_ready()
-        best = min(best, (time.perf_counter() - start) / 10)
-    return best
 
 
 def sides(form: str, a: np.ndarray, b: np.ndarray) -> dict:
@@ -93,14 +80,13 @@ def main() -> None:
             times = {s: [] for s in calls}
             for _ in range(args.rounds):
                 for s, call in calls.items():
-                    times[s].append(timed(call, args.repeats))
+                    times[s].append(best_seconds(call, args.repeats, 10))
             t = {s: statistics.median(v) for s, v in times.items()}
             flops = 2 * args.tokens * fan_in * fan_out
             rate = {s: flops / v / 1e9 for s, v in t.items()}
             for s in seconds:
                 seconds[s] += count * t[s]
-            ratio = t["xla-no-ynn"] / t["torch"] if t["xla-no-ynn"] < t["xla"] \
-                else t["xla"] / t["torch"]
+            ratio = min(t["xla"], t["xla-no-ynn"]) / t["torch"]
             print(f"  {weight:8s} {form:9s} {rate['xla']:7.0f} {rate['xla-no-ynn']:7.0f} "
                   f"{rate['torch']:7.0f} {ratio:15.2f}x")
             rows.append({"weight": weight, "form": form, "gflops": rate})

@@ -72,8 +72,9 @@ def chunked_token_stats(x_BTD, head_DV, targets_BT, temperature: float = 1.0, ch
     without a [B, T, V] float32 tensor: a scan over equal chunks of at most `chunk` positions
     (as few as that allows, so little is padded) whose body is rematerialised, so the forward
     keeps one chunk's logits at a time and the backward recomputes each chunk's from its hidden
-    states (Liger's fused linear cross-entropy, in plain JAX). At 8k tokens and a 152k vocabulary that is the difference between 5 GB of
-    logits per row and 0.3 GB per chunk of 512. `softcap`: the model's final-logit soft-cap
+    states (Liger's fused linear cross-entropy, in plain JAX). At 8k tokens and a 152k
+    vocabulary that is the difference between 5 GB of logits per row and 0.3 GB per chunk of
+    512. `softcap`: the model's final-logit soft-cap
     (Gemma 2), applied before the temperature as the engine does."""
     b, t, d = x_BTD.shape
     n = 1 if chunk <= 0 else -(-t // chunk)

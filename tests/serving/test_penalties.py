@@ -28,8 +28,8 @@ def _draw(penalized_V, logits_V, temperature, top_k, top_p, keys):
     """The engine's sampler on one row of penalized logits, and the unpenalized log-probs
     (jitted: run eagerly, its small ops cost most of a test's time)."""
     token, _ = sample(penalized_V[None], temperature, top_k, top_p, keys)
-    return token[0], jax.nn.log_softmax(logits_V / jax.numpy.where(temperature > 0,
-                                                                   temperature, 1.0)[0])
+    greedy_as_one = jax.numpy.where(temperature[0] > 0, temperature[0], 1.0)
+    return token[0], jax.nn.log_softmax(logits_V / greedy_as_one)
 
 
 def _reference(model, prompt, sampling, index=0):
