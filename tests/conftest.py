@@ -43,23 +43,27 @@ def pytest_terminal_summary(terminalreporter):
                 terminalreporter.write_line("  ".join("-" * w for w in widths))
 
 
-# The longest modules first (measured on the 2-core CI machine, 2026-11-27, each tier's order
-# by the seconds its tests took): `make test` hands whole modules to its two workers in
-# collection order (--no-loadscope-reorder: pytest-xdist otherwise sorts them by test count, and
-# the one-test runs came last), so a long module collected late would run alone at the end
-# while the other worker idles.
-_HEAVY_FIRST = [
-    # multi-device tier
-    "sharding/test_tpu_aot.py", "sharding/test_pipeline.py", "run/test_rl_mesh.py",
-    "reliability/test_sigkill.py", "serving/test_paged_attention.py",
-    # one-device tier
-    "colab/test_notebooks.py", "reliability/test_load.py", "run/test_multihost.py",
-    "run/test_long_tail.py", "run/test_fleet_rl.py", "run/test_rl.py", "test_serve.py",
-    "test_lm_eval.py",
-    "serving/test_paged.py", "run/test_warmup_stop.py", "run/test_local_servers.py",
-    "test_docs.py", "test_cli.py", "serving/test_runtime.py", "run/test_families_rl.py",
-    "models/test_hf.py", "serving/test_routes.py", "run/test_rl_run.py", "run/test_tool_calc.py",
-    "train/test_objectives.py", "run/test_agents.py"]
+# Each tier's longest modules first (measured on the 2-core CI machine, by the seconds their
+# tests took; 2026-11-27, the multi-device tier's last five 2026-11-28): `make test` hands
+# whole modules to its two workers in collection order (--no-loadscope-reorder: pytest-xdist
+# otherwise sorts them by test count, and the one-test runs came last), so a long module
+# collected late runs alone at the end while the other worker idles (the checkpoint and
+# train-step modules did, for 20 s).
+_HEAVY_FIRST = {
+    "multi_device": [
+        "sharding/test_tpu_aot.py", "sharding/test_pipeline.py", "run/test_rl_mesh.py",
+        "reliability/test_sigkill.py", "serving/test_paged_attention.py",
+        "train/test_checkpoint.py", "models/test_moe.py", "sharding/test_offload.py",
+        "train/test_step.py", "serving/test_mesh.py"],
+    "one_device": [
+        "colab/test_notebooks.py", "reliability/test_load.py", "run/test_multihost.py",
+        "run/test_long_tail.py", "run/test_fleet_rl.py", "run/test_rl.py", "test_serve.py",
+        "test_lm_eval.py", "serving/test_paged.py", "run/test_warmup_stop.py",
+        "run/test_local_servers.py", "test_docs.py", "test_cli.py", "serving/test_runtime.py",
+        "run/test_families_rl.py", "models/test_hf.py", "serving/test_routes.py",
+        "run/test_rl_run.py", "run/test_tool_calc.py", "train/test_objectives.py",
+        "run/test_agents.py"],
+}
 
 
 # The suite's tiers, named once (the Makefile selects them by marker):
@@ -79,8 +83,10 @@ def pytest_collection_modifyitems(items):
         return item.nodeid.split("::")[0].removeprefix("tests/")
 
     def rank(item):
+        heavy = _HEAVY_FIRST["multi_device" if item.get_closest_marker("multi_device")
+                             else "one_device"]
         p = path(item)
-        return _HEAVY_FIRST.index(p) if p in _HEAVY_FIRST else len(_HEAVY_FIRST)
+        return heavy.index(p) if p in heavy else len(heavy)
 
     for item in items:
         if any(path(item).startswith(p) for p in _MULTI_DEVICE):
