@@ -68,7 +68,7 @@ def main() -> None:
           f"{'torch / best xla':>16s}")
     rows, seconds = [], {"xla": 0.0, "xla-no-ynn": 0.0, "torch": 0.0}
     for weight, (fan_in, fan_out, count) in weights.items():
-        for form, (fn, shapes) in FORMS.items():
+        for form, (_, shapes) in FORMS.items():
             a, b = (rng.standard_normal(s, np.float32)
                     for s in shapes(args.tokens, fan_in, fan_out))
             calls = sides(form, a, b)
