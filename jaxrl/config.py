@@ -238,10 +238,40 @@ class RunConfig:
                     f"pipeline set sharding.pipeline.microbatches instead")
             if self.hf_path is None:  # otherwise the layers come from config.json: checked then
                 self.check_pipeline(self.model)
+        if self.mesh.context > 1:
+            self.check_context(self.model)
         if self.model.attention == "splash":
             self.check_splash()
         if self.model.attention == "cudnn":
             self.check_cudnn()
+
+    def check_context(self, model: ModelConfig) -> None:
+        """ConfigError for what context parallelism (mesh.context > 1) cannot run yet, and
+        for sequence lengths that do not split into 2 x mesh.context equal chunks."""
+        from jaxrl.models.context_attention import check_length
+
+        c, problems = self.mesh.context, []
+        lengths = {}
+        if self.train.steps:
+            lengths["train.seq_len"] = self.train.seq_len
+        if self.rl.steps:
+            lengths["rl.pack_len"] = self.rl.pack_len
+        for key, length in lengths.items():
+            try:
+                check_length(length, c, key)
+            except ValueError as e:
+                problems.append(str(e))
+        if self.sharding.pipeline.enabled:
+            problems.append(f"a pipeline (sharding.pipeline.stages="
+                            f"{self.sharding.pipeline.stages}) is not supported with it yet")
+        if model.attention == "cudnn":
+            problems.append("model.attention=cudnn is not supported with it yet (use xla)")
+        if model.sliding_window is not None:
+            problems.append(f"sliding-window attention (model.sliding_window="
+                            f"{model.sliding_window}, {model.family}) is not supported with "
+                            f"it yet")
+        if problems:
+            raise ConfigError(f"mesh.context={c}: " + "; ".join(problems))
 
     def check_cudnn(self) -> None:
         """ConfigError for what cuDNN's flash attention cannot take: float32, head_dim past 256

@@ -25,6 +25,8 @@ def model_config(cfg: RunConfig) -> ModelConfig:
                                mlp_backward=cfg.model.mlp_backward,
                                packed_attention=cfg.model.packed_attention)
     cfg.check_pipeline(model_cfg)
+    if cfg.mesh.context > 1:
+        cfg.check_context(model_cfg)
     return model_cfg
 
 

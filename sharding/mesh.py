@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "stage", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")
 
 # logical axis -> mesh axes it is split over, in order. Unlisted axes are replicated.
 RULES: dict[str, tuple[str, ...]] = {
@@ -47,6 +47,10 @@ class MeshConfig:
     # to their experts' devices and back (all-to-all); the rest of the model takes it as data
     # parallelism.
     expert: int = 1
+    # Context parallelism: every row's tokens split over it (two chunks a device, balanced for
+    # the causal mask), attention across it by all-gathered keys and values
+    # (jaxrl/models/context_attention.py); the rest of the model runs token by token.
+    context: int = 1
     tensor: int = 1   # tensor parallelism over heads, mlp and vocab
 
     def __post_init__(self):
@@ -72,7 +76,7 @@ class MeshConfig:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes (data, stage, fsdp, expert, tensor) over `devices` (default: all)."""
+    """A mesh with axes (data, stage, fsdp, expert, context, tensor) over `devices` (default: all)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = cfg.resolve(len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)

@@ -73,6 +73,22 @@ def test_splash_attention_asks_for_whole_blocks_naming_the_nearest():
                            "model.max_seq_len=256"])
 
 
+def test_context_parallelism_names_each_length_and_what_it_does_not_run_yet():
+    from jaxrl.config import ConfigError, load_run_config
+
+    with pytest.raises(ConfigError, match=r"mesh.context=4: train.seq_len=100 must be a multiple "
+                                          r"of 2 x mesh.context = 8 .*; rl.pack_len=60 must be "
+                                          r".*; a pipeline \(sharding.pipeline.stages=2\) is not "
+                                          r"supported with it yet"):
+        load_run_config(None, ["mesh.context=4", "train.seq_len=100", "rl.steps=5",
+                               "rl.pack_len=60", "sharding.pipeline.stages=2"])
+    with pytest.raises(ConfigError, match=r"sliding-window attention \(model.sliding_window=16"):
+        load_run_config(None, ["mesh.context=2", "model.family=gemma2",
+                               "model.sliding_window=16"])
+    cfg = load_run_config(None, ["mesh.context=4", "train.seq_len=128"])
+    assert cfg.mesh.context == 4
+
+
 def test_cudnn_attention_refuses_what_the_kernel_cannot_take():
     from jaxrl.config import ConfigError, load_run_config
 

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models import block_attention
+from jaxrl.models import block_attention, context_attention
 from jaxrl.models import layers as ops
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.moe import moe_mlp_routed, router_load, routing_mismatch
@@ -114,6 +114,10 @@ def _attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH, replay_B
 
 
 def _attend(cfg: ModelConfig, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT):
+    if context_attention.context_size() > 1:     # rows split over the mesh's context axis
+        return context_attention.attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT,
+                                           scale=cfg.attention_scale,
+                                           softcap=cfg.attn_softcap)
     if (segment_ids_BT is not None and cfg.attention == "xla"
             and cfg.packed_attention == "blocks" and cfg.attn_softcap is None
             and not any(cfg.sliding_layers()) and block_attention.usable(q_BTNH.shape[1])):

@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl.models.context_attention import context_size
 from jaxrl.models.layers import soft_cap
 from jaxrl.models.moe import load_balancing_loss
 from jaxrl.rl.losses import effective_sample_size, policy_loss
@@ -77,27 +78,38 @@ def chunked_token_stats(x_BTD, head_DV, targets_BT, temperature: float = 1.0, ch
     512. `softcap`: the model's final-logit soft-cap
     (Gemma 2), applied before the temperature as the engine does."""
     b, t, d = x_BTD.shape
-    n = 1 if chunk <= 0 else -(-t // chunk)
-    c = -(-t // n)    # n even chunks of at most `chunk`: 529 positions are 2 x 265, not 2 x 512
-    pad = n * c - t
-    x_NBCD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
-    targets_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
+    # Under context parallelism (rows split over K devices) each device chunks its own part:
+    # a chunk's positions stay on their device instead of being gathered to one.
+    k = context_size()
+    local = t // k
+    n = 1 if chunk <= 0 else -(-local // chunk)
+    c = -(-local // n)    # n even chunks of at most `chunk`: 529 positions are 2 x 265, not 2 x 512
+    pad = n * c - local
+
+    def chunked(a_BT):     # [B, T, ...] -> [N, B, K, C, ...]
+        a = a_BT.reshape(b, k, local, *a_BT.shape[2:])
+        a = jnp.pad(a, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 3))
+        return jnp.moveaxis(a.reshape(b, k, n, c, *a.shape[3:]), 2, 0)
 
     @jax.checkpoint
-    def stats(x_BCD, targets_BC):
-        logits_BCV = soft_cap(jnp.einsum("bcd,dv->bcv", x_BCD, head_DV,
-                                         preferred_element_type=jnp.float32), softcap) / temperature
-        logz_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-        target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
-        probs_BCV = jnp.exp(logits_BCV - logz_BC[..., None])
-        entropy_BC = logz_BC - jnp.sum(probs_BCV * logits_BCV, axis=-1)
-        correct_BC = jnp.argmax(logits_BCV, axis=-1) == targets_BC
-        return target_BC - logz_BC, entropy_BC, correct_BC
+    def stats(x_BKCD, targets_BKC):
+        logits_BKCV = soft_cap(jnp.einsum("bkcd,dv->bkcv", x_BKCD, head_DV,
+                                          preferred_element_type=jnp.float32),
+                               softcap) / temperature
+        logz_BKC = jax.nn.logsumexp(logits_BKCV, axis=-1)
+        target_BKC = jnp.take_along_axis(logits_BKCV, targets_BKC[..., None], axis=-1)[..., 0]
+        probs_BKCV = jnp.exp(logits_BKCV - logz_BKC[..., None])
+        entropy_BKC = logz_BKC - jnp.sum(probs_BKCV * logits_BKCV, axis=-1)
+        correct_BKC = jnp.argmax(logits_BKCV, axis=-1) == targets_BKC
+        return target_BKC - logz_BKC, entropy_BKC, correct_BKC
 
-    _, (logp_NBC, entropy_NBC, correct_NBC) = jax.lax.scan(
-        lambda carry, xs: (carry, stats(*xs)), None, (x_NBCD, targets_NBC))
-    unchunk = lambda a: a.swapaxes(0, 1).reshape(b, n * c)[:, :t]  # noqa: E731
-    return unchunk(logp_NBC), unchunk(entropy_NBC), unchunk(correct_NBC)
+    _, (logp_NBKC, entropy_NBKC, correct_NBKC) = jax.lax.scan(
+        lambda carry, xs: (carry, stats(*xs)), None, (chunked(x_BTD), chunked(targets_BT)))
+
+    def unchunk(a_NBKC):
+        return jnp.moveaxis(a_NBKC, 0, 2).reshape(b, k, n * c)[:, :, :local].reshape(b, t)
+
+    return unchunk(logp_NBKC), unchunk(entropy_NBKC), unchunk(correct_NBKC)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from jaxrl.models import ModelConfig, Transformer, abstract_model, merge_params, param_axes
 from jaxrl.models.transformer import split_params
 from jaxrl.train.objectives import SupervisedLoss
+from sharding import context as context_parallel
 from sharding import mesh as shd
 from sharding import pipeline as pp
 from sharding import stage_programs
@@ -230,13 +231,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
         if "oldest_version" in batch:   # RL: tokens whose whole context these weights made
             batch = {**batch, "on_policy": ((batch["oldest_version"] == state["step"])
                                             & (batch["loss_mask"] > 0)).astype(jnp.float32)}
-        # Splash attention and expert parallelism run in shard_map over the mesh they find
-        # in this context.
+        # Splash attention, expert and context parallelism run in shard_map over the mesh
+        # they find in this context.
         cfg = merge_params(graphdef, state["params"]).cfg
         context = (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None
                    and (cfg.attention == "splash" or cfg.num_experts
-                        and mesh.shape.get("expert", 1) > 1)
+                        and mesh.shape.get("expert", 1) > 1 or mesh.shape.get("context", 1) > 1)
                    else contextlib.nullcontext())
+        if mesh is not None:
+            batch = context_parallel.to_context_order(batch, mesh)
         with context:
             loss, grads, aux = loss_and_grads(graphdef, state["params"], batch, objective,
                                               state.get("ref_params"), remat, pipeline, mesh,

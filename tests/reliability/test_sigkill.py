@@ -111,7 +111,8 @@ def runs(tmp_path_factory):
 
 def test_train_prints_its_mesh_and_phases_and_writes_plots(runs):
     straight, _, _, printed = runs
-    assert "mesh {'data': 1, 'stage': 1, 'fsdp': 4, 'expert': 1, 'tensor': 2}" in printed
+    assert ("mesh {'data': 1, 'stage': 1, 'fsdp': 4, 'expert': 1, 'context': 1, "
+            "'tensor': 2}") in printed
     assert f"RL (async, colocated, loss tis): steps {WARMUP}..{WARMUP + RL}" in printed
     assert "held-out accuracy" in printed and "before RL" in printed
     rows = read_metrics(straight)

@@ -88,7 +88,8 @@ def test_two_processes_train_as_one_process_does(runs):
 
 def test_process_zero_speaks_for_both(runs):
     leader, other = runs["outputs"]
-    assert "mesh {'data': 1, 'stage': 1, 'fsdp': 4, 'expert': 1, 'tensor': 2}" in leader
+    assert ("mesh {'data': 1, 'stage': 1, 'fsdp': 4, 'expert': 1, 'context': 1, "
+            "'tensor': 2}") in leader
     assert "jaxrl train" in leader and "jaxrl train" not in other      # the summary table
     assert "  loss " in leader and "  loss " not in other              # the step lines
 

@@ -7,9 +7,10 @@ from sharding.mesh import MeshConfig, batch_sharding, logical_to_spec, make_mesh
 
 def test_auto_axis_takes_the_remaining_devices():
     assert MeshConfig(data=2, tensor=2).resolve(8) == {"data": 2, "stage": 1, "fsdp": 2,
-                                                        "expert": 1, "tensor": 2}
+                                                        "expert": 1, "context": 1, "tensor": 2}
     mesh = make_mesh(MeshConfig(data=2, tensor=2))
-    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "context": 1,
+                                "tensor": 2}
 
 
 def test_mesh_over_a_subset_of_devices():
