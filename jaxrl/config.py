@@ -292,14 +292,14 @@ class RunConfig:
     def check_splash(self) -> None:
         """ConfigError naming every sequence length the splash kernel cannot take (those the run
         trains on), with the nearest valid values."""
-        from jaxrl.models.layers import splash_problems
+        from jaxrl.models.splash import splash_problems
 
         lengths = {}
         if self.train.steps:
             lengths["train.seq_len"] = self.train.seq_len
         if self.rl.steps:
             lengths["rl.pack_len"] = self.rl.pack_len
-        problems = splash_problems(lengths)
+        problems = splash_problems(lengths, self.mesh.context)
         if self.sharding.pipeline.enabled:
             problems.append(f"model.attention=splash inside a pipeline (sharding.pipeline."
                             f"stages={self.sharding.pipeline.stages}) is not supported yet: "

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxrl.models import splash
+
 AXIS = "context"
 _LOW = float(jnp.finfo(jnp.float32).min)
 
@@ -52,22 +54,32 @@ def stored_index(length: int, context: int) -> np.ndarray:
     (device i's part, chunks i and 2C-1-i, is positions i*2s .. (i+1)*2s - 1)."""
     check_length(length, context)
     s = length // (2 * context)
-    chunks = [c for i in range(context) for c in (i, 2 * context - 1 - i)]
-    return np.concatenate([np.arange(c * s, (c + 1) * s) for c in chunks]).astype(np.int32)
+    return np.concatenate([np.arange(c * s, (c + 1) * s)
+                           for c in stored_chunks(context)]).astype(np.int32)
+
+
+def stored_chunks(context: int) -> tuple[int, ...]:
+    """The original chunk of each stored chunk of a row (2 x context chunks)."""
+    return tuple(c for i in range(context) for c in (i, 2 * context - 1 - i))
 
 
 def attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, *, scale: float,
-              softcap: float | None = None):
+              softcap: float | None = None, impl: str = "xla"):
     """Causal grouped-query attention (within segments when `segment_ids_BT` is given) of rows
     stored in the load-balanced order and split over the `context` axis of the mesh in
     context: [B, T, N, H] in q's dtype, equal to `layers.attention` on the rows in their
     original order. Rows split over the batch axes and heads over `tensor` as the splash path
-    splits them."""
+    splits them. `impl`: xla (the blocks below) or splash (the Pallas kernel, its block tables
+    split by query shard: jaxrl/models/splash.py)."""
     mesh = jax.sharding.get_abstract_mesh()
     b, t, n, h = q_BTNH.shape
     g = k_BTGH.shape[2]
     c = context_size(mesh)
     check_length(t, c)
+    if impl == "splash":
+        return splash.context_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, scale, AXIS)
+    if impl != "xla":
+        raise ValueError(f"context parallelism runs model.attention=xla or splash, not {impl!r}")
     rows = tuple(a for a in ("data", "fsdp", "expert")
                  if a in mesh.axis_names and mesh.shape[a] > 1) or None
     tensor = mesh.shape["tensor"] if "tensor" in mesh.axis_names else 1

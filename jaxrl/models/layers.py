@@ -12,8 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
+from jaxrl.models import splash
 from jaxrl.models.config import ModelConfig
 
 
@@ -102,7 +102,7 @@ def attention(q_BTNH, k_BSGH, v_BSGH, mask_BTS, impl: str = "xla", segment_ids_B
     if impl == "cudnn":
         return _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments, scale)
     if impl == "splash":
-        return _attention_splash(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, scale)
+        return splash.attention(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, scale)
     raise ValueError(f"attention={impl!r} is not one of 'xla', 'cudnn', 'splash'")
 
 
@@ -182,74 +182,6 @@ def _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments: int, 
         q_BTNH, k_BSGH, v_BSGH, q_seqlen=lengths_BM, kv_seqlen=lengths_BM,
         q_offsets=offsets_BM1, kv_offsets=offsets_BM1, scale=scale,
         mask_type=cudnn.MaskType.PADDING_CAUSAL)
-
-
-# Splash attention's smallest block: sequences must be whole blocks (head_dim is a block's whole
-# last dimension, so any size compiles; 128 fills a TPU register's lanes).
-SPLASH_BLOCK = 128
-
-
-def _attention_splash(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, scale: float):
-    """Pallas splash attention (TPU): causal, within segments when packed, GQA without copying
-    K/V (one MQA kernel per key/value head serves its R = N/G query heads).
-
-    Under a mesh (the train step sets it, `jax.sharding.use_abstract_mesh`) the kernel runs in
-    `shard_map`, since Mosaic kernels cannot be partitioned automatically: rows over the batch
-    axes (data, fsdp), key/value heads and their query heads over `tensor`. On anything but TPU
-    it runs in Pallas interpret mode (slow; for checking it against the XLA path)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
-    b, t, n, h = q_BTNH.shape
-    g = k_BSGH.shape[2]
-    mesh = jax.sharding.get_abstract_mesh()
-    platform = mesh.abstract_device.platform if not mesh.empty else jax.default_backend()
-    batch_axes = tuple(a for a in ("data", "fsdp", "expert") if not mesh.empty
-                       and a in mesh.axis_names and mesh.shape[a] > 1)
-    head_axis = ("tensor" if not mesh.empty and "tensor" in mesh.axis_names
-                 and mesh.shape["tensor"] > 1 else None)
-    r = n // g
-    block = min(SPLASH_BLOCK, t)     # below a block only in interpret mode (tests)
-    kernel = sk.make_splash_mqa(
-        sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(r)]), head_shards=1,
-        q_seq_shards=1, interpret=platform != "tpu",
-        block_sizes=sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                                  block_q_dkv=block, block_kv_dkv=block,
-                                  block_kv_dkv_compute=block, block_q_dq=block,
-                                  block_kv_dq=block))
-
-    def local(q_BGRTH, k_BGSH, v_BGSH, seg_BT):
-        def one(q_RTH, k_SH, v_SH, seg_T):
-            segs = None if segment_ids_BT is None else sk.SegmentIds(q=seg_T, kv=seg_T)
-            return kernel(q_RTH, k_SH, v_SH, segment_ids=segs)
-        per_head = jax.vmap(one, in_axes=(0, 0, 0, None))          # over key/value heads
-        return jax.vmap(per_head, in_axes=(0, 0, 0, 0))(q_BGRTH, k_BGSH, v_BGSH, seg_BT)
-
-    q_BGRTH = (q_BTNH * scale).reshape(b, t, g, r, h).transpose(0, 2, 3, 1, 4)
-    k_BGSH, v_BGSH = (jnp.swapaxes(x, 1, 2) for x in (k_BSGH, v_BSGH))
-    seg_BT = (segment_ids_BT if segment_ids_BT is not None
-              else jnp.ones((b, t), jnp.int32)).astype(jnp.int32)
-    if batch_axes or head_axis:
-        rows = batch_axes or None
-        spec = P(rows, head_axis)
-        local = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(rows)),
-                              out_specs=spec, check_vma=False)
-    out_BGRTH = local(q_BGRTH, k_BGSH, v_BGSH, seg_BT)
-    return out_BGRTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
-
-
-def splash_problems(seq_lens: dict[str, int]) -> list[str]:
-    """What keeps the splash kernel from these shapes, one message each with the nearest valid
-    values (empty: they fit). `seq_lens` names each sequence length by its config key."""
-    out = []
-    for key, length in seq_lens.items():
-        if length % SPLASH_BLOCK:
-            below = max(length // SPLASH_BLOCK * SPLASH_BLOCK, SPLASH_BLOCK)
-            above = -(-length // SPLASH_BLOCK) * SPLASH_BLOCK
-            out.append(f"{key}={length} is not a multiple of splash attention's "
-                       f"{SPLASH_BLOCK}-token block (nearest: "
-                       + (f"{below} or {above})" if below != above else f"{above})"))
-    return out
 
 
 def _gelu_tanh(x):
