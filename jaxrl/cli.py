@@ -158,8 +158,8 @@ def _compile(args) -> None:
         for key in ("argument_bytes", "host_argument_bytes", "device_temp_bytes",
                     "host_temp_bytes", "output_bytes"):
             print(f"  {key:<19} {memory[key] / 2**20:10.1f} MiB")
-        print(f"  fits in HBM: {memory['fits']}" + (f" ({memory['note']})" if "note" in memory
-                                                     else ""))
+        print(f"  fits: {memory['fits']}" + (f" ({memory['note']})" if "note" in memory
+                                               else ""))
     keys = ("device_temp_bytes", "host_temp_bytes", "argument_bytes", "fits")
     summary = {k: train[k] for k in keys}
     if pipe.enabled:

@@ -21,7 +21,9 @@ MESH_AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")
 # logical axis -> mesh axes it is split over, in order. Unlisted axes are replicated.
 RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),
-    "embed": ("fsdp",),
+    # Parameters are split over the context axis too (its devices share rows, not weights:
+    # ZeRO-3 over fsdp x context, as MaxText shards `embed`), gathered layer by layer.
+    "embed": ("fsdp", "context"),
     "vocab": ("tensor",),
     "q_heads": ("tensor",),
     "kv_heads": ("tensor",),

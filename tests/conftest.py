@@ -52,6 +52,7 @@ def pytest_terminal_summary(terminalreporter):
 _HEAVY_FIRST = {
     "multi_device": [
         "sharding/test_tpu_aot.py", "sharding/test_pipeline.py", "run/test_rl_mesh.py",
+        "sharding/test_context.py",
         "reliability/test_sigkill.py", "serving/test_paged_attention.py",
         "train/test_checkpoint.py", "models/test_moe.py", "sharding/test_offload.py",
         "train/test_step.py", "serving/test_mesh.py"],

@@ -39,7 +39,8 @@ def compile_generate_step(cfg: RunConfig, topology: str) -> dict:
     slots, pages = engine.cfg.max_concurrent_decodes, engine.cfg.pages_per_sequence
     program = engine.programs
     args = program.args("decode", (slots, pages))
-    return _memory(program.lower("decode", (slots, pages)), args, topology)
+    return _memory(program.lower("decode", (slots, pages)), args, topology,
+                   "the generate step")
 
 
 def compile_train_step(cfg: RunConfig, topology: str) -> dict:
@@ -65,12 +66,12 @@ def compile_train_step(cfg: RunConfig, topology: str) -> dict:
     return _memory(step.lower(state, batch), (state, batch), topology)
 
 
-def _memory(lowered, args, topology: str) -> dict:
+def _memory(lowered, args, topology: str, program: str = "the train step") -> dict:
     """Per-device bytes of `lowered` (a program lowered with abstract `args`) once compiled."""
     try:
         memory = lowered.compile().memory_analysis()
     except jax.errors.JaxRuntimeError as e:
-        return _out_of_memory(e, args)
+        return _out_of_memory(e, args, program)
     out = {"device_temp_bytes": int(memory.temp_size_in_bytes),
            "host_temp_bytes": int(memory.host_temp_size_in_bytes),
            "argument_bytes": int(memory.argument_size_in_bytes),
@@ -82,33 +83,50 @@ def _memory(lowered, args, topology: str) -> dict:
 
 
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = r"([\d.]+)([KMGT]?)"
+# The three ways libtpu refuses a program for memory, each with what it needed and had:
+_HBM = re.compile(rf"Used {_SIZE} of {_SIZE} hbm")
+_VMEM = re.compile(rf"allocating on stack for %(\S+) = \(([^)]*)\).*?Scoped allocation with "
+                   rf"size {_SIZE} and limit {_SIZE}", re.S)
+_SPACE = re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\) :: "
+                    r"#\S+ \[shape = '([^']*)', space=(\w+),.*?tag = '([^']*)'\] :: (\S+)",
+                    re.S)
 
 
-def _out_of_memory(error: Exception, args) -> dict:
-    """The compiler refuses a program whose temporaries exceed HBM (CompileTimeHbmOom) or one
-    of whose fusions needs more scoped VMEM than the core has (CompileTimeScopedVmemOom: e.g.
-    XLA attention's [.., T, T] scores at long T); report it as not fitting, with the compiler's
-    figure, instead of failing. Other compile errors propagate."""
+def _out_of_memory(error: Exception, args, program: str = "the train step") -> dict:
+    """The compiler refuses a program whose buffers exceed a memory: HBM (its temporaries),
+    the scoped VMEM of one fusion (e.g. XLA attention's [.., T, T] scores at long T), or the
+    SMEM or VMEM of a Pallas kernel's operand (e.g. splash attention's block tables). Report
+    it as "does not fit: N bytes of MEMORY needed, M available" naming the program and the
+    buffer, instead of failing. Other compile errors propagate."""
     text = str(error)
     per_device = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
                      for a in jax.tree.leaves(args))
     out = {"device_temp_bytes": 0, "host_temp_bytes": 0, "argument_bytes": per_device,
            "host_argument_bytes": 0, "output_bytes": 0, "fits": False}
-    hbm = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM", text)
-    vmem = re.search(r"Scoped allocation with size ([\d.]+)([KMGT]) and limit ([\d.]+)([KMGT])",
-                     text)
-    if hbm is not None:
-        out["device_temp_bytes"] = _bytes(hbm.group(1), hbm.group(2))
-        out["note"] = "the compiler ran out of HBM; device_temp_bytes is its estimate"
-    elif vmem is not None:
-        need, limit = _bytes(*vmem.group(1, 2)), _bytes(*vmem.group(3, 4))
-        out.update(vmem_bytes=need, vmem_limit_bytes=limit)
-        out["note"] = (f"a fusion needs {need / 2**20:.2f} MiB of scoped VMEM, over the "
-                       f"{limit / 2**20:.2f} MiB limit; device memory was not estimated")
+    if m := _HBM.search(text):
+        need, have = _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
+        found = ("HBM", need, have, program, "its temporaries and arguments")
+        temporaries = re.search(rf"HLO temporaries \({_SIZE}\)", text)
+        out["device_temp_bytes"] = (_bytes(*temporaries.group(1, 2)) if temporaries
+                                    else need - per_device)
+    elif m := _VMEM.search(text):
+        need, have = _bytes(*m.group(3, 4)), _bytes(*m.group(5, 6))
+        found = ("scoped VMEM", need, have, f"{program}'s fusion {m.group(1)}",
+                 f"its {m.group(2)} output")
+    elif m := _SPACE.search(text):
+        need, have = int(m.group(1)), int(m.group(2))
+        found = (m.group(4).upper(), need, have, f"{program}'s kernel {m.group(6)}",
+                 f"{m.group(5)} ({m.group(3)})")
     else:
         raise error
+    memory, need, have, where, buffer = found
+    out.update(memory=memory, needed_bytes=need, available_bytes=have, program=where,
+               buffer=buffer)
+    out["note"] = (f"does not fit: {need:,} bytes of {memory} needed, {have:,} available "
+                   f"({where}, {buffer})")
     return out
 
 
 def _bytes(number: str, unit: str) -> int:
-    return int(float(number) * _UNITS[unit])
+    return int(float(number) * _UNITS.get(unit, 1))

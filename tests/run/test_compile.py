@@ -20,16 +20,33 @@ HBM = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory i
        "HLO temporaries (802.96G) exceeds available HBM")
 
 
-def test_vmem_out_of_memory_does_not_fit():
-    out = _out_of_memory(jax.errors.JaxRuntimeError(VMEM), ARGS)
+# The message libtpu gave for the splash kernel's block tables at 131,072 tokens in blocks of
+# 128 (1,024 x 1,024 entries) on v5p:2x2x1.
+SMEM = ("RESOURCE_EXHAUSTED: Allocation (size=2097152) would exceed memory (size=1048576) :: "
+        "#allocation3 [shape = 'u8[2097152]{0}', space=smem, size = 0x200000, scoped, tag = "
+        "'prefetched SMEM operand 0'] :: splash_mqa_fwd_residuals.3")
+
+
+@pytest.mark.parametrize("text,memory,need,have,program,buffer", [
+    (HBM, "HBM", int(806.42 * 2**30), int(95.74 * 2**30), "the train step",
+     "its temporaries and arguments"),
+    (VMEM, "scoped VMEM", int(16.25 * 2**20), 16 * 2**20, "the train step's fusion fusion.456",
+     "its f32[4,8,4,8192] output"),
+    (SMEM, "SMEM", 2097152, 1048576, "the train step's kernel splash_mqa_fwd_residuals.3",
+     "prefetched SMEM operand 0 (u8[2097152]{0})"),
+], ids=["hbm", "vmem", "smem"])
+def test_each_kind_of_out_of_memory_does_not_fit(text, memory, need, have, program, buffer):
+    out = _out_of_memory(jax.errors.JaxRuntimeError(text), ARGS)
     assert out["fits"] is False and out["argument_bytes"] == 4 * 1024 * 4
-    assert (out["vmem_bytes"], out["vmem_limit_bytes"]) == (int(16.25 * 2**20), 16 * 2**20)
-    assert "16.25 MiB of scoped VMEM, over the 16.00 MiB limit" in out["note"]
+    assert (out["memory"], out["needed_bytes"], out["available_bytes"]) == (memory, need, have)
+    assert (out["program"], out["buffer"]) == (program, buffer)
+    assert out["note"] == (f"does not fit: {need:,} bytes of {memory} needed, {have:,} "
+                           f"available ({program}, {buffer})")
 
 
-def test_hbm_out_of_memory_does_not_fit():
+def test_hbm_out_of_memory_reports_the_compilers_temporaries():
     out = _out_of_memory(jax.errors.JaxRuntimeError(HBM), ARGS)
-    assert out["fits"] is False and out["device_temp_bytes"] == int(802.96 * 2**30)
+    assert out["device_temp_bytes"] == int(802.96 * 2**30)
 
 
 def test_other_compile_errors_propagate():
