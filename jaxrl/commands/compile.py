@@ -86,6 +86,7 @@ _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SIZE = r"([\d.]+)([KMGT]?)"
 # The three ways libtpu refuses a program for memory, each with what it needed and had:
 _HBM = re.compile(rf"Used {_SIZE} of {_SIZE} hbm")
+_HBM_TEMPORARIES = re.compile(rf"HLO temporaries \({_SIZE}\) exceeds available HBM \({_SIZE}\)")
 _VMEM = re.compile(rf"allocating on stack for %(\S+) = \(([^)]*)\).*?Scoped allocation with "
                    rf"size {_SIZE} and limit {_SIZE}", re.S)
 _SPACE = re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\) :: "
@@ -104,7 +105,7 @@ def _out_of_memory(error: Exception, args, program: str = "the train step") -> d
                      for a in jax.tree.leaves(args))
     out = {"device_temp_bytes": 0, "host_temp_bytes": 0, "argument_bytes": per_device,
            "host_argument_bytes": 0, "output_bytes": 0, "fits": False}
-    if m := _HBM.search(text):
+    if m := _HBM.search(text) or _HBM_TEMPORARIES.search(text):
         need, have = _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
         found = ("HBM", need, have, program, "its temporaries and arguments")
         temporaries = re.search(rf"HLO temporaries \({_SIZE}\)", text)

@@ -80,10 +80,7 @@ def attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, *, scale: float,
         return splash.context_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, scale, AXIS)
     if impl != "xla":
         raise ValueError(f"context parallelism runs model.attention=xla or splash, not {impl!r}")
-    rows = tuple(a for a in ("data", "fsdp", "expert")
-                 if a in mesh.axis_names and mesh.shape[a] > 1) or None
-    tensor = mesh.shape["tensor"] if "tensor" in mesh.axis_names else 1
-    heads = "tensor" if tensor > 1 and g % tensor == 0 else None
+    rows, heads = splash.mesh_axes(mesh, g)
     seg_BT = (jnp.ones((b, t), jnp.int32) if segment_ids_BT is None
               else segment_ids_BT.astype(jnp.int32))
     local = functools.partial(_local_attention, length=t, context=c, scale=scale,

@@ -132,8 +132,9 @@ def _make_kernel(length: int, heads: int, context: int, interpret: bool):
     return sk.SplashAttentionKernel(*infos, **kwargs)
 
 
-def _mesh_axes(mesh, kv_heads: int):
-    """(the batch axes rows split over or None, the axis heads split over or None)."""
+def mesh_axes(mesh, kv_heads: int):
+    """(the batch axes rows split over or None, the axis heads split over or None): how the
+    attention kernels' shard_maps split rows and key/value heads on `mesh`."""
     present = lambda a: not mesh.empty and a in mesh.axis_names and mesh.shape[a] > 1  # noqa: E731
     rows = tuple(a for a in _BATCH_AXES if present(a)) or None
     heads = ("tensor" if present("tensor") and kv_heads % mesh.shape["tensor"] == 0 else None)
@@ -184,7 +185,7 @@ def attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, scale: float):
     def local(q_BGRTH, k_BGSH, v_BGSH, seg_BT):
         return _per_head(kern, q_BGRTH, k_BGSH, v_BGSH, seg_BT, seg_BT, packed)
 
-    rows, heads = _mesh_axes(mesh, g)
+    rows, heads = mesh_axes(mesh, g)
     if rows or heads:
         spec = P(rows, heads)
         local = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(rows)),
@@ -203,7 +204,7 @@ def context_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, scale: float, axis
                   interpret=mesh.abstract_device.platform != "tpu")
     packed = segment_ids_BT is not None
     seg_BT = (segment_ids_BT if packed else jnp.ones((b, t), jnp.int32)).astype(jnp.int32)
-    rows, heads = _mesh_axes(mesh, g)
+    rows, heads = mesh_axes(mesh, g)
     gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=2, tiled=True)
 
     def local(kern, q_BGRTH, k_BGSH, v_BGSH, seg_BT):

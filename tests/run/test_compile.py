@@ -20,6 +20,10 @@ HBM = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory i
        "HLO temporaries (802.96G) exceeds available HBM")
 
 
+# The shorter form of the same (the 1B-class step at 1,024 tokens without remat on v5e:2x4).
+HBM_TEMPORARIES = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the "
+                   "total memory required for HLO temporaries (33.47G) exceeds available HBM "
+                   "(15.75G). HLO module: jit_step.")
 # The message libtpu gave for the splash kernel's block tables at 131,072 tokens in blocks of
 # 128 (1,024 x 1,024 entries) on v5p:2x2x1.
 SMEM = ("RESOURCE_EXHAUSTED: Allocation (size=2097152) would exceed memory (size=1048576) :: "
@@ -30,11 +34,13 @@ SMEM = ("RESOURCE_EXHAUSTED: Allocation (size=2097152) would exceed memory (size
 @pytest.mark.parametrize("text,memory,need,have,program,buffer", [
     (HBM, "HBM", int(806.42 * 2**30), int(95.74 * 2**30), "the train step",
      "its temporaries and arguments"),
+    (HBM_TEMPORARIES, "HBM", int(33.47 * 2**30), int(15.75 * 2**30), "the train step",
+     "its temporaries and arguments"),
     (VMEM, "scoped VMEM", int(16.25 * 2**20), 16 * 2**20, "the train step's fusion fusion.456",
      "its f32[4,8,4,8192] output"),
     (SMEM, "SMEM", 2097152, 1048576, "the train step's kernel splash_mqa_fwd_residuals.3",
      "prefetched SMEM operand 0 (u8[2097152]{0})"),
-], ids=["hbm", "vmem", "smem"])
+], ids=["hbm", "hbm-temporaries", "vmem", "smem"])
 def test_each_kind_of_out_of_memory_does_not_fit(text, memory, need, have, program, buffer):
     out = _out_of_memory(jax.errors.JaxRuntimeError(text), ARGS)
     assert out["fits"] is False and out["argument_bytes"] == 4 * 1024 * 4
@@ -47,6 +53,8 @@ def test_each_kind_of_out_of_memory_does_not_fit(text, memory, need, have, progr
 def test_hbm_out_of_memory_reports_the_compilers_temporaries():
     out = _out_of_memory(jax.errors.JaxRuntimeError(HBM), ARGS)
     assert out["device_temp_bytes"] == int(802.96 * 2**30)
+    out = _out_of_memory(jax.errors.JaxRuntimeError(HBM_TEMPORARIES), ARGS)
+    assert out["device_temp_bytes"] == int(33.47 * 2**30)
 
 
 def test_other_compile_errors_propagate():
