@@ -130,10 +130,14 @@ def _compile(args) -> None:
     from jaxrl.config import load_run_config
 
     cfg = load_run_config(args.config, args.overrides)
-    from jaxrl.commands.compile import compile_generate_step, compile_train_step
+    from jaxrl.commands.compile import (compile_generate_step, compile_train_step,
+                                        explain_train_step)
 
     try:
-        train = compile_train_step(cfg, args.topology)
+        if args.explain_memory:
+            train, peak = explain_train_step(cfg, args.topology)
+        else:
+            train, peak = compile_train_step(cfg, args.topology), None
         generate = compile_generate_step(cfg, args.topology)
     except ValueError as e:
         raise UserError(str(e)) from e
@@ -160,10 +164,16 @@ def _compile(args) -> None:
             print(f"  {key:<19} {memory[key] / 2**20:10.1f} MiB")
         print(f"  fits: {memory['fits']}" + (f" ({memory['note']})" if "note" in memory
                                                else ""))
+        if peak is not None and name == "train step":
+            print("  " + peak.render().replace("\n", "\n  "))
     keys = ("device_temp_bytes", "host_temp_bytes", "argument_bytes", "fits")
     summary = {k: train[k] for k in keys}
     if pipe.enabled:
         summary["bubble_fraction"] = pipe.bubble_fraction()
+    if peak is not None:
+        summary["peak_live_bytes"] = peak.bytes
+        summary["peak_buffers"] = [{"bytes": b.bytes, "shape": b.shape.split("{")[0],
+                                    "op": b.op or b.name} for b in peak.buffers[:12]]
     summary["generate"] = {k: generate[k] for k in keys}
     print(json.dumps(summary))
 
@@ -351,6 +361,9 @@ def _compile_arguments(sub) -> None:
                             "time for a TPU slice (needs libtpu, not a TPU) and print their "
                             "per-device memory")
     p.add_argument("--topology", default="v5e:2x4", help="TPU slice, GEN:AxB[xC]")
+    p.add_argument("--explain-memory", action="store_true",
+                   help="also list the train step's largest device buffers at its memory peak, "
+                        "by the JAX operation that made each (from the compiler's dumps)")
     _config_arguments(p, "train.remat=offload")
     p.set_defaults(run=_compile)
 

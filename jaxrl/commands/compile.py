@@ -4,7 +4,9 @@ a machine without one (JAX + libtpu), and the per-device memory it would need.""
 from __future__ import annotations
 
 import math
+import os
 import re
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +18,10 @@ from jaxrl.recipe import model_config
 from jaxrl.train.objectives import SupervisedLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
 from jaxrl.train.step import abstract_state, jit_train_step, state_shardings
+from sharding import buffers
 from sharding import mesh as shd
 from sharding.aot import tpu_devices
+from sharding.buffers import Peak
 from sharding.layer_order import LayerOrder
 
 # HBM per chip, bytes.
@@ -41,6 +45,27 @@ def compile_generate_step(cfg: RunConfig, topology: str) -> dict:
     args = program.args("decode", (slots, pages))
     return _memory(program.lower("decode", (slots, pages)), args, topology,
                    "the generate step")
+
+
+def explain_train_step(cfg: RunConfig, topology: str) -> tuple[dict, Peak]:
+    """`compile_train_step`'s report and what its device temp holds at the peak (the largest
+    buffers, by the JAX operation that made them), from the compiler's dumps. The compiler must
+    start here: libtpu reads its flags (the dump's) at the process's first TPU compile."""
+    with tempfile.TemporaryDirectory(prefix="jaxrl-xla-dump-") as directory:
+        flags = os.environ.get("XLA_FLAGS")
+        os.environ["XLA_FLAGS"] = f"{flags or ''} {buffers.dump_flags(directory)}".strip()
+        try:
+            report = compile_train_step(cfg, topology)
+        finally:
+            if flags is None:
+                os.environ.pop("XLA_FLAGS")
+            else:
+                os.environ["XLA_FLAGS"] = flags
+        try:
+            return report, buffers.peak(directory)
+        except FileNotFoundError as e:
+            raise ValueError("--explain-memory needs the process's first TPU compile (the "
+                             "compiler reads its dump flags once, at its start)") from e
 
 
 def compile_train_step(cfg: RunConfig, topology: str) -> dict:

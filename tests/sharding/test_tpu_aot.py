@@ -262,3 +262,23 @@ def test_context_parallel_train_step_compiles_with_splash_on_every_chip():
     whole = compiled(DEMO, *model, "mesh.fsdp=1", topology="v5p:1x1x1")
     assert split["fits"] and whole["fits"]
     assert split["device_temp_bytes"] < whole["device_temp_bytes"] / 2
+
+
+def test_explain_memory_names_the_peaks_largest_buffers_by_their_jax_ops():
+    """`jaxrl compile --explain-memory` (its own process: the compiler reads the dump flags at
+    its start): the live bytes at the peak are at most the temp allocation, the buffers come
+    largest first, and the largest are named by the traced train step's operations."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    done = subprocess.run([sys.executable, "-m", "jaxrl.cli", "compile", "--explain-memory",
+                           "--topology", "v5e:2x2", "--config", DEMO, "train.remat=none"],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "at the peak:" in done.stdout
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert 0 < report["peak_live_bytes"] <= report["device_temp_bytes"]
+    sizes = [b["bytes"] for b in report["peak_buffers"]]
+    assert sizes == sorted(sizes, reverse=True) and len(sizes) == 12
+    assert report["peak_buffers"][0]["op"].startswith("jit(step)/")
