@@ -125,57 +125,14 @@ def _serve(args) -> None:
 
 
 def _compile(args) -> None:
-    import json
-
+    from jaxrl.commands.compile import report
     from jaxrl.config import load_run_config
 
     cfg = load_run_config(args.config, args.overrides)
-    from jaxrl.commands.compile import (compile_generate_step, compile_train_step,
-                                        explain_train_step)
-
     try:
-        if args.explain_memory:
-            train, peak = explain_train_step(cfg, args.topology)
-        else:
-            train, peak = compile_train_step(cfg, args.topology), None
-        generate = compile_generate_step(cfg, args.topology)
+        report(cfg, args.topology, explain_memory=args.explain_memory)
     except ValueError as e:
         raise UserError(str(e)) from e
-    pipe = cfg.sharding.pipeline
-    layout = f"remat={cfg.train.remat}"
-    if cfg.train.offload_optimizer:
-        layout += ", optimizer state on host"
-    if pipe.enabled:
-        layout += (f", {pipe.schedule} pipeline: {pipe.stages} stages x {pipe.microbatches} "
-                   f"microbatches x {pipe.repeats} repeats, bubble {pipe.bubble_fraction():.1%}")
-        if pipe.table is not None:
-            layout += f", peak activations {float(pipe.table.peak()):.2f} stage-microbatches"
-            if pipe.table.split:
-                layout += (", W reads B's stash" if pipe.split_backward == "stash" else
-                           ", W recomputes the layer")
-            print(f"{pipe.schedule} schedule table (F forward, B input gradient, W weight "
-                  f"gradient, X both; lower case: a stage's second chunk):")
-            print(pipe.table.render())
-    for name, memory, what in (("train step", train, layout),
-                               ("generate step", generate, f"{cfg.rl.slots} slots")):
-        print(f"{name} compiled for {args.topology} ({what}), per device:")
-        for key in ("argument_bytes", "host_argument_bytes", "device_temp_bytes",
-                    "host_temp_bytes", "output_bytes"):
-            print(f"  {key:<19} {memory[key] / 2**20:10.1f} MiB")
-        print(f"  fits: {memory['fits']}" + (f" ({memory['note']})" if "note" in memory
-                                               else ""))
-        if peak is not None and name == "train step":
-            print("  " + peak.render().replace("\n", "\n  "))
-    keys = ("device_temp_bytes", "host_temp_bytes", "argument_bytes", "fits")
-    summary = {k: train[k] for k in keys}
-    if pipe.enabled:
-        summary["bubble_fraction"] = pipe.bubble_fraction()
-    if peak is not None:
-        summary["peak_live_bytes"] = peak.bytes
-        summary["peak_buffers"] = [{"bytes": b.bytes, "shape": b.shape.split("{")[0],
-                                    "op": b.op or b.name} for b in peak.buffers[:12]]
-    summary["generate"] = {k: generate[k] for k in keys}
-    print(json.dumps(summary))
 
 
 def _bench(args) -> int:

@@ -183,7 +183,7 @@ from sharding.pipeline import PipelineConfig  # noqa: E402
 # Model fields that are runtime choices, allowed next to `hf_path` (the rest come from its
 # config.json).
 RUNTIME_MODEL_KEYS = ("dtype", "param_dtype", "attention", "max_segments", "scan_layers",
-                      "mlp_backward", "packed_attention")
+                      "mlp_backward", "packed_attention", "context_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +266,9 @@ class RunConfig:
                             f"{self.sharding.pipeline.stages}) is not supported with it yet")
         if model.attention == "cudnn":
             problems.append("model.attention=cudnn is not supported with it yet (use xla)")
+        if model.attention == "splash" and model.context_attention == "ring":
+            problems.append("model.context_attention=ring runs on the xla path (splash "
+                            "gathers: model.context_attention=all-gather)")
         if model.sliding_window is not None:
             problems.append(f"sliding-window attention (model.sliding_window="
                             f"{model.sliding_window}, {model.family}) is not supported with "

@@ -23,7 +23,8 @@ def model_config(cfg: RunConfig) -> ModelConfig:
                                max_segments=cfg.model.max_segments,
                                scan_layers=cfg.model.scan_layers,
                                mlp_backward=cfg.model.mlp_backward,
-                               packed_attention=cfg.model.packed_attention)
+                               packed_attention=cfg.model.packed_attention,
+                               context_attention=cfg.model.context_attention)
     cfg.check_pipeline(model_cfg)
     if cfg.mesh.context > 1:
         cfg.check_context(model_cfg)

@@ -3,6 +3,7 @@ a machine without one (JAX + libtpu), and the per-device memory it would need.""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -45,6 +46,50 @@ def compile_generate_step(cfg: RunConfig, topology: str) -> dict:
     args = program.args("decode", (slots, pages))
     return _memory(program.lower("decode", (slots, pages)), args, topology,
                    "the generate step")
+
+
+def report(cfg: RunConfig, topology: str, explain_memory: bool = False, out=print) -> None:
+    """`jaxrl compile`: both steps compiled for `topology`, their per-device memory printed
+    (the pipeline's table first, if any), and a last line of JSON."""
+    if explain_memory:
+        train, peak = explain_train_step(cfg, topology)
+    else:
+        train, peak = compile_train_step(cfg, topology), None
+    generate = compile_generate_step(cfg, topology)
+    pipe = cfg.sharding.pipeline
+    layout = f"remat={cfg.train.remat}"
+    if cfg.train.offload_optimizer:
+        layout += ", optimizer state on host"
+    if pipe.enabled:
+        layout += (f", {pipe.schedule} pipeline: {pipe.stages} stages x {pipe.microbatches} "
+                   f"microbatches x {pipe.repeats} repeats, bubble {pipe.bubble_fraction():.1%}")
+        if pipe.table is not None:
+            layout += f", peak activations {float(pipe.table.peak()):.2f} stage-microbatches"
+            if pipe.table.split:
+                layout += (", W reads B's stash" if pipe.split_backward == "stash" else
+                           ", W recomputes the layer")
+            out(f"{pipe.schedule} schedule table (F forward, B input gradient, W weight "
+                f"gradient, X both; lower case: a stage's second chunk):")
+            out(pipe.table.render())
+    for name, memory, what in (("train step", train, layout),
+                               ("generate step", generate, f"{cfg.rl.slots} slots")):
+        out(f"{name} compiled for {topology} ({what}), per device:")
+        for key in ("argument_bytes", "host_argument_bytes", "device_temp_bytes",
+                    "host_temp_bytes", "output_bytes"):
+            out(f"  {key:<19} {memory[key] / 2**20:10.1f} MiB")
+        out(f"  fits: {memory['fits']}" + (f" ({memory['note']})" if "note" in memory else ""))
+        if peak is not None and name == "train step":
+            out("  " + peak.render().replace("\n", "\n  "))
+    keys = ("device_temp_bytes", "host_temp_bytes", "argument_bytes", "fits")
+    summary = {k: train[k] for k in keys}
+    if pipe.enabled:
+        summary["bubble_fraction"] = pipe.bubble_fraction()
+    if peak is not None:
+        summary["peak_live_bytes"] = peak.bytes
+        summary["peak_buffers"] = [{"bytes": b.bytes, "shape": b.shape.split("{")[0],
+                                    "op": b.op or b.name} for b in peak.buffers[:12]]
+    summary["generate"] = {k: generate[k] for k in keys}
+    out(json.dumps(summary))
 
 
 def explain_train_step(cfg: RunConfig, topology: str) -> tuple[dict, Peak]:

@@ -103,6 +103,11 @@ class ModelConfig:
     # gathers: a mesh would gather every row onto each device). Models with sliding windows or
     # soft-capped attention stay dense.
     packed_attention: Literal["auto", "dense", "blocks"] = "auto"
+    # Attention over rows split by a context mesh axis (mesh.context > 1, xla attention):
+    # all-gather (every device's keys and values gathered to each, per layer) or ring (each
+    # device's pair passed round the axis, two held at a time, its own backward:
+    # jaxrl/models/context_attention.py); splash gathers.
+    context_attention: Literal["all-gather", "ring"] = "all-gather"
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",

@@ -64,13 +64,14 @@ def stored_chunks(context: int) -> tuple[int, ...]:
 
 
 def attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, *, scale: float,
-              softcap: float | None = None, impl: str = "xla"):
+              softcap: float | None = None, impl: str = "xla", method: str = "all-gather"):
     """Causal grouped-query attention (within segments when `segment_ids_BT` is given) of rows
     stored in the load-balanced order and split over the `context` axis of the mesh in
     context: [B, T, N, H] in q's dtype, equal to `layers.attention` on the rows in their
     original order. Rows split over the batch axes and heads over `tensor` as the splash path
     splits them. `impl`: xla (the blocks below) or splash (the Pallas kernel, its block tables
-    split by query shard: jaxrl/models/splash.py)."""
+    split by query shard: jaxrl/models/splash.py). `method` (xla): all-gather (every device's
+    keys and values gathered) or ring (passed round, `_ring_local`)."""
     mesh = jax.sharding.get_abstract_mesh()
     b, t, n, h = q_BTNH.shape
     g = k_BTGH.shape[2]
@@ -83,16 +84,54 @@ def attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, *, scale: float,
     rows, heads = splash.mesh_axes(mesh, g)
     seg_BT = (jnp.ones((b, t), jnp.int32) if segment_ids_BT is None
               else segment_ids_BT.astype(jnp.int32))
-    local = functools.partial(_local_attention, length=t, context=c, scale=scale,
-                              softcap=softcap)
+    if method == "ring":
+        local = functools.partial(_ring_local, length=t, context=c, scale=scale,
+                                  softcap=softcap)
+    elif method == "all-gather":
+        local = functools.partial(_local_attention, length=t, context=c, scale=scale,
+                                  softcap=softcap)
+    else:
+        raise ValueError(f"context attention method={method!r} is not 'all-gather' or 'ring'")
     spec = P(rows, AXIS, heads)
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(rows, AXIS)),
                          out_specs=spec, check_vma=False)(q_BTNH, k_BTGH, v_BTGH, seg_BT)
 
 
+def _pair_index(j, s: int, context: int):
+    """Original indices [2s] of the tokens device j holds (j may be traced)."""
+    return jnp.concatenate([j * s + jnp.arange(s), (2 * context - 1 - j) * s + jnp.arange(s)])
+
+
+def _case(i, j):
+    """Which part of device j's chunk pair device i's queries see: 0 (j < i: both query chunks,
+    key chunk j only; chunk 2C-1-j lies after both), 1 (j = i: all, the diagonal), 2 (j > i:
+    query chunk 2C-1-i only, both key chunks)."""
+    return jnp.sign(j - i) + 1
+
+
+def _pair_forward(block, q_b2sGRH, k_j, v_j, seg_q, seg_j, q_index, k_index, case, s: int):
+    """(output, log-sum-exp) of the queries against one device's chunk pair, for all 2s query
+    rows (-inf and zeros where a case leaves rows out)."""
+
+    def earlier():
+        return block(q_b2sGRH, k_j[:, :s], v_j[:, :s], seg_q, seg_j[:, :s], q_index,
+                     k_index[:s])
+
+    def diagonal():
+        return block(q_b2sGRH, k_j, v_j, seg_q, seg_j, q_index, k_index)
+
+    def later():
+        out, lse = block(q_b2sGRH[:, s:], k_j, v_j, seg_q[:, s:], seg_j, q_index[s:], k_index)
+        return (jnp.concatenate([jnp.zeros_like(out), out], axis=1),
+                jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=1))
+
+    return jax.lax.switch(case, (earlier, diagonal, later))
+
+
 def _local_attention(q_b2sNH, k_b2sGH, v_b2sGH, seg_b2s, *, length: int, context: int,
                      scale: float, softcap: float | None):
-    """One device's queries (its two chunks) against every device's keys, block by block."""
+    """One device's queries (its two chunks) against every device's keys, gathered, block by
+    block."""
     c, s = context, length // (2 * context)
     i = jax.lax.axis_index(AXIS)
     b, _, n, h = q_b2sNH.shape
@@ -100,30 +139,13 @@ def _local_attention(q_b2sNH, k_b2sGH, v_b2sGH, seg_b2s, *, length: int, context
     q_b2sGRH = q_b2sNH.reshape(b, 2 * s, g, n // g, h)
     gather = functools.partial(jax.lax.all_gather, axis_name=AXIS, axis=1, tiled=True)
     k_bTGH, v_bTGH, seg_bT = gather(k_b2sGH), gather(v_b2sGH), gather(seg_b2s)
-    index_T = jnp.asarray(stored_index(length, c))
-    q_index_2s = jnp.concatenate([i * s + jnp.arange(s), (2 * c - 1 - i) * s + jnp.arange(s)])
+    q_index = _pair_index(i, s, c)
     block = jax.checkpoint(functools.partial(_block, scale=scale, softcap=softcap))
-
     outs, lses = [], []
     for j in range(c):          # device j's chunk pair: keys j*2s .. (j+1)*2s - 1
         pair = slice(j * 2 * s, (j + 1) * 2 * s)
-        k_b2sGH_j, v_j, seg_j, idx_j = (k_bTGH[:, pair], v_bTGH[:, pair], seg_bT[:, pair],
-                                        index_T[pair])
-
-        def diagonal():
-            return block(q_b2sGRH, k_b2sGH_j, v_j, seg_b2s, seg_j, q_index_2s, idx_j)
-
-        def earlier():           # j < i: both query chunks, key chunk j only
-            return block(q_b2sGRH, k_b2sGH_j[:, :s], v_j[:, :s], seg_b2s, seg_j[:, :s],
-                         q_index_2s, idx_j[:s])
-
-        def later():             # j > i: query chunk 2C-1-i only, both key chunks
-            out, lse = block(q_b2sGRH[:, s:], k_b2sGH_j, v_j, seg_b2s[:, s:], seg_j,
-                             q_index_2s[s:], idx_j)
-            return (jnp.concatenate([jnp.zeros_like(out), out], axis=1),
-                    jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=1))
-
-        out, lse = jax.lax.switch(jnp.sign(j - i) + 1, (earlier, diagonal, later))
+        out, lse = _pair_forward(block, q_b2sGRH, k_bTGH[:, pair], v_bTGH[:, pair], seg_b2s,
+                                 seg_bT[:, pair], q_index, _pair_index(j, s, c), _case(i, j), s)
         outs.append(out)
         lses.append(lse)
     lse_C = jnp.stack(lses)                          # [C, b, 2s, G, R]
@@ -153,3 +175,115 @@ def _block(q_bqGRH, k_bkGH, v_bkGH, seg_q_bq, seg_k_bk, index_q, index_k, *, sca
                      v_bkGH.astype(jnp.float32))
     lse = jnp.where(seen, m[..., 0] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     return out, jnp.moveaxis(lse, 3, 1)
+
+
+def _ring_local(q_b2sNH, k_b2sGH, v_b2sGH, seg_b2s, length, context, scale, softcap):
+    """`_local_attention` by ring attention (Liu et al., "Ring Attention with Blockwise
+    Transformers"; the zig-zag balance of its load-balanced variants): instead of gathering
+    every device's keys and values, each device's pair moves one device on per step, C steps,
+    so a device holds two pairs at a time. The backward (a custom VJP, flash attention's from
+    the saved log-sum-exp) sends each pair round again with its gradients, which arrive home
+    after the C-th step: what is kept from forward to backward is the device's own q, k, v,
+    output and log-sum-exp, not the C pairs autodiff would keep."""
+    return _ring_forward(q_b2sNH, k_b2sGH, v_b2sGH, seg_b2s, length, context, scale,
+                         softcap)[0]
+
+
+_ring_local = jax.custom_vjp(_ring_local, nondiff_argnums=(4, 5, 6, 7))
+
+
+def _next_device(tree, context: int):
+    return jax.lax.ppermute(tree, AXIS, [(d, (d + 1) % context) for d in range(context)])
+
+
+def _ring_forward(q_b2sNH, k_b2sGH, v_b2sGH, seg_b2s, length, context, scale, softcap):
+    c, s = context, length // (2 * context)
+    i = jax.lax.axis_index(AXIS)
+    b, _, n, h = q_b2sNH.shape
+    g = k_b2sGH.shape[2]
+    q_b2sGRH = q_b2sNH.reshape(b, 2 * s, g, n // g, h)
+    block = functools.partial(_block, scale=scale, softcap=softcap)
+    q_index = _pair_index(i, s, c)
+    k_j, v_j, seg_j = k_b2sGH, v_b2sGH, seg_b2s
+    for r in range(c):                  # step r: device i holds device (i - r)'s pair
+        j = (i - r) % c
+        out_r, lse_r = _pair_forward(block, q_b2sGRH, k_j, v_j, seg_b2s, seg_j, q_index,
+                                     _pair_index(j, s, c), _case(i, j), s)
+        if r == 0:                      # the diagonal: every query sees at least itself
+            out, lse = out_r, lse_r
+        else:
+            new = jnp.logaddexp(lse, lse_r)
+            out = (out * jnp.exp(lse - new)[..., None]
+                   + out_r * jnp.exp(lse_r - new)[..., None])
+            lse = new
+        if r < c - 1:
+            k_j, v_j, seg_j = _next_device((k_j, v_j, seg_j), c)
+    result = out.reshape(b, 2 * s, n, h).astype(q_b2sNH.dtype)
+    return result, (q_b2sNH, k_b2sGH, v_b2sGH, seg_b2s, out, lse)
+
+
+def _ring_backward(length, context, scale, softcap, residuals, dout_b2sNH):
+    q_b2sNH, k_b2sGH, v_b2sGH, seg_b2s, out, lse = residuals
+    c, s = context, length // (2 * context)
+    i = jax.lax.axis_index(AXIS)
+    b, _, n, h = q_b2sNH.shape
+    g = k_b2sGH.shape[2]
+    q_b2sGRH = q_b2sNH.reshape(b, 2 * s, g, n // g, h)
+    dout = dout_b2sNH.reshape(b, 2 * s, g, n // g, h).astype(jnp.float32)
+    delta = jnp.sum(dout * out, axis=-1)
+    grads = functools.partial(_block_grads, scale=scale, softcap=softcap)
+    q_index = _pair_index(i, s, c)
+    dq = jnp.zeros(q_b2sGRH.shape, jnp.float32)
+    k_j, v_j, seg_j = k_b2sGH, v_b2sGH, seg_b2s
+    dk_j = dv_j = jnp.zeros(k_b2sGH.shape, jnp.float32)
+    for r in range(c):
+        j = (i - r) % c
+        k_index = _pair_index(j, s, c)
+
+        def earlier():
+            dq_, dk, dv = grads(q_b2sGRH, k_j[:, :s], v_j[:, :s], seg_b2s, seg_j[:, :s],
+                                q_index, k_index[:s], lse, dout, delta)
+            pad = ((0, 0), (0, s), (0, 0), (0, 0))
+            return dq_, jnp.pad(dk, pad), jnp.pad(dv, pad)
+
+        def diagonal():
+            return grads(q_b2sGRH, k_j, v_j, seg_b2s, seg_j, q_index, k_index, lse, dout,
+                         delta)
+
+        def later():
+            dq_, dk, dv = grads(q_b2sGRH[:, s:], k_j, v_j, seg_b2s[:, s:], seg_j,
+                                q_index[s:], k_index, lse[:, s:], dout[:, s:], delta[:, s:])
+            return jnp.concatenate([jnp.zeros_like(dq_), dq_], axis=1), dk, dv
+
+        dq_r, dk_r, dv_r = jax.lax.switch(_case(i, j), (earlier, diagonal, later))
+        dq, dk_j, dv_j = dq + dq_r, dk_j + dk_r, dv_j + dv_r
+        if r < c - 1:
+            k_j, v_j, seg_j, dk_j, dv_j = _next_device((k_j, v_j, seg_j, dk_j, dv_j), c)
+    dk, dv = _next_device((dk_j, dv_j), c)          # each pair's gradients, home
+    return (dq.reshape(q_b2sNH.shape).astype(q_b2sNH.dtype), dk.astype(k_b2sGH.dtype),
+            dv.astype(v_b2sGH.dtype), None)
+
+
+_ring_local.defvjp(_ring_forward, _ring_backward)
+
+
+def _block_grads(q_bqGRH, k_bkGH, v_bkGH, seg_q, seg_k, index_q, index_k, lse_bqGR,
+                 dout_bqGRH, delta_bqGR, *, scale: float, softcap: float | None):
+    """Gradients (q, k, v; float32) of one block's share of the attention, from the
+    attention's final log-sum-exp and output (`delta` = sum(dout * out))."""
+    raw = jnp.einsum("bqgrh,bkgh->bgrqk", q_bqGRH, k_bkGH,
+                     preferred_element_type=jnp.float32) * scale
+    capped = None if softcap is None else jnp.tanh(raw / softcap)
+    scores = raw if softcap is None else softcap * capped
+    mask = ((index_q[:, None] >= index_k[None, :])[None]
+            & (seg_q[:, :, None] == seg_k[:, None, :]))[:, None, None]
+    p = jnp.where(mask, jnp.exp(scores - jnp.moveaxis(lse_bqGR, 1, 3)[..., None]), 0.0)
+    dv = jnp.einsum("bgrqk,bqgrh->bkgh", p, dout_bqGRH)
+    dp = jnp.einsum("bqgrh,bkgh->bgrqk", dout_bqGRH, v_bkGH.astype(jnp.float32))
+    ds = p * (dp - jnp.moveaxis(delta_bqGR, 1, 3)[..., None])
+    if softcap is not None:
+        ds = ds * (1.0 - capped * capped)
+    ds = ds * scale
+    dq = jnp.einsum("bgrqk,bkgh->bqgrh", ds, k_bkGH.astype(jnp.float32))
+    dk = jnp.einsum("bgrqk,bqgrh->bkgh", ds, q_bqGRH.astype(jnp.float32))
+    return dq, dk, dv

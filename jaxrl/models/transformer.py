@@ -117,7 +117,8 @@ def _attend(cfg: ModelConfig, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT):
     if context_attention.context_size() > 1:     # rows split over the mesh's context axis
         return context_attention.attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT,
                                            scale=cfg.attention_scale,
-                                           softcap=cfg.attn_softcap, impl=cfg.attention)
+                                           softcap=cfg.attn_softcap, impl=cfg.attention,
+                                           method=cfg.context_attention)
     if (segment_ids_BT is not None and cfg.attention == "xla"
             and cfg.packed_attention == "blocks" and cfg.attn_softcap is None
             and not any(cfg.sliding_layers()) and block_attention.usable(q_BTNH.shape[1])):

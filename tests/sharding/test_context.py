@@ -2,6 +2,7 @@
 `context` axis against the XLA path on rows in their own order, and whole train steps (the
 supervised loss and the RL policy loss, packed rows) against the same steps on one device."""
 
+import dataclasses
 import functools
 
 import jax
@@ -47,13 +48,15 @@ def _packed_segments(rng, b, t):
     return np.stack(rows).astype(np.int32)
 
 
+@pytest.mark.parametrize("method", ["all-gather", "ring"])
 @pytest.mark.parametrize("mesh_cfg", [MeshConfig(context=2, fsdp=2, tensor=2),
                                       MeshConfig(context=4, data=2, fsdp=1),
                                       MeshConfig(context=8, fsdp=1)],
                          ids=["context2-fsdp2-tensor2", "context4-data2", "context8"])
-def test_attention_across_the_context_axis_equals_the_unsplit_rows(mesh_cfg):
+def test_attention_across_the_context_axis_equals_the_unsplit_rows(mesh_cfg, method):
     """Values and gradients of q, k and v on packed rows (GQA 4:2), against layers.attention
-    on the rows in their own order with the per-segment causal mask."""
+    on the rows in their own order with the per-segment causal mask; keys and values gathered,
+    or passed round a ring (its own backward: the gradients travel with the pairs)."""
     mesh = make_mesh(mesh_cfg)
     c = mesh.shape["context"]
     rng = np.random.default_rng(c)
@@ -68,7 +71,7 @@ def test_attention_across_the_context_axis_equals_the_unsplit_rows(mesh_cfg):
     def split(q, k, v):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             out = cp.attention(q[:, index], k[:, index], v[:, index], seg[:, index],
-                               scale=h ** -0.5)
+                               scale=h ** -0.5, method=method)
         return jnp.sum(out[:, undo] * w), out[:, undo]
 
     def unsplit(q, k, v):
@@ -81,6 +84,35 @@ def test_attention_across_the_context_axis_equals_the_unsplit_rows(mesh_cfg):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     for got_g, want_g in zip(got_grads, want_grads):
         np.testing.assert_allclose(got_g, want_g, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["all-gather", "ring"])
+def test_soft_capped_scores_across_the_context_axis(method):
+    """Gemma 2's attention soft-cap (scores = cap * tanh(scores / cap)) in both methods' values
+    and gradients, context 4."""
+    mesh = make_mesh(MeshConfig(context=4, data=2, fsdp=1))
+    rng = np.random.default_rng(11)
+    b, t, n, g, h = 2, 16, 4, 2, 8
+    q, k, v, w = (jnp.asarray(rng.normal(size=s) * 2, jnp.float32)
+                  for s in ((b, t, n, h), (b, t, g, h), (b, t, g, h), (b, t, n, h)))
+    index = cp.stored_index(t, 4)
+    undo = np.argsort(index)
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, P())) for x in (q, k, v))
+
+    def split(q, k, v):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            out = cp.attention(q[:, index], k[:, index], v[:, index], None, scale=0.5,
+                               softcap=3.0, method=method)
+        return jnp.sum(out[:, undo] * w)
+
+    def unsplit(q, k, v):
+        return jnp.sum(ops.attention(q, k, v, ops.causal_mask(None, t), scale=0.5,
+                                     softcap=3.0) * w)
+
+    got = jax.jit(jax.value_and_grad(split, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.value_and_grad(unsplit, argnums=(0, 1, 2))(q, k, v)
+    for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b_, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
@@ -139,20 +171,23 @@ def _rl_batch(seed: int, b: int = 8, t: int = 32) -> dict:
             "advantages": (rng.normal(size=(b, t)) * mask).astype(np.float32)}
 
 
-@pytest.mark.parametrize("objective,mesh_cfg", [
-    (SupervisedLoss(logits_chunk=8), MeshConfig(context=2, fsdp=2, tensor=2)),
-    (PolicyGradientLoss(kind="ppo", logits_chunk=8), MeshConfig(context=4, data=2, fsdp=1)),
-], ids=["supervised-context2-fsdp2-tensor2", "ppo-context4-data2"])
-def test_train_steps_on_a_context_axis_match_one_device(objective, mesh_cfg):
+@pytest.mark.parametrize("objective,mesh_cfg,method", [
+    (SupervisedLoss(logits_chunk=8), MeshConfig(context=2, fsdp=2, tensor=2), "all-gather"),
+    (PolicyGradientLoss(kind="ppo", logits_chunk=8), MeshConfig(context=4, data=2, fsdp=1),
+     "all-gather"),
+    (PolicyGradientLoss(kind="gspo", logits_chunk=8), MeshConfig(context=4, fsdp=2), "ring"),
+], ids=["supervised-context2-fsdp2-tensor2", "ppo-context4-data2", "gspo-ring-context4-fsdp2"])
+def test_train_steps_on_a_context_axis_match_one_device(objective, mesh_cfg, method):
     """Two steps (two microbatches each) of packed rows with explicit positions: metrics and
     updated parameters against the same steps on one device."""
-    graphdef, _ = split_params(abstract_model(CFG))
+    cfg = dataclasses.replace(CFG, context_attention=method)
+    graphdef, _ = split_params(abstract_model(cfg))
     schedule = lr_schedule(OPTIM, 10)
     params = None
     results = []
     for mesh in (make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]), make_mesh(mesh_cfg)):
-        shardings = state_shardings(CFG, TX, mesh)
-        state = init_state(CFG, TX, shardings, seed=0, params=params)
+        shardings = state_shardings(cfg, TX, mesh)
+        state = init_state(cfg, TX, shardings, seed=0, params=params)
         params = jax.device_get(state["params"])
         step = jit_train_step(graphdef, TX, shardings, mesh, schedule, objective=objective)
         metrics = []
