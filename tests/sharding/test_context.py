@@ -48,99 +48,31 @@ def _packed_segments(rng, b, t):
     return np.stack(rows).astype(np.int32)
 
 
-@pytest.mark.parametrize("method", ["all-gather", "ring"])
-@pytest.mark.parametrize("mesh_cfg", [MeshConfig(context=2, fsdp=2, tensor=2),
-                                      MeshConfig(context=4, data=2, fsdp=1),
-                                      MeshConfig(context=8, fsdp=1)],
-                         ids=["context2-fsdp2-tensor2", "context4-data2", "context8"])
-def test_attention_across_the_context_axis_equals_the_unsplit_rows(mesh_cfg, method):
-    """Values and gradients of q, k and v on packed rows (GQA 4:2), against layers.attention
-    on the rows in their own order with the per-segment causal mask; keys and values gathered,
-    or passed round a ring (its own backward: the gradients travel with the pairs)."""
-    mesh = make_mesh(mesh_cfg)
-    c = mesh.shape["context"]
-    rng = np.random.default_rng(c)
-    b, t, n, g, h = 4, 32, 4, 2, 8
-    q, k, v, w = (jnp.asarray(rng.normal(size=s), jnp.float32)
-                  for s in ((b, t, n, h), (b, t, g, h), (b, t, g, h), (b, t, n, h)))
-    seg = _packed_segments(rng, b, t)
-    index = cp.stored_index(t, c)
-    undo = np.argsort(index)
-    q, k, v = (jax.device_put(x, NamedSharding(mesh, P())) for x in (q, k, v))
-
-    def split(q, k, v):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            out = cp.attention(q[:, index], k[:, index], v[:, index], seg[:, index],
-                               scale=h ** -0.5, method=method)
-        return jnp.sum(out[:, undo] * w), out[:, undo]
-
-    def unsplit(q, k, v):
-        out = ops.attention(q, k, v, ops.causal_mask(seg, t), scale=h ** -0.5)
-        return jnp.sum(out * w), out
-
-    grad = functools.partial(jax.value_and_grad, argnums=(0, 1, 2), has_aux=True)
-    (_, got), got_grads = jax.jit(grad(split))(q, k, v)
-    (_, want), want_grads = grad(unsplit)(q, k, v)
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-    for got_g, want_g in zip(got_grads, want_grads):
-        np.testing.assert_allclose(got_g, want_g, atol=1e-5, rtol=1e-5)
+def _qkvw(rng, b, t, n, g, h, spread=1.0):
+    """Queries, keys, values and a cotangent to weigh the output by, float32."""
+    return [jnp.asarray(rng.normal(size=shape) * spread, jnp.float32)
+            for shape in ((b, t, n, h), (b, t, g, h), (b, t, g, h), (b, t, n, h))]
 
 
-@pytest.mark.parametrize("method", ["all-gather", "ring"])
-def test_soft_capped_scores_across_the_context_axis(method):
-    """Gemma 2's attention soft-cap (scores = cap * tanh(scores / cap)) in both methods' values
-    and gradients, context 4."""
-    mesh = make_mesh(MeshConfig(context=4, data=2, fsdp=1))
-    rng = np.random.default_rng(11)
-    b, t, n, g, h = 2, 16, 4, 2, 8
-    q, k, v, w = (jnp.asarray(rng.normal(size=s) * 2, jnp.float32)
-                  for s in ((b, t, n, h), (b, t, g, h), (b, t, g, h), (b, t, n, h)))
-    index = cp.stored_index(t, 4)
-    undo = np.argsort(index)
-    q, k, v = (jax.device_put(x, NamedSharding(mesh, P())) for x in (q, k, v))
-
-    def split(q, k, v):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            out = cp.attention(q[:, index], k[:, index], v[:, index], None, scale=0.5,
-                               softcap=3.0, method=method)
-        return jnp.sum(out[:, undo] * w)
-
-    def unsplit(q, k, v):
-        return jnp.sum(ops.attention(q, k, v, ops.causal_mask(None, t), scale=0.5,
-                                     softcap=3.0) * w)
-
-    got = jax.jit(jax.value_and_grad(split, argnums=(0, 1, 2)))(q, k, v)
-    want = jax.value_and_grad(unsplit, argnums=(0, 1, 2))(q, k, v)
-    for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(a, b_, atol=2e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
-def test_splash_across_the_context_axis_equals_the_unsplit_rows(packed):
-    """The splash kernel (Pallas interpret mode) on context=2 x fsdp=2 x tensor=2: each device's
-    queries against the gathered keys, the kernel's block tables split by query shard, its
-    mask by original index; values and gradients against the XLA path on the rows in their
-    own order (two 128-token chunks a device: the kernel's smallest block)."""
-    mesh = make_mesh(MeshConfig(context=2, fsdp=2, tensor=2))
-    rng = np.random.default_rng(7)
-    b, t, n, g, h = 4, 512, 4, 2, 16
-    q, k, v, w = (jnp.asarray(rng.normal(size=s), jnp.float32)
-                  for s in ((b, t, n, h), (b, t, g, h), (b, t, g, h), (b, t, n, h)))
-    seg = (np.where(np.arange(t)[None] < rng.integers(20, 480, b)[:, None], 1, 2)
-           .astype(np.int32) if packed else None)
-    index = cp.stored_index(t, 2)
+def _assert_split_equals_unsplit(mesh, q, k, v, w, seg, *, scale, softcap=None, grad_atol=1e-5,
+                                 **how):
+    """Attention over rows stored in the load-balanced order and split over `mesh`'s context
+    axis (`how`: impl, method) against layers.attention on the rows in their own order with
+    the per-segment causal mask: outputs, and the gradients of sum(out * w) in q, k and v."""
+    t = q.shape[1]
+    index = cp.stored_index(t, mesh.shape["context"])
     undo = np.argsort(index)
     q, k, v = (jax.device_put(x, NamedSharding(mesh, P())) for x in (q, k, v))
 
     def split(q, k, v):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             out = cp.attention(q[:, index], k[:, index], v[:, index],
-                               None if seg is None else seg[:, index], scale=h ** -0.5,
-                               impl="splash")
+                               None if seg is None else seg[:, index], scale=scale,
+                               softcap=softcap, **how)
         return jnp.sum(out[:, undo] * w), out[:, undo]
 
     def unsplit(q, k, v):
-        out = ops.attention(q, k, v, ops.causal_mask(seg, t), scale=h ** -0.5)
+        out = ops.attention(q, k, v, ops.causal_mask(seg, t), scale=scale, softcap=softcap)
         return jnp.sum(out * w), out
 
     grad = functools.partial(jax.value_and_grad, argnums=(0, 1, 2), has_aux=True)
@@ -148,7 +80,48 @@ def test_splash_across_the_context_axis_equals_the_unsplit_rows(packed):
     (_, want), want_grads = grad(unsplit)(q, k, v)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     for got_g, want_g in zip(got_grads, want_grads):
-        np.testing.assert_allclose(got_g, want_g, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(got_g, want_g, atol=grad_atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["all-gather", "ring"])
+@pytest.mark.parametrize("mesh_cfg", [MeshConfig(context=2, fsdp=2, tensor=2),
+                                      MeshConfig(context=4, data=2, fsdp=1),
+                                      MeshConfig(context=8, fsdp=1)],
+                         ids=["context2-fsdp2-tensor2", "context4-data2", "context8"])
+def test_attention_across_the_context_axis_equals_the_unsplit_rows(mesh_cfg, method):
+    """Packed rows, GQA 4:2; keys and values gathered, or passed round a ring (its own
+    backward: the gradients travel with the pairs)."""
+    mesh = make_mesh(mesh_cfg)
+    rng = np.random.default_rng(mesh.shape["context"])
+    b, t = 4, 32
+    q, k, v, w = _qkvw(rng, b, t, 4, 2, 8)
+    _assert_split_equals_unsplit(mesh, q, k, v, w, _packed_segments(rng, b, t),
+                                 scale=8 ** -0.5, method=method)
+
+
+@pytest.mark.parametrize("method", ["all-gather", "ring"])
+def test_soft_capped_scores_across_the_context_axis(method):
+    """Gemma 2's attention soft-cap (scores = cap * tanh(scores / cap)) in both methods,
+    context 4, unpacked rows."""
+    mesh = make_mesh(MeshConfig(context=4, data=2, fsdp=1))
+    q, k, v, w = _qkvw(np.random.default_rng(11), 2, 16, 4, 2, 8, spread=2.0)
+    _assert_split_equals_unsplit(mesh, q, k, v, w, None, scale=0.5, softcap=3.0,
+                                 grad_atol=2e-5, method=method)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_splash_across_the_context_axis_equals_the_unsplit_rows(packed):
+    """The splash kernel (Pallas interpret mode) on context=2 x fsdp=2 x tensor=2: each device's
+    queries against the gathered keys, the kernel's block tables split by query shard, its
+    mask by original index (two 128-token chunks a device: the kernel's smallest block)."""
+    mesh = make_mesh(MeshConfig(context=2, fsdp=2, tensor=2))
+    rng = np.random.default_rng(7)
+    b, t, h = 4, 512, 16
+    q, k, v, w = _qkvw(rng, b, t, 4, 2, h)
+    seg = (np.where(np.arange(t)[None] < rng.integers(20, 480, b)[:, None], 1, 2)
+           .astype(np.int32) if packed else None)
+    _assert_split_equals_unsplit(mesh, q, k, v, w, seg, scale=h ** -0.5, grad_atol=2e-5,
+                                 impl="splash")
 
 
 CFG = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
