@@ -78,7 +78,8 @@ class MeshConfig:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes (data, stage, fsdp, expert, context, tensor) over `devices` (default: all)."""
+    """A mesh with axes (data, stage, fsdp, expert, context, tensor) over `devices` (default:
+    all)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = cfg.resolve(len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
