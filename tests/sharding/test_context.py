@@ -144,16 +144,26 @@ def _rl_batch(seed: int, b: int = 8, t: int = 32) -> dict:
             "advantages": (rng.normal(size=(b, t)) * mask).astype(np.float32)}
 
 
-@pytest.mark.parametrize("objective,mesh_cfg,method", [
-    (SupervisedLoss(logits_chunk=8), MeshConfig(context=2, fsdp=2, tensor=2), "all-gather"),
-    (PolicyGradientLoss(kind="ppo", logits_chunk=8), MeshConfig(context=4, data=2, fsdp=1),
+MOE_CFG = dataclasses.replace(CFG, family="qwen3_moe", num_experts=4, experts_per_token=2,
+                              moe_mlp_dim=32)
+
+
+@pytest.mark.parametrize("model,objective,mesh_cfg,method", [
+    (CFG, SupervisedLoss(logits_chunk=8), MeshConfig(context=2, fsdp=2, tensor=2),
      "all-gather"),
-    (PolicyGradientLoss(kind="gspo", logits_chunk=8), MeshConfig(context=4, fsdp=2), "ring"),
-], ids=["supervised-context2-fsdp2-tensor2", "ppo-context4-data2", "gspo-ring-context4-fsdp2"])
-def test_train_steps_on_a_context_axis_match_one_device(objective, mesh_cfg, method):
+    (CFG, PolicyGradientLoss(kind="ppo", logits_chunk=8), MeshConfig(context=4, data=2, fsdp=1),
+     "all-gather"),
+    (CFG, PolicyGradientLoss(kind="gspo", logits_chunk=8), MeshConfig(context=4, fsdp=2),
+     "ring"),
+    (MOE_CFG, SupervisedLoss(logits_chunk=8), MeshConfig(context=2, expert=2, fsdp=2),
+     "all-gather"),
+], ids=["supervised-context2-fsdp2-tensor2", "ppo-context4-data2", "gspo-ring-context4-fsdp2",
+        "moe-context2-expert2-fsdp2"])
+def test_train_steps_on_a_context_axis_match_one_device(model, objective, mesh_cfg, method):
     """Two steps (two microbatches each) of packed rows with explicit positions: metrics and
-    updated parameters against the same steps on one device."""
-    cfg = dataclasses.replace(CFG, context_attention=method)
+    updated parameters against the same steps on one device (a mixture-of-experts model's
+    tokens sent to their experts across the expert axis from rows split over context)."""
+    cfg = dataclasses.replace(model, context_attention=method)
     graphdef, _ = split_params(abstract_model(cfg))
     schedule = lr_schedule(OPTIM, 10)
     params = None
