@@ -14,7 +14,9 @@ diagonal); with a pair from a device j < i, only chunk j (chunk 2c-1-j lies afte
 queries' chunks); from j > i, only its later chunk 2c-1-i attends, to both. Each device scores
 (2c + 2) s^2 pairs instead of 4c s^2. The blocks' outputs are combined by their log-sum-exps
 (flash attention's merge), and each block is rematerialised, so the backward keeps the blocks'
-outputs, not their scores.
+outputs, not their scores. Ring attention (`model.context_attention=ring`, `_ring_local`) runs
+the same blocks with the pairs passed round the axis instead of gathered, and a backward of its
+own. With splash (jaxrl/models/splash.py) the kernel does the skipping itself.
 
 Shape letters as in layers.py; b rows on this device, s tokens a chunk, C the context size.
 """
