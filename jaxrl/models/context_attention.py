@@ -56,13 +56,7 @@ def stored_index(length: int, context: int) -> np.ndarray:
     (device i's part, chunks i and 2C-1-i, is positions i*2s .. (i+1)*2s - 1)."""
     check_length(length, context)
     s = length // (2 * context)
-    return np.concatenate([np.arange(c * s, (c + 1) * s)
-                           for c in stored_chunks(context)]).astype(np.int32)
-
-
-def stored_chunks(context: int) -> tuple[int, ...]:
-    """The original chunk of each stored chunk of a row (2 x context chunks)."""
-    return tuple(c for i in range(context) for c in (i, 2 * context - 1 - i))
+    return np.concatenate([_pair_index(i, s, context, np) for i in range(context)])
 
 
 def attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, *, scale: float,
@@ -99,9 +93,11 @@ def attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, *, scale: float,
                          out_specs=spec, check_vma=False)(q_BTNH, k_BTGH, v_BTGH, seg_BT)
 
 
-def _pair_index(j, s: int, context: int):
-    """Original indices [2s] of the tokens device j holds (j may be traced)."""
-    return jnp.concatenate([j * s + jnp.arange(s), (2 * context - 1 - j) * s + jnp.arange(s)])
+def _pair_index(j, s: int, context: int, xp=jnp):
+    """Original indices [2s] of the tokens device j holds (chunks j and 2C-1-j; j may be
+    traced), int32."""
+    return xp.concatenate([j * s + xp.arange(s, dtype=xp.int32),
+                           (2 * context - 1 - j) * s + xp.arange(s, dtype=xp.int32)])
 
 
 def _case(i, j):
