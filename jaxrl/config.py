@@ -325,8 +325,14 @@ class RunConfig:
                               f"loss (model.router_aux_loss_coef={model.router_aux_loss_coef}) "
                               f"is not computed inside pipeline stages; set it to 0 or train "
                               f"without a pipeline")
+        if pipe.schedule == "helix" and self.rl.kl_coef:
+            raise ConfigError(f"sharding.pipeline.schedule=helix does not run the KL term's "
+                              f"reference model (rl.kl_coef={self.rl.kl_coef}); use a table "
+                              f"schedule (1f1b, zb-h1, v-half...) or set rl.kl_coef=0")
         num_layers = model.num_layers
         try:
+            if pipe.schedule == "helix":
+                pipe.helix(num_layers)
             pipe.check(num_layers, self.train.batch_size, "train.batch_size")
             pipe.check(num_layers, self.rl.max_microbatches * self.rl.microbatch_rows,
                        f"the RL batch (rl.max_microbatches={self.rl.max_microbatches} x "

@@ -44,6 +44,9 @@ class LayerOrder:
             stored = stage_programs.to_stage_chunks(index, pipeline.table)["layers"]
         elif pipeline.schedule == "circular":
             stored = pp.to_stages(index, pipeline.stages, pipeline.repeats)["layers"]
+        elif pipeline.schedule == "helix":       # stage s: layers s, s+P, ... (sharding/helix.py)
+            stored = pp.to_stages(index, pipeline.stages,
+                                  num_layers // pipeline.stages)["layers"]
         else:
             return None
         stored = np.asarray(stored).reshape(-1)

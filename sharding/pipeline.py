@@ -32,9 +32,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sharding import schedules as sch
+from sharding.helix import HelixPlan
 from sharding.split_backward import SPLITS
 
-SCHEDULES = ("gpipe", "circular", *sch.TABLE_SCHEDULES)
+SCHEDULES = ("gpipe", "circular", *sch.TABLE_SCHEDULES, "helix")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,7 @@ class PipelineConfig:
     repeats: int = 1           # v: blocks of layers per stage (circular, interleaved; the V
     #                            schedules always place 2)
     schedule: Literal["gpipe", "circular", "1f1b", "interleaved", "zb-h1", "v-half", "v-min",
-                      "v-zb"] = "gpipe"
+                      "v-zb", "helix"] = "gpipe"
     # PipeOffload: keep only each stage's input, in pinned host memory, for the backward pass
     # and recompute the stage's layers from it (gpipe and circular).
     offload_stage_inputs: bool = False
@@ -55,9 +56,12 @@ class PipelineConfig:
     # the stash holds ~21 layer inputs per pending W) or `recompute` (W recomputes the layer
     # from its input; ~1.5x the work, one layer input of stash). sharding/split_backward.py.
     split_backward: Literal["stash", "recompute"] = "stash"
+    # HelixPipe (sharding/helix.py): microbatches per attention offset in a wave; a wave is
+    # stages x folds microbatches, and microbatches must be a multiple of it.
+    folds: int = 2
 
     def __post_init__(self):
-        for name in ("stages", "microbatches", "repeats"):
+        for name in ("stages", "microbatches", "repeats", "folds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"sharding.pipeline.{name}={getattr(self, name)} must be >= 1")
         if self.schedule not in SCHEDULES:
@@ -72,6 +76,11 @@ class PipelineConfig:
                 f"sharding.pipeline.schedule=interleaved needs repeats >= 2 and microbatches a "
                 f"multiple of stages: repeats={self.repeats}, microbatches={self.microbatches}, "
                 f"stages={self.stages}")
+        if self.schedule == "helix" and self.microbatches % (self.stages * self.folds):
+            raise ValueError(f"sharding.pipeline.schedule=helix sends microbatches in waves of "
+                             f"stages x folds = {self.stages} x {self.folds}: microbatches="
+                             f"{self.microbatches} is not a multiple of "
+                             f"{self.stages * self.folds}")
         if self.repeats > 1 and self.schedule not in ("circular", "interleaved",
                                                       *sch.V_SCHEDULES):
             raise ValueError(f"sharding.pipeline.repeats={self.repeats} needs schedule=circular "
@@ -130,9 +139,16 @@ class PipelineConfig:
             raise ValueError(f"sharding.pipeline.microbatches={self.microbatches} does not "
                              f"divide {rows_name}={rows}")
 
-    def bubble_fraction(self) -> float:
+    def helix(self, num_layers: int) -> HelixPlan:
+        """HelixPipe's plan for a model of `num_layers` layers."""
+        return HelixPlan(self.stages, num_layers, self.microbatches, self.folds)
+
+    def bubble_fraction(self, num_layers: int | None = None) -> float:
         """Share of stage-ticks that are idle in this schedule (a table schedule's from its
-        table, F = B = W = 1)."""
+        table, F = B = W = 1; helix's from its plan with every part of a layer costing the
+        same, which needs `num_layers`)."""
+        if self.schedule == "helix":
+            return self.helix(num_layers).bubble()
         if self.schedule in sch.TABLE_SCHEDULES:
             return self.table.bubble()
         p, m, v = self.stages, self.microbatches, self.repeats

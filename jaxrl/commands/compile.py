@@ -62,7 +62,7 @@ def report(cfg: RunConfig, topology: str, explain_memory: bool = False, out=prin
         layout += ", optimizer state on host"
     if pipe.enabled:
         layout += (f", {pipe.schedule} pipeline: {pipe.stages} stages x {pipe.microbatches} "
-                   f"microbatches x {pipe.repeats} repeats, bubble {pipe.bubble_fraction():.1%}")
+                   f"microbatches x {pipe.repeats} repeats, bubble {pipe.bubble_fraction(cfg.model.num_layers):.1%}")
         if pipe.table is not None:
             layout += f", peak activations {float(pipe.table.peak()):.2f} stage-microbatches"
             if pipe.table.split:
@@ -83,7 +83,7 @@ def report(cfg: RunConfig, topology: str, explain_memory: bool = False, out=prin
     keys = ("device_temp_bytes", "host_temp_bytes", "argument_bytes", "fits")
     summary = {k: train[k] for k in keys}
     if pipe.enabled:
-        summary["bubble_fraction"] = pipe.bubble_fraction()
+        summary["bubble_fraction"] = pipe.bubble_fraction(cfg.model.num_layers)
     if peak is not None:
         summary["peak_live_bytes"] = peak.bytes
         summary["peak_buffers"] = [{"bytes": b.bytes, "shape": b.shape.split("{")[0],

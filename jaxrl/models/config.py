@@ -108,10 +108,14 @@ class ModelConfig:
     # device's pair passed round the axis, two held at a time, its own backward:
     # jaxrl/models/context_attention.py); splash gathers.
     context_attention: Literal["all-gather", "ring"] = "all-gather"
+    # The dense MLP run over this many pieces of the sequence, each recomputed in the backward
+    # (HelixPipe's chunked MLP): the [B, T, mlp_dim] intermediates and their gradients are
+    # live one piece at a time. 1: the whole sequence at once.
+    mlp_chunks: int = 1
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "mlp_dim", "max_seq_len", "max_segments"):
+                     "head_dim", "mlp_dim", "max_seq_len", "max_segments", "mlp_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
         if self.num_heads % self.num_kv_heads:

@@ -16,10 +16,10 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models import block_attention, context_attention
 from jaxrl.models import layers as ops
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.moe import moe_mlp_routed, router_load, routing_mismatch
+from jaxrl.models.layer_parts import attend, attention_inputs, attention_output_and_mlp, norm
+from jaxrl.models.moe import router_load, routing_mismatch
 
 _normal = nnx.initializers.normal(stddev=0.02)
 
@@ -75,60 +75,6 @@ class Layers(nnx.Module):
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
-def _norm(cfg: ModelConfig, x, scale):
-    return ops.rms_norm(x, scale, cfg.norm_eps, plus_one=cfg.gemma)
-
-
-def _attention_inputs(cfg: ModelConfig, w: dict, x_BTD, cos_BTH, sin_BTH):
-    h_BTD = _norm(cfg, x_BTD, w["attn_norm"])
-    q_BTNH = jnp.einsum("btd,dnh->btnh", h_BTD, w["q_proj"])
-    k_BTGH = jnp.einsum("btd,dgh->btgh", h_BTD, w["k_proj"])
-    v_BTGH = jnp.einsum("btd,dgh->btgh", h_BTD, w["v_proj"])
-    if cfg.qkv_bias:
-        q_BTNH, k_BTGH, v_BTGH = q_BTNH + w["q_bias"], k_BTGH + w["k_bias"], v_BTGH + w["v_bias"]
-    if cfg.qk_norm:
-        q_BTNH = _norm(cfg, q_BTNH, w["q_norm"])
-        k_BTGH = _norm(cfg, k_BTGH, w["k_norm"])
-    return (ops.apply_rope(q_BTNH, cos_BTH, sin_BTH), ops.apply_rope(k_BTGH, cos_BTH, sin_BTH),
-            v_BTGH)
-
-
-def _attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH, replay_BTK=None):
-    """(the layer's output, the MoE router's own (top-k experts [B, T, K], probabilities
-    [B, T, E]), or None for a dense model)."""
-    o_BTD = jnp.einsum("btnh,nhd->btd", a_BTNH, w["o_proj"])
-    if cfg.gemma:
-        o_BTD = _norm(cfg, o_BTD, w["post_attn_norm"])
-    x_BTD = x_BTD + o_BTD
-    h_BTD = checkpoint_name(_norm(cfg, x_BTD, w["mlp_norm"]), "mlp_in")
-    routing = None
-    if cfg.num_experts:
-        m_BTD, *routing = moe_mlp_routed(cfg, w, h_BTD, replay_BTK)
-    else:
-        mlp = ops.geglu if cfg.gemma else ops.swiglu
-        m_BTD = mlp(h_BTD, w["gate_proj"], w["up_proj"], w["down_proj"],
-                    ordered=cfg.mlp_backward == "ordered")
-    if cfg.gemma:
-        m_BTD = _norm(cfg, m_BTD, w["post_mlp_norm"])
-    return x_BTD + m_BTD, routing
-
-
-def _attend(cfg: ModelConfig, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT):
-    if context_attention.context_size() > 1:     # rows split over the mesh's context axis
-        return context_attention.attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT,
-                                           scale=cfg.attention_scale,
-                                           softcap=cfg.attn_softcap, impl=cfg.attention,
-                                           method=cfg.context_attention)
-    if (segment_ids_BT is not None and cfg.attention == "xla"
-            and cfg.packed_attention == "blocks" and cfg.attn_softcap is None
-            and not any(cfg.sliding_layers()) and block_attention.usable(q_BTNH.shape[1])):
-        return block_attention.block_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT,
-                                               cfg.attention_scale)
-    return ops.attention(q_BTNH, k_BTGH, v_BTGH, mask_BTS, cfg.attention, segment_ids_BT,
-                         cfg.max_segments, scale=cfg.attention_scale, softcap=cfg.attn_softcap,
-                         causal=True)
-
-
 # Keys a caller may add to a MoE model's per-layer parameters (`Transformer.hidden_aux`'s
 # `engine_experts`): the experts the engine chose for each token [B, T, K], compared with the
 # router's own (ENGINE_EXPERTS), or compared and used instead (REPLAY_EXPERTS).
@@ -148,14 +94,14 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
     engine_BTK = p.get(ENGINE_EXPERTS, p.get(REPLAY_EXPERTS))
     w = {k: v.astype(cfg.compute_dtype) for k, v in p.items()
          if k not in (ENGINE_EXPERTS, REPLAY_EXPERTS)}
-    q_BTNH, k_BTGH, v_BTGH = _attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
+    q_BTNH, k_BTGH, v_BTGH = attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
     # Names a remat policy can save, offload or recompute (sharding/offload.py).
     q_BTNH = checkpoint_name(q_BTNH, "query_proj")
     k_BTGH = checkpoint_name(k_BTGH, "key_proj")
     v_BTGH = checkpoint_name(v_BTGH, "value_proj")
-    a_BTNH = checkpoint_name(_attend(cfg, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT),
+    a_BTNH = checkpoint_name(attend(cfg, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT),
                              "attention_out")
-    x_BTD, routing = _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH, p.get(REPLAY_EXPERTS))
+    x_BTD, routing = attention_output_and_mlp(cfg, w, x_BTD, a_BTNH, p.get(REPLAY_EXPERTS))
     if not _has_aux(cfg, p):
         return x_BTD
     aux = {}
@@ -319,7 +265,7 @@ class Transformer(nnx.Module):
 
     def final_hidden(self, x_BTD):
         cfg = self.cfg
-        return _norm(cfg, x_BTD, self.final_norm[...].astype(cfg.compute_dtype))
+        return norm(cfg, x_BTD, self.final_norm[...].astype(cfg.compute_dtype))
 
     def extend(self, input_ids_BT, start_B, cache, valid_B=None, routes: bool = False):
         """Runs T new tokens per row on top of a KV cache: row b's tokens sit at positions
@@ -344,12 +290,12 @@ class Transformer(nnx.Module):
             p, layer = xs
             w = {k: v.astype(cfg.compute_dtype) for k, v in p.items()}
             cos_BTH, sin_BTH, window = inputs(sliding_L[layer])
-            q_BTNH, k_BTGH, v_BTGH = _attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
+            q_BTNH, k_BTGH, v_BTGH = attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
             cache = cache.write(layer, positions_BT, k_BTGH, v_BTGH, valid_BT)
             a_BTNH = cache.attend(layer, q_BTNH, positions_BT,
                                   window=window,
                                   scale=cfg.attention_scale, softcap=cfg.attn_softcap)
-            x_BTD, routing = _attention_output_and_mlp(cfg, w, x_BTD, a_BTNH)
+            x_BTD, routing = attention_output_and_mlp(cfg, w, x_BTD, a_BTNH)
             return (x_BTD, cache), routing[0] if routes else None
 
         layers = jnp.arange(cfg.num_layers)

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from jaxrl.models import ModelConfig, Transformer, abstract_model, merge_params, param_axes
 from jaxrl.models.transformer import split_params
+from jaxrl.train import helix_step
 from jaxrl.train.objectives import SupervisedLoss
 from sharding import context as context_parallel
 from sharding import mesh as shd
@@ -57,7 +58,11 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
     stack = layer_stack(remat)
     if pipeline is not None and pipeline.enabled:
         flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
-        if pipeline.table is not None:
+        if pipeline.schedule == "helix":
+            loss, weight, stats, grads = _helix_grads(graphdef, params, flat, objective,
+                                                      ref_params, pipeline, mesh,
+                                                      pipeline_order)
+        elif pipeline.table is not None:
             # A table schedule keeps each layer's input and recomputes the layer in its
             # backward ops: `full` remat already, so `full` adds no second recompute.
             loss, weight, stats, grads = _scheduled_grads(
@@ -150,10 +155,7 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, p
     layers = jax.lax.stop_gradient(params["layers"])
     if mesh is None:
         mesh = shd.make_mesh(shd.MeshConfig(stage=pipeline.stages), jax.devices()[:pipeline.stages])
-    # XLA's SPMD partitioner aborts (spmd_partitioner_util.cc, "Check failed:
-    # partition_group_list...") on a head sharded over both fsdp and tensor inside the
-    # per-stage `lax.switch`: beside both, the heads run replicated (docs/guides/pipelines-tpu.md).
-    replicate_heads = mesh.shape.get("fsdp", 1) > 1 and mesh.shape.get("tensor", 1) > 1
+    replicate_heads = _replicate_heads(mesh)
 
     def embed(o):
         return merge_params(graphdef, {**o, "layers": layers}).embed_tokens(ids)
@@ -188,6 +190,30 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, p
              "layers": from_stages(g_w)}
     stats = {k: _reduce_over_microbatches(k, v, live_M) for k, v in stats_M.items()}
     return jnp.sum(loss_M), jnp.sum(weight_M), stats, grads
+
+
+def _helix_grads(graphdef, params, batch, objective, ref_params, pipeline, mesh,
+                 pipeline_order):
+    """The same four values as `_accumulated_grads`, by HelixPipe (jaxrl/train/helix_step.py)."""
+    if ref_params is not None:
+        raise ValueError("sharding.pipeline.schedule=helix does not run the KL term's "
+                         "reference model; use a table schedule (1f1b, zb-h1 or a V "
+                         "schedule, which fill their bubbles with it) or set rl.kl_coef=0")
+    mesh = mesh or shd.make_mesh(shd.MeshConfig(stage=pipeline.stages),
+                                 jax.devices()[:pipeline.stages])
+    loss_M, weight_M, stats_M, live_M, grads = helix_step.helix_grads(
+        graphdef, params, batch, objective, pipeline, mesh, pipeline_order,
+        _replicate_heads(mesh))
+    stats = {k: _reduce_over_microbatches(k, v, live_M) for k, v in stats_M.items()}
+    return jnp.sum(loss_M), jnp.sum(weight_M), stats, grads
+
+
+def _replicate_heads(mesh: Mesh) -> bool:
+    """Whether the heads run on whole copies of their parameters: beside both fsdp and tensor
+    XLA's SPMD partitioner aborts (spmd_partitioner_util.cc, "Check failed:
+    partition_group_list...") on a head sharded over both inside a stage program's
+    `lax.switch` (docs/guides/pipelines-tpu.md)."""
+    return mesh.shape.get("fsdp", 1) > 1 and mesh.shape.get("tensor", 1) > 1
 
 
 def _reference(graphdef, ref_params, objective, ids, to_stages, micro):
