@@ -240,6 +240,12 @@ class RunConfig:
                 self.check_pipeline(self.model)
         if self.mesh.context > 1:
             self.check_context(self.model)
+        chunks = self.model.mlp_chunks
+        for key, length, used in (("train.seq_len", self.train.seq_len, self.train.steps),
+                                  ("rl.pack_len", self.rl.pack_len, self.rl.steps)):
+            if used and length % (chunks * self.mesh.context):
+                raise ConfigError(f"model.mlp_chunks={chunks} x mesh.context="
+                                  f"{self.mesh.context} does not divide {key}={length}")
         if self.model.attention == "splash":
             self.check_splash()
         if self.model.attention == "cudnn":

@@ -120,3 +120,9 @@ def test_in_pipeline_order_only_activations_and_one_shift_of_weights_move(setup)
 def test_bad_helix_configs_fail_at_config_time(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_run_config("configs/demo_cpu.yaml", overrides)
+
+
+def test_mlp_chunks_must_divide_the_sequence():
+    with pytest.raises(ConfigError, match=r"model.mlp_chunks=5 x mesh.context=1 does not "
+                                          r"divide train.seq_len=12"):
+        load_run_config("configs/demo_cpu.yaml", ["model.mlp_chunks=5", "train.steps=1"])
