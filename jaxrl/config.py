@@ -309,10 +309,12 @@ class RunConfig:
         if self.rl.steps:
             lengths["rl.pack_len"] = self.rl.pack_len
         problems = splash_problems(lengths, self.mesh.context)
-        if self.sharding.pipeline.enabled:
-            problems.append(f"model.attention=splash inside a pipeline (sharding.pipeline."
-                            f"stages={self.sharding.pipeline.stages}) is not supported yet: "
-                            f"use model.attention=xla there")
+        pipe = self.sharding.pipeline
+        if pipe.enabled and pipe.table is None and pipe.schedule != "helix":
+            problems.append(f"model.attention=splash inside a {pipe.schedule} pipeline is not "
+                            f"supported: use a per-stage schedule (1f1b, zb-h1, a V schedule, "
+                            f"helix), whose stage programs run the kernel, or "
+                            f"model.attention=xla")
         if problems:
             raise ConfigError("model.attention=splash: " + "; ".join(problems))
 

@@ -57,20 +57,7 @@ def report(cfg: RunConfig, topology: str, explain_memory: bool = False, out=prin
         train, peak = compile_train_step(cfg, topology), None
     generate = compile_generate_step(cfg, topology)
     pipe = cfg.sharding.pipeline
-    layout = f"remat={cfg.train.remat}"
-    if cfg.train.offload_optimizer:
-        layout += ", optimizer state on host"
-    if pipe.enabled:
-        layout += (f", {pipe.schedule} pipeline: {pipe.stages} stages x {pipe.microbatches} "
-                   f"microbatches x {pipe.repeats} repeats, bubble {pipe.bubble_fraction(cfg.model.num_layers):.1%}")
-        if pipe.table is not None:
-            layout += f", peak activations {float(pipe.table.peak()):.2f} stage-microbatches"
-            if pipe.table.split:
-                layout += (", W reads B's stash" if pipe.split_backward == "stash" else
-                           ", W recomputes the layer")
-            out(f"{pipe.schedule} schedule table (F forward, B input gradient, W weight "
-                f"gradient, X both; lower case: a stage's second chunk):")
-            out(pipe.table.render())
+    layout = _layout(cfg, out)
     for name, memory, what in (("train step", train, layout),
                                ("generate step", generate, f"{cfg.rl.slots} slots")):
         out(f"{name} compiled for {topology} ({what}), per device:")
@@ -90,6 +77,47 @@ def report(cfg: RunConfig, topology: str, explain_memory: bool = False, out=prin
                                     "op": b.op or b.name} for b in peak.buffers[:12]]
     summary["generate"] = {k: generate[k] for k in keys}
     out(json.dumps(summary))
+
+
+def _layout(cfg: RunConfig, out) -> str:
+    """The train step's layout beyond the mesh, in words; a pipeline's schedule printed."""
+    pipe = cfg.sharding.pipeline
+    layout = f"remat={cfg.train.remat}"
+    if cfg.train.offload_optimizer:
+        layout += ", optimizer state on host"
+    if not pipe.enabled:
+        return layout
+    layout += (f", {pipe.schedule} pipeline: {pipe.stages} stages x {pipe.microbatches} "
+               f"microbatches x {pipe.repeats} repeats, bubble "
+               f"{pipe.bubble_fraction(cfg.model.num_layers):.1%}")
+    if pipe.schedule == "helix":
+        plan, ratio = pipe.helix(cfg.model.num_layers), attention_ratio(cfg.model,
+                                                                        cfg.train.seq_len)
+        layout += (f" with every part of a layer costing the same, {plan.bubble(1, ratio):.1%} "
+                   f"at {cfg.train.seq_len:,} tokens' attention/weighted FLOP ratio "
+                   f"{ratio:.2f}")
+        out(f"helix schedule ({plan.waves} waves of {plan.wave} microbatches; each round, "
+            f"the boundary w<wave>:<i> a stage runs):")
+        out(plan.render())
+    if pipe.table is not None:
+        layout += f", peak activations {float(pipe.table.peak()):.2f} stage-microbatches"
+        if pipe.table.split:
+            layout += (", W reads B's stash" if pipe.split_backward == "stash" else
+                       ", W recomputes the layer")
+        out(f"{pipe.schedule} schedule table (F forward, B input gradient, W weight "
+            f"gradient, X both; lower case: a stage's second chunk):")
+        out(pipe.table.render())
+    return layout
+
+
+def attention_ratio(model, length: int) -> float:
+    """A layer's causal attention FLOPs over its weighted parts' (projections, MLP; the
+    experts a token uses), per token of a `length`-token row."""
+    D, N, G, H = model.embed_dim, model.num_heads, model.num_kv_heads, model.head_dim
+    mlp = (3 * D * model.moe_mlp_dim * model.experts_per_token if model.num_experts
+           else 3 * D * model.mlp_dim)
+    weighted = 2 * (2 * D * N * H + 2 * D * G * H + mlp)
+    return 2 * length * N * H / weighted
 
 
 def explain_train_step(cfg: RunConfig, topology: str) -> tuple[dict, Peak]:

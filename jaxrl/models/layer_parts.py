@@ -62,16 +62,15 @@ def attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH, replay_BT
 def _dense_mlp(cfg: ModelConfig, w: dict, h_BTD):
     """The gated MLP, over `cfg.mlp_chunks` pieces of the sequence when asked: a scan whose
     body is rematerialised, so only one piece's [B, T/c, F] intermediates are live in the
-    forward and in the backward."""
+    forward and in the backward. Lengths the pieces do not divide (the engine's decode and
+    prefill chunks) run whole."""
     mlp = ops.geglu if cfg.gemma else ops.swiglu
     run = lambda h: mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"],  # noqa: E731
                         ordered=cfg.mlp_backward == "ordered")
     c = cfg.mlp_chunks
     B, T, D = h_BTD.shape
-    if c == 1:
+    if c == 1 or T % c:         # the train lengths divide (RunConfig checks); decode's T=1
         return run(h_BTD)
-    if T % c:
-        raise ValueError(f"model.mlp_chunks={c} does not divide the sequence length {T}")
     h_cBtD = jnp.moveaxis(h_BTD.reshape(B, c, T // c, D), 1, 0)
     m_cBtD = jax.lax.map(jax.checkpoint(run), h_cBtD)
     return jnp.moveaxis(m_cBtD, 0, 1).reshape(B, T, D)

@@ -17,6 +17,7 @@ Shape letters as in layers.py; R = N/G query heads per key/value head.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -124,7 +125,7 @@ def _make_kernel(length: int, heads: int, context: int, interpret: bool):
     if block <= 2:
         return make(length, block)
     small = make(2 * (length // block), 2)          # the same grid, two tokens a block
-    positions = jnp.arange(length, dtype=jnp.int32)
+    positions = np.arange(length, dtype=np.int32)     # numpy: no mesh of the tracing context
     infos = [None if info is None else info._replace(q_sequence=positions)
              for info in (small.fwd_mask_info, small.dq_mask_info, small.dkv_mask_info)]
     kwargs = {**small.kwargs, "block_sizes": sk.BlockSizes(**dict.fromkeys(_BLOCK_FIELDS, block)),
@@ -132,11 +133,15 @@ def _make_kernel(length: int, heads: int, context: int, interpret: bool):
     return sk.SplashAttentionKernel(*infos, **kwargs)
 
 
-def mesh_axes(mesh, kv_heads: int):
+def mesh_axes(mesh, kv_heads: int, batch: int | None = None):
     """(the batch axes rows split over or None, the axis heads split over or None): how the
-    attention kernels' shard_maps split rows and key/value heads on `mesh`."""
+    attention kernels' shard_maps split rows and key/value heads on `mesh`. Rows stay whole
+    when their count, `batch`, does not split over those axes (a pipeline's one-row
+    microbatch beside fsdp: every device of the stage holds the row)."""
     present = lambda a: not mesh.empty and a in mesh.axis_names and mesh.shape[a] > 1  # noqa: E731
     rows = tuple(a for a in _BATCH_AXES if present(a)) or None
+    if rows and batch is not None and batch % math.prod(mesh.shape[a] for a in rows):
+        rows = None
     heads = ("tensor" if present("tensor") and kv_heads % mesh.shape["tensor"] == 0 else None)
     return rows, heads
 
@@ -185,8 +190,8 @@ def attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, scale: float):
     def local(q_BGRTH, k_BGSH, v_BGSH, seg_BT):
         return _per_head(kern, q_BGRTH, k_BGSH, v_BGSH, seg_BT, seg_BT, packed)
 
-    rows, heads = mesh_axes(mesh, g)
-    if rows or heads:
+    rows, heads = mesh_axes(mesh, g, b)
+    if not mesh.empty:
         spec = P(rows, heads)
         local = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(rows)),
                               out_specs=spec, check_vma=False)
