@@ -14,6 +14,8 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from jaxrl.models.lora import LoraConfig
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -112,6 +114,8 @@ class ModelConfig:
     # (HelixPipe's chunked MLP): the [B, T, mlp_dim] intermediates and their gradients are
     # live one piece at a time. 1: the whole sequence at once.
     mlp_chunks: int = 1
+    # Low-rank adapters on the layers' projections (jaxrl/models/lora.py); rank 0: off.
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",

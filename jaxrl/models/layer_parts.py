@@ -15,12 +15,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxrl.models import block_attention, context_attention
 from jaxrl.models import layers as ops
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.lora import project
 from jaxrl.models.moe import moe_mlp_routed
 
 # The per-layer parameters the attention's inputs read; the others are the attention output's
 # and the MLP's.
 INPUT_KEYS = ("attn_norm", "q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias",
-              "q_norm", "k_norm")
+              "q_norm", "k_norm", *(f"{t}_lora_{m}" for t in ("q_proj", "k_proj", "v_proj")
+                                    for m in "ab"))
 
 
 def norm(cfg: ModelConfig, x, scale):
@@ -29,9 +31,10 @@ def norm(cfg: ModelConfig, x, scale):
 
 def attention_inputs(cfg: ModelConfig, w: dict, x_BTD, cos_BTH, sin_BTH):
     h_BTD = norm(cfg, x_BTD, w["attn_norm"])
-    q_BTNH = jnp.einsum("btd,dnh->btnh", h_BTD, w["q_proj"])
-    k_BTGH = jnp.einsum("btd,dgh->btgh", h_BTD, w["k_proj"])
-    v_BTGH = jnp.einsum("btd,dgh->btgh", h_BTD, w["v_proj"])
+    s = cfg.lora.scale if cfg.lora.enabled else 0.0
+    q_BTNH = project(w, "q_proj", h_BTD, "btd,dnh->btnh", s)
+    k_BTGH = project(w, "k_proj", h_BTD, "btd,dgh->btgh", s)
+    v_BTGH = project(w, "v_proj", h_BTD, "btd,dgh->btgh", s)
     if cfg.qkv_bias:
         q_BTNH, k_BTGH, v_BTGH = q_BTNH + w["q_bias"], k_BTGH + w["k_bias"], v_BTGH + w["v_bias"]
     if cfg.qk_norm:
@@ -44,7 +47,8 @@ def attention_inputs(cfg: ModelConfig, w: dict, x_BTD, cos_BTH, sin_BTH):
 def attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH, replay_BTK=None):
     """(the layer's output, the MoE router's own (top-k experts [B, T, K], probabilities
     [B, T, E]), or None for a dense model)."""
-    o_BTD = jnp.einsum("btnh,nhd->btd", a_BTNH, w["o_proj"])
+    o_BTD = project(w, "o_proj", a_BTNH, "btnh,nhd->btd",
+                    cfg.lora.scale if cfg.lora.enabled else 0.0)
     if cfg.gemma:
         o_BTD = norm(cfg, o_BTD, w["post_attn_norm"])
     x_BTD = x_BTD + o_BTD
@@ -65,8 +69,11 @@ def _dense_mlp(cfg: ModelConfig, w: dict, h_BTD):
     forward and in the backward. Lengths the pieces do not divide (the engine's decode and
     prefill chunks) run whole."""
     mlp = ops.geglu if cfg.gemma else ops.swiglu
-    run = lambda h: mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"],  # noqa: E731
-                        ordered=cfg.mlp_backward == "ordered")
+    if any(k in w for k in ("gate_proj_lora_a", "up_proj_lora_a", "down_proj_lora_a")):
+        run = lambda h: _adapted_mlp(cfg, w, h)  # noqa: E731
+    else:
+        run = lambda h: mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"],  # noqa: E731
+                            ordered=cfg.mlp_backward == "ordered")
     c = cfg.mlp_chunks
     B, T, D = h_BTD.shape
     if c == 1 or T % c:         # the train lengths divide (RunConfig checks); decode's T=1
@@ -74,6 +81,15 @@ def _dense_mlp(cfg: ModelConfig, w: dict, h_BTD):
     h_cBtD = jnp.moveaxis(h_BTD.reshape(B, c, T // c, D), 1, 0)
     m_cBtD = jax.lax.map(jax.checkpoint(run), h_cBtD)
     return jnp.moveaxis(m_cBtD, 0, 1).reshape(B, T, D)
+
+
+def _adapted_mlp(cfg: ModelConfig, w: dict, h_BTD):
+    """The gated MLP with LoRA adapters on its projections (`jaxrl/models/lora.py`)."""
+    act = ops.gelu_tanh if cfg.gemma else jax.nn.silu
+    s = cfg.lora.scale
+    g_BTF = project(w, "gate_proj", h_BTD, "btd,df->btf", s)
+    u_BTF = project(w, "up_proj", h_BTD, "btd,df->btf", s)
+    return project(w, "down_proj", act(g_BTF) * u_BTF, "btf,fd->btd", s)
 
 
 def attend(cfg: ModelConfig, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT):

@@ -184,7 +184,7 @@ def _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments: int, 
         mask_type=cudnn.MaskType.PADDING_CAUSAL)
 
 
-def _gelu_tanh(x):
+def gelu_tanh(x):
     return jax.nn.gelu(x, approximate=True)
 
 
@@ -240,7 +240,7 @@ def swiglu(x_BTD, gate_DF, up_DF, down_FD, ordered: bool = False):
 
 def geglu(x_BTD, gate_DF, up_DF, down_FD, ordered: bool = False):
     """Gemma's MLP: the tanh approximation of GELU (PyTorch's gelu(approximate="tanh"))."""
-    return _mlp(_gelu_tanh, x_BTD, gate_DF, up_DF, down_FD, ordered)
+    return _mlp(gelu_tanh, x_BTD, gate_DF, up_DF, down_FD, ordered)
 
 
 def soft_cap(logits, cap: float | None):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models import layers as ops
+from jaxrl.models import lora
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layer_parts import attend, attention_inputs, attention_output_and_mlp, norm
 from jaxrl.models.moe import router_load, routing_mismatch
@@ -69,6 +70,14 @@ class Layers(nnx.Module):
         self.gate_proj = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), dt)
         self.up_proj = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), dt)
         self.down_proj = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), dt)
+
+    def add_adapters(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        """LoRA's A and B for each targeted projection (jaxrl/models/lora.py), float32. Drawn
+        after every base parameter, so a model with adapters has the base weights of the same
+        seed without them."""
+        for name, (shape, axes) in lora.adapter_shapes(cfg).items():
+            setattr(self, name, nnx.Param(lora.init_adapter(rngs.params(), name, shape),
+                                          axes=axes))
 
     def stacked(self) -> dict[str, jax.Array]:
         """The parameters as plain arrays, each with the leading `layers` axis."""
@@ -216,6 +225,7 @@ class Transformer(nnx.Module):
         self.final_norm = _param(rngs, (cfg.embed_dim,), ("norm",), dt, "ones")
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), dt)
+        self.layers.add_adapters(cfg, rngs)
 
     def hidden(self, input_ids_BT, positions_BT=None, segment_ids_BT=None, stack_fn=None):
         """Final normalised hidden states [B, T, D]. `segment_ids_BT` confines attention to

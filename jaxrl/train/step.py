@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.models import ModelConfig, Transformer, abstract_model, merge_params, param_axes
+from jaxrl.models import ModelConfig, Transformer, abstract_model, lora, merge_params, param_axes
 from jaxrl.models.transformer import split_params
 from jaxrl.train import helix_step
 from jaxrl.train.objectives import SupervisedLoss
@@ -83,8 +83,15 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
         loss, weight, stats, grads = _accumulated_grads(graphdef, params, batch, objective,
                                                         ref_model, stack)
     weight = jnp.maximum(weight, 1.0)
-    grads = jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), grads, params)
+    grads = jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), grads,
+                         optimized(graphdef, params))
     return loss / weight, grads, objective.summarize(stats)
+
+
+def optimized(graphdef, params):
+    """What the optimizer updates: the LoRA adapters when the model has them (the base is
+    frozen: no gradient, no optimizer state), else every parameter."""
+    return _trained(merge_params(graphdef, params).cfg, params)
 
 
 def _check_nested_offload(remat: str, pipeline: pp.PipelineConfig, mesh: Mesh | None) -> None:
@@ -105,13 +112,17 @@ def _accumulated_grads(graphdef, params, batch, objective, ref_model, stack):
     """(sum of loss_sum, sum of weight, combined stats, float32 gradient of the loss sum),
     accumulated over the microbatches of `batch` by a scan."""
 
+    adapters_only = merge_params(graphdef, params).cfg.lora.enabled
+
     def mb_loss(p, mb):
+        p = lora.with_trainable(params, p) if adapters_only else p
         loss_sum, weight, stats = objective(merge_params(graphdef, p), mb, ref_model, stack)
         return loss_sum, (weight, stats)
 
     grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
+    train = optimized(graphdef, params)
     (loss0, (weight0, stats0)), grads0 = jax.eval_shape(
-        grad_fn, params, jax.tree.map(lambda x: x[0], batch))
+        grad_fn, train, jax.tree.map(lambda x: x[0], batch))
     identity = {k: jnp.full(v.shape, jnp.inf if k.endswith("_min") else
                             -jnp.inf if k.endswith("_max") else 0.0, v.dtype)
                 for k, v in stats0.items()}
@@ -122,12 +133,12 @@ def _accumulated_grads(graphdef, params, batch, objective, ref_model, stack):
     def accumulate(carry, mb):
         grads, loss, weight, stats = carry
         (mb_loss_sum, (mb_weight, mb_stats)), mb_grads = jax.lax.cond(
-            jnp.any(mb["loss_mask"] > 0), lambda: grad_fn(params, mb), lambda: nothing)
+            jnp.any(mb["loss_mask"] > 0), lambda: grad_fn(train, mb), lambda: nothing)
         grads = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grads, mb_grads)
         stats = {k: _combine(k, stats[k], v) for k, v in mb_stats.items()}
         return (grads, loss + mb_loss_sum, weight + mb_weight, stats), None
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), train)
     (grads, loss, weight, stats), _ = jax.lax.scan(
         accumulate, (zeros, 0.0, 0.0, identity), batch)
     return loss, weight, stats, grads
@@ -273,8 +284,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
         opt_state = state["opt_state"]
         if opt_device is not None:
             opt_state = jax.device_put(opt_state, opt_device)
-        updates, opt_state = tx.update(grads, opt_state, state["params"])
-        params = optax.apply_updates(state["params"], updates)
+        train = optimized(graphdef, state["params"])
+        updates, opt_state = tx.update(grads, opt_state, train)
+        params = optax.apply_updates(train, updates)
+        if cfg.lora.enabled:
+            params = lora.with_trainable(state["params"], params)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         if schedule is not None:
             metrics["lr"] = schedule(state["step"])
@@ -292,9 +306,9 @@ def state_shardings(model_cfg: ModelConfig, tx, mesh: Mesh, rules=shd.RULES,
     to the device for the update (`optimizer_on_device`)."""
     _, abstract = split_params(abstract_model(model_cfg))
     params = shd.tree_shardings(param_axes(model_cfg), abstract, mesh, rules)
-    opt_abstract = jax.eval_shape(tx.init, abstract)
+    opt_abstract = jax.eval_shape(tx.init, _trained(model_cfg, abstract))
     opt = optax.tree_map_params(
-        tx, lambda _, s: s, opt_abstract, params,
+        tx, lambda _, s: s, opt_abstract, _trained(model_cfg, params),
         transform_non_params=lambda _: shd.replicated(mesh),
         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
     if offload_optimizer:
@@ -314,11 +328,16 @@ def optimizer_on_device(shardings):
 def abstract_state(model_cfg: ModelConfig, tx, shardings):
     """ShapeDtypeStructs (with shardings) of the train state, the target of a restore."""
     _, abstract = split_params(abstract_model(model_cfg))
-    shapes = {"params": abstract, "opt_state": jax.eval_shape(tx.init, abstract),
+    shapes = {"params": abstract,
+              "opt_state": jax.eval_shape(tx.init, _trained(model_cfg, abstract)),
               "step": jax.ShapeDtypeStruct((), jnp.int32),
               "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         shapes, shardings)
+
+
+def _trained(model_cfg: ModelConfig, params):
+    return lora.trainable(params) if model_cfg.lora.enabled else params
 
 
 def init_state(model_cfg: ModelConfig, tx, shardings, seed: int, params=None):
@@ -326,13 +345,19 @@ def init_state(model_cfg: ModelConfig, tx, shardings, seed: int, params=None):
     `params`, when given (e.g. from a Hugging Face checkpoint), replace the random init."""
 
     def init(p):
+        fresh = split_params(Transformer(model_cfg, rngs=nnx.Rngs(seed)))[1]
         if p is None:
-            p = split_params(Transformer(model_cfg, rngs=nnx.Rngs(seed)))[1]
-        return {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32),
+            p = fresh
+        elif model_cfg.lora.enabled and not lora.trainable(p)["layers"]:
+            p = lora.with_trainable(p, lora.trainable(fresh))   # a base without adapters
+        return {"params": p, "opt_state": tx.init(_trained(model_cfg, p)),
+                "step": jnp.zeros((), jnp.int32),
                 "rng": jax.random.key_data(jax.random.key(seed))}
 
-    if params is not None:
-        params = jax.device_put(params, shardings["params"])
+    if params is not None:       # placed as the state will hold them (adapters added below)
+        sh = shardings["params"]
+        params = jax.device_put(params, {**sh, "layers": {
+            k: v for k, v in sh["layers"].items() if k in params["layers"]}})
     return jax.jit(init, out_shardings=shardings)(params)
 
 

@@ -1,0 +1,134 @@
+"""LoRA (Hu et al. 2021) on a decoder layer's projections: W x + s * B(A x), with A [in, r] and
+B [r, out] per targeted projection and layer, B zero at the start so the adapted model begins
+as the base. s = alpha / r, or alpha / sqrt(r) with rsLoRA (Kalajdzievski 2023), as PEFT
+computes it.
+
+Adapters are parameters of the layer stack named `<target>_lora_a` / `<target>_lora_b`
+(PEFT's target names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), stacked
+on the `layers` axis like their base matrices and sharded the same way on their input or
+output axes (the rank axis is whole). They are float32 whatever the base's dtype. With LoRA on,
+only the adapters train: the train step differentiates them alone and the optimizer's state
+holds them alone (`trainable`, `with_trainable`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+TARGETS = (*ATTENTION, *MLP)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """`model.lora`: low-rank adapters on the layers' projections; off when rank is 0."""
+
+    rank: int = 0                  # r; 0: no adapters, every weight trains
+    alpha: float = 16.0            # PEFT's lora_alpha: the adapters' output scaled by alpha/r
+    # PEFT's target_modules: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    # down_proj, or "all-linear" (all seven; a mixture-of-experts model's experts are not
+    # targeted, its attention is).
+    targets: tuple[str, ...] = ("all-linear",)
+    use_rslora: bool = False       # scale by alpha / sqrt(r) (rank-stabilised LoRA)
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise ValueError(f"model.lora.rank={self.rank} must be >= 0 (0: off)")
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", tuple(t.strip() for t in
+                                                      self.targets.split(",")))
+        bad = [t for t in self.targets if t not in (*TARGETS, "all-linear")]
+        if bad or not self.targets:
+            raise ValueError(f"model.lora.targets={list(self.targets)}: {bad or 'empty'}; "
+                             f"allowed: {', '.join(TARGETS)} or all-linear")
+        if self.alpha <= 0:
+            raise ValueError(f"model.lora.alpha={self.alpha} must be > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    def modules(self, moe: bool = False) -> tuple[str, ...]:
+        """The projections that carry adapters (a MoE model has no dense MLP to target)."""
+        names = TARGETS if "all-linear" in self.targets else self.targets
+        return tuple(t for t in TARGETS if t in names and not (moe and t in MLP))
+
+
+def adapter_shapes(cfg) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """{parameter name: (shape, logical axes)} of every adapter of model config `cfg`, with the
+    leading `layers` axis; none when LoRA is off."""
+    if not cfg.lora.enabled:
+        return {}
+    L, D, N, G, H, F, r = (cfg.num_layers, cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads,
+                           cfg.head_dim, cfg.mlp_dim, cfg.lora.rank)
+    ins = {"q_proj": ((D,), ("embed",)), "k_proj": ((D,), ("embed",)),
+           "v_proj": ((D,), ("embed",)), "o_proj": ((N, H), ("q_heads", "head_dim")),
+           "gate_proj": ((D,), ("embed",)), "up_proj": ((D,), ("embed",)),
+           "down_proj": ((F,), ("mlp",))}
+    outs = {"q_proj": ((N, H), ("q_heads", "head_dim")), "k_proj": ((G, H), ("kv_heads", "head_dim")),
+            "v_proj": ((G, H), ("kv_heads", "head_dim")), "o_proj": ((D,), ("embed",)),
+            "gate_proj": ((F,), ("mlp",)), "up_proj": ((F,), ("mlp",)),
+            "down_proj": ((D,), ("embed",))}
+    shapes = {}
+    for t in cfg.lora.modules(moe=bool(cfg.num_experts)):
+        (i_shape, i_axes), (o_shape, o_axes) = ins[t], outs[t]
+        shapes[f"{t}_lora_a"] = ((L, *i_shape, r), ("layers", *i_axes, "lora_rank"))
+        shapes[f"{t}_lora_b"] = ((L, r, *o_shape), ("layers", "lora_rank", *o_axes))
+    return shapes
+
+
+def init_adapter(key, name: str, shape: tuple[int, ...]) -> jax.Array:
+    """PEFT's initialisation: A uniform in +-1/sqrt(fan_in) (Kaiming-uniform with a=sqrt(5)),
+    B zero."""
+    if name.endswith("_lora_b"):
+        return jnp.zeros(shape, jnp.float32)
+    fan_in = int(np.prod(shape[1:-1]))
+    bound = 1 / math.sqrt(fan_in)
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+
+def project(w: dict, name: str, x, equation: str, scale: float):
+    """x through projection `name` of one layer's weights `w` by `equation` (e.g.
+    "btd,dnh->btnh"), plus its adapter's s * B(A x) when `w` has one."""
+    y = jnp.einsum(equation, x, w[name])
+    a = w.get(f"{name}_lora_a")
+    if a is None:
+        return y
+    ins, out = equation.split("->")
+    x_sub, w_sub = ins.split(",")
+    contracted = "".join(c for c in w_sub if c in x_sub)
+    kept = "".join(c for c in x_sub if c not in contracted)
+    low = jnp.einsum(f"{x_sub},{contracted}r->{kept}r", x, a.astype(x.dtype))
+    b = w[f"{name}_lora_b"].astype(x.dtype)
+    produced = "".join(c for c in w_sub if c not in x_sub)
+    return y + scale * jnp.einsum(f"{kept}r,r{produced}->{out}", low, b)
+
+
+def is_adapter(name: str) -> bool:
+    return "_lora_" in name
+
+
+def trainable(params: dict) -> dict:
+    """The adapters of a parameter tree (`{"layers": {...}}`), what trains under LoRA."""
+    return {"layers": {k: v for k, v in params["layers"].items() if is_adapter(k)}}
+
+
+def with_trainable(params: dict, adapters: dict) -> dict:
+    """`params` with its adapters replaced by `adapters` (from `trainable`)."""
+    return {**params, "layers": {**params["layers"], **adapters["layers"]}}
+
+
+def frozen(params: dict) -> dict:
+    """Everything but the adapters."""
+    return {**params, "layers": {k: v for k, v in params["layers"].items()
+                                 if not is_adapter(k)}}
