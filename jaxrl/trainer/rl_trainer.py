@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.config import ConfigError, RunConfig
-from jaxrl.models import from_hf
+from jaxrl.models import from_hf, lora
 from jaxrl.models.transformer import split_params
 from jaxrl.train.objectives import PolicyGradientLoss
 from jaxrl.train.step import abstract_state, init_state
@@ -78,8 +78,12 @@ def _restore_or_init(cfg: RunConfig, ckpt, model_cfg, tx, shardings, log):
         data = ckpt.saved_data(step)
         if data is not None:
             return data, ckpt.restore(target, step)
-        return None, ckpt.restore({"params": target["params"]}, step,
-                                  params_only=True)["params"]
+        # A warm-up from a random initialisation saved no adapters (warmup.warmup_model):
+        # its weights are the base, and init_state adds fresh adapters.
+        params = target["params"]
+        if model_cfg.lora.enabled and not cfg.hf_path:
+            params = lora.frozen(params)
+        return None, ckpt.restore({"params": params}, step, params_only=True)["params"]
 
     data = restored = None
     if latest is not None:

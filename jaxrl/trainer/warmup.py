@@ -5,6 +5,7 @@ Wiring only: the data comes from jaxrl/data, the step from jaxrl/train, the mesh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from jaxrl.models import (
     load_hf_config,
     merge_params,
 )
+from jaxrl.models.lora import LoraConfig
 from jaxrl.models.transformer import split_params
 from jaxrl.recipe import build_task, model_config
 from jaxrl.rl.tasks.base import Task
@@ -54,7 +56,10 @@ def _check_same_model(saved: dict, model_cfg: ModelConfig, path: Path) -> None:
     saved_model = from_dict(RunConfig, saved).model if saved.get("hf_path") is None else \
         load_hf_config(saved["hf_path"])
     ours, theirs = to_dict(model_cfg), to_dict(saved_model)
-    runtime = ("dtype", "attention", "scan_layers", "mlp_backward", "packed_attention")
+    # Settings of how the model runs, not of its weights; adapters (model.lora) are checked by
+    # the restore itself (a warm-up from a random initialisation saves none, see `train`).
+    runtime = ("dtype", "attention", "scan_layers", "mlp_backward", "packed_attention",
+               "mlp_chunks", "context_attention", "lora")
     diff = [k for k in ours if k not in runtime and ours[k] != theirs[k]]
     if diff:
         k = diff[0]
@@ -68,7 +73,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     API's task, instead of the config's."""
     # Everything that can be wrong with the user's input is checked before anything is written.
     latest = check_resume(cfg)
-    model_cfg = model_config(cfg)
+    model_cfg = warmup_model(cfg, log)
     task, tokenizer = build_task(cfg, model_cfg, task)
     mesh = make_mesh(cfg.mesh)
     _check_batch(cfg, mesh)
@@ -89,6 +94,18 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
                       evaluate_at_end)
     finally:
         trainer.close()
+
+
+def warmup_model(cfg: RunConfig, log: Callable[[str], None] = lambda _: None) -> ModelConfig:
+    """The model the warm-up trains: the config's, but without LoRA adapters when it starts
+    from a random initialisation (adapters adapt a trained base; RL adds them to the warm-up's
+    weights). From a Hugging Face folder the warm-up trains the adapters alone."""
+    model_cfg = model_config(cfg)
+    if model_cfg.lora.enabled and not cfg.hf_path:
+        log(f"model.lora.rank={model_cfg.lora.rank} adapts a trained base: the warm-up from a "
+            f"random initialisation trains every weight, RL the adapters")
+        model_cfg = dataclasses.replace(model_cfg, lora=LoraConfig())
+    return model_cfg
 
 
 def _restore_or_init(cfg: RunConfig, latest: int | None, log: Callable[[str], None]):
@@ -191,7 +208,8 @@ def restore_for_eval(checkpoint_dir: str | Path, step: int | None = None, *,
     ckpt = Checkpointer(checkpoint_dir, create=False)
     step = ckpt.resolve_step(step)
     cfg = from_dict(RunConfig, ckpt.saved_config(step))
-    model_cfg = model_config(cfg)
+    # An RL checkpoint holds the run's model; a warm-up's, the warm-up's (`warmup_model`).
+    model_cfg = model_config(cfg) if ckpt.saved_data(step) is not None else warmup_model(cfg)
     task, tokenizer = build_task(cfg, model_cfg)
     graphdef, abstract = split_params(abstract_model(model_cfg))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

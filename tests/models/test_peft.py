@@ -1,0 +1,86 @@
+"""LoRA adapters through PEFT's format (jaxrl/models/peft_io.py): a jaxrl model with adapters
+exported as a Hugging Face base folder plus a PEFT adapter folder, loaded by the `peft` package
+onto `transformers`, gives jaxrl's logits; so does the merged export; and the adapter folder
+reads back into the same arrays."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from jaxrl.models import ModelConfig, Transformer, lora, merge_params, to_hf
+from jaxrl.models.lora import LoraConfig
+from jaxrl.models.peft_io import merged, read_adapter, read_config, write_adapter
+from jaxrl.models.transformer import split_params
+
+peft = pytest.importorskip("peft")
+
+IDS = np.random.default_rng(0).integers(0, 64, (2, 12)).astype(np.int32)
+
+
+def _adapted(family, targets=("all-linear",), rslora=False):
+    base = ModelConfig(family=family, vocab_size=64, embed_dim=32, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=8, mlp_dim=48, max_seq_len=32,
+                       tie_embeddings=family != "llama", qk_norm=family == "qwen3")
+    cfg = dataclasses.replace(base, lora=LoraConfig(rank=4, alpha=12, targets=targets,
+                                                    use_rslora=rslora))
+    graphdef, params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    layers = {k: (jax.random.normal(next(keys), v.shape) * 0.2 if k.endswith("_lora_b") else v)
+              for k, v in params["layers"].items()}
+    return base, cfg, graphdef, {**params, "layers": layers}
+
+
+def _hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(torch.from_numpy(IDS).long()).logits.numpy()
+
+
+@pytest.mark.parametrize("family,targets,rslora", [
+    ("llama", ("all-linear",), False), ("qwen3", ("q_proj", "v_proj", "down_proj"), True)])
+def test_peft_loads_the_adapter_onto_transformers_with_jaxrls_logits(tmp_path, family,
+                                                                      targets, rslora):
+    base, cfg, graphdef, params = _adapted(family, targets, rslora)
+    ours = np.asarray(merge_params(graphdef, params)(IDS))
+    base_graph, _ = split_params(Transformer(base, rngs=nnx.Rngs(0)))
+    to_hf(merge_params(base_graph, lora.frozen(params)), tmp_path / "base")
+    write_adapter(params, cfg, tmp_path / "adapter", str(tmp_path / "base"))
+    with_adapter = peft.PeftModel.from_pretrained(_hf(tmp_path / "base"), tmp_path / "adapter")
+    np.testing.assert_allclose(_logits(with_adapter), ours, rtol=1e-5, atol=1e-5)
+    to_hf(merge_params(base_graph, merged(params, cfg)), tmp_path / "merged")
+    np.testing.assert_allclose(_logits(_hf(tmp_path / "merged")), ours, rtol=1e-5, atol=1e-5)
+    # PEFT's own merge of our adapter equals our merged export.
+    np.testing.assert_allclose(_logits(with_adapter.merge_and_unload()), ours, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_the_adapter_folder_reads_back_exactly(tmp_path):
+    _, cfg, _, params = _adapted("llama")
+    write_adapter(params, cfg, tmp_path, "some/base")
+    assert read_config(tmp_path) == dataclasses.replace(cfg.lora, targets=lora.TARGETS)
+    back = read_adapter(tmp_path, cfg)
+    for name, value in lora.trainable(params)["layers"].items():
+        np.testing.assert_array_equal(back["layers"][name], value)
+
+
+def test_an_adapter_for_another_shape_or_kind_is_refused_by_name(tmp_path):
+    _, cfg, _, params = _adapted("llama", ("q_proj",))
+    write_adapter(params, cfg, tmp_path, "b")
+    wider = dataclasses.replace(cfg, embed_dim=64)
+    with pytest.raises(ValueError, match=r"q_proj.lora_A.weight is \(4, 32\), expected "
+                                         r"\(4, 64\)"):
+        read_adapter(tmp_path, wider)
+    text = (tmp_path / "adapter_config.json").read_text().replace('"use_dora": false',
+                                                                  '"use_dora": true')
+    (tmp_path / "adapter_config.json").write_text(text)
+    with pytest.raises(ValueError, match=r"uses use_dora=True, which jaxrl's LoRA does not run"):
+        read_config(tmp_path)
