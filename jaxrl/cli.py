@@ -135,6 +135,12 @@ def _compile(args) -> None:
         raise UserError(str(e)) from e
 
 
+def _export(args) -> None:
+    from jaxrl.commands.export import export
+
+    export(args.checkpoint, args.out, args.format, args.step)
+
+
 def _bench(args) -> int:
     from jaxrl.commands.bench import benchmarks, listing, run_benchmark
 
@@ -182,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="`jaxrl COMMAND --help` lists a command's options and their defaults.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_train_arguments, _eval_arguments, _serve_arguments, _compile_arguments,
-                _bench_arguments):
+                _export_arguments, _bench_arguments):
         add(sub)
     return parser
 
@@ -324,6 +330,17 @@ def _compile_arguments(sub) -> None:
     _config_arguments(p, "train.remat=offload")
     p.set_defaults(run=_compile)
 
+
+def _export_arguments(sub) -> None:
+    p = _command(sub, "export", "write a checkpoint as a Hugging Face folder, adapters merged, "
+                            "or as a base folder plus a PEFT LoRA adapter folder")
+    p.add_argument("--checkpoint", required=True, help="a run's checkpoint directory")
+    p.add_argument("--out", required=True, help="the folder to write")
+    p.add_argument("--format", default="merged", choices=("merged", "peft"),
+                   help="merged: OUT is a Hugging Face folder; peft: OUT/base and OUT/adapter")
+    p.add_argument("--step", type=_int_at_least(0), default=None,
+                   help="the checkpoint's step (default: its newest)")
+    p.set_defaults(run=_export)
 
 
 def _bench_arguments(sub) -> None:

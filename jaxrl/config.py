@@ -183,7 +183,8 @@ from sharding.pipeline import PipelineConfig  # noqa: E402
 # Model fields that are runtime choices, allowed next to `hf_path` (the rest come from its
 # config.json).
 RUNTIME_MODEL_KEYS = ("dtype", "param_dtype", "attention", "max_segments", "scan_layers",
-                      "mlp_backward", "packed_attention", "context_attention")
+                      "mlp_backward", "packed_attention", "context_attention", "mlp_chunks",
+                      "lora")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,8 @@ config's, or the Hugging Face folder's) and its task and tokenizer. Shared by `j
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.models import ModelConfig, load_hf_config
 from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
@@ -25,6 +27,8 @@ def model_config(cfg: RunConfig) -> ModelConfig:
                                mlp_backward=cfg.model.mlp_backward,
                                packed_attention=cfg.model.packed_attention,
                                context_attention=cfg.model.context_attention)
+    model_cfg = dataclasses.replace(model_cfg, mlp_chunks=cfg.model.mlp_chunks,
+                                    lora=cfg.model.lora)
     cfg.check_pipeline(model_cfg)
     if cfg.mesh.context > 1:
         cfg.check_context(model_cfg)

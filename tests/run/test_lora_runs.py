@@ -1,0 +1,90 @@
+"""LoRA through the whole run (`jaxrl train`'s path) from a tiny random Qwen2 folder: RL trains
+the adapters alone (the checkpoint's base weights are the folder's, bit for bit), and
+`jaxrl export` writes the result as a merged Hugging Face folder and as a base plus PEFT
+adapter folder that `peft` loads onto `transformers`, both with the checkpoint's logits."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxrl import cli
+from jaxrl.commands import job
+from jaxrl.config import load_run_config
+from jaxrl.models import from_hf, lora
+from jaxrl.models.transformer import split_params
+from jaxrl.trainer.warmup import restore_for_eval
+from tests.tiny_hf import tiny_qwen
+
+peft = pytest.importorskip("peft")
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_reward"
+RUN = ["model.dtype=float32", "log.progress=false", "train.eval_problems=0", "rl.steps=2",
+       "rl.mode=sync", "rl.prompts_per_step=2", "rl.group_size=4", "rl.slots=8",
+       "rl.max_new_tokens=6", "rl.pack_len=96", "rl.microbatch_rows=8",
+       "rl.filter_zero_advantage=false", "rl.filter_overlong=false", "rl.optim.lr=0.05",
+       "task.reward=[examples/custom_reward/rewards.py:short]", "task.reward_weights=[1.0]",
+       "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=q_proj,v_proj,down_proj"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora")
+    rows = [json.loads(line) for line in (EXAMPLE / "prompts.jsonl").read_text().splitlines()]
+    (tmp / "qwen").mkdir()
+    tiny_qwen(tmp / "qwen", [m["content"] + " " + r["word"][::-1] for r in rows
+                             for m in r["prompt"]] + ["user assistant"])
+    cfg = load_run_config(EXAMPLE / "config.yaml",
+                          [f"hf_path={tmp / 'qwen'}", f"run_dir={tmp / 'run'}", *RUN])
+    cwd = os.getcwd()
+    os.chdir(EXAMPLE.parents[1])        # the config names its rewards from the repository
+    try:
+        job.run(cfg, log=lambda _: None)
+    finally:
+        os.chdir(cwd)
+    return tmp
+
+
+def test_rl_trains_the_adapters_alone(run):
+    model, _, _, step, _ = restore_for_eval(run / "run" / "checkpoints", with_config=True)
+    assert step == 2 and model.cfg.lora.rank == 4
+    _, params = split_params(model)
+    _, base = split_params(from_hf(run / "qwen", "float32"))
+    for name, value in lora.frozen(params)["layers"].items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(base["layers"][name]))
+    np.testing.assert_array_equal(np.asarray(params["embed"]), np.asarray(base["embed"]))
+    adapters = lora.trainable(params)["layers"]
+    assert sorted(adapters) == sorted(f"{t}_lora_{m}" for t in ("q_proj", "v_proj", "down_proj")
+                                      for m in "ab")
+    assert all(np.abs(np.asarray(adapters[f"{t}_lora_b"])).max() > 0
+               for t in ("q_proj", "v_proj", "down_proj"))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(torch.from_numpy(ids).long()).logits.numpy()
+
+
+def _hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def test_export_merged_and_peft_give_the_checkpoints_logits(run, tmp_path):
+    model, _, _, _ = restore_for_eval(run / "run" / "checkpoints")
+    ids = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 10)).astype(np.int32)
+    want = np.asarray(model(ids))
+    ckpt = str(run / "run" / "checkpoints")
+    assert cli.main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "m")]) == 0
+    np.testing.assert_allclose(_logits(_hf(tmp_path / "m"), ids), want, rtol=1e-5, atol=1e-5)
+    assert cli.main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "p"),
+                     "--format", "peft"]) == 0
+    config = json.loads((tmp_path / "p" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(run / "qwen")
+    assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+    adapted = peft.PeftModel.from_pretrained(_hf(tmp_path / "p" / "base"),
+                                             tmp_path / "p" / "adapter")
+    np.testing.assert_allclose(_logits(adapted, ids), want, rtol=1e-5, atol=1e-5)
