@@ -108,6 +108,10 @@ def _zeros(shape_tree, lead=()):
     return jax.tree.map(lambda s: jnp.zeros((*lead, *s.shape), s.dtype), shape_tree)
 
 
+def _f32_zeros(tree):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+
+
 def _put(buf, index, value, on):
     """buf[index] = value where `on`, in place; nothing written otherwise (the index points
     past the buffer and the write is dropped)."""
@@ -232,13 +236,13 @@ class _Stage:
 
     def backward_state(self, kept: dict) -> dict:
         m, wave, mb = self.x_M.shape[0], self.plan.wave, self.x_M[0]
-        f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
         meta = (jnp.zeros((wave,), bool), jnp.zeros((wave,), jnp.int32),
                 jnp.zeros((wave,), jnp.int32))
         return {"kept_in": kept["kept_in"], "kept_qkv": kept["kept_qkv"],
                 "cot": (jnp.zeros((wave, *mb.shape), mb.dtype), _zeros(self.shapes.a, (wave,)),
                         meta),
-                "g_in": f32(self.w_in), "g_out": f32(self.w_out), "g_head": f32(self.hp),
+                "g_in": _f32_zeros(self.w_in), "g_out": _f32_zeros(self.w_out),
+                "g_head": _f32_zeros(self.hp),
                 "dx": jnp.zeros_like(self.x_M), "loss": _zeros(self.shapes.loss, (m,)),
                 "aux": _zeros(self.shapes.aux, (m,))}
 
@@ -286,7 +290,8 @@ class _Stage:
         g_in_k, g_out_k, g_head, dr, da, dx, loss, aux = out
         add = lambda acc, g, i: jax.tree.map(  # noqa: E731
             lambda A, G: A.at[i].add(G.astype(A.dtype)), acc, g)
-        state = {**state, "g_in": add(state["g_in"], g_in_k, jnp.clip(k, 0, self.plan.layers // p - 1)),
+        k_in = jnp.clip(k, 0, self.plan.layers // p - 1)
+        state = {**state, "g_in": add(state["g_in"], g_in_k, k_in),
                  "g_out": add(state["g_out"], g_out_k, k_out), "g_head": g_head,
                  "dx": _put(state["dx"], (j,), dx, on & (kind == FIRST)),
                  "loss": _put(state["loss"], (j,), loss, on & (kind == LAST)),
@@ -298,19 +303,18 @@ class _Stage:
         """(w_in grads, w_out grads, head grads, dr, da, dx, loss, head aux) of one P op."""
         w_in, w_out = self._weights(k, k_out)
         aux, head_in = self._aux(j), jax.tree.map(lambda a: a[j], self.head_in_M)
-        f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
         none = (_zeros(self.shapes.loss), _zeros(self.shapes.aux))
         g_head = state["g_head"]
 
         def idle():
-            return (f32(w_in), f32(w_out), g_head, jnp.zeros_like(r_in), jnp.zeros_like(a_in),
-                    jnp.zeros_like(r_in), *none)
+            return (_f32_zeros(w_in), _f32_zeros(w_out), g_head, jnp.zeros_like(r_in),
+                    jnp.zeros_like(a_in), jnp.zeros_like(r_in), *none)
 
         def first():
             _, pull = jax.vjp(lambda w, x: (self.parts.pre(w, x, aux), x), w_in, r_in)
             g_w, dx = pull((dqkv, dy))
-            return (g_w, f32(w_out), g_head, jnp.zeros_like(r_in), jnp.zeros_like(a_in), dx,
-                    *none)
+            return (g_w, _f32_zeros(w_out), g_head, jnp.zeros_like(r_in),
+                    jnp.zeros_like(a_in), dx, *none)
 
         def mid():
             _, pull = jax.vjp(lambda wi, wo, r, a: self._pre_post(wi, wo, r, a, aux),
@@ -328,7 +332,7 @@ class _Stage:
             loss, pull, head_aux = jax.vjp(head, w_out, self.hp, r_in, a_in, has_aux=True)
             g_out, g_hp, dr, da = pull(jnp.ones_like(loss))
             g_head_new = jax.tree.map(lambda A, G: A + G.astype(A.dtype), g_head, g_hp)
-            return (f32(w_in), g_out, g_head_new, dr, da, jnp.zeros_like(r_in), loss,
+            return (_f32_zeros(w_in), g_out, g_head_new, dr, da, jnp.zeros_like(r_in), loss,
                     head_aux)
 
         return jax.lax.switch(kind, [idle, first, mid, last])

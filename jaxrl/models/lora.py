@@ -75,8 +75,9 @@ def adapter_shapes(cfg) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
            "v_proj": ((D,), ("embed",)), "o_proj": ((N, H), ("q_heads", "head_dim")),
            "gate_proj": ((D,), ("embed",)), "up_proj": ((D,), ("embed",)),
            "down_proj": ((F,), ("mlp",))}
-    outs = {"q_proj": ((N, H), ("q_heads", "head_dim")), "k_proj": ((G, H), ("kv_heads", "head_dim")),
-            "v_proj": ((G, H), ("kv_heads", "head_dim")), "o_proj": ((D,), ("embed",)),
+    kv = ((G, H), ("kv_heads", "head_dim"))
+    outs = {"q_proj": ((N, H), ("q_heads", "head_dim")), "k_proj": kv, "v_proj": kv,
+            "o_proj": ((D,), ("embed",)),
             "gate_proj": ((F,), ("mlp",)), "up_proj": ((F,), ("mlp",)),
             "down_proj": ((D,), ("embed",))}
     shapes = {}
