@@ -41,7 +41,8 @@ from flax import nnx
 from jaxrl.models import ModelConfig, Transformer, abstract_model, layers, split_params
 from jaxrl.optim_config import OptimConfig
 from jaxrl.train.optim import make_optimizer
-from jaxrl.train.step import init_state, jit_train_step, state_shardings
+from jaxrl.train.state import init_state, state_shardings
+from jaxrl.train.step import jit_train_step
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams

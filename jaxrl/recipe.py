@@ -8,6 +8,8 @@ import dataclasses
 
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.models import ModelConfig, load_hf_config
+from jaxrl.models.lora import LoraConfig
+from jaxrl.models.peft_io import read_config
 from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from jaxrl.rl.tasks.arithmetic import ArithmeticTask
 from jaxrl.rl.tasks.base import Task
@@ -18,8 +20,28 @@ from jaxrl.rl.tasks.toolcalc import ToolCalcTask
 
 
 def model_config(cfg: RunConfig) -> ModelConfig:
-    if cfg.hf_path is None:
-        return cfg.model
+    model_cfg = _hf_model(cfg) if cfg.hf_path else cfg.model
+    if model_cfg.lora.init_from:
+        model_cfg = dataclasses.replace(model_cfg, lora=adapter_settings(model_cfg.lora))
+    return model_cfg
+
+
+def adapter_settings(lora: LoraConfig) -> LoraConfig:
+    """`lora` with its rank, alpha, targets and rsLoRA setting taken from the PEFT folder it
+    starts from (`init_from`); ConfigError for a folder that is not one, or a rank set to
+    something else."""
+    try:
+        found = read_config(lora.init_from)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.lora.init_from={lora.init_from!r}: {e}") from e
+    if lora.rank not in (0, found.rank):
+        raise ConfigError(f"model.lora.rank={lora.rank} but the adapter in "
+                          f"model.lora.init_from={lora.init_from!r} has r={found.rank}; leave "
+                          f"model.lora.rank unset (or 0) to take the folder's")
+    return dataclasses.replace(found, init_from=lora.init_from)
+
+
+def _hf_model(cfg: RunConfig) -> ModelConfig:
     model_cfg = load_hf_config(cfg.hf_path, dtype=cfg.model.dtype,
                                param_dtype=cfg.model.param_dtype, attention=cfg.model.attention,
                                max_segments=cfg.model.max_segments,

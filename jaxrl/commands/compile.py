@@ -18,7 +18,8 @@ from jaxrl.models.transformer import split_params
 from jaxrl.recipe import model_config
 from jaxrl.train.objectives import SupervisedLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
-from jaxrl.train.step import abstract_state, jit_train_step, state_shardings
+from jaxrl.train.state import abstract_state, state_shardings
+from jaxrl.train.step import jit_train_step
 from sharding import buffers
 from sharding import mesh as shd
 from sharding.aot import tpu_devices

@@ -36,6 +36,9 @@ class LoraConfig:
     # targeted, its attention is).
     targets: tuple[str, ...] = ("all-linear",)
     use_rslora: bool = False       # scale by alpha / sqrt(r) (rank-stabilised LoRA)
+    # A PEFT LoRA folder to start the adapters from (trained elsewhere); its rank, alpha,
+    # targets and rsLoRA setting become this config's (jaxrl/models/peft_io.py).
+    init_from: str | None = None
 
     def __post_init__(self):
         if self.rank < 0:

@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from jaxrl.models import ModelConfig, Transformer, abstract_model, lora, merge_params, param_axes
 from jaxrl.models.transformer import split_params
 from jaxrl.train import helix_step
+from jaxrl.train.state import optimizer_on_device, trained
 from jaxrl.train.objectives import SupervisedLoss
 from sharding import context as context_parallel
 from sharding import mesh as shd
@@ -91,7 +92,7 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
 def optimized(graphdef, params):
     """What the optimizer updates: the LoRA adapters when the model has them (the base is
     frozen: no gradient, no optimizer state), else every parameter."""
-    return _trained(merge_params(graphdef, params).cfg, params)
+    return trained(merge_params(graphdef, params).cfg, params)
 
 
 def _check_nested_offload(remat: str, pipeline: pp.PipelineConfig, mesh: Mesh | None) -> None:
@@ -296,69 +297,6 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
                 "step": state["step"] + 1}, metrics
 
     return step
-
-
-def state_shardings(model_cfg: ModelConfig, tx, mesh: Mesh, rules=shd.RULES,
-                    offload_optimizer: bool = False):
-    """NamedShardings of the whole train state: parameters by their logical axes, optimizer
-    moments like their parameters, scalars replicated. `offload_optimizer`: the optimizer state
-    lives in pinned host memory between steps (MaxText's optimizer offload); the step brings it
-    to the device for the update (`optimizer_on_device`)."""
-    _, abstract = split_params(abstract_model(model_cfg))
-    params = shd.tree_shardings(param_axes(model_cfg), abstract, mesh, rules)
-    opt_abstract = jax.eval_shape(tx.init, _trained(model_cfg, abstract))
-    opt = optax.tree_map_params(
-        tx, lambda _, s: s, opt_abstract, _trained(model_cfg, params),
-        transform_non_params=lambda _: shd.replicated(mesh),
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    if offload_optimizer:
-        opt = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt)
-    rep = shd.replicated(mesh)
-    return {"params": params, "opt_state": opt, "step": rep, "rng": rep}
-
-
-def optimizer_on_device(shardings):
-    """Device shardings of a host-resident optimizer state, else None (nothing to move)."""
-    opt = shardings["opt_state"]
-    if all(s.memory_kind != "pinned_host" for s in jax.tree.leaves(opt)):
-        return None
-    return jax.tree.map(lambda s: s.with_memory_kind("device"), opt)
-
-
-def abstract_state(model_cfg: ModelConfig, tx, shardings):
-    """ShapeDtypeStructs (with shardings) of the train state, the target of a restore."""
-    _, abstract = split_params(abstract_model(model_cfg))
-    shapes = {"params": abstract,
-              "opt_state": jax.eval_shape(tx.init, _trained(model_cfg, abstract)),
-              "step": jax.ShapeDtypeStruct((), jnp.int32),
-              "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        shapes, shardings)
-
-
-def _trained(model_cfg: ModelConfig, params):
-    return lora.trainable(params) if model_cfg.lora.enabled else params
-
-
-def init_state(model_cfg: ModelConfig, tx, shardings, seed: int, params=None):
-    """A fresh train state created directly in its shardings (never whole on one device).
-    `params`, when given (e.g. from a Hugging Face checkpoint), replace the random init."""
-
-    def init(p):
-        fresh = split_params(Transformer(model_cfg, rngs=nnx.Rngs(seed)))[1]
-        if p is None:
-            p = fresh
-        elif model_cfg.lora.enabled and not lora.trainable(p)["layers"]:
-            p = lora.with_trainable(p, lora.trainable(fresh))   # a base without adapters
-        return {"params": p, "opt_state": tx.init(_trained(model_cfg, p)),
-                "step": jnp.zeros((), jnp.int32),
-                "rng": jax.random.key_data(jax.random.key(seed))}
-
-    if params is not None:       # placed as the state will hold them (adapters added below)
-        sh = shardings["params"]
-        params = jax.device_put(params, {**sh, "layers": {
-            k: v for k, v in sh["layers"].items() if k in params["layers"]}})
-    return jax.jit(init, out_shardings=shardings)(params)
 
 
 # Models at least this wide train faster on XLA:CPU outside its YNNPACK fusions (below).

@@ -13,7 +13,7 @@ from jaxrl.config import ConfigError, RunConfig
 from jaxrl.models import from_hf, lora
 from jaxrl.models.transformer import split_params
 from jaxrl.train.objectives import PolicyGradientLoss
-from jaxrl.train.step import abstract_state, init_state
+from jaxrl.train.state import abstract_state, init_state
 from jaxrl.trainer.trainer import Trainer
 from sharding import hosts
 

@@ -23,7 +23,8 @@ from jaxrl.models.transformer import split_params
 from jaxrl.optim_config import OptimConfig
 from jaxrl.train.checkpoint import Checkpointer, CheckpointError
 from jaxrl.train.optim import lr_schedule, make_optimizer
-from jaxrl.train.step import jit_train_step, optimizer_on_device, state_shardings
+from jaxrl.train.state import optimizer_on_device, state_shardings
+from jaxrl.train.step import jit_train_step
 from sharding import mesh as shd
 from sharding.layer_order import LayerOrder, converter
 

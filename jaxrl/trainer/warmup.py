@@ -31,7 +31,7 @@ from jaxrl.rl.tasks.base import Task
 from jaxrl.telemetry.metrics import open_metrics
 from jaxrl.train.checkpoint import Checkpointer, CheckpointError
 from jaxrl.train.objectives import SupervisedLoss
-from jaxrl.train.step import abstract_state, init_state
+from jaxrl.train.state import abstract_state, init_state
 from jaxrl.trainer.distributed import is_leader
 from jaxrl.trainer.trainer import Trainer, check_resume
 from jaxrl.trainer.warmup_stop import AccuracyStop

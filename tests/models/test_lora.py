@@ -16,7 +16,8 @@ from jaxrl.config import ConfigError, load_run_config
 from jaxrl.models import ModelConfig, Transformer, lora
 from jaxrl.models.lora import LoraConfig
 from jaxrl.models.transformer import split_params
-from jaxrl.train.step import init_state, loss_and_grads, make_train_step, state_shardings
+from jaxrl.train.state import init_state, state_shardings
+from jaxrl.train.step import loss_and_grads, make_train_step
 from sharding import mesh as shd
 
 BASE = ModelConfig(vocab_size=32, embed_dim=16, num_layers=2, num_heads=2, num_kv_heads=1,

@@ -14,7 +14,8 @@ from jaxrl.models import moe_parallel
 from jaxrl.models.moe import moe_mlp
 from jaxrl.optim_config import OptimConfig
 from jaxrl.train.optim import make_optimizer
-from jaxrl.train.step import init_state, loss_and_grads, split_microbatches, state_shardings
+from jaxrl.train.state import init_state, state_shardings
+from jaxrl.train.step import loss_and_grads, split_microbatches
 from sharding.mesh import MeshConfig, batch_sharding, make_mesh
 
 CFG = ModelConfig(family="qwen3_moe", vocab_size=32, embed_dim=32, num_layers=2, num_heads=4,

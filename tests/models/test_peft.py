@@ -84,3 +84,36 @@ def test_an_adapter_for_another_shape_or_kind_is_refused_by_name(tmp_path):
     (tmp_path / "adapter_config.json").write_text(text)
     with pytest.raises(ValueError, match=r"uses use_dora=True, which jaxrl's LoRA does not run"):
         read_config(tmp_path)
+
+
+def test_a_run_starts_from_an_adapter_trained_elsewhere(tmp_path):
+    """model.lora.init_from: the folder's rank, alpha and targets become the run's, and the
+    fresh train state holds its adapters (and the optimizer state covers them)."""
+    import optax
+
+    from jaxrl.config import ConfigError, load_run_config
+    from jaxrl.recipe import model_config
+    from jaxrl.train.state import init_state, state_shardings
+    from sharding import mesh as shd
+
+    _, cfg, _, params = _adapted("llama", ("q_proj", "up_proj"), rslora=True)
+    write_adapter(params, cfg, tmp_path / "adapter", "base")
+    sizes = ["model.embed_dim=32", "model.num_layers=2", "model.num_heads=4",
+             "model.num_kv_heads=2", "model.head_dim=8", "model.mlp_dim=48",
+             "model.vocab_size=64", "model.max_seq_len=32", "model.tie_embeddings=false"]
+    run = load_run_config(None, [*sizes, f"model.lora.init_from={tmp_path / 'adapter'}"])
+    model_cfg = model_config(run)
+    assert (model_cfg.lora.rank, model_cfg.lora.alpha, model_cfg.lora.use_rslora) == (4, 12, True)
+    assert model_cfg.lora.modules() == ("q_proj", "up_proj")
+    mesh = shd.make_mesh(shd.MeshConfig(), jax.devices()[:1])
+    tx = optax.adam(1e-3)
+    state = init_state(model_cfg, tx, state_shardings(model_cfg, tx, mesh), 0)
+    for name, value in lora.trainable(params)["layers"].items():
+        np.testing.assert_array_equal(state["params"]["layers"][name], value)
+    with pytest.raises(ConfigError, match=r"model.lora.rank=8 but the adapter in "
+                                          r"model.lora.init_from=.* has r=4"):
+        model_config(load_run_config(None, [*sizes, "model.lora.rank=8",
+                                            f"model.lora.init_from={tmp_path / 'adapter'}"]))
+    with pytest.raises(ConfigError, match=r"init_from=.*nowhere.*: .* is not a PEFT adapter "
+                                          r"folder: no adapter_config.json"):
+        model_config(load_run_config(None, [*sizes, f"model.lora.init_from={tmp_path}/nowhere"]))

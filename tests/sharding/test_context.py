@@ -17,7 +17,8 @@ from jaxrl.models import layers as ops
 from jaxrl.optim_config import OptimConfig
 from jaxrl.train.objectives import PolicyGradientLoss, SupervisedLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
-from jaxrl.train.step import init_state, jit_train_step, split_microbatches, state_shardings
+from jaxrl.train.state import init_state, state_shardings
+from jaxrl.train.step import jit_train_step, split_microbatches
 from sharding.mesh import MeshConfig, batch_sharding, make_mesh
 
 pytestmark = pytest.mark.multi_device

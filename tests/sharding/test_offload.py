@@ -72,7 +72,8 @@ def test_unknown_policy_is_refused_at_config_time():
 def test_optimizer_offload_keeps_the_state_on_host_and_gives_the_same_steps(setup):
     from jaxrl.optim_config import OptimConfig
     from jaxrl.train.optim import make_optimizer
-    from jaxrl.train.step import init_state, jit_train_step, state_shardings
+    from jaxrl.train.state import init_state, state_shardings
+    from jaxrl.train.step import jit_train_step
     from sharding import mesh as shd
 
     graphdef, _, batch = setup

@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec as P
 from jaxrl.models import ModelConfig, abstract_model, split_params
 from jaxrl.optim_config import OptimConfig
 from jaxrl.train.optim import lr_schedule, make_optimizer
-from jaxrl.train.step import (init_state, jit_train_step, loss_and_grads, split_microbatches,
-                              state_shardings)
+from jaxrl.train.state import init_state, state_shardings
+from jaxrl.train.step import jit_train_step, loss_and_grads, split_microbatches
 from sharding.mesh import MeshConfig, batch_sharding, make_mesh
 
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,

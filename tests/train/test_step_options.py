@@ -9,8 +9,9 @@ import numpy as np
 from jaxrl.models import ModelConfig, abstract_model, split_params
 from jaxrl.optim_config import OptimConfig
 from jaxrl.train.optim import lr_schedule, make_optimizer
-from jaxrl.train.step import (PLAIN_DOT_WIDTH, compiler_options, init_state, jit_train_step,
-                              split_microbatches, state_shardings)
+from jaxrl.train.state import init_state, state_shardings
+from jaxrl.train.step import (PLAIN_DOT_WIDTH, compiler_options, jit_train_step,
+                              split_microbatches)
 from sharding.mesh import MeshConfig, batch_sharding, make_mesh
 
 CFG = ModelConfig(vocab_size=64, embed_dim=PLAIN_DOT_WIDTH, num_layers=1, num_heads=4,
