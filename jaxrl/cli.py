@@ -121,7 +121,8 @@ def _serve(args) -> None:
           engine_config=engine_config, update_token=token, log=lambda m: print(m, flush=True),
           tls=tls, allow_remote=args.allow_remote,
           max_concurrent_rpcs=args.max_concurrent_rpcs, max_queued=args.max_queued,
-          tensor=args.tensor, replicas=args.replicas, http_port=args.http_port)
+          tensor=args.tensor, replicas=args.replicas, http_port=args.http_port,
+          lora_dir=args.lora)
 
 
 def _compile(args) -> None:
@@ -250,6 +251,8 @@ def _serve_arguments(sub) -> None:
                    help="Hugging Face folder to serve (default: the demo model)")
     p.add_argument("--checkpoint", default="runs/demo/checkpoints",
                    help="without --model: serve the newest checkpoint here if there is one")
+    p.add_argument("--lora", default=None, metavar="ADAPTER",
+                   help="a PEFT LoRA adapter folder, merged into the model's weights")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; one reachable from other machines needs "
                         "--allow-remote")

@@ -57,6 +57,34 @@ def test_serves_a_hugging_face_folder(tmp_path):
     assert np.all(np.asarray(out) < 40)
 
 
+def test_serves_a_peft_adapter_trained_elsewhere_merged_into_its_base(tmp_path):
+    """`jaxrl serve --model BASE --lora ADAPTER`: an adapter made by the `peft` package itself
+    (random A and B on q, v and down projections) is merged into the base; the served model's
+    logits are PEFT's on transformers."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, tie_word_embeddings=True)
+    base = transformers.AutoModelForCausalLM.from_config(config)
+    base.save_pretrained(tmp_path / "base")
+    _word_tokenizer(tmp_path / "base", 40)
+    adapted = peft.get_peft_model(base, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    adapted.save_pretrained(tmp_path / "adapter")
+    ids = np.array([[3, 7, 1, 30, 12, 5]])
+    with torch.no_grad():
+        want = adapted.eval()(torch.from_numpy(ids)).logits.numpy()
+    model, _, what = load_model(str(tmp_path / "base"), "unused", print,
+                                lora_dir=str(tmp_path / "adapter"))
+    assert what.endswith(f"with the LoRA adapter in {tmp_path / 'adapter'} merged")
+    np.testing.assert_allclose(np.asarray(model(ids)), want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_a_thousand_tokens_through_jaxrl_serve_equal_transformers_generate(tmp_path):
     """`jaxrl serve --model HF_DIR` (a real server process, paged KV cache, pages of 16 tokens

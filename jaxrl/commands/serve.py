@@ -17,6 +17,7 @@ from flax import nnx
 from jaxrl.config import RunConfig
 from jaxrl.errors import UserError
 from jaxrl.models import Transformer, from_hf, load_hf_config, split_params
+from jaxrl.models.peft_io import with_adapter
 from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer
 from jaxrl.rl.tasks.arithmetic import ArithmeticTask
 from jaxrl.train.checkpoint import has_checkpoint
@@ -31,9 +32,21 @@ SHUTDOWN_DEADLINE_S = 45.0   # from SIGTERM to exit, RPCs' grace and the engine'
 
 
 def load_model(model_dir: str | None, checkpoint_dir: str | Path, log: Callable[[str], None],
-               place: Callable | None = None):
+               place: Callable | None = None, lora_dir: str | None = None):
     """(model, tokenizer, description). `place(model_cfg)`: the shardings (and dtype) to load a
-    Hugging Face folder's tensors straight into: (dtype, pure dict of shardings)."""
+    Hugging Face folder's tensors straight into: (dtype, pure dict of shardings). `lora_dir`:
+    a PEFT LoRA folder merged into the weights loaded."""
+    model, tokenizer, what = _load_base(model_dir, checkpoint_dir, log, place)
+    if lora_dir:
+        try:
+            model = with_adapter(model, lora_dir)
+        except (OSError, ValueError) as e:
+            raise UserError(f"--lora {lora_dir}: {e}") from None
+        what += f", with the LoRA adapter in {lora_dir} merged"
+    return model, tokenizer, what
+
+
+def _load_base(model_dir, checkpoint_dir, log, place):
     if model_dir:
         dtype, shardings = place(load_hf_config(model_dir)) if place else ("float32", None)
         model = from_hf(model_dir, dtype, shardings=shardings)
@@ -73,7 +86,8 @@ def check_tensor(model_cfg, tensor: int, devices: int) -> None:
 
 def _load_engines(model_dir: str | None, checkpoint_dir: str,
                   engine_config: Callable[[int], EngineConfig], meshes, tensor: int,
-                  log: Callable[[str], None]) -> tuple[list[Engine], dict, object, str]:
+                  log: Callable[[str], None], lora_dir: str | None = None,
+                  ) -> tuple[list[Engine], dict, object, str]:
     """One engine per mesh and the weights they serve (a Hugging Face folder loads straight
     onto the first engine's mesh), the tokenizer, and what was loaded, in words."""
     def first_engine(model_cfg) -> Engine:
@@ -95,7 +109,7 @@ def _load_engines(model_dir: str | None, checkpoint_dir: str,
         return engines[0].cfg.dtype, jax.tree.map(lambda a: a.sharding,
                                                   engines[0].param_target)
 
-    model, tokenizer, what = load_model(model_dir, checkpoint_dir, log, place)
+    model, tokenizer, what = load_model(model_dir, checkpoint_dir, log, place, lora_dir)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise UserError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
                         f"{model.cfg.vocab_size}")
@@ -128,8 +142,9 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
           log: Callable[[str], None] = print, ready: threading.Event | None = None,
           tls: tuple[bytes, bytes] | None = None, allow_remote: bool = False,
           max_concurrent_rpcs: int = 1024, max_queued: int = 1024, tensor: int = 1,
-          replicas: int = 1, http_port: int | None = None) -> None:
+          replicas: int = 1, http_port: int | None = None, lora_dir: str | None = None) -> None:
     """`engine_config(context)`: the engine's sizes, given the model's context length.
+    `lora_dir`: a PEFT LoRA folder merged into the served weights.
     `http_port`: also serve the OpenAI-compatible HTTP API (serving/openai_api.py) there.
     `max_queued`: requests waiting for a slot; more get RESOURCE_EXHAUSTED.
     `tensor`, `replicas`: `replicas` engines, each tensor-parallel over `tensor` devices."""
@@ -139,7 +154,7 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
                         f"crosses the network in clear)")
     engines, params, tokenizer, what = _load_engines(
         model_dir, checkpoint_dir, engine_config, serving_meshes(tensor, replicas), tensor,
-        log)
+        log, lora_dir)
     engine_cfg = engines[0].cfg
     # Version -1: the weights it was started with, no trainer's; a trainer's first push (any
     # version >= 0) replaces them.

@@ -12,6 +12,7 @@ A and B are a reshape and a transpose away.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -45,6 +46,19 @@ def merged(params: dict, cfg: ModelConfig) -> dict:
         layers[target] = (w.astype(jnp.float32) + cfg.lora.scale * delta.reshape(w.shape)
                           ).astype(w.dtype)
     return {**params, "layers": layers}
+
+
+def with_adapter(model, path: str | Path):
+    """`model` (a jaxrl Transformer without adapters) with the PEFT LoRA folder at `path`
+    merged into its weights: what `jaxrl serve --lora` serves (no adapter products per token).
+    ValueError for a folder that does not fit the model."""
+    from jaxrl.models.transformer import merge_params, split_params
+
+    cfg = dataclasses.replace(model.cfg, lora=read_config(path))
+    graphdef, params = split_params(model)
+    adapters = read_adapter(path, cfg)
+    fold = jax.jit(lambda p, a: merged(lora.with_trainable(p, a), cfg))
+    return merge_params(graphdef, fold(params, adapters))
 
 
 def write_adapter(params: dict, cfg: ModelConfig, path: str | Path, base: str) -> Path:
