@@ -252,7 +252,8 @@ def _serve_arguments(sub) -> None:
     p.add_argument("--checkpoint", default="runs/demo/checkpoints",
                    help="without --model: serve the newest checkpoint here if there is one")
     p.add_argument("--lora", default=None, metavar="ADAPTER",
-                   help="a PEFT LoRA adapter folder, merged into the model's weights")
+                   help="a PEFT LoRA adapter folder, merged into the model's weights "
+                        "(default: none)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; one reachable from other machines needs "
                         "--allow-remote")

@@ -48,7 +48,7 @@ def test_bad_checkpoint_dir_overwrites_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-COMMANDS = ["train", "eval", "serve", "compile", "bench"]  # DESIGN.md's list
+COMMANDS = ["train", "eval", "serve", "compile", "export", "bench"]  # DESIGN.md's, and export
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -135,7 +135,7 @@ def test_user_errors_name_the_value_and_what_is_allowed(tmp_path, monkeypatch, c
      "argument --k: must be >= 1, got 0"),
     (["eval"], "the following arguments are required: --checkpoint"),
     (["frob"], "invalid choice: 'frob' (choose from 'train', 'eval', 'serve', 'compile', "
-               "'bench')"),
+               "'export', 'bench')"),
 ])
 def test_bad_flags_are_refused_before_any_work(capsys, args, message):
     with pytest.raises(SystemExit) as exit:
@@ -147,9 +147,9 @@ def test_bad_flags_are_refused_before_any_work(capsys, args, message):
 def test_bench_lists_the_benchmarks_with_their_summaries(capsys):
     summaries = {name: (ROOT / "bench" / f"{name}.py").read_text().splitlines()[0].strip('"')
                  for name in ("async_vs_sync", "calibrate", "compile_stress", "constrained",
-                              "engine", "fleet", "gpu", "long_tail", "paged_attention",
-                              "paged_decode", "parity", "peers", "pipeline_step", "products", "simulate",
-                              "soak", "tpu_memory")}
+                              "engine", "fleet", "gpu", "long_tail", "lora_step",
+                              "paged_attention", "paged_decode", "parity", "peers",
+                              "pipeline_step", "products", "simulate", "soak", "tpu_memory")}
     assert main(["bench"]) == 0
     listed = capsys.readouterr().out.splitlines()[1:]
     assert [line.split()[0] for line in listed] == list(summaries)
