@@ -1,8 +1,8 @@
 """LoRA against full fine-tuning: one train step's time and its state's bytes, side by side.
 
-The same model and batch, two train steps: every weight trained with AdamW, and LoRA adapters
-of rank `--rank` on every projection with the base frozen (no weight gradient formed for it,
-no optimizer state). The steps run in alternating rounds in one process; each figure is the
+The same model and batch, three train steps: every weight trained with AdamW, and LoRA adapters
+of rank `--rank` on every projection, or on the attention's alone, with the base frozen (no
+weight gradient formed for it, no optimizer state). The steps run in alternating rounds in one process; each figure is the
 best round. The defaults are the 30M peer job's shape (bench/peers/job.py: 576 wide, 8 layers,
 a microbatch of 16 samples of 81 tokens).
 
@@ -59,12 +59,16 @@ def main() -> None:
     full = ModelConfig(vocab_size=32000, embed_dim=576, num_layers=8, num_heads=8,
                        num_kv_heads=4, head_dim=72, mlp_dim=1536,
                        max_seq_len=args.tokens).for_platform("cpu")
-    adapted = dataclasses.replace(full, lora=LoraConfig(rank=args.rank, alpha=2 * args.rank))
+    lora = lambda targets: dataclasses.replace(full, lora=LoraConfig(  # noqa: E731
+        rank=args.rank, alpha=2 * args.rank, targets=targets))
     rng = np.random.default_rng(0)
     ids = rng.integers(0, full.vocab_size, (1, args.rows, args.tokens)).astype(np.int32)
     batch = {"input_ids": ids, "targets": np.roll(ids, -1, -1),
              "loss_mask": np.ones(ids.shape, np.float32)}
-    calls = {"full": _step(full, batch), f"lora r={args.rank}": _step(adapted, batch)}
+    calls = {"full": _step(full, batch),
+             f"lora r={args.rank}, all-linear": _step(lora(("all-linear",)), batch),
+             f"lora r={args.rank}, attention": _step(lora(("q_proj", "k_proj", "v_proj",
+                                                           "o_proj")), batch)}
     best = {name: float("inf") for name in calls}
     for _ in range(args.rounds):
         for name, (call, _) in calls.items():

@@ -192,7 +192,7 @@ def gelu_tanh(x):
 def gated_mlp(act, x_BTD, gate_DF, up_DF, down_FD):
     """act(x @ gate) * (x @ up) @ down, the gated MLP of every family. Its backward is
     autodiff's, with each weight gradient contracted over the tokens with the wider operand
-    first (`_weight_grad`): XLA:CPU then transposes the [tokens, D] input once instead of each
+    first (`weight_grad`): XLA:CPU then transposes the [tokens, D] input once instead of each
     [tokens, F] activation gradient, which cut a 3M-parameter RL train step's transposing
     copies from 0.52 s to 0.27 s (docs/benchmarks.md). CPU trainers only (mlp_backward=auto):
     its residuals are its own, not the names remat and offload policies act on."""
@@ -214,11 +214,11 @@ def _gated_mlp_bwd(act, res, dy_BTD):
     dh_BTF = dy_BTD @ down_FD.T
     dg_BTF, du_BTF = gate_vjp(dh_BTF)
     dx_BTD = dg_BTF @ gate_DF.T + du_BTF @ up_DF.T
-    return (dx_BTD, _weight_grad(x_BTD, dg_BTF), _weight_grad(x_BTD, du_BTF),
-            _weight_grad(h_BTF, dy_BTD))
+    return (dx_BTD, weight_grad(x_BTD, dg_BTF), weight_grad(x_BTD, du_BTF),
+            weight_grad(h_BTF, dy_BTD))
 
 
-def _weight_grad(a_BTI, b_BTO):
+def weight_grad(a_BTI, b_BTO):
     """sum over tokens of a^T b, [I, O], contracted with the wider operand on the left."""
     a, b = a_BTI.reshape(-1, a_BTI.shape[-1]), b_BTO.reshape(-1, b_BTO.shape[-1])
     if a.shape[1] >= b.shape[1]:
