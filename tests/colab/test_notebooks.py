@@ -116,3 +116,16 @@ def test_restore_and_eval_alone_trains_its_own_checkpoint(monkeypatch, tmp_path)
     assert (run_dir / "warmup" / "checkpoints" / "4").is_dir()
     assert "step 4: llama" in text
     _check_export(nb, run_dir)
+
+
+def test_rl_with_lora_trains_adapters_and_exports_them_for_peft(monkeypatch, tmp_path):
+    run_dir = tmp_path / "run"
+    nb = execute("rl_with_lora.ipynb", tmp_path, run_dir, monkeypatch)
+    text = text_of(nb)
+    assert "cpu: 1 cpu device(s)" in text
+    assert [r["step"] for r in rl_rows(run_dir / "run")] == [1, 2]
+    assert ("{'peft_type': 'LORA', 'r': 16, 'lora_alpha': 32.0, 'target_modules': ['q_proj', "
+            "'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']}") in text
+    assert "['adapter_config.json', 'adapter_model.safetensors']" in text
+    config = json.loads((run_dir / "export" / "base" / "config.json").read_text())
+    assert config["model_type"] == "qwen2"

@@ -117,3 +117,35 @@ def test_a_run_starts_from_an_adapter_trained_elsewhere(tmp_path):
     with pytest.raises(ConfigError, match=r"init_from=.*nowhere.*: .* is not a PEFT adapter "
                                           r"folder: no adapter_config.json"):
         model_config(load_run_config(None, [*sizes, f"model.lora.init_from={tmp_path}/nowhere"]))
+
+
+def _vllm_parse(name: str) -> tuple[str, bool]:
+    """vLLM's rule for a PEFT LoRA tensor name (vllm/lora/utils.py,
+    `parse_fine_tuned_lora_name`, restated: vLLM is not installed here): strip
+    `base_model.model.`, then `<module>.lora_A.weight` / `<module>.lora_B.weight`."""
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model."):]
+    parts = name.split(".")
+    if parts[-1] == "weight" and parts[-2] in ("lora_A", "lora_B"):
+        return ".".join(parts[:-2]), parts[-2] == "lora_A"
+    raise ValueError(f"{name} is unsupported LoRA weight")
+
+
+def test_every_adapter_tensor_names_a_linear_module_of_the_base(tmp_path):
+    """What vLLM's loader needs: each name parses to a module of the Hugging Face model that is
+    an nn.Linear, with A as [r, in_features] and B as [out_features, r]."""
+    from safetensors.numpy import load_file
+
+    base, cfg, _, params = _adapted("llama")
+    base_graph, _ = split_params(Transformer(base, rngs=nnx.Rngs(0)))
+    to_hf(merge_params(base_graph, lora.frozen(params)), tmp_path / "base")
+    write_adapter(params, cfg, tmp_path / "adapter", "b")
+    modules = dict(_hf(tmp_path / "base").named_modules())
+    tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert len(tensors) == 2 * 7 * base.num_layers
+    for name, t in tensors.items():
+        module, is_a = _vllm_parse(name)
+        linear = modules[module]
+        assert isinstance(linear, torch.nn.Linear), module
+        want = (4, linear.in_features) if is_a else (linear.out_features, 4)
+        assert t.shape == want, name
