@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl.models import ModelConfig
+from jaxrl.models import ModelConfig, lora
 from serving import native
 from serving.constraints import mask_words
 from serving.engine_config import EngineConfig
@@ -133,8 +133,21 @@ class Engine:
     def prepare_params(self, params):
         """`params` (a pure dict, any placement) checked, placed on the serving mesh and cast
         to the serving dtype: what every call takes. Safe in any thread; a bad tree, shape,
-        dtype or a NaN raises WeightUpdateError before anything is copied."""
-        return reshard(params, self.param_target)
+        dtype or a NaN raises WeightUpdateError before anything is copied. A model with LoRA
+        adapters also takes exactly its adapters (`adapters_only`): an update of those alone,
+        the base kept."""
+        target = lora.trainable(self.param_target) if self.adapters_only(params) else \
+            self.param_target
+        return reshard(params, target)
+
+    def adapters_only(self, params) -> bool:
+        """Whether `params` names this model's adapters and nothing else: an update that
+        replaces the adapters and keeps the base (`prepare_params` then checks it holds every
+        adapter)."""
+        if not self.model_cfg.lora.enabled or set(params) != {"layers"}:
+            return False
+        names = set(params["layers"])
+        return bool(names) and names <= set(lora.trainable(self.param_target)["layers"])
 
     def init_decode_state(self) -> DecodeState:
         return self.programs("init", ())

@@ -162,7 +162,11 @@ class EngineLoop:
             # freeing a model's buffers takes time that grows with its size, and decoding would
             # wait for it.
             update.retired = self.params
-            self.params, self.version = update.params, update.version
+            params = update.params
+            if update.adapters:         # the base stays; only the adapters' leaves change
+                params = {**self.params, "layers": {**self.params["layers"],
+                                                    **params["layers"]}}
+            self.params, self.version = params, update.version
             update.pause_s = time.perf_counter() - t0
             update.params = None
             self.pauses_s.append(update.pause_s)

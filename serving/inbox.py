@@ -9,10 +9,12 @@ import threading
 
 @dataclasses.dataclass
 class Update:
-    """Weights queued for the loop to swap in; `applied` is set once they serve."""
+    """Weights queued for the loop to swap in; `applied` is set once they serve. `adapters`:
+    `params` holds a LoRA model's adapters alone, swapped in over the serving base."""
     params: object
     version: int
     applied: threading.Event = dataclasses.field(default_factory=threading.Event)
+    adapters: bool = False
     pause_s: float = 0.0
     retired: object = None      # the weights it replaced, freed off the decode path
 

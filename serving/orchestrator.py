@@ -298,7 +298,7 @@ class Orchestrator:
             t0 = time.perf_counter()
             prepared = self.engine.prepare_params(params)
             transfer = time.perf_counter() - t0
-            update = Update(prepared, version)
+            update = Update(prepared, version, adapters=self.engine.adapters_only(params))
             self._accepted_version = version
             self._loop.updates.put(update)
         self._loop.wake.set()

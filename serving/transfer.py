@@ -23,7 +23,7 @@ import threading
 import jax
 import numpy as np
 
-from sharding.reshard import WeightUpdateError
+from sharding.reshard import WeightUpdateError, missing_names
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -96,7 +96,7 @@ def check_specs(specs: list[tuple[str, tuple, str]], shapes: dict[str, tuple]) -
         if dtype not in DTYPES:
             raise WeightUpdateError(f"weight pull: {name} has dtype {dtype!r}; allowed: "
                                     f"{', '.join(DTYPES)}")
-    missing = [n for n in shapes if n not in seen]
+    missing = missing_names(shapes, seen)
     if missing:
         raise WeightUpdateError(f"weight pull is incomplete: no {missing[0]}"
                                 + (f" (and {len(missing) - 1} more tensors)"

@@ -24,7 +24,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from sharding.reshard import WeightUpdateError
+from sharding.reshard import WeightUpdateError, missing_names
 
 WIRE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -130,7 +130,7 @@ class WeightAssembler:
     def finish(self) -> tuple[int, dict]:
         if self.version is None:
             raise WeightUpdateError("weight update carried no tensors")
-        missing = [n for n in self.shapes if n not in self.tensors]
+        missing = missing_names(self.shapes, self.tensors)
         if missing:
             raise WeightUpdateError(f"weight update is incomplete: no piece of {missing[0]}"
                                     + (f" (and {len(missing) - 1} more tensors)"

@@ -43,6 +43,16 @@ def finite(leaves) -> np.ndarray:
     return np.asarray(_all_finite(leaves))
 
 
+def missing_names(names, offered) -> list[str]:
+    """The parameters of a model whose parameters are `names` that an update offering
+    `offered` lacks. An update is every parameter, or exactly a LoRA model's adapters (names
+    with `_lora_`: an adapter update, the base kept, serving/engine.py `adapters_only`)."""
+    offered = set(offered)
+    adapters = [n for n in names if "_lora_" in n]
+    whole = adapters if adapters and offered and offered <= set(adapters) else names
+    return [n for n in whole if n not in offered]
+
+
 def check_weights(params, target) -> list[tuple[str, object, jax.ShapeDtypeStruct]]:
     """Validates `params` against `target` (ShapeDtypeStructs with shardings); returns
     (name, array, target) triples in tree order."""

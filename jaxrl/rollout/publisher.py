@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.models import lora
 from jaxrl.rollout.fleet import Fleet, Member
 from serving import threads
 from serving.weight_stream import StaleVersion
@@ -41,7 +42,11 @@ class WeightPublisher:
         self.wire_dtype = wire_dtype
         self._warn = warn
         self._latest: tuple[int, object] | None = None    # (version, device copy)
-        self._host: tuple[int, object] | None = None      # (version, numpy tree), shared
+        self._host: dict[tuple[int, bool], object] = {}   # (version, adapters) -> numpy tree
+        # Members holding this trainer's base weights: a LoRA model's later pushes carry its
+        # adapters alone (bytes in proportion to the rank). A member's first push, and its
+        # first after any failure, carries every weight.
+        self._based: set[str] = set()
         self._host_lock = threading.Lock()
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -64,7 +69,8 @@ class WeightPublisher:
         self.fleet.published(version)
         for m in self.fleet.members:
             if not m.remote:
-                result = m.generation.update_params(params, version)
+                result = m.generation.update_params(self._payload(m, params), version)
+                self._based.add(m.name)
                 timings = {"update_pause_ms": 1e3 * result.pause_s,
                            "update_transfer_ms": 1e3 * result.transfer_s}
                 self.fleet.advanced(m, version)
@@ -86,12 +92,22 @@ class WeightPublisher:
         not within the push deadline are set aside (their work goes to the others)."""
         return self.fleet.wait_ready(version, self.deadline_s + 5.0)
 
-    def _host_copy(self, version: int, params):
-        """The numpy tree of `version`, fetched once however many members need it."""
+    def _payload(self, m: Member, params):
+        """What `m` is pushed of `params`: a LoRA model's adapters alone once `m` holds this
+        trainer's base, else every weight."""
+        if m.name in self._based and any("_lora_" in k for k in params.get("layers", {})):
+            return lora.trainable(params)
+        return params
+
+    def _host_copy(self, version: int, params, adapters: bool):
+        """The numpy tree of `version` (its adapters alone, or every weight), fetched once
+        however many members need it."""
         with self._host_lock:
-            if self._host is None or self._host[0] != version:
-                self._host = (version, jax.tree.map(np.asarray, jax.device_get(params)))
-            return self._host[1]
+            key = (version, adapters)
+            if key not in self._host:
+                self._host = {k: v for k, v in self._host.items() if k[0] == version}
+                self._host[key] = jax.tree.map(np.asarray, jax.device_get(params))
+            return self._host[key]
 
     def _serve(self, m: Member) -> None:
         fleet, backoff = self.fleet, 0.0
@@ -102,29 +118,37 @@ class WeightPublisher:
             if self._closed.is_set() or not self._due(m):
                 continue
             resume = m.version is None   # first weights from this trainer: any version
+            if resume:
+                self._based.discard(m.name)
             version, params = job
             try:    # a server that pulls takes the device copy; a stream, host memory
                 pulls = getattr(m.generation, "transfer_host", None) is not None
-                payload = params if pulls else self._host_copy(version, params)
+                payload = self._payload(m, params)
+                if not pulls:
+                    payload = self._host_copy(version, payload, payload is not params)
                 t0 = time.perf_counter()
                 result = m.generation.update_params(payload, version, timeout=self.deadline_s,
                                                     resume=resume)
                 seconds = time.perf_counter() - t0
             except StaleVersion:     # someone else pushed it newer weights: replace them
+                self._based.discard(m.name)
                 fleet.replaced(m)
                 continue
             except (TimeoutError, ConnectionError) as e:
+                self._based.discard(m.name)
                 self._count("push_timeouts" if isinstance(e, TimeoutError) else "push_failures")
                 fleet.set_aside(m, f"weight push failed: {e}")
                 backoff = min(max(2 * backoff, 0.5), 30.0)
                 self._closed.wait(backoff)
                 continue
             except WeightUpdateError as e:
+                self._based.discard(m.name)
                 self._count("push_failures")
                 self.errors[m.name] = str(e)
                 fleet.set_aside(m, f"weights refused: {e}")
                 continue
             backoff = 0.0
+            self._based.add(m.name)
             with self._lock:
                 s = self.stats
                 s["pushes"] += 1

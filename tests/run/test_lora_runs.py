@@ -17,12 +17,13 @@ from jaxrl.commands import job
 from jaxrl.config import load_run_config
 from jaxrl.models import from_hf, lora
 from jaxrl.models.transformer import split_params
+from jaxrl.telemetry.metrics import read_metrics
 from jaxrl.trainer.warmup import restore_for_eval
 from tests.tiny_hf import tiny_qwen
 
 peft = pytest.importorskip("peft")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_reward"
-RUN = ["model.dtype=float32", "log.progress=false", "train.eval_problems=0", "rl.steps=2",
+RUN = ["model.dtype=float32", "log.progress=false", "train.eval_problems=0", "rl.steps=3",
        "rl.mode=sync", "rl.prompts_per_step=2", "rl.group_size=4", "rl.slots=8",
        "rl.max_new_tokens=6", "rl.pack_len=96", "rl.microbatch_rows=8",
        "rl.filter_zero_advantage=false", "rl.filter_overlong=false", "rl.optim.lr=0.05",
@@ -48,9 +49,19 @@ def run(tmp_path_factory):
     return tmp
 
 
+def test_the_engine_samples_from_the_trainers_adapters(run):
+    """After its first push (every weight, step 1's) the engine gets the adapters alone, the
+    base staying on it: the log-probs it reports for step 3's samples, made by the weights of
+    step 2, are the trainer's own for the same tokens."""
+    rows = {r["step"]: r for r in read_metrics(run / "run") if "logprob_parity_tokens" in r}
+    for step in (2, 3):
+        assert rows[step]["logprob_parity_tokens"] > 0
+        assert rows[step]["logprob_abs_diff_max"] < 1e-4, step
+
+
 def test_rl_trains_the_adapters_alone(run):
     model, _, _, step, _ = restore_for_eval(run / "run" / "checkpoints", with_config=True)
-    assert step == 2 and model.cfg.lora.rank == 4
+    assert step == 3 and model.cfg.lora.rank == 4
     _, params = split_params(model)
     _, base = split_params(from_hf(run / "qwen", "float32"))
     for name, value in lora.frozen(params)["layers"].items():
