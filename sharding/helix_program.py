@@ -55,17 +55,16 @@ def run_helix(plan: HelixPlan, parts: LayerParts, w_in_PV, w_out_PV, head_params
               aux_M, head_in_M, mesh: Mesh, live_M=None, replicate_heads: bool = False):
     """Loss and gradients by the helix schedule. `w_in_PV` / `w_out_PV`: [P, L/P, ...] the
     input side of layer s + kP and the output side of layer s + kP - 1 on stage s, slot k
-    (`sharding.helix_layout`); `x_MbTD` the embedded microbatches; `aux_M`, `head_in_M` trees
-    of per-microbatch inputs; `live_M` [M] bool (False: a padded microbatch, no op runs).
-    `replicate_heads` as in `stage_programs.run_schedule`. Returns (loss [M], head_aux [M,
+    (`jaxrl.train.helix_step.helix_layout`); `x_MbTD` the embedded microbatches; `aux_M`,
+    `head_in_M` trees of per-microbatch inputs; `live_M` [M] bool (False: a padded
+    microbatch, no op runs). `replicate_heads` as in `stage_programs.run_schedule`. Returns (loss [M], head_aux [M,
     ...], float32 gradients w.r.t. w_in_PV, w_out_PV and head_params, and x_MbTD's)."""
-    p, m = plan.stages, x_MbTD.shape[0]
+    m = x_MbTD.shape[0]
     live_M = jnp.ones((m,), bool) if live_M is None else live_M
     table = plan.table()
     rows = jnp.stack([jnp.asarray(table["wave"]), jnp.asarray(table["boundary"])], -1)
     first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
-    w_in_l, w_out_l = first(first(w_in_PV)), first(first(w_out_PV))
-    qkv_shape = jax.eval_shape(parts.pre, w_in_l, x_MbTD[0], first(aux_M))
+    qkv_shape = jax.eval_shape(parts.pre, first(first(w_in_PV)), x_MbTD[0], first(aux_M))
     a_shape = jax.eval_shape(parts.attend, *qkv_shape, first(aux_M))
     loss_shape, aux_shape = jax.eval_shape(parts.head, head_params, x_MbTD[0],
                                            first(head_in_M))

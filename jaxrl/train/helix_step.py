@@ -9,14 +9,12 @@ the input sides are laid out by a reshape and the output sides by one shift of a
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from jaxrl.models import merge_params
 from jaxrl.models.layer_parts import INPUT_KEYS, attend, attention_inputs, \
     attention_output_and_mlp
 from jaxrl.models.transformer import layer_inputs
-from sharding import pipeline as pp
+from jaxrl.train.pipeline_io import pipeline_io
 from sharding.helix_program import LayerParts, run_helix
 
 
@@ -82,39 +80,17 @@ def layer_parts(model_cfg, head) -> LayerParts:
     return LayerParts(pre, attention, post, head)
 
 
-def helix_grads(graphdef, params, batch, objective, pipeline: pp.PipelineConfig, mesh,
+def helix_grads(graphdef, params, batch, objective, pipeline, mesh,
                 pipeline_order: bool, replicate_heads: bool):
     """(loss [M], weight [M], stats [M, ...], live [M], float32 gradients) of `batch` (flat
     [B, ...] arrays) by HelixPipe: the embedding before the pipeline, the head (final norm,
     logits, objective) on boundary L, the embedding's gradient pulled back from boundary 0's
     input gradient."""
-    model_cfg = merge_params(graphdef, params).cfg
-    m = pipeline.microbatches
-    ids = batch["input_ids"]
-    positions = batch.get("positions")
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-    outer = {k: v for k, v in params.items() if k != "layers"}
-    layers = jax.lax.stop_gradient(params["layers"])
-
-    def embed(o):
-        return merge_params(graphdef, {**o, "layers": layers}).embed_tokens(ids)
-
-    def head(o, h_bTD, mb):
-        loss_sum, weight, stats = objective(merge_params(graphdef, {**o, "layers": layers}), mb,
-                                            None, lambda *_: h_bTD)
-        return loss_sum, (weight, stats)
-
-    x_BTD, embed_pullback = jax.vjp(embed, outer)
-    micro = lambda a: None if a is None else pp.to_microbatches(a, m)  # noqa: E731
-    batch_M = jax.tree.map(micro, batch)
-    live_M = jnp.any(batch_M["loss_mask"] > 0, axis=tuple(range(1, batch_M["loss_mask"].ndim)))
+    io = pipeline_io(graphdef, params, batch, objective, pipeline.microbatches)
     w_in, w_out = helix_layout(params["layers"], pipeline.stages, pipeline_order)
     loss_M, (weight_M, stats_M), g_in, g_out, g_outer, dx = run_helix(
-        pipeline.helix(model_cfg.num_layers), layer_parts(model_cfg, head), w_in, w_out, outer,
-        micro(x_BTD), (micro(positions), micro(batch.get("segment_ids"))), batch_M, mesh,
-        live_M, replicate_heads)
-    (g_embed,) = embed_pullback(pp.from_microbatches(dx).astype(x_BTD.dtype))
-    grads = {**jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_outer, g_embed),
+        pipeline.helix(io.model_cfg.num_layers), layer_parts(io.model_cfg, io.head), w_in,
+        w_out, io.outer, io.x_M, io.aux_M, io.batch_M, mesh, io.live_M, replicate_heads)
+    grads = {**io.outer_grads(g_outer, dx),
              "layers": from_helix_layout(g_in, g_out, pipeline_order)}
-    return loss_M, weight_M, stats_M, live_M, grads
+    return loss_M, weight_M, stats_M, io.live_M, grads

@@ -20,14 +20,13 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 import optax
-from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.models import ModelConfig, Transformer, abstract_model, lora, merge_params, param_axes
-from jaxrl.models.transformer import split_params
+from jaxrl.models import lora, merge_params
 from jaxrl.train import helix_step
-from jaxrl.train.state import optimizer_on_device, trained
 from jaxrl.train.objectives import SupervisedLoss
+from jaxrl.train.pipeline_io import pipeline_io
+from jaxrl.train.state import optimizer_on_device, trained
 from sharding import context as context_parallel
 from sharding import mesh as shd
 from sharding import pipeline as pp
@@ -155,36 +154,14 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, p
     reference model) the table's R ops run the reference model chunk by chunk on the same
     stages, in the ticks the schedule leaves idle (PipeFill), and its head hands each
     microbatch's reference log-probs to the objective."""
-    model_cfg = merge_params(graphdef, params).cfg
-    m = pipeline.microbatches
+    io = pipeline_io(graphdef, params, batch, objective, pipeline.microbatches)
     sched = pipeline.table if ref_params is None else pipeline.reference_table
-    ids = batch["input_ids"]
-    positions = batch.get("positions")
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-    segment_ids = batch.get("segment_ids")
-    outer = {k: v for k, v in params.items() if k != "layers"}
-    layers = jax.lax.stop_gradient(params["layers"])
     if mesh is None:
         mesh = shd.make_mesh(shd.MeshConfig(stage=pipeline.stages), jax.devices()[:pipeline.stages])
-    replicate_heads = _replicate_heads(mesh)
-
-    def embed(o):
-        return merge_params(graphdef, {**o, "layers": layers}).embed_tokens(ids)
 
     def layer(w_l, x_bTD, aux):
-        return layer_fn(model_cfg, w_l, x_bTD, *aux)
+        return layer_fn(io.model_cfg, w_l, x_bTD, *aux)
 
-    def head(o, h_bTD, mb):
-        # The objective as usual, with the layer stack replaced by the pipeline's output.
-        loss_sum, weight, stats = objective(merge_params(graphdef, {**o, "layers": layers}), mb,
-                                            None, lambda *_: h_bTD)
-        return loss_sum, (weight, stats)
-
-    x_BTD, embed_pullback = jax.vjp(embed, outer)
-    micro = lambda a: None if a is None else pp.to_microbatches(a, m)  # noqa: E731
-    batch_M = jax.tree.map(micro, batch)
-    live_M = jnp.any(batch_M["loss_mask"] > 0, axis=tuple(range(1, batch_M["loss_mask"].ndim)))
     if pipeline_order:
         to_stages, from_stages = (functools.partial(stage_programs.stage_view, sched=sched),
                                   stage_programs.flat_view)
@@ -193,14 +170,12 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, p
                                   functools.partial(stage_programs.from_stage_chunks,
                                                     sched=sched))
     loss_M, (weight_M, stats_M), g_w, g_outer, dx = stage_programs.run_schedule(
-        sched, layer, head, to_stages(params["layers"]), outer,
-        micro(x_BTD), (micro(positions), micro(segment_ids)), batch_M, mesh, live_M,
-        _reference(graphdef, ref_params, objective, ids, to_stages, micro),
-        pipeline.split_backward, replicate_heads)
-    (g_embed,) = embed_pullback(pp.from_microbatches(dx).astype(x_BTD.dtype))
-    grads = {**jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_outer, g_embed),
-             "layers": from_stages(g_w)}
-    stats = {k: _reduce_over_microbatches(k, v, live_M) for k, v in stats_M.items()}
+        sched, layer, io.head, to_stages(params["layers"]), io.outer, io.x_M, io.aux_M,
+        io.batch_M, mesh, io.live_M,
+        _reference(graphdef, ref_params, objective, io.ids, to_stages, io.micro),
+        pipeline.split_backward, _replicate_heads(mesh))
+    grads = {**io.outer_grads(g_outer, dx), "layers": from_stages(g_w)}
+    stats = {k: _reduce_over_microbatches(k, v, io.live_M) for k, v in stats_M.items()}
     return jnp.sum(loss_M), jnp.sum(weight_M), stats, grads
 
 
