@@ -57,8 +57,9 @@ def run_helix(plan: HelixPlan, parts: LayerParts, w_in_PV, w_out_PV, head_params
     input side of layer s + kP and the output side of layer s + kP - 1 on stage s, slot k
     (`jaxrl.train.helix_step.helix_layout`); `x_MbTD` the embedded microbatches; `aux_M`,
     `head_in_M` trees of per-microbatch inputs; `live_M` [M] bool (False: a padded
-    microbatch, no op runs). `replicate_heads` as in `stage_programs.run_schedule`. Returns (loss [M], head_aux [M,
-    ...], float32 gradients w.r.t. w_in_PV, w_out_PV and head_params, and x_MbTD's)."""
+    microbatch, no op runs). `replicate_heads` as in `stage_programs.run_schedule`. Returns
+    (loss [M], head_aux [M, ...], float32 gradients w.r.t. w_in_PV, w_out_PV and
+    head_params, and x_MbTD's)."""
     m = x_MbTD.shape[0]
     live_M = jnp.ones((m,), bool) if live_M is None else live_M
     table = plan.table()
