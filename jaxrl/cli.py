@@ -4,10 +4,11 @@ jaxrl.commands."""
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import textwrap
 
+from jaxrl.commands.arg_types import int_at_least
+from jaxrl.commands.serve_cli import serve_arguments
 from jaxrl.errors import UserError
 
 
@@ -66,65 +67,6 @@ def _eval_sampled(args, model, task, tokenizer, step, cfg) -> None:
               f"{k} {v:.1%}" for k, v in r.items() if "@" in k))
 
 
-# EngineConfig's fields as `jaxrl serve` users know them: the flag that sets one, or what it is.
-_SERVE_NAMES = {"max_concurrent_decodes": "--slots", "max_len": "--max-len",
-                "max_prefill_length": "--max-prefill-length", "prefill_chunk": "--prefill-chunk",
-                "page_size": "--page-size", "num_pages": "--num-pages",
-                "memory_fraction": "--memory-fraction",
-                "min_bucket": "the engine's smallest prefill bucket,"}
-
-
-def _serve(args) -> None:
-    import logging
-
-    from jaxrl.rollout.local_servers import parse_cpus, pin
-
-    if args.cpus:
-        pin(parse_cpus(args.cpus, "--cpus"), "--cpus")   # before JAX sizes its thread pools
-    from jaxrl.commands.serve import read_tls, read_update_token, serve
-    from jaxrl.platform import use_compilation_cache
-    from serving.engine import EngineConfig
-
-    use_compilation_cache()       # a restart of the same engine loads its programs
-
-    def engine_config(context: int) -> EngineConfig:
-        """The engine the flags ask for; --max-len 0 takes the model's context."""
-        try:
-            return EngineConfig(max_concurrent_decodes=args.slots,
-                                max_len=args.max_len or context,
-                                max_prefill_length=(args.max_prefill_length or
-                                                    (args.max_len or context) - 1),
-                                prefill_chunk=args.prefill_chunk, dtype=args.dtype,
-                                page_size=args.page_size, num_pages=args.num_pages,
-                                memory_fraction=args.memory_fraction,
-                                attention=args.attention, score=args.score,
-                                record_routes=args.record_routes)
-        except ValueError as e:  # name the flags the user gave, not EngineConfig's fields
-            raise UserError(re.sub(r"\b(\w+)=", lambda m: f"{_SERVE_NAMES[m[1]]} "
-                                   if m[1] in _SERVE_NAMES else m[0], str(e))) from None
-
-    if args.max_len:
-        engine_config(args.max_len)   # refuse bad flags before loading anything
-    try:
-        token = read_update_token(args.update_token_file)
-    except OSError as e:
-        raise UserError(f"--update-token-file {args.update_token_file!r}: "
-                        f"{e.strerror.lower()}") from None
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-    logger = logging.getLogger("jaxrl")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False    # a library's root handler (absl's) would print every line again
-    tls = read_tls(args.tls_cert, args.tls_key)
-    serve(model_dir=args.model, checkpoint_dir=args.checkpoint, host=args.host, port=args.port,
-          engine_config=engine_config, update_token=token, log=lambda m: print(m, flush=True),
-          tls=tls, allow_remote=args.allow_remote,
-          max_concurrent_rpcs=args.max_concurrent_rpcs, max_queued=args.max_queued,
-          tensor=args.tensor, replicas=args.replicas, http_port=args.http_port,
-          lora_dir=args.lora)
-
-
 def _compile(args) -> None:
     from jaxrl.commands.compile import report
     from jaxrl.config import load_run_config
@@ -160,25 +102,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
         if action.default is None or action.required:
             return action.help
         return super()._get_help_string(action)
-
-
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
-def _port(text: str) -> int:
-    value = _int_at_least(0)(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,9 +140,9 @@ def _train_arguments(sub) -> None:
     hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                        help="process 0's address, the same for every process (default: none: "
                             "one process, or the cluster's own when detected)")
-    hosts.add_argument("--num-processes", type=_int_at_least(1), default=None,
+    hosts.add_argument("--num-processes", type=int_at_least(1), default=None,
                        help="processes in the run, one per host (default: none)")
-    hosts.add_argument("--process-id", type=_int_at_least(0), default=None,
+    hosts.add_argument("--process-id", type=int_at_least(0), default=None,
                        help="this process's index, 0 .. num-processes - 1 (default: none)")
     p.set_defaults(run=_train)
 
@@ -229,16 +152,16 @@ def _eval_arguments(sub) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory written by `jaxrl train` (CheckpointManager "
                         "layout), e.g. runs/demo/checkpoints")
-    p.add_argument("--step", type=_int_at_least(0), default=None,
+    p.add_argument("--step", type=int_at_least(0), default=None,
                    help="step to restore (default: the newest)")
-    p.add_argument("--problems", type=_int_at_least(1), default=200,
+    p.add_argument("--problems", type=int_at_least(1), default=200,
                    help="held-out problems to score")
-    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=8,
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=8,
                    help="completion budget per sample")
-    p.add_argument("--samples", type=_int_at_least(1), default=None, metavar="N",
+    p.add_argument("--samples", type=int_at_least(1), default=None, metavar="N",
                    help="sample N completions per problem and report pass@k, avg@N and maj@N "
                         "(default: greedy accuracy)")
-    p.add_argument("--k", type=_int_at_least(1), nargs="+", default=None,
+    p.add_argument("--k", type=int_at_least(1), nargs="+", default=None,
                    help="with --samples: the k of pass@k (default: 1 and N)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="with --samples: the sampling temperature")
@@ -246,81 +169,8 @@ def _eval_arguments(sub) -> None:
 
 
 def _serve_arguments(sub) -> None:
-    p = _command(sub, "serve", "serve a model over gRPC (JetStream's protocol + weight updates)")
-    p.add_argument("--model", default=None,
-                   help="Hugging Face folder to serve (default: the demo model)")
-    p.add_argument("--checkpoint", default="runs/demo/checkpoints",
-                   help="without --model: serve the newest checkpoint here if there is one")
-    p.add_argument("--lora", default=None, metavar="ADAPTER",
-                   help="a PEFT LoRA adapter folder, merged into the model's weights "
-                        "(default: none)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind; one reachable from other machines needs "
-                        "--allow-remote")
-    p.add_argument("--allow-remote", action="store_true",
-                   help="allow a non-loopback --host (logs a warning, louder without TLS)")
-    p.add_argument("--tls-cert", default=None,
-                   help="PEM certificate chain: serve over TLS (default: none, plaintext)")
-    p.add_argument("--tls-key", default=None,
-                   help="PEM private key of --tls-cert (default: none, plaintext)")
-    p.add_argument("--max-concurrent-rpcs", type=_int_at_least(1), default=1024,
-                   help="RPCs in progress at once; more get RESOURCE_EXHAUSTED")
-    p.add_argument("--max-queued", type=_int_at_least(1), default=1024,
-                   help="requests waiting for a decode slot; more get RESOURCE_EXHAUSTED")
-    p.add_argument("--port", type=_port, default=9000, help="port (0: any free port)")
-    p.add_argument("--slots", type=_int_at_least(1), default=32,
-                   help="concurrent decodes (per replica)")
-    p.add_argument("--tensor", type=_int_at_least(1), default=1,
-                   help="devices each replica's engine is tensor-parallel over (must divide "
-                        "the model's KV heads)")
-    p.add_argument("--replicas", type=_int_at_least(1), default=1,
-                   help="data-parallel engines, each on --tensor devices of its own; groups go "
-                        "to the least loaded")
-    p.add_argument("--max-len", type=_int_at_least(0), default=0,
-                   help="longest sequence, prompt + generated tokens (0: the model's context); "
-                        "KV memory is taken page by page as sequences grow, not reserved")
-    p.add_argument("--page-size", type=_int_at_least(1), default=16,
-                   help="tokens per KV cache page")
-    p.add_argument("--num-pages", type=_int_at_least(0), default=0,
-                   help="KV pages in the pool (0: --memory-fraction if set, else enough for "
-                        "every slot at --max-len)")
-    p.add_argument("--memory-fraction", type=float, default=0.0,
-                   help="GPU/TPU: size the KV pool to this fraction of the device memory free "
-                        "after the weights are loaded")
-    p.add_argument("--attention", default="auto",
-                   choices=["auto", "reference", "loop", "native", "pallas"],
-                   help="decode attention over the KV pages: reference (gather + XLA, one "
-                        "program per table width), loop (pages read in a loop up to the "
-                        "longest row, one program), native (the same in a C++ kernel: CPU), "
-                        "pallas (the Pallas paged-attention kernel: TPU); auto: native on CPU "
-                        "(loop without a C++ compiler), reference on GPU and TPU")
-    p.add_argument("--score", action="store_true",
-                   help="compile the score programs (one per power-of-two length up to "
-                        "--max-len): prompt log-probs (echo with logprobs, lm-evaluation-"
-                        "harness's loglikelihood tasks) and top_logprobs on the HTTP API")
-    p.add_argument("--record-routes", action="store_true",
-                   help="a mixture-of-experts model: send back with each sample the experts "
-                        "every token was routed to (a trainer's rl.moe_routing replays them)")
-    p.add_argument("--max-prefill-length", type=_int_at_least(0), default=0,
-                   help="longest prompt; 0: up to --max-len less one token (a prompt is "
-                        "prefilled in chunks of --prefill-chunk whatever its length)")
-    p.add_argument("--prefill-chunk", type=_int_at_least(1), default=16,
-                   help="prefill chunk size")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="serving dtype of weights and KV cache")
-    p.add_argument("--http-port", type=_int_at_least(0), default=None,
-                   help="also serve the OpenAI-compatible API (/v1/completions, "
-                        "/v1/chat/completions) on this port, 0 for any free one (default: "
-                        "none)")
-    p.add_argument("--update-token-file", default=None,
-                   help="file holding the shared secret for weight updates (default: the "
-                        "JAXRL_UPDATE_TOKEN environment variable; with neither, updates are "
-                        "refused)")
-    p.add_argument("--cpus", default=None, metavar="CORES",
-                   help="run on these CPU cores only ('1', '2-3', '0,4-7'), pinned before JAX "
-                        "starts (its CPU thread pools size to them) (default: the cores it was "
-                        "started on)")
-    p.set_defaults(run=_serve)
+    serve_arguments(_command(sub, "serve", "serve a model over gRPC (JetStream's protocol + "
+                                           "weight updates)"))
 
 
 def _compile_arguments(sub) -> None:
@@ -342,7 +192,7 @@ def _export_arguments(sub) -> None:
     p.add_argument("--out", required=True, help="the folder to write")
     p.add_argument("--format", default="merged", choices=("merged", "peft"),
                    help="merged: OUT is a Hugging Face folder; peft: OUT/base and OUT/adapter")
-    p.add_argument("--step", type=_int_at_least(0), default=None,
+    p.add_argument("--step", type=int_at_least(0), default=None,
                    help="the checkpoint's step (default: its newest)")
     p.set_defaults(run=_export)
 

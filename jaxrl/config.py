@@ -241,13 +241,6 @@ class RunConfig:
                 self.check_pipeline(self.model)
         if self.mesh.context > 1:
             self.check_context(self.model)
-        gen = self.rl.generation
-        lo = self.model.lora
-        if (lo.enabled or lo.init_from) and self.rl.steps and (gen.servers or gen.launch):
-            raise ConfigError(f"model.lora (rank {lo.rank or 'from init_from'}) with generation "
-                              f"servers (rl.generation.servers / launch) is not supported yet: "
-                              f"a server holds no adapters to update; generate in this process "
-                              f"(drop rl.generation.servers and rl.generation.launch)")
         chunks = self.model.mlp_chunks
         for key, length, used in (("train.seq_len", self.train.seq_len, self.train.steps),
                                   ("rl.pack_len", self.rl.pack_len, self.rl.steps)):

@@ -42,6 +42,7 @@ class UpdateResult:
     version: int
     transfer_s: float   # checks + device-to-device copy + cast, done beside decoding
     pause_s: float      # time decoding was held to swap the weights in
+    adapters: bool = False  # a LoRA model's adapters alone, the base kept
 
 
 class Orchestrator:
@@ -304,7 +305,7 @@ class Orchestrator:
         self._loop.wake.set()
         self._wait(update.applied, timeout, f"weight update {version} not applied")
         update.retired = None       # the replaced weights are freed here, beside decoding
-        return UpdateResult(version, transfer, update.pause_s)
+        return UpdateResult(version, transfer, update.pause_s, update.adapters)
 
     # -- metrics -------------------------------------------------------------------------------
     def metrics(self) -> dict:

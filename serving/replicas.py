@@ -100,7 +100,7 @@ class Replicas:
                     for o in self.replicas[1:]]
             results = [first] + [f.result() for f in rest]
         return UpdateResult(version, max(r.transfer_s for r in results),
-                            max(r.pause_s for r in results))
+                            max(r.pause_s for r in results), first.adapters)
 
     def metrics(self) -> dict:
         each = [o.metrics() for o in self.replicas]

@@ -245,7 +245,8 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     @staticmethod
     def _updated(version: int, result, how: str):
-        log.info("weights version %d %s: transfer %.1f ms, pause %.3f ms", version, how,
+        log.info("weights version %d %s%s: transfer %.1f ms, pause %.3f ms", version, how,
+                 " (LoRA adapters alone)" if result.adapters else "",
                  1e3 * result.transfer_s, 1e3 * result.pause_s)
         return gen_pb2.UpdateWeightsResponse(version=version, transfer_ms=1e3 * result.transfer_s,
                                              pause_ms=1e3 * result.pause_s)

@@ -23,7 +23,7 @@ import threading
 import jax
 import numpy as np
 
-from sharding.reshard import WeightUpdateError, missing_names
+from sharding.reshard import WeightUpdateError, adapter_hint, missing_names
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -86,7 +86,7 @@ def check_specs(specs: list[tuple[str, tuple, str]], shapes: dict[str, tuple]) -
     for name, shape, dtype in specs:
         if name not in shapes:
             raise WeightUpdateError(f"weight pull: {name!r} is not a parameter of the served "
-                                    f"model")
+                                    f"model{adapter_hint([name])}")
         if name in seen:
             raise WeightUpdateError(f"weight pull: {name} is offered twice")
         seen.add(name)

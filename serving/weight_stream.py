@@ -24,7 +24,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from sharding.reshard import WeightUpdateError, missing_names
+from sharding.reshard import WeightUpdateError, adapter_hint, missing_names
 
 WIRE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -104,7 +104,7 @@ class WeightAssembler:
         if tensor is None:
             if piece.name not in self.shapes:
                 raise WeightUpdateError(f"weight update: {piece.name!r} is not a parameter of "
-                                        f"the served model")
+                                        f"the served model{adapter_hint([piece.name])}")
             if shape != self.shapes[piece.name]:
                 raise WeightUpdateError(f"weight update: {piece.name} declared shape {shape}; "
                                         f"the served model needs {self.shapes[piece.name]}")

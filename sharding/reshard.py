@@ -53,6 +53,15 @@ def missing_names(names, offered) -> list[str]:
     return [n for n in whole if n not in offered]
 
 
+def adapter_hint(names) -> str:
+    """What to do about an update naming LoRA adapters (`names`: those the served model lacks)
+    that the served model does not hold: nothing to add when there are none."""
+    if not any("_lora_" in n for n in names):
+        return ""
+    return ("; LoRA adapters, which this server's model does not hold: start `jaxrl serve` "
+            "with the trainer's model.lora as --lora-rank, --lora-alpha and --lora-targets")
+
+
 def check_weights(params, target) -> list[tuple[str, object, jax.ShapeDtypeStruct]]:
     """Validates `params` against `target` (ShapeDtypeStructs with shardings); returns
     (name, array, target) triples in tree order."""
@@ -62,7 +71,8 @@ def check_weights(params, target) -> list[tuple[str, object, jax.ShapeDtypeStruc
     extra = sorted(set(got) - {n for n, _ in want})
     if missing or extra:
         raise WeightUpdateError(f"weight update does not match the served model: missing "
-                                f"{missing[:3] or 'nothing'}, unexpected {extra[:3] or 'nothing'}")
+                                f"{missing[:3] or 'nothing'}, unexpected {extra[:3] or 'nothing'}"
+                                f"{adapter_hint(extra)}")
     out = []
     for name, t in want:
         x = got[name]

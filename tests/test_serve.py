@@ -10,6 +10,7 @@ import sys
 import threading
 
 import grpc
+import jax
 import numpy as np
 import openai
 import pytest
@@ -83,6 +84,78 @@ def test_serves_a_peft_adapter_trained_elsewhere_merged_into_its_base(tmp_path):
                                 lora_dir=str(tmp_path / "adapter"))
     assert what.endswith(f"with the LoRA adapter in {tmp_path / 'adapter'} merged")
     np.testing.assert_allclose(np.asarray(model(ids)), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_server_holding_adapters_takes_a_trainers_adapters_alone(tmp_path, caplog):
+    """`jaxrl serve --lora-rank` (load_model's `adapters`): the base loads with zero adapters
+    beside it (it serves as the base), takes a trainer's first push of every weight and then
+    its adapters alone over gRPC, and decodes as the trainer's model each time; the server
+    logs the adapter updates as such. A server without adapters refuses an adapter tree,
+    saying which flags would hold them."""
+    from jaxrl.commands.serve import hold_adapters
+    from jaxrl.errors import UserError
+    from jaxrl.models import lora, merge_params
+    from jaxrl.models.lora import LoraConfig
+    from serving.client import RemoteGeneration
+    from serving.server import Server
+    from sharding.reshard import WeightUpdateError
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, tie_word_embeddings=True)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    _word_tokenizer(tmp_path, 40)
+    shape = LoraConfig(rank=4, alpha=8, targets=("q_proj", "down_proj"))
+    base, tokenizer, _ = load_model(str(tmp_path), "unused", print)
+    model, _, what = load_model(str(tmp_path), "unused", print, adapters=shape)
+    assert what.endswith("holding LoRA adapters of rank 4 on q_proj,down_proj")
+    graphdef, held = split_params(model)
+    assert sorted(lora.trainable(held)["layers"]) == [
+        "down_proj_lora_a", "down_proj_lora_b", "q_proj_lora_a", "q_proj_lora_b"]
+    ids = np.array([[3, 7, 1, 30, 12, 5]])
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(base(ids)))
+    assert hold_adapters(model, shape) is model            # already held: kept
+    with pytest.raises(UserError, match=r"--lora-rank 8 .* holds adapters of rank 4"):
+        hold_adapters(model, LoraConfig(rank=8))
+    with pytest.raises(UserError, match=r"--lora .* and --lora-rank 4 .* give one of them"):
+        load_model(str(tmp_path), "unused", print, lora_dir=str(tmp_path), adapters=shape)
+
+    def trainers(seed):     # the trainer's model: the base with adapters it trained
+        keys = iter(jax.random.split(jax.random.key(seed), 8))
+        return lora.with_trainable(held, {"layers": {
+            k: jax.random.normal(next(keys), v.shape) * 0.5
+            for k, v in lora.trainable(held)["layers"].items()}})
+
+    prompt = tokenizer.encode("w3 w7 w1 w30")
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    engine = Engine(model.cfg, EngineConfig(max_concurrent_decodes=2, max_len=32,
+                                            max_prefill_length=16, prefill_chunk=8))
+    plain = Engine(base.cfg, engine.cfg)
+    server = Server(Orchestrator(engine, held).start(), port=0, update_token="t").start()
+    other = Server(Orchestrator(plain, split_params(base)[1]).start(), port=0,
+                   update_token="t").start()
+    remote = RemoteGeneration(server.address, token="t")
+    caplog.set_level("INFO", logger="jaxrl")
+    try:
+        first, second = trainers(1), trainers(2)
+        remote.update_params(first, 1, timeout=60)
+        assert remote.submit(prompt, greedy).result()[0].tokens == greedy_generate(
+            merge_params(graphdef, first), [prompt], 6, eos_id=-1)[0]
+        result = remote.update_params(lora.trainable(second), 2, timeout=60)
+        assert remote.submit(prompt, greedy).result()[0].tokens == greedy_generate(
+            merge_params(graphdef, second), [prompt], 6, eos_id=-1)[0]
+        assert result.version == 2
+        assert [r.getMessage().split(":")[0] for r in caplog.records
+                if "weights version" in r.getMessage()] == [
+            "weights version 1 streamed", "weights version 2 streamed (LoRA adapters alone)"]
+        with pytest.raises(WeightUpdateError, match=r"'layers/down_proj_lora_a' is not a "
+                                                    r"parameter .* --lora-rank, --lora-alpha"):
+            RemoteGeneration(other.address, token="t").update_params(second, 1, timeout=60)
+    finally:
+        remote.close()
+        server.stop(grace=0)
+        other.stop(grace=0)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ or freshly initialised) behind the gRPC server, until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import os
 import signal
@@ -12,11 +13,14 @@ from pathlib import Path
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.config import RunConfig
 from jaxrl.errors import UserError
-from jaxrl.models import Transformer, from_hf, load_hf_config, split_params
+from jaxrl.models import (Transformer, abstract_model, from_hf, load_hf_config, lora,
+                          merge_params, split_params)
+from jaxrl.models.lora import LoraConfig
 from jaxrl.models.peft_io import with_adapter
 from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer
 from jaxrl.rl.tasks.arithmetic import ArithmeticTask
@@ -32,10 +36,16 @@ SHUTDOWN_DEADLINE_S = 45.0   # from SIGTERM to exit, RPCs' grace and the engine'
 
 
 def load_model(model_dir: str | None, checkpoint_dir: str | Path, log: Callable[[str], None],
-               place: Callable | None = None, lora_dir: str | None = None):
+               place: Callable | None = None, lora_dir: str | None = None,
+               adapters: LoraConfig | None = None):
     """(model, tokenizer, description). `place(model_cfg)`: the shardings (and dtype) to load a
     Hugging Face folder's tensors straight into: (dtype, pure dict of shardings). `lora_dir`:
-    a PEFT LoRA folder merged into the weights loaded."""
+    a PEFT LoRA folder merged into the weights loaded. `adapters`: LoRA adapters of this shape
+    held apart from the weights (`hold_adapters`), for a trainer's adapter-only updates."""
+    if lora_dir and adapters:
+        raise UserError(f"--lora {lora_dir} merges an adapter into the weights and --lora-rank "
+                        f"{adapters.rank} holds adapters apart for a trainer's updates: give "
+                        f"one of them")
     model, tokenizer, what = _load_base(model_dir, checkpoint_dir, log, place)
     if lora_dir:
         try:
@@ -43,7 +53,31 @@ def load_model(model_dir: str | None, checkpoint_dir: str | Path, log: Callable[
         except (OSError, ValueError) as e:
             raise UserError(f"--lora {lora_dir}: {e}") from None
         what += f", with the LoRA adapter in {lora_dir} merged"
+    if adapters:
+        model = hold_adapters(model, adapters)
+        what += (f", holding LoRA adapters of rank {adapters.rank} on "
+                 f"{','.join(model.cfg.lora.modules(bool(model.cfg.num_experts)))}")
     return model, tokenizer, what
+
+
+def hold_adapters(model, adapters: LoraConfig):
+    """`model` with LoRA adapters of shape `adapters` kept apart from its weights, so that a
+    trainer's update may carry its adapters alone: a model without adapters gets zero ones (it
+    serves as the base until the first update); one with adapters keeps them if they have
+    that shape. UserError for adapters of another shape."""
+    have = model.cfg.lora
+    if have.enabled:
+        if lora.same_shape(have, adapters):
+            return model
+        raise UserError(f"--lora-rank {adapters.rank} --lora-alpha {adapters.alpha:g} "
+                        f"--lora-targets {','.join(adapters.targets)}: the checkpoint's model "
+                        f"holds adapters of rank {have.rank}, alpha {have.alpha:g} on "
+                        f"{','.join(have.targets)}; give those (or no --lora-rank)")
+    cfg = dataclasses.replace(model.cfg, lora=dataclasses.replace(adapters, init_from=None))
+    graphdef = split_params(abstract_model(cfg))[0]
+    zeros = {"layers": {name: jnp.zeros(shape, jnp.float32)
+                        for name, (shape, _) in lora.adapter_shapes(cfg).items()}}
+    return merge_params(graphdef, lora.with_trainable(split_params(model)[1], zeros))
 
 
 def _load_base(model_dir, checkpoint_dir, log, place):
@@ -87,6 +121,7 @@ def check_tensor(model_cfg, tensor: int, devices: int) -> None:
 def _load_engines(model_dir: str | None, checkpoint_dir: str,
                   engine_config: Callable[[int], EngineConfig], meshes, tensor: int,
                   log: Callable[[str], None], lora_dir: str | None = None,
+                  adapters: LoraConfig | None = None,
                   ) -> tuple[list[Engine], dict, object, str]:
     """One engine per mesh and the weights they serve (a Hugging Face folder loads straight
     onto the first engine's mesh), the tokenizer, and what was loaded, in words."""
@@ -105,11 +140,14 @@ def _load_engines(model_dir: str | None, checkpoint_dir: str,
     engines: list[Engine] = []
 
     def place(model_cfg):
+        if adapters:
+            model_cfg = dataclasses.replace(model_cfg, lora=adapters)
         engines.append(first_engine(model_cfg))
         return engines[0].cfg.dtype, jax.tree.map(lambda a: a.sharding,
-                                                  engines[0].param_target)
+                                                  lora.frozen(engines[0].param_target))
 
-    model, tokenizer, what = load_model(model_dir, checkpoint_dir, log, place, lora_dir)
+    model, tokenizer, what = load_model(model_dir, checkpoint_dir, log, place, lora_dir,
+                                        adapters)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise UserError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
                         f"{model.cfg.vocab_size}")
@@ -142,9 +180,11 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
           log: Callable[[str], None] = print, ready: threading.Event | None = None,
           tls: tuple[bytes, bytes] | None = None, allow_remote: bool = False,
           max_concurrent_rpcs: int = 1024, max_queued: int = 1024, tensor: int = 1,
-          replicas: int = 1, http_port: int | None = None, lora_dir: str | None = None) -> None:
+          replicas: int = 1, http_port: int | None = None, lora_dir: str | None = None,
+          adapters: LoraConfig | None = None) -> None:
     """`engine_config(context)`: the engine's sizes, given the model's context length.
-    `lora_dir`: a PEFT LoRA folder merged into the served weights.
+    `lora_dir`: a PEFT LoRA folder merged into the served weights. `adapters`: hold LoRA
+    adapters of this shape apart from the weights, for a trainer's adapter-only updates.
     `http_port`: also serve the OpenAI-compatible HTTP API (serving/openai_api.py) there.
     `max_queued`: requests waiting for a slot; more get RESOURCE_EXHAUSTED.
     `tensor`, `replicas`: `replicas` engines, each tensor-parallel over `tensor` devices."""
@@ -154,7 +194,7 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
                         f"crosses the network in clear)")
     engines, params, tokenizer, what = _load_engines(
         model_dir, checkpoint_dir, engine_config, serving_meshes(tensor, replicas), tensor,
-        log, lora_dir)
+        log, lora_dir, adapters)
     engine_cfg = engines[0].cfg
     # Version -1: the weights it was started with, no trainer's; a trainer's first push (any
     # version >= 0) replaces them.

@@ -67,6 +67,13 @@ class LoraConfig:
         return tuple(t for t in TARGETS if t in names and not (moe and t in MLP))
 
 
+def same_shape(a: LoraConfig, b: LoraConfig) -> bool:
+    """Whether adapters made by `a` and `b` are interchangeable: same rank, scale and
+    targets (each resolved: all-linear is all seven)."""
+    return (a.rank, a.scale, a.modules(), a.modules(moe=True)) == \
+        (b.rank, b.scale, b.modules(), b.modules(moe=True))
+
+
 def adapter_shapes(cfg) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """{parameter name: (shape, logical axes)} of every adapter of model config `cfg`, with the
     leading `layers` axis; none when LoRA is off."""

@@ -114,11 +114,12 @@ def free_port() -> int:
 
 class LocalServers:
     """`launch` `jaxrl serve` processes serving `checkpoint_dir` with `engine`'s sizes, each
-    pinned to its cores of `cores`. Their addresses and update token are known at once; they
+    pinned to its cores of `cores`, holding LoRA adapters shaped as `adapters` (a LoraConfig)
+    when the run trains adapters. Their addresses and update token are known at once; they
     answer once they have compiled (the fleet connects them as they do)."""
 
     def __init__(self, checkpoint_dir: Path, engine, dtype: str, cores: list[list[int]],
-                 run_dir: Path, log=print):
+                 run_dir: Path, log=print, adapters=None):
         self.token = secrets.token_hex(16)
         self.token_file = Path(run_dir) / "launched_servers.token"
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -139,6 +140,10 @@ class LocalServers:
                        "--update-token-file", str(self.token_file)]
                 if engine.record_routes:
                     cmd += ["--record-routes"]
+                if adapters is not None and adapters.enabled:
+                    cmd += ["--lora-rank", str(adapters.rank), "--lora-alpha",
+                            str(adapters.alpha), "--lora-targets", ",".join(adapters.targets)]
+                    cmd += ["--lora-rslora"] if adapters.use_rslora else []
                 if pinned:
                     cmd += ["--cpus", ",".join(map(str, pinned))]
                 out = open(log_path, "w")    # noqa: SIM115 (closed in close)

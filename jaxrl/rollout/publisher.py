@@ -65,7 +65,7 @@ class WeightPublisher:
         timings = {"update_pause_ms": 0.0, "update_transfer_ms": 0.0}
         remote = any(m.remote for m in self.fleet.members)
         if remote:
-            copy = jax.tree.map(self._wire_copy, params)
+            copy = jax.tree_util.tree_map_with_path(self._wire_copy, params)
         self.fleet.published(version)
         for m in self.fleet.members:
             if not m.remote:
@@ -79,10 +79,12 @@ class WeightPublisher:
             self.fleet.notify()
         return timings
 
-    def _wire_copy(self, x):
+    def _wire_copy(self, path, x):
         """A new device buffer (the trainer donates its own to the next step), in the serving
-        dtype: the server would cast to it anyway, so fewer bytes cross the wire."""
-        dtype = jnp.dtype(self.wire_dtype or x.dtype)
+        dtype: the server would cast to it anyway, so fewer bytes cross the wire. LoRA
+        adapters keep theirs: a server holds them in float32 as the trainer does."""
+        adapter = lora.is_adapter(str(getattr(path[-1], "key", "")))
+        dtype = jnp.dtype(x.dtype if adapter else self.wire_dtype or x.dtype)
         if isinstance(x, np.ndarray):    # gathered from several trainer processes: a copy
             return x.astype(dtype, copy=False)
         return jnp.copy(x) if x.dtype == dtype else x.astype(dtype)

@@ -160,7 +160,7 @@ class RLRun:
         model_cfg = model_config(cfg)
         servers = local_servers.LocalServers(
             cfg.checkpoint_dir, generation.engine_config(cfg, model_cfg), model_cfg.dtype,
-            cores.servers, Path(cfg.run_dir), self.log)
+            cores.servers, Path(cfg.run_dir), self.log, model_cfg.lora)
         self._stack.callback(servers.close)
         self._servers = servers
         if cores.trainer:

@@ -58,10 +58,6 @@ def test_bad_lora_settings_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"model.lora.rank=4 inside a pipeline"):
         load_run_config("configs/demo_cpu.yaml", ["model.lora.rank=4",
                                                   "sharding.pipeline.stages=2"])
-    with pytest.raises(ConfigError, match=r"model.lora \(rank 4\) with generation servers "
-                                          r"\(rl.generation.servers / launch\) is not supported"):
-        load_run_config("configs/demo_cpu.yaml", ["model.lora.rank=4",
-                                                  "rl.generation.launch=1"])
     cfg = load_run_config("configs/demo_cpu.yaml", ["model.lora.rank=4",
                                                     "model.lora.targets=q_proj,v_proj"])
     assert cfg.model.lora.targets == ("q_proj", "v_proj")

@@ -7,9 +7,12 @@ import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
+from jaxrl.config import load_run_config
 from jaxrl.errors import UserError
+from jaxrl.models import abstract_model, lora, split_params
 from jaxrl.rollout.local_servers import LocalServers, parse_cpus, plan
 from serving.engine import EngineConfig
 from jaxrl.telemetry.metrics import read_metrics
@@ -69,3 +72,36 @@ def test_train_launches_a_pinned_server_and_trains_on_it(tmp_path, mode):
         assert paused == resumed == []
     else:                   # every step, and nothing generated in between
         assert len(paused) == 4 and paused == resumed and paused[0] > 0, (paused, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+def test_a_lora_run_pushes_its_launched_server_the_adapters_alone(tmp_path):
+    """model.lora with a launched server: the server holds adapters (--lora-rank ...), takes
+    every weight in the run's first push and the adapters alone in every later one, and
+    samples from the trainer's adapters (its log-probs are the trainer's)."""
+    cores = sorted(os.sched_getaffinity(0))
+    overrides = [o for o in BASE if not o.startswith(("rl.steps=", "train.steps="))] + [
+        f"run_dir={tmp_path}", "train.steps=4", "rl.steps=3", "rl.mode=sync",
+        "rl.generation.launch=1", f"rl.generation.cpus={cores[-1]}",
+        "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=q_proj,v_proj,up_proj"]
+    done = subprocess.run([sys.executable, "-m", "jaxrl.cli", "train", *overrides],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    server_log = (tmp_path / "launched_server_0.log").read_text()
+    assert "holding LoRA adapters of rank 4 on q_proj,v_proj,up_proj" in server_log
+    updates = re.findall(r"weights version (\d+) streamed( \(LoRA adapters alone\))?",
+                         server_log)
+    assert [bool(alone) for _, alone in updates] == [False] + [True] * (len(updates) - 1)
+    assert len(updates) >= 3, updates
+    cfg = load_run_config(None, overrides)
+    _, abstract = split_params(abstract_model(cfg.model))
+    everything = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
+    adapters = sum(a.size * 4 for a in jax.tree.leaves(lora.trainable(abstract)))
+    rows = [r for r in read_metrics(tmp_path) if "reward" in r]
+    for r in rows:      # the first push every weight, each later one the adapters alone
+        assert r["push_bytes"] == everything + (r["pushes"] - 1) * adapters, r
+    assert rows[-1]["pushes"] >= 2
+    for r in rows[1:]:  # sampled by weights the trainer had pushed its adapters alone for
+        assert 0 < r["logprob_parity_tokens"] and r["logprob_abs_diff_max"] < 1e-4, r

@@ -1,0 +1,185 @@
+"""`jaxrl serve`'s command line: its flags and how they become the server's settings (the
+server itself: jaxrl/commands/serve.py)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import TYPE_CHECKING
+
+from jaxrl.commands.arg_types import int_at_least, port
+from jaxrl.errors import UserError
+
+if TYPE_CHECKING:       # JAX is imported only once --cpus has pinned the process
+    from jaxrl.models.lora import LoraConfig
+
+
+# EngineConfig's fields as `jaxrl serve` users know them: the flag that sets one, or what it is.
+_SERVE_NAMES = {"max_concurrent_decodes": "--slots", "max_len": "--max-len",
+                "max_prefill_length": "--max-prefill-length", "prefill_chunk": "--prefill-chunk",
+                "page_size": "--page-size", "num_pages": "--num-pages",
+                "memory_fraction": "--memory-fraction",
+                "min_bucket": "the engine's smallest prefill bucket,"}
+
+
+def run(args) -> None:
+    import logging
+
+    from jaxrl.rollout.local_servers import parse_cpus, pin
+
+    if args.cpus:
+        pin(parse_cpus(args.cpus, "--cpus"), "--cpus")   # before JAX sizes its thread pools
+    from jaxrl.commands.serve import read_tls, read_update_token, serve
+    from jaxrl.platform import use_compilation_cache
+    from serving.engine import EngineConfig
+
+    use_compilation_cache()       # a restart of the same engine loads its programs
+
+    def engine_config(context: int) -> EngineConfig:
+        """The engine the flags ask for; --max-len 0 takes the model's context."""
+        try:
+            return EngineConfig(max_concurrent_decodes=args.slots,
+                                max_len=args.max_len or context,
+                                max_prefill_length=(args.max_prefill_length or
+                                                    (args.max_len or context) - 1),
+                                prefill_chunk=args.prefill_chunk, dtype=args.dtype,
+                                page_size=args.page_size, num_pages=args.num_pages,
+                                memory_fraction=args.memory_fraction,
+                                attention=args.attention, score=args.score,
+                                record_routes=args.record_routes)
+        except ValueError as e:  # name the flags the user gave, not EngineConfig's fields
+            raise UserError(re.sub(r"\b(\w+)=", lambda m: f"{_SERVE_NAMES[m[1]]} "
+                                   if m[1] in _SERVE_NAMES else m[0], str(e))) from None
+
+    if args.max_len:
+        engine_config(args.max_len)   # refuse bad flags before loading anything
+    try:
+        token = read_update_token(args.update_token_file)
+    except OSError as e:
+        raise UserError(f"--update-token-file {args.update_token_file!r}: "
+                        f"{e.strerror.lower()}") from None
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    logger = logging.getLogger("jaxrl")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False    # a library's root handler (absl's) would print every line again
+    tls = read_tls(args.tls_cert, args.tls_key)
+    serve(model_dir=args.model, checkpoint_dir=args.checkpoint, host=args.host, port=args.port,
+          engine_config=engine_config, update_token=token, log=lambda m: print(m, flush=True),
+          tls=tls, allow_remote=args.allow_remote,
+          max_concurrent_rpcs=args.max_concurrent_rpcs, max_queued=args.max_queued,
+          tensor=args.tensor, replicas=args.replicas, http_port=args.http_port,
+          lora_dir=args.lora, adapters=_adapters(args))
+
+
+def _adapters(args) -> LoraConfig | None:
+    """The LoRA adapters --lora-rank asks the server to hold, or None."""
+    from jaxrl.models.lora import LoraConfig
+
+    if not args.lora_rank:
+        return None
+    try:
+        return LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha,
+                          targets=args.lora_targets, use_rslora=args.lora_rslora)
+    except ValueError as e:
+        raise UserError(str(e).replace("model.lora.", "--lora-")) from None
+
+
+def serve_arguments(p: argparse.ArgumentParser) -> None:
+    """`jaxrl serve`'s flags, on its subcommand's parser `p`."""
+    _served_and_listening(p)
+    _engine_arguments(p)
+    p.set_defaults(run=run)
+
+
+def _served_and_listening(p: argparse.ArgumentParser) -> None:
+    """What the server serves (a model, adapters) and how it listens."""
+    p.add_argument("--model", default=None,
+                   help="Hugging Face folder to serve (default: the demo model)")
+    p.add_argument("--checkpoint", default="runs/demo/checkpoints",
+                   help="without --model: serve the newest checkpoint here if there is one")
+    p.add_argument("--lora", default=None, metavar="ADAPTER",
+                   help="a PEFT LoRA adapter folder, merged into the model's weights "
+                        "(default: none)")
+    p.add_argument("--lora-rank", type=int_at_least(0), default=0,
+                   help="hold LoRA adapters of this rank apart from the weights (zero until a "
+                        "trainer's update; a LoRA run's checkpoint keeps its own), so a "
+                        "trainer training adapters pushes them alone (default: 0, none)")
+    p.add_argument("--lora-alpha", type=float, default=16.0,
+                   help="with --lora-rank: the adapters' alpha (model.lora.alpha)")
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="with --lora-rank: the projections adapted, comma-separated "
+                        "(model.lora.targets)")
+    p.add_argument("--lora-rslora", action="store_true",
+                   help="with --lora-rank: scale by alpha/sqrt(rank) (model.lora.use_rslora)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; one reachable from other machines needs "
+                        "--allow-remote")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a non-loopback --host (logs a warning, louder without TLS)")
+    p.add_argument("--tls-cert", default=None,
+                   help="PEM certificate chain: serve over TLS (default: none, plaintext)")
+    p.add_argument("--tls-key", default=None,
+                   help="PEM private key of --tls-cert (default: none, plaintext)")
+    p.add_argument("--max-concurrent-rpcs", type=int_at_least(1), default=1024,
+                   help="RPCs in progress at once; more get RESOURCE_EXHAUSTED")
+    p.add_argument("--max-queued", type=int_at_least(1), default=1024,
+                   help="requests waiting for a decode slot; more get RESOURCE_EXHAUSTED")
+    p.add_argument("--port", type=port, default=9000, help="port (0: any free port)")
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's sizes and programs, and where it runs."""
+    p.add_argument("--slots", type=int_at_least(1), default=32,
+                   help="concurrent decodes (per replica)")
+    p.add_argument("--tensor", type=int_at_least(1), default=1,
+                   help="devices each replica's engine is tensor-parallel over (must divide "
+                        "the model's KV heads)")
+    p.add_argument("--replicas", type=int_at_least(1), default=1,
+                   help="data-parallel engines, each on --tensor devices of its own; groups go "
+                        "to the least loaded")
+    p.add_argument("--max-len", type=int_at_least(0), default=0,
+                   help="longest sequence, prompt + generated tokens (0: the model's context); "
+                        "KV memory is taken page by page as sequences grow, not reserved")
+    p.add_argument("--page-size", type=int_at_least(1), default=16,
+                   help="tokens per KV cache page")
+    p.add_argument("--num-pages", type=int_at_least(0), default=0,
+                   help="KV pages in the pool (0: --memory-fraction if set, else enough for "
+                        "every slot at --max-len)")
+    p.add_argument("--memory-fraction", type=float, default=0.0,
+                   help="GPU/TPU: size the KV pool to this fraction of the device memory free "
+                        "after the weights are loaded")
+    p.add_argument("--attention", default="auto",
+                   choices=["auto", "reference", "loop", "native", "pallas"],
+                   help="decode attention over the KV pages: reference (gather + XLA, one "
+                        "program per table width), loop (pages read in a loop up to the "
+                        "longest row, one program), native (the same in a C++ kernel: CPU), "
+                        "pallas (the Pallas paged-attention kernel: TPU); auto: native on CPU "
+                        "(loop without a C++ compiler), reference on GPU and TPU")
+    p.add_argument("--score", action="store_true",
+                   help="compile the score programs (one per power-of-two length up to "
+                        "--max-len): prompt log-probs (echo with logprobs, lm-evaluation-"
+                        "harness's loglikelihood tasks) and top_logprobs on the HTTP API")
+    p.add_argument("--record-routes", action="store_true",
+                   help="a mixture-of-experts model: send back with each sample the experts "
+                        "every token was routed to (a trainer's rl.moe_routing replays them)")
+    p.add_argument("--max-prefill-length", type=int_at_least(0), default=0,
+                   help="longest prompt; 0: up to --max-len less one token (a prompt is "
+                        "prefilled in chunks of --prefill-chunk whatever its length)")
+    p.add_argument("--prefill-chunk", type=int_at_least(1), default=16,
+                   help="prefill chunk size")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="serving dtype of weights and KV cache")
+    p.add_argument("--http-port", type=int_at_least(0), default=None,
+                   help="also serve the OpenAI-compatible API (/v1/completions, "
+                        "/v1/chat/completions) on this port, 0 for any free one (default: "
+                        "none)")
+    p.add_argument("--update-token-file", default=None,
+                   help="file holding the shared secret for weight updates (default: the "
+                        "JAXRL_UPDATE_TOKEN environment variable; with neither, updates are "
+                        "refused)")
+    p.add_argument("--cpus", default=None, metavar="CORES",
+                   help="run on these CPU cores only ('1', '2-3', '0,4-7'), pinned before JAX "
+                        "starts (its CPU thread pools size to them) (default: the cores it was "
+                        "started on)")
