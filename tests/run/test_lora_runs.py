@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -31,6 +32,20 @@ RUN = ["model.dtype=float32", "log.progress=false", "train.eval_problems=0", "rl
        "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=q_proj,v_proj,down_proj"]
 
 
+def _train(tmp, run_dir, *overrides):
+    cfg = load_run_config(EXAMPLE / "config.yaml",
+                          [f"hf_path={tmp / 'qwen'}", f"run_dir={run_dir}",
+                           *(o for o in RUN if o.split("=")[0] not in
+                             {x.split("=")[0] for x in overrides}), *overrides])
+    cwd, lines = os.getcwd(), []
+    os.chdir(EXAMPLE.parents[1])        # the config names its rewards from the repository
+    try:
+        job.run(cfg, log=lines.append)
+    finally:
+        os.chdir(cwd)
+    return lines
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora")
@@ -38,14 +53,7 @@ def run(tmp_path_factory):
     (tmp / "qwen").mkdir()
     tiny_qwen(tmp / "qwen", [m["content"] + " " + r["word"][::-1] for r in rows
                              for m in r["prompt"]] + ["user assistant"])
-    cfg = load_run_config(EXAMPLE / "config.yaml",
-                          [f"hf_path={tmp / 'qwen'}", f"run_dir={tmp / 'run'}", *RUN])
-    cwd = os.getcwd()
-    os.chdir(EXAMPLE.parents[1])        # the config names its rewards from the repository
-    try:
-        job.run(cfg, log=lambda _: None)
-    finally:
-        os.chdir(cwd)
+    _train(tmp, tmp / "run")
     return tmp
 
 
@@ -72,6 +80,19 @@ def test_rl_trains_the_adapters_alone(run):
                                       for m in "ab")
     assert all(np.abs(np.asarray(adapters[f"{t}_lora_b"])).max() > 0
                for t in ("q_proj", "v_proj", "down_proj"))
+
+
+def test_a_resumed_lora_run_ends_exactly_where_the_straight_run_does(run):
+    """Stopped after step 2 and resumed, the run's step 3 is the straight run's to the bit:
+    the checkpoint holds the adapters, their optimizer state and the rollout stream."""
+    _train(run, run / "resumed", "rl.steps=2")
+    lines = _train(run, run / "resumed")
+    assert any(f"resumed RL from {run / 'resumed' / 'checkpoints'}/2" in x for x in lines), lines
+    got = split_params(restore_for_eval(run / "resumed" / "checkpoints")[0])[1]
+    want = split_params(restore_for_eval(run / "run" / "checkpoints")[0])[1]
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+    assert np.abs(np.asarray(got["layers"]["q_proj_lora_b"])).max() > 0
 
 
 def _logits(model, ids):
