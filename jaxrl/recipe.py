@@ -28,7 +28,7 @@ def model_config(cfg: RunConfig) -> ModelConfig:
 
 def adapter_settings(lora: LoraConfig) -> LoraConfig:
     """`lora` with its rank, alpha, targets and rsLoRA setting taken from the PEFT folder it
-    starts from (`init_from`); ConfigError for a folder that is not one, or a rank set to
+    starts from (`init_from`; the dropout, a training setting, stays the run's); ConfigError for a folder that is not one, or a rank set to
     something else."""
     try:
         found = read_config(lora.init_from)
@@ -38,7 +38,7 @@ def adapter_settings(lora: LoraConfig) -> LoraConfig:
         raise ConfigError(f"model.lora.rank={lora.rank} but the adapter in "
                           f"model.lora.init_from={lora.init_from!r} has r={found.rank}; leave "
                           f"model.lora.rank unset (or 0) to take the folder's")
-    return dataclasses.replace(found, init_from=lora.init_from)
+    return dataclasses.replace(found, init_from=lora.init_from, dropout=lora.dropout)
 
 
 def _hf_model(cfg: RunConfig) -> ModelConfig:

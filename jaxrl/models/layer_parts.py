@@ -31,10 +31,10 @@ def norm(cfg: ModelConfig, x, scale):
 
 def attention_inputs(cfg: ModelConfig, w: dict, x_BTD, cos_BTH, sin_BTH):
     h_BTD = norm(cfg, x_BTD, w["attn_norm"])
-    s = cfg.lora.scale if cfg.lora.enabled else 0.0
-    q_BTNH = project(w, "q_proj", h_BTD, "btd,dnh->btnh", s)
-    k_BTGH = project(w, "k_proj", h_BTD, "btd,dgh->btgh", s)
-    v_BTGH = project(w, "v_proj", h_BTD, "btd,dgh->btgh", s)
+    lo = cfg.lora
+    q_BTNH = project(w, "q_proj", h_BTD, "btd,dnh->btnh", lo)
+    k_BTGH = project(w, "k_proj", h_BTD, "btd,dgh->btgh", lo)
+    v_BTGH = project(w, "v_proj", h_BTD, "btd,dgh->btgh", lo)
     if cfg.qkv_bias:
         q_BTNH, k_BTGH, v_BTGH = q_BTNH + w["q_bias"], k_BTGH + w["k_bias"], v_BTGH + w["v_bias"]
     if cfg.qk_norm:
@@ -47,8 +47,7 @@ def attention_inputs(cfg: ModelConfig, w: dict, x_BTD, cos_BTH, sin_BTH):
 def attention_output_and_mlp(cfg: ModelConfig, w: dict, x_BTD, a_BTNH, replay_BTK=None):
     """(the layer's output, the MoE router's own (top-k experts [B, T, K], probabilities
     [B, T, E]), or None for a dense model)."""
-    o_BTD = project(w, "o_proj", a_BTNH, "btnh,nhd->btd",
-                    cfg.lora.scale if cfg.lora.enabled else 0.0)
+    o_BTD = project(w, "o_proj", a_BTNH, "btnh,nhd->btd", cfg.lora)
     if cfg.gemma:
         o_BTD = norm(cfg, o_BTD, w["post_attn_norm"])
     x_BTD = x_BTD + o_BTD
@@ -86,10 +85,10 @@ def _dense_mlp(cfg: ModelConfig, w: dict, h_BTD):
 def _adapted_mlp(cfg: ModelConfig, w: dict, h_BTD):
     """The gated MLP with LoRA adapters on its projections (`jaxrl/models/lora.py`)."""
     act = ops.gelu_tanh if cfg.gemma else jax.nn.silu
-    s = cfg.lora.scale
-    g_BTF = project(w, "gate_proj", h_BTD, "btd,df->btf", s)
-    u_BTF = project(w, "up_proj", h_BTD, "btd,df->btf", s)
-    return project(w, "down_proj", act(g_BTF) * u_BTF, "btf,fd->btd", s)
+    lo = cfg.lora
+    g_BTF = project(w, "gate_proj", h_BTD, "btd,df->btf", lo)
+    u_BTF = project(w, "up_proj", h_BTD, "btd,df->btf", lo)
+    return project(w, "down_proj", act(g_BTF) * u_BTF, "btf,fd->btd", lo)
 
 
 def attend(cfg: ModelConfig, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT):

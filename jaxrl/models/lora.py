@@ -36,6 +36,9 @@ class LoraConfig:
     # targeted, its attention is).
     targets: tuple[str, ...] = ("all-linear",)
     use_rslora: bool = False       # scale by alpha / sqrt(r) (rank-stabilised LoRA)
+    # PEFT's lora_dropout: in the train step each adapter's input drops this fraction of its
+    # features (kept ones scaled by 1/(1-p)); the engine and evaluation run without it.
+    dropout: float = 0.0
     # A PEFT LoRA folder to start the adapters from (trained elsewhere); its rank, alpha,
     # targets and rsLoRA setting become this config's (jaxrl/models/peft_io.py).
     init_from: str | None = None
@@ -52,6 +55,8 @@ class LoraConfig:
                              f"allowed: {', '.join(TARGETS)} or all-linear")
         if self.alpha <= 0:
             raise ValueError(f"model.lora.alpha={self.alpha} must be > 0")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.lora.dropout={self.dropout} must be in [0, 1)")
 
     @property
     def enabled(self) -> bool:
@@ -108,9 +113,15 @@ def init_adapter(key, name: str, shape: tuple[int, ...]) -> jax.Array:
     return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
 
 
-def project(w: dict, name: str, x, equation: str, scale: float):
+# A layer's dropout key (raw key data) among its parameters, put there by the train step
+# (`dropout_stack`) when model.lora.dropout is set; no model or checkpoint holds one.
+DROPOUT_KEY = "lora_dropout_key"
+
+
+def project(w: dict, name: str, x, equation: str, lo: LoraConfig):
     """x through projection `name` of one layer's weights `w` by `equation` (e.g.
-    "btd,dnh->btnh"), plus its adapter's s * B(A x) when `w` has one."""
+    "btd,dnh->btnh"), plus its adapter's s * B(A x) when `w` has one (`lo`: the model's
+    LoRA settings), A's input dropped out when `w` carries a dropout key."""
     y = jnp.einsum(equation, x, w[name])
     a = w.get(f"{name}_lora_a")
     if a is None:
@@ -118,11 +129,26 @@ def project(w: dict, name: str, x, equation: str, scale: float):
     x_sub, w_sub = equation.split("->")[0].split(",")
     n_in = sum(c in x_sub for c in w_sub)             # the axes contracted: x's last n_in
     x_flat = x.reshape(-1, int(np.prod(x.shape[-n_in:])))
+    if DROPOUT_KEY in w and lo.dropout:
+        key = jax.random.fold_in(jax.random.wrap_key_data(w[DROPOUT_KEY]), TARGETS.index(name))
+        keep = jax.random.bernoulli(key, 1.0 - lo.dropout, x_flat.shape)
+        x_flat = jnp.where(keep, x_flat / (1.0 - lo.dropout), 0).astype(x_flat.dtype)
     a_flat = a.astype(x.dtype).reshape(x_flat.shape[1], -1)
     b = w[f"{name}_lora_b"].astype(x.dtype)
     b_flat = b.reshape(b.shape[0], -1)
     delta = low_rank(x_flat, a_flat, b_flat)
-    return y + scale * delta.reshape(y.shape)
+    return y + lo.scale * delta.reshape(y.shape)
+
+
+def dropout_stack(stack, key):
+    """Layer-stack function `stack` (`run_layers`'s signature) with a dropout key of its own
+    for each layer beside its weights (`DROPOUT_KEY`), drawn from `key`: what the train step
+    runs when model.lora.dropout is set."""
+    def run(cfg, stacked, *args, **kwargs):
+        layers = jax.tree.leaves(stacked)[0].shape[0]
+        keys = jax.random.key_data(jax.random.split(key, layers))
+        return stack(cfg, {**stacked, DROPOUT_KEY: keys}, *args, **kwargs)
+    return run
 
 
 @jax.custom_vjp

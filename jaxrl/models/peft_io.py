@@ -78,7 +78,8 @@ def write_adapter(params: dict, cfg: ModelConfig, path: str | Path, base: str) -
                 b[i].reshape(cfg.lora.rank, -1).T)
     save_file(tensors, path / WEIGHTS, metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-              "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha, "lora_dropout": 0.0,
+              "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha,
+              "lora_dropout": cfg.lora.dropout,
               "target_modules": list(targets), "use_rslora": cfg.lora.use_rslora,
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
               "init_lora_weights": True, "modules_to_save": None, "use_dora": False}

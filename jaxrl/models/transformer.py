@@ -101,7 +101,7 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
                   segment_ids_BT=None):
     """One pre-norm decoder layer; `p` holds that layer's parameters (no `layers` axis)."""
     engine_BTK = p.get(ENGINE_EXPERTS, p.get(REPLAY_EXPERTS))
-    w = {k: v.astype(cfg.compute_dtype) for k, v in p.items()
+    w = {k: v if k == lora.DROPOUT_KEY else v.astype(cfg.compute_dtype) for k, v in p.items()
          if k not in (ENGINE_EXPERTS, REPLAY_EXPERTS)}
     q_BTNH, k_BTGH, v_BTGH = attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
     # Names a remat policy can save, offload or recompute (sharding/offload.py).

@@ -44,7 +44,7 @@ def _combine(name: str, a, b):
 
 def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_params=None,
                    remat: str = "none", pipeline: pp.PipelineConfig | None = None,
-                   mesh: Mesh | None = None, pipeline_order: bool = False):
+                   mesh: Mesh | None = None, pipeline_order: bool = False, dropout_key=None):
     """sum(loss_sum) / sum(weight) over the microbatches of `batch` ([M, ...] arrays), its
     gradient (accumulated in float32) and the objective's metrics.
 
@@ -53,7 +53,8 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
     With one (`pipeline.stages > 1`) the whole batch goes through the pipeline schedule, split
     into `pipeline.microbatches`. `pipeline_order`: the layer stacks of `params` and
     `ref_params` are in the pipeline's order (sharding/layer_order.py), and so is the
-    gradient's."""
+    gradient's. `dropout_key`: model.lora.dropout's randomness for this step (no pipeline
+    runs LoRA)."""
     ref_model = None if ref_params is None else merge_params(graphdef, ref_params)
     stack = layer_stack(remat)
     if pipeline is not None and pipeline.enabled:
@@ -81,7 +82,7 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
             (loss, (weight, stats)), grads = jax.value_and_grad(batch_loss, has_aux=True)(params)
     else:
         loss, weight, stats, grads = _accumulated_grads(graphdef, params, batch, objective,
-                                                        ref_model, stack)
+                                                        ref_model, stack, dropout_key)
     weight = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g, p: (g / weight).astype(p.dtype), grads,
                          optimized(graphdef, params))
@@ -108,21 +109,24 @@ def _check_nested_offload(remat: str, pipeline: pp.PipelineConfig, mesh: Mesh | 
             f"stage's backward)")
 
 
-def _accumulated_grads(graphdef, params, batch, objective, ref_model, stack):
+def _accumulated_grads(graphdef, params, batch, objective, ref_model, stack, dropout_key):
     """(sum of loss_sum, sum of weight, combined stats, float32 gradient of the loss sum),
-    accumulated over the microbatches of `batch` by a scan."""
+    accumulated over the microbatches of `batch` by a scan; each microbatch's LoRA dropout
+    drawn from `dropout_key` and its index."""
 
     adapters_only = merge_params(graphdef, params).cfg.lora.enabled
 
-    def mb_loss(p, mb):
+    def mb_loss(p, mb, i):
         p = lora.with_trainable(params, p) if adapters_only else p
-        loss_sum, weight, stats = objective(merge_params(graphdef, p), mb, ref_model, stack)
+        run = stack if dropout_key is None else \
+            lora.dropout_stack(stack, jax.random.fold_in(dropout_key, i))
+        loss_sum, weight, stats = objective(merge_params(graphdef, p), mb, ref_model, run)
         return loss_sum, (weight, stats)
 
     grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
     train = optimized(graphdef, params)
     (loss0, (weight0, stats0)), grads0 = jax.eval_shape(
-        grad_fn, train, jax.tree.map(lambda x: x[0], batch))
+        grad_fn, train, jax.tree.map(lambda x: x[0], batch), 0)
     identity = {k: jnp.full(v.shape, jnp.inf if k.endswith("_min") else
                             -jnp.inf if k.endswith("_max") else 0.0, v.dtype)
                 for k, v in stats0.items()}
@@ -130,17 +134,19 @@ def _accumulated_grads(graphdef, params, batch, objective, ref_model, stack):
                                                      identity)),
                jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads0))
 
-    def accumulate(carry, mb):
+    def accumulate(carry, xs):
         grads, loss, weight, stats = carry
+        mb, i = xs
         (mb_loss_sum, (mb_weight, mb_stats)), mb_grads = jax.lax.cond(
-            jnp.any(mb["loss_mask"] > 0), lambda: grad_fn(train, mb), lambda: nothing)
+            jnp.any(mb["loss_mask"] > 0), lambda: grad_fn(train, mb, i), lambda: nothing)
         grads = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grads, mb_grads)
         stats = {k: _combine(k, stats[k], v) for k, v in mb_stats.items()}
         return (grads, loss + mb_loss_sum, weight + mb_weight, stats), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), train)
+    microbatches = jax.tree.leaves(batch)[0].shape[0]
     (grads, loss, weight, stats), _ = jax.lax.scan(
-        accumulate, (zeros, 0.0, 0.0, identity), batch)
+        accumulate, (zeros, 0.0, 0.0, identity), (batch, jnp.arange(microbatches)))
     return loss, weight, stats, grads
 
 
@@ -253,10 +259,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
                    else contextlib.nullcontext())
         if mesh is not None:
             batch = context_parallel.to_context_order(batch, mesh)
+        dropout = (jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+                   if cfg.lora.enabled and cfg.lora.dropout else None)
         with context:
             loss, grads, aux = loss_and_grads(graphdef, state["params"], batch, objective,
                                               state.get("ref_params"), remat, pipeline, mesh,
-                                              pipeline_order)
+                                              pipeline_order, dropout)
         opt_state = state["opt_state"]
         if opt_device is not None:
             opt_state = jax.device_put(opt_state, opt_device)

@@ -133,3 +133,56 @@ def test_a_base_without_adapters_gets_fresh_ones():
     assert set(layers) == set(base_params["layers"]) | {"v_proj_lora_a", "v_proj_lora_b"}
     np.testing.assert_array_equal(layers["q_proj"], base_params["layers"]["q_proj"])
     assert not layers["v_proj_lora_b"].any() and layers["v_proj_lora_a"].any()
+
+
+def test_dropout_drops_the_adapters_input_and_keeps_its_mean():
+    """model.lora.dropout as PEFT's inverted dropout on each adapter's input: with A and B the
+    identity the adapter's term is the dropped input itself, a share p of it zero and the rest
+    x / (1-p); over many keys its mean is the undropped term."""
+    r, p = 8, 0.25
+    lo = LoraConfig(rank=r, alpha=r, dropout=p)             # scale 1
+    x = jax.random.normal(jax.random.key(0), (64, r)) + 3.0   # no feature is zero
+    w = {"q_proj": jnp.zeros((r, r)), "q_proj_lora_a": jnp.eye(r), "q_proj_lora_b": jnp.eye(r)}
+    keyed = lambda k: {**w, lora.DROPOUT_KEY: jax.random.key_data(k)}  # noqa: E731
+    y = lora.project(keyed(jax.random.key(1)), "q_proj", x, "td,de->te", lo)
+    dropped = np.asarray(y) == 0
+    assert abs(dropped.mean() - p) < 0.06
+    np.testing.assert_allclose(np.asarray(y)[~dropped], np.asarray(x / (1 - p))[~dropped],
+                               rtol=1e-6)
+    # Each target draws its own mask from the layer's key; no key (the engine), no dropout.
+    w_k = {**w, "k_proj": w["q_proj"], "k_proj_lora_a": jnp.eye(r), "k_proj_lora_b": jnp.eye(r)}
+    y_k = lora.project({**w_k, lora.DROPOUT_KEY: jax.random.key_data(jax.random.key(1))},
+                       "k_proj", x, "td,de->te", lo)
+    assert not np.array_equal(np.asarray(y_k) == 0, dropped)
+    np.testing.assert_allclose(lora.project(w, "q_proj", x, "td,de->te", lo), x, rtol=1e-6)
+    ys = jax.vmap(lambda k: lora.project(keyed(k), "q_proj", x, "td,de->te", lo))(
+        jax.random.split(jax.random.key(2), 4000))
+    stderr = np.abs(np.asarray(x)) * math.sqrt(p / (1 - p) / 4000)
+    assert np.all(np.abs(np.asarray(ys.mean(0)) - np.asarray(x)) <= 5 * stderr + 1e-6)
+
+
+def test_a_train_step_with_dropout_draws_a_mask_per_step_from_the_state():
+    """The step's dropout comes from the state's rng and step: the same state gives the same
+    step, another step number other masks (another loss), and with dropout 0 the loss is the
+    undropped one."""
+    batch = {"input_ids": IDS[None], "targets": np.roll(IDS, -1, -1)[None],
+             "loss_mask": np.ones((1, *IDS.shape), np.float32)}
+    mesh = shd.make_mesh(shd.MeshConfig(), jax.devices()[:1])
+    tx = optax.sgd(0.0)
+    losses = {}
+    for dropout in (0.0, 0.5):
+        cfg = dataclasses.replace(BASE, lora=LoraConfig(rank=4, dropout=dropout))
+        graphdef, _ = _model(cfg)
+        state = init_state(cfg, tx, state_shardings(cfg, tx, mesh), 0)
+        # B random, so the adapters' term (and its dropout) shows in the loss.
+        state["params"] = lora.with_trainable(state["params"], {"layers": {
+            k: v + (k.endswith("_lora_b") * jax.random.normal(jax.random.key(5), v.shape))
+            for k, v in lora.trainable(state["params"])["layers"].items()}})
+        step = jax.jit(make_train_step(graphdef, tx))
+        runs = [float(step(state, batch)[1]["loss"]),
+                float(step(state, batch)[1]["loss"]),
+                float(step({**state, "step": state["step"] + 1}, batch)[1]["loss"])]
+        losses[dropout] = runs
+    assert len(set(losses[0.0])) == 1
+    same, again, other = losses[0.5]
+    assert same == again and other != same and same != losses[0.0][0]
