@@ -334,10 +334,13 @@ class RunConfig:
                               f"loss (model.router_aux_loss_coef={model.router_aux_loss_coef}) "
                               f"is not computed inside pipeline stages; set it to 0 or train "
                               f"without a pipeline")
-        if model.lora.enabled:
-            raise ConfigError(f"model.lora.rank={model.lora.rank} inside a pipeline "
-                              f"(sharding.pipeline.stages={pipe.stages}) is not supported yet: "
-                              f"train LoRA without a pipeline")
+        if model.lora.enabled and (pipe.schedule == "helix" or model.lora.dropout):
+            what = (f"model.lora.dropout={model.lora.dropout}" if model.lora.dropout else
+                    "sharding.pipeline.schedule=helix")
+            raise ConfigError(f"model.lora.rank={model.lora.rank} with {what} inside a "
+                              f"pipeline (sharding.pipeline.stages={pipe.stages}) is not "
+                              f"supported: use a table schedule (1f1b, zb-h1, v-half...) or "
+                              f"gpipe/circular, without LoRA dropout")
         if pipe.schedule == "helix" and self.rl.kl_coef:
             raise ConfigError(f"sharding.pipeline.schedule=helix does not run the KL term's "
                               f"reference model (rl.kl_coef={self.rl.kl_coef}); use a table "

@@ -175,12 +175,14 @@ class RecomputingSplit:
 
     layer_fn: Callable
     g: jax.ShapeDtypeStruct
+    trained: frozenset | None = None    # the weights W differentiates (None: every one)
 
     def input_grad(self, w, x, aux, g):
         return jax.vjp(lambda x_: self.layer_fn(w, x_, aux), x)[1](g)[0], (g,)
 
     def weight_grads(self, w, x, aux, stash):
-        return jax.vjp(lambda w_: self.layer_fn(w_, x, aux), w)[1](stash[0])[0]
+        t, frozen = trained_part(w, self.trained)
+        return jax.vjp(lambda t_: self.layer_fn({**frozen, **t_}, x, aux), t)[1](stash[0])[0]
 
     def stash_shapes(self) -> tuple:
         return (jax.ShapeDtypeStruct(self.g.shape, self.g.dtype),)
@@ -192,10 +194,22 @@ class RecomputingSplit:
 SPLITS = ("stash", "recompute")
 
 
-def make_split(how: str, layer_fn: Callable, w, x, aux) -> SplitBackward | RecomputingSplit:
-    """The backward split `sharding.pipeline.split_backward=how` picks (see the docstring)."""
-    if how == "recompute":
-        return RecomputingSplit(layer_fn, jax.ShapeDtypeStruct(x.shape, x.dtype))
+def trained_part(w: dict, trained: frozenset | None) -> tuple[dict, dict]:
+    """(the weights of one layer's `w` that get gradients, the others): `trained` names the
+    first (LoRA's adapters); None, every weight."""
+    if trained is None:
+        return w, {}
+    return ({k: v for k, v in w.items() if k in trained},
+            {k: v for k, v in w.items() if k not in trained})
+
+
+def make_split(how: str, layer_fn: Callable, w, x, aux,
+               trained: frozenset | None = None) -> SplitBackward | RecomputingSplit:
+    """The backward split `sharding.pipeline.split_backward=how` picks (see the docstring).
+    With `trained` (only some weights get gradients: LoRA) W recomputes whatever `how` says:
+    the stashed split forms every weight's product."""
+    if how == "recompute" or trained is not None:
+        return RecomputingSplit(layer_fn, jax.ShapeDtypeStruct(x.shape, x.dtype), trained)
     if how != "stash":
         raise ValueError(f"sharding.pipeline.split_backward={how!r} is not one of "
                          f"{', '.join(SPLITS)}")

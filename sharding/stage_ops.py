@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sharding import schedules as sch
-from sharding.split_backward import RecomputingSplit, SplitBackward
+from sharding.split_backward import RecomputingSplit, SplitBackward, trained_part
 
 FH = len(sch.OPS)       # branch index of F on the last chunk (forward, then the head)
 RH = FH + 1             # branch index of R on the last chunk (reference forward and head)
@@ -43,7 +43,8 @@ class StageModel:
     `aux_M` the layers' extra inputs per microbatch; `split` the layer's B/W split (None when
     the table has none); `ref` the reference model's arrays on this stage (w_V, head_params,
     x_M) or None; `replicate_heads`: the heads run on whole copies of their inputs
-    (`run_schedule`)."""
+    (`run_schedule`); `trained`: the layer weights differentiated (LoRA's adapters), None
+    for every one."""
 
     layer_fn: Callable
     head: Callable
@@ -56,6 +57,7 @@ class StageModel:
     ref: dict | None = None
     ref_head_fn: Callable | None = None
     replicate_heads: bool = False
+    trained: frozenset | None = None    # the layer weights that get gradients (None: all)
 
     def head_input(self, tree):
         """`tree` as a head takes it: whole on every device with `replicate_heads`."""
@@ -150,11 +152,12 @@ class _Ops:
 
     def backward(self, bufs, row):
         """X: both gradients of the chunk, from each layer's input (the layer recomputed)."""
-        layer_fn = self.model.layer_fn
+        layer_fn, trained = self.model.layer_fn, self.model.trained
         w_c, aux = self._chunk_inputs(row)
 
         def layer_back(g, w_x):
-            dw, dx = jax.vjp(lambda w, x: layer_fn(w, x, aux), *w_x)[1](g)
+            t, frozen = trained_part(w_x[0], trained)
+            dw, dx = jax.vjp(lambda t_, x: layer_fn({**frozen, **t_}, x, aux), t, w_x[1])[1](g)
             return dx.astype(g.dtype), dw
 
         g = bufs["inbox"][row["in_slot"]]

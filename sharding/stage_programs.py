@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from sharding import schedules as sch
-from sharding.split_backward import make_split
+from sharding.split_backward import make_split, trained_part
 from sharding.stage_ops import FH, RH, StageModel, apply_delta, branches, replicated
 
 FIELDS = ("op", "chunk", "microbatch", "first", "last", "in_slot", "res_slot", "w_slot", "send",
@@ -113,7 +113,7 @@ class Reference:
 def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_PV,
                  head_params, x_MbTD, aux_M, head_in_M, mesh: Mesh, live_M=None,
                  reference: Reference | None = None, split_how: str = "stash",
-                 replicate_heads: bool = False):
+                 replicate_heads: bool = False, trained: frozenset | None = None):
     """Loss and gradients of a pipelined model by the table `sched`.
 
     `layer_fn(w_l, x_bTD, aux_b) -> x_bTD` runs one layer (w_l its parameters); `head_fn(
@@ -126,9 +126,10 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
     the heads (the policy's and the reference's) on whole copies of their parameters and
     inputs on every device of the automatic axes, so that no collective runs inside their
     branch (beside both fsdp and tensor, where XLA's partitioner fails on a head sharded over
-    both inside a `lax.switch` branch that only some stages take). Returns
-    (loss [M], head_aux [M, ...], float32 gradients of sum(loss) w.r.t. w_PV and
-    head_params, and w.r.t. x_MbTD)."""
+    both inside a `lax.switch` branch that only some stages take). `trained`: the layer
+    weights to differentiate (LoRA's adapters: then the head's parameters get no gradient
+    either, {}); None, every weight. Returns (loss [M], head_aux [M, ...], float32 gradients
+    of sum(loss) w.r.t. w_PV (its `trained` part) and head_params, and w.r.t. x_MbTD)."""
     if sched.reference != (reference is not None):
         raise ValueError(f"{sched.name}: a table with R ops needs a reference model, and only "
                          f"such a table takes one (R ops: {sched.reference})")
@@ -140,7 +141,7 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
     last_stage = sched.placement[-1][0]
     live_M = jnp.ones((m,), bool) if live_M is None else live_M
 
-    head = functools.partial(_head_and_grads, head_fn)
+    head = functools.partial(_head_and_grads, head_fn, frozen=trained is not None)
     ref_shape, loss_shape, aux_shape = _head_shapes(head, head_params, x_MbTD, head_in_M,
                                                     reference)
 
@@ -154,19 +155,21 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
         state = {   # what a stage carries from tick to tick
             "inbox": jnp.zeros((slots["inbox"], *mb_shape), dt),
             "acts": jnp.zeros((slots["res"], layers, *mb_shape), dt),
-            "g_w": jax.tree.map(f32, w_V), "g_head": jax.tree.map(f32, hp),
+            "g_w": jax.tree.map(f32, trained_part(w_V, trained)[0]),
+            "g_head": {} if trained is not None else jax.tree.map(f32, hp),
             "dx": jnp.zeros_like(x_M), "loss": jnp.zeros((m,), loss_shape.dtype),
             "aux": jax.tree.map(lambda s: jnp.zeros((m, *s.shape), s.dtype), aux_shape)}
         split_b = None
         if split:
-            split_b = _split_backward(split_how, layer_fn, w_V, x_M, aux)
+            split_b = _split_backward(split_how, layer_fn, w_V, x_M, aux, trained)
             state["stash"] = tuple(jnp.zeros((slots["w"], layers, *s.shape), s.dtype)
                                    for s in split_b.stash_shapes())
         if ref is not None:
             ref = {**ref, "w_V": jax.tree.map(lambda a: a[0], ref["w_1V"])}
             state["ref_logp"] = jnp.zeros((m, *ref_shape.shape), ref_shape.dtype)
         model = StageModel(layer_fn, head, w_V, hp, x_M, aux, head_in_M, split_b, ref,
-                           None if reference is None else reference.head_fn, replicate_heads)
+                           None if reference is None else reference.head_fn, replicate_heads,
+                           trained)
         ops = branches(model, ((loss_shape, aux_shape), ref_shape))
         read_only = [k for k in ("inbox", "acts", "stash", "ref_logp") if k in state]
 
@@ -186,17 +189,22 @@ def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_P
                 jax.tree.map(lambda a: a[None], state["g_head"]), state["dx"][None],
                 state["loss"][None], jax.tree.map(lambda a: a[None], state["aux"]))
 
+    grads_of = (trained_part(w_PV, trained)[0], {} if trained is not None else head_params)
     g_w, g_head, dx, loss, aux = _on_stages(program, mesh, aux_shape, w_PV, head_params,
-                                            x_MbTD, aux_M, live_M, reference)
+                                            x_MbTD, aux_M, live_M, reference, grads_of)
     take = lambda tree, s: jax.tree.map(lambda a: a[s], tree)  # noqa: E731
     return (loss[last_stage], take(aux, last_stage), g_w, take(g_head, last_stage), dx[0])
 
 
-def _head_and_grads(head_fn, hp, h_bTD, head_in, ref_logp=None):
-    """The head on one microbatch: (loss, aux, its gradient w.r.t. the head's parameters and
-    w.r.t. its input), with the reference's log-probs in its inputs when given."""
+def _head_and_grads(head_fn, hp, h_bTD, head_in, ref_logp=None, *, frozen: bool = False):
+    """The head on one microbatch: (loss, aux, its gradient w.r.t. the head's parameters ({}
+    when `frozen`) and w.r.t. its input), with the reference's log-probs in its inputs when
+    given."""
     if ref_logp is not None:
         head_in = {**head_in, "ref_logp": ref_logp}
+    if frozen:
+        loss, pull, head_aux = jax.vjp(lambda h: head_fn(hp, h, head_in), h_bTD, has_aux=True)
+        return loss, head_aux, {}, pull(jnp.ones_like(loss))[0]
     loss, pull, head_aux = jax.vjp(lambda hp_, h: head_fn(hp_, h, head_in), hp, h_bTD,
                                    has_aux=True)
     g_hp, g_h = pull(jnp.ones_like(loss))
@@ -211,10 +219,10 @@ def _whole_heads(hp, ref):
     return replicated(hp), ref
 
 
-def _split_backward(split_how: str, layer_fn, w_V, x_M, aux):
+def _split_backward(split_how: str, layer_fn, w_V, x_M, aux, trained):
     """The layer's backward split into B and W halves for one microbatch's shapes."""
     return make_split(split_how, layer_fn, jax.tree.map(lambda a: _spec(a, 2), w_V),
-                      _spec(x_M, 1), jax.tree.map(lambda a: _spec(a, 1), aux))
+                      _spec(x_M, 1), jax.tree.map(lambda a: _spec(a, 1), aux), trained)
 
 
 def _head_shapes(head, head_params, x_MbTD, head_in_M, reference: Reference | None):
@@ -232,9 +240,10 @@ def _head_shapes(head, head_params, x_MbTD, head_in_M, reference: Reference | No
 
 
 def _on_stages(program, mesh: Mesh, aux_shape, w_PV, head_params, x_MbTD, aux_M, live_M,
-               reference: Reference | None):
+               reference: Reference | None, grads_of: tuple):
     """`program` run on every stage (shard_map over the stage axis): the chunks of layers and
-    the outputs split by stage, everything else whole."""
+    the outputs split by stage, everything else whole. `grads_of`: the (layer, head) weights
+    the program returns gradients of."""
     stage_spec = lambda tree: jax.tree.map(lambda _: P("stage"), tree)  # noqa: E731
     whole_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
     ref = None if reference is None else {
@@ -242,7 +251,7 @@ def _on_stages(program, mesh: Mesh, aux_shape, w_PV, head_params, x_MbTD, aux_M,
     ref_spec = None if ref is None else {
         "w_1V": stage_spec(ref["w_1V"]), "head_params": whole_spec(ref["head_params"]),
         "x_M": P()}
-    out_specs = (stage_spec(w_PV), stage_spec(head_params), P("stage"), P("stage"),
+    out_specs = (stage_spec(grads_of[0]), stage_spec(grads_of[1]), P("stage"), P("stage"),
                  stage_spec(aux_shape))
     run = jax.shard_map(program, mesh=mesh, axis_names={"stage"}, check_vma=False,
                         in_specs=(stage_spec(w_PV), whole_spec(head_params), P(),

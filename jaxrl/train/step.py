@@ -74,12 +74,16 @@ def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_para
             _check_nested_offload(remat, pipeline, mesh)
             stack = pp.pipelined_stack(pipeline, stack, mesh, pipeline_order)
 
-            def batch_loss(p):
+            adapters_only = merge_params(graphdef, params).cfg.lora.enabled
+
+            def batch_loss(t):
+                p = lora.with_trainable(params, t) if adapters_only else t
                 loss_sum, weight, stats = objective(merge_params(graphdef, p), flat, ref_model,
                                                     stack)
                 return loss_sum, (weight, stats)
 
-            (loss, (weight, stats)), grads = jax.value_and_grad(batch_loss, has_aux=True)(params)
+            (loss, (weight, stats)), grads = jax.value_and_grad(batch_loss, has_aux=True)(
+                optimized(graphdef, params))
     else:
         loss, weight, stats, grads = _accumulated_grads(graphdef, params, batch, objective,
                                                         ref_model, stack, dropout_key)
@@ -175,12 +179,16 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, p
         to_stages, from_stages = (functools.partial(stage_programs.to_stage_chunks, sched=sched),
                                   functools.partial(stage_programs.from_stage_chunks,
                                                     sched=sched))
+    adapters = lora.trainable(params)["layers"] if io.model_cfg.lora.enabled else None
     loss_M, (weight_M, stats_M), g_w, g_outer, dx = stage_programs.run_schedule(
         sched, layer, io.head, to_stages(params["layers"]), io.outer, io.x_M, io.aux_M,
         io.batch_M, mesh, io.live_M,
         _reference(graphdef, ref_params, objective, io.ids, to_stages, io.micro),
-        pipeline.split_backward, _replicate_heads(mesh))
-    grads = {**io.outer_grads(g_outer, dx), "layers": from_stages(g_w)}
+        pipeline.split_backward, _replicate_heads(mesh),
+        None if adapters is None else frozenset(adapters))
+    grads = {"layers": from_stages(g_w)}
+    if adapters is None:        # LoRA: the layers' adapters alone are trained
+        grads.update(io.outer_grads(g_outer, dx))
     stats = {k: _reduce_over_microbatches(k, v, io.live_M) for k, v in stats_M.items()}
     return jnp.sum(loss_M), jnp.sum(weight_M), stats, grads
 

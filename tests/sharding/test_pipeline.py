@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.config import ConfigError, load_run_config
-from jaxrl.models import ModelConfig, Transformer, abstract_model, param_axes
+from jaxrl.models import ModelConfig, Transformer, abstract_model, merge_params, param_axes
 from jaxrl.models.transformer import split_params
 from jaxrl.train.objectives import PolicyGradientLoss
 from jaxrl.train.step import loss_and_grads
@@ -46,11 +46,12 @@ def pipelined(setup, pipe: PipelineConfig, mesh_cfg: shd.MeshConfig, objective=N
     batch = default_batch if batch is None else batch
     used = mesh_cfg.data * mesh_cfg.stage * mesh_cfg.fsdp * mesh_cfg.tensor
     mesh = shd.make_mesh(mesh_cfg, jax.devices()[:used])
-    _, abstract = split_params(abstract_model(CFG))
-    param_sh = shd.tree_shardings(param_axes(CFG), abstract, mesh)
+    cfg = merge_params(graphdef, params).cfg
+    _, abstract = split_params(abstract_model(cfg))
+    param_sh = shd.tree_shardings(param_axes(cfg), abstract, mesh)
     batch_sh = shd.batch_sharding(mesh, 3, leading=1)
     kwargs = {} if objective is None else {"objective": objective}
-    order = LayerOrder.for_pipeline(pipe, CFG.num_layers) if pipeline_order else None
+    order = LayerOrder.for_pipeline(pipe, cfg.num_layers) if pipeline_order else None
     if order is not None:
         params = order.to_pipeline(params)
         ref_params = None if ref_params is None else order.to_pipeline(ref_params)
