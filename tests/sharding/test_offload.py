@@ -92,3 +92,49 @@ def test_optimizer_offload_keeps_the_state_on_host_and_gives_the_same_steps(setu
     assert {a.sharding.memory_kind for a in jax.tree.leaves(states[True]["params"])} == {"device"}
     for a, b in zip(jax.tree.leaves(states[True]), jax.tree.leaves(states[False])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_lora_trains_with_activations_and_optimizer_state_on_host(setup):
+    """LoRA beside both host offloads: train.remat=offload gives the adapters the gradients
+    of keeping everything (the layers' named activations still go to host), and the
+    optimizer state, the adapters' alone, lives on host and gives the same steps."""
+    import dataclasses
+
+    from jaxrl.models import lora
+    from jaxrl.models.lora import LoraConfig
+    from jaxrl.optim_config import OptimConfig
+    from jaxrl.train.optim import make_optimizer
+    from jaxrl.train.state import init_state, state_shardings
+    from jaxrl.train.step import jit_train_step
+    from sharding import mesh as shd
+
+    cfg = dataclasses.replace(CFG, lora=LoraConfig(rank=4, targets=("q_proj", "up_proj")))
+    graphdef, params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))
+    params = lora.with_trainable(params, {"layers": {   # B random: A gets a gradient too
+        k: v + k.endswith("_lora_b") * jax.random.normal(jax.random.key(1), v.shape)
+        for k, v in lora.trainable(params)["layers"].items()}})
+    lora_setup = (graphdef, params, setup[2])
+    (loss, grads), (ref_loss, ref_grads) = grads_of(lora_setup, "offload"), grads_of(
+        lora_setup, "none")
+    assert sorted(grads["layers"]) == sorted(lora.trainable(params)["layers"])
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert float(jnp.max(jnp.abs(g - r))) <= 1e-5 * float(jnp.max(jnp.abs(r)))
+    assert len(host_residuals(lora_setup, "offload")) == 5
+    mesh = shd.make_mesh(shd.MeshConfig(fsdp=4), jax.devices()[:4])
+    tx = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0), 10)
+    states = {}
+    for offload in (False, True):
+        shardings = state_shardings(cfg, tx, mesh, offload_optimizer=offload)
+        state = init_state(cfg, tx, shardings, seed=0)
+        step = jit_train_step(graphdef, tx, shardings, mesh)
+        for _ in range(3):
+            state, _ = step(state, setup[2])
+        states[offload] = state
+    assert {a.sharding.memory_kind for a in jax.tree.leaves(states[True]["opt_state"])} == {
+        "pinned_host"}
+    moments = jax.tree.leaves(states[True]["opt_state"])
+    assert sum(a.size for a in moments) < 3 * sum(
+        a.size for a in jax.tree.leaves(lora.trainable(params))) + 10
+    for a, b in zip(jax.tree.leaves(states[True]), jax.tree.leaves(states[False])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
