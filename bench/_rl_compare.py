@@ -38,6 +38,8 @@ VARIANTS = {
     "partial": ["rl.mode=partial"],
     "async": ["rl.mode=async"],
     "async+longest_first": ["rl.mode=async", "rl.admission=longest_first"],
+    "full": [],                                  # the config as it is: every weight trains
+    "lora-r8": ["model.lora.rank=8"],            # rank-8 adapters on every projection
 }
 
 

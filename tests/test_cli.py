@@ -147,7 +147,8 @@ def test_bad_flags_are_refused_before_any_work(capsys, args, message):
 def test_bench_lists_the_benchmarks_with_their_summaries(capsys):
     summaries = {name: (ROOT / "bench" / f"{name}.py").read_text().splitlines()[0].strip('"')
                  for name in ("async_vs_sync", "calibrate", "compile_stress", "constrained",
-                              "engine", "fleet", "gpu", "long_tail", "lora_decode", "lora_step",
+                              "engine", "fleet", "gpu", "long_tail", "lora_decode", "lora_rl",
+                              "lora_step",
                               "paged_attention", "paged_decode", "parity", "peers",
                               "pipeline_step", "products", "simulate", "soak", "tpu_memory")}
     assert main(["bench"]) == 0
