@@ -184,7 +184,7 @@ from sharding.pipeline import PipelineConfig  # noqa: E402
 # config.json).
 RUNTIME_MODEL_KEYS = ("dtype", "param_dtype", "attention", "max_segments", "scan_layers",
                       "mlp_backward", "packed_attention", "context_attention", "mlp_chunks",
-                      "lora")
+                      "lora", "quantize")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +241,10 @@ class RunConfig:
                 self.check_pipeline(self.model)
         if self.mesh.context > 1:
             self.check_context(self.model)
+        if self.model.quantize != "none" and not self.model.lora.enabled and (
+                self.train.steps or self.rl.steps):
+            raise ConfigError(f"model.quantize={self.model.quantize} holds the projections "
+                              f"frozen: train LoRA adapters on them (model.lora.rank > 0)")
         chunks = self.model.mlp_chunks
         for key, length, used in (("train.seq_len", self.train.seq_len, self.train.steps),
                                   ("rl.pack_len", self.rl.pack_len, self.rl.steps)):

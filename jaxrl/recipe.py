@@ -50,7 +50,7 @@ def _hf_model(cfg: RunConfig) -> ModelConfig:
                                packed_attention=cfg.model.packed_attention,
                                context_attention=cfg.model.context_attention)
     model_cfg = dataclasses.replace(model_cfg, mlp_chunks=cfg.model.mlp_chunks,
-                                    lora=cfg.model.lora)
+                                    lora=cfg.model.lora, quantize=cfg.model.quantize)
     cfg.check_pipeline(model_cfg)
     if cfg.mesh.context > 1:
         cfg.check_context(model_cfg)

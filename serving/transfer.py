@@ -25,7 +25,7 @@ import numpy as np
 
 from sharding.reshard import WeightUpdateError, adapter_hint, missing_names
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "int8")   # int8: quantized projections
 
 
 class Endpoint:

@@ -5,8 +5,8 @@ Checks, each before anything that depends on it:
 - the version is the same on every piece and newer than the one served (unless every piece says
   `resume`: a trainer resumed from a checkpoint restarts the sequence at its own version);
 - a tensor's name is one of the served model's, its declared shape is that parameter's shape
-  and its dtype a floating wire dtype: all before its buffer is allocated, so a hostile shape
-  allocates nothing;
+  and its dtype a wire dtype (floating, or int8 for quantized weights): all before its
+  buffer is allocated, so a hostile shape allocates nothing;
 - a tensor's shape and dtype are the same on every piece of it;
 - the pieces of a tensor tile it exactly: none starts outside it or runs past its end, none
   overlaps another (both byte ranges named), and when the stream ends none is missing (the first
@@ -26,7 +26,8 @@ import numpy as np
 
 from sharding.reshard import WeightUpdateError, adapter_hint, missing_names
 
-WIRE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+WIRE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
+               "int8": np.int8}     # int8: a quantized model's projections (model.quantize)
 
 
 class StaleVersion(WeightUpdateError):

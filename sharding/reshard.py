@@ -79,7 +79,12 @@ def check_weights(params, target) -> list[tuple[str, object, jax.ShapeDtypeStruc
         if tuple(x.shape) != tuple(t.shape):
             raise WeightUpdateError(f"weight update: {name} has shape {tuple(x.shape)}, the "
                                     f"served model needs {tuple(t.shape)}")
-        if not jnp.issubdtype(x.dtype, jnp.floating):
+        if jnp.issubdtype(t.dtype, jnp.integer) and x.dtype != t.dtype:
+            raise WeightUpdateError(f"weight update: {name} has dtype {x.dtype}; the served "
+                                    f"model holds it as {np.dtype(t.dtype).name} (quantized), "
+                                    f"and takes it so")
+        if not jnp.issubdtype(t.dtype, jnp.integer) and not jnp.issubdtype(x.dtype,
+                                                                           jnp.floating):
             raise WeightUpdateError(f"weight update: {name} has dtype {x.dtype}; a floating "
                                     f"dtype is required")
         out.append((name, x, t))

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from jaxrl.errors import UserError
-from jaxrl.models import abstract_model, lora, merge_params, split_params, to_hf
+from jaxrl.models import abstract_model, lora, merge_params, quant, split_params, to_hf
 from jaxrl.models.lora import LoraConfig
 from jaxrl.models.peft_io import merged, write_adapter
 
@@ -27,11 +27,12 @@ def export(checkpoint: str | Path, out: str | Path, fmt: str = "merged",
     model, _, _, step, cfg = restore_for_eval(checkpoint, step, with_config=True)
     model_cfg = model.cfg
     _, params = split_params(model)
-    base_graph, _ = split_params(abstract_model(dataclasses.replace(model_cfg,
-                                                                    lora=LoraConfig())))
+    base_graph, _ = split_params(abstract_model(dataclasses.replace(
+        model_cfg, lora=LoraConfig(), quantize="none")))
     out = Path(out)
     if fmt == "merged":
-        weights = merged(params, model_cfg) if model_cfg.lora.enabled else params
+        weights = merged(params, model_cfg) if model_cfg.lora.enabled else \
+            quant.dequantized(params, model_cfg)
         to_hf(merge_params(base_graph, weights), out)
         log(f"wrote {out} (Hugging Face, step {step}"
             + (", adapters merged)" if model_cfg.lora.enabled else ")"))
@@ -39,8 +40,11 @@ def export(checkpoint: str | Path, out: str | Path, fmt: str = "merged",
     if not model_cfg.lora.enabled:
         raise UserError(f"the checkpoint in {str(checkpoint)!r} (step {step}) has no LoRA "
                         f"adapters (model.lora.rank=0): export it with --format merged")
-    to_hf(merge_params(base_graph, lora.frozen(params)), out / "base")
-    base_name = cfg.hf_path or str((out / "base").resolve())
+    to_hf(merge_params(base_graph, quant.dequantized(lora.frozen(params), model_cfg)),
+          out / "base")
+    # An int8 base's adapters were trained on its dequantized weights, OUT/base's: name it.
+    own_base = cfg.hf_path is None or quant.enabled(model_cfg)
+    base_name = str((out / "base").resolve()) if own_base else cfg.hf_path
     write_adapter(params, model_cfg, out / "adapter", base_name)
     log(f"wrote {out}/base (Hugging Face) and {out}/adapter (PEFT LoRA, r={model_cfg.lora.rank},"
         f" base {base_name}), step {step}")

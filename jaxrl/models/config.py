@@ -116,6 +116,9 @@ class ModelConfig:
     mlp_chunks: int = 1
     # Low-rank adapters on the layers' projections (jaxrl/models/lora.py); rank 0: off.
     lora: LoraConfig = LoraConfig()
+    # int8: the layers' projection matrices held as int8 with a float32 scale per output
+    # channel (jaxrl/models/quant.py), frozen: trained only through LoRA adapters.
+    quantize: Literal["none", "int8"] = "none"
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from jaxrl.models import lora
+from jaxrl.models import lora, quant
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import LoraConfig
 
@@ -36,7 +36,9 @@ def _key(i: int, target: str, which: str) -> str:
 
 def merged(params: dict, cfg: ModelConfig) -> dict:
     """The base parameters with every adapter folded in (W + s * A @ B, in float32, cast back
-    to W's dtype), the adapters dropped: the model a LoRA run has learned, adapter-free."""
+    to W's dtype), the adapters dropped: the model a LoRA run has learned, adapter-free. An
+    int8 base (model.quantize) is dequantized first."""
+    params = quant.dequantized(params, cfg)
     layers = dict(lora.frozen(params)["layers"])
     for target in cfg.lora.modules(moe=bool(cfg.num_experts)):
         a, b = params["layers"][f"{target}_lora_a"], params["layers"][f"{target}_lora_b"]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models import layers as ops
-from jaxrl.models import lora
+from jaxrl.models import lora, quant
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layer_parts import attend, attention_inputs, attention_output_and_mlp, norm
 from jaxrl.models.moe import router_load, routing_mismatch
@@ -71,6 +71,17 @@ class Layers(nnx.Module):
         self.up_proj = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), dt)
         self.down_proj = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), dt)
 
+    def quantize(self, cfg: ModelConfig):
+        """The projections as int8 with a scale per output channel (jaxrl/models/quant.py),
+        the scale sharded as the matrix's output axes."""
+        for name in quant.names(cfg):
+            param = getattr(self, name)
+            axes = param.get_metadata()["axes"]
+            q, scale = quant.quantize(param[...], name)
+            n_out = scale.ndim - 1
+            setattr(self, name, nnx.Param(q, axes=axes))
+            setattr(self, name + quant.SCALE, nnx.Param(scale, axes=("layers", *axes[-n_out:])))
+
     def add_adapters(self, cfg: ModelConfig, rngs: nnx.Rngs):
         """LoRA's A and B for each targeted projection (jaxrl/models/lora.py), float32. Drawn
         after every base parameter, so a model with adapters has the base weights of the same
@@ -101,8 +112,9 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
                   segment_ids_BT=None):
     """One pre-norm decoder layer; `p` holds that layer's parameters (no `layers` axis)."""
     engine_BTK = p.get(ENGINE_EXPERTS, p.get(REPLAY_EXPERTS))
-    w = {k: v if k == lora.DROPOUT_KEY else v.astype(cfg.compute_dtype) for k, v in p.items()
-         if k not in (ENGINE_EXPERTS, REPLAY_EXPERTS)}
+    w = quant.layer_weights(cfg, {k: v for k, v in p.items()
+                                  if k not in (ENGINE_EXPERTS, REPLAY_EXPERTS)},
+                            keep=(lora.DROPOUT_KEY,))
     q_BTNH, k_BTGH, v_BTGH = attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
     # Names a remat policy can save, offload or recompute (sharding/offload.py).
     q_BTNH = checkpoint_name(q_BTNH, "query_proj")
@@ -225,6 +237,7 @@ class Transformer(nnx.Module):
         self.final_norm = _param(rngs, (cfg.embed_dim,), ("norm",), dt, "ones")
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), dt)
+        self.layers.quantize(cfg)
         self.layers.add_adapters(cfg, rngs)
 
     def hidden(self, input_ids_BT, positions_BT=None, segment_ids_BT=None, stack_fn=None):
@@ -298,7 +311,7 @@ class Transformer(nnx.Module):
         def body(carry, xs):
             x_BTD, cache = carry
             p, layer = xs
-            w = {k: v.astype(cfg.compute_dtype) for k, v in p.items()}
+            w = quant.layer_weights(cfg, p)
             cos_BTH, sin_BTH, window = inputs(sliding_L[layer])
             q_BTNH, k_BTGH, v_BTGH = attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
             cache = cache.write(layer, positions_BT, k_BTGH, v_BTGH, valid_BT)

@@ -27,11 +27,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.models import lora
+from jaxrl.models import lora, quant
 from jaxrl.rollout.fleet import Fleet, Member
 from serving import threads
 from serving.weight_stream import StaleVersion
 from sharding.reshard import WeightUpdateError
+
+
+def wire_dtype(path, x, serving_dtype):
+    """The dtype weight `x` (at tree path `path`) is pushed in: the serving dtype, which the
+    server would cast it to anyway, so fewer bytes cross the wire; as it is for what a server
+    holds as the trainer does: LoRA adapters and int8 scales (float32), int8 weights."""
+    name = str(getattr(path[-1], "key", ""))
+    if lora.is_adapter(name) or name.endswith(quant.SCALE) or \
+            not jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.dtype(x.dtype)
+    return jnp.dtype(serving_dtype or x.dtype)
 
 
 class WeightPublisher:
@@ -80,11 +91,9 @@ class WeightPublisher:
         return timings
 
     def _wire_copy(self, path, x):
-        """A new device buffer (the trainer donates its own to the next step), in the serving
-        dtype: the server would cast to it anyway, so fewer bytes cross the wire. LoRA
-        adapters keep theirs: a server holds them in float32 as the trainer does."""
-        adapter = lora.is_adapter(str(getattr(path[-1], "key", "")))
-        dtype = jnp.dtype(x.dtype if adapter else self.wire_dtype or x.dtype)
+        """A new device buffer (the trainer donates its own to the next step), in the dtype
+        it crosses the wire in (`wire_dtype`)."""
+        dtype = wire_dtype(path, x, self.wire_dtype)
         if isinstance(x, np.ndarray):    # gathered from several trainer processes: a copy
             return x.astype(dtype, copy=False)
         return jnp.copy(x) if x.dtype == dtype else x.astype(dtype)

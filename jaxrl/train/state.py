@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.models import ModelConfig, Transformer, abstract_model, lora, param_axes
+from jaxrl.models import ModelConfig, Transformer, abstract_model, lora, param_axes, quant
 from jaxrl.models.peft_io import read_adapter
 from jaxrl.models.transformer import split_params
 from sharding import mesh as shd
@@ -61,9 +61,10 @@ def trained(model_cfg: ModelConfig, params):
 
 def init_state(model_cfg: ModelConfig, tx, shardings, seed: int, params=None):
     """A fresh train state created directly in its shardings (never whole on one device).
-    `params`, when given (e.g. from a Hugging Face checkpoint), replace the random init. Under
-    LoRA, a base without adapters gets fresh ones (B zero), or those of the PEFT folder
-    `model.lora.init_from` names."""
+    `params`, when given (e.g. from a Hugging Face checkpoint), replace the random init; with
+    model.quantize=int8 a full-precision base is quantized. Under LoRA, a base without
+    adapters gets fresh ones (B zero), or those of the PEFT folder `model.lora.init_from`
+    names."""
     lo = model_cfg.lora
     start = read_adapter(lo.init_from, model_cfg) if lo.enabled and lo.init_from else None
 
@@ -71,8 +72,10 @@ def init_state(model_cfg: ModelConfig, tx, shardings, seed: int, params=None):
         fresh = split_params(Transformer(model_cfg, rngs=nnx.Rngs(seed)))[1]
         if p is None:
             p = fresh
-        elif lo.enabled and not lora.trainable(p)["layers"]:
-            p = lora.with_trainable(p, lora.trainable(fresh))   # a base without adapters
+        else:
+            p = quant.quantized(p, model_cfg)            # a full-precision base, model.quantize
+            if lo.enabled and not lora.trainable(p)["layers"]:
+                p = lora.with_trainable(p, lora.trainable(fresh))   # a base without adapters
         if start is not None:
             p = lora.with_trainable(p, start)
         return {"params": p, "opt_state": tx.init(trained(model_cfg, p)),

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.config import ConfigError, RunConfig
-from jaxrl.models import from_hf, lora
+from jaxrl.models import from_hf, lora, quant
+from jaxrl.rollout.publisher import wire_dtype
 from jaxrl.models.transformer import split_params
 from jaxrl.train.objectives import PolicyGradientLoss
 from jaxrl.train.state import abstract_state, init_state
@@ -55,9 +56,11 @@ class RLTrainer(Trainer):
 
     def gathered_params(self, dtype) -> dict:
         """On several processes (a collective: all of them call it): the parameters whole, in
-        `dtype`, in host memory, for process 0 to push to the generation servers."""
+        `dtype` (`publisher.wire_dtype`), in host memory, for process 0 to push to the
+        generation servers."""
         if self._cast is None:
-            self._cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p))
+            self._cast = jax.jit(lambda p: jax.tree_util.tree_map_with_path(
+                lambda path, x: x.astype(wire_dtype(path, x, dtype)), p))
         return hosts.fully_addressable(self._cast(self.params))
 
 
@@ -78,11 +81,12 @@ def _restore_or_init(cfg: RunConfig, ckpt, model_cfg, tx, shardings, log):
         data = ckpt.saved_data(step)
         if data is not None:
             return data, ckpt.restore(target, step)
-        # A warm-up from a random initialisation saved no adapters (warmup.warmup_model):
-        # its weights are the base, and init_state adds fresh adapters.
+        # A warm-up from a random initialisation saved no adapters and full-precision weights
+        # (warmup.warmup_model): its weights are the base; init_state quantizes them
+        # (model.quantize) and adds fresh adapters.
         params = target["params"]
         if model_cfg.lora.enabled and not cfg.hf_path:
-            params = lora.frozen(params)
+            params = quant.as_float(lora.frozen(params), model_cfg)
         return None, ckpt.restore({"params": params}, step, params_only=True)["params"]
 
     data = restored = None

@@ -59,7 +59,7 @@ def _check_same_model(saved: dict, model_cfg: ModelConfig, path: Path) -> None:
     # Settings of how the model runs, not of its weights; adapters (model.lora) are checked by
     # the restore itself (a warm-up from a random initialisation saves none, see `train`).
     runtime = ("dtype", "attention", "scan_layers", "mlp_backward", "packed_attention",
-               "mlp_chunks", "context_attention", "lora")
+               "mlp_chunks", "context_attention", "lora", "quantize")
     diff = [k for k in ours if k not in runtime and ours[k] != theirs[k]]
     if diff:
         k = diff[0]
@@ -97,14 +97,15 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
 
 
 def warmup_model(cfg: RunConfig, log: Callable[[str], None] = lambda _: None) -> ModelConfig:
-    """The model the warm-up trains: the config's, but without LoRA adapters when it starts
-    from a random initialisation (adapters adapt a trained base; RL adds them to the warm-up's
-    weights). From a Hugging Face folder the warm-up trains the adapters alone."""
+    """The model the warm-up trains: the config's, but without LoRA adapters and in full
+    precision when it starts from a random initialisation (adapters adapt a trained base; RL
+    quantizes the warm-up's weights if asked and adds the adapters). From a Hugging Face
+    folder the warm-up trains the adapters alone."""
     model_cfg = model_config(cfg)
     if model_cfg.lora.enabled and not cfg.hf_path:
         log(f"model.lora.rank={model_cfg.lora.rank} adapts a trained base: the warm-up from a "
             f"random initialisation trains every weight, RL the adapters")
-        model_cfg = dataclasses.replace(model_cfg, lora=LoraConfig())
+        model_cfg = dataclasses.replace(model_cfg, lora=LoraConfig(), quantize="none")
     return model_cfg
 
 

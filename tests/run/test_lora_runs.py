@@ -16,7 +16,7 @@ import transformers
 from jaxrl import cli
 from jaxrl.commands import job
 from jaxrl.config import load_run_config
-from jaxrl.models import from_hf, lora
+from jaxrl.models import from_hf, lora, quant
 from jaxrl.models.transformer import split_params
 from jaxrl.telemetry.metrics import read_metrics
 from jaxrl.trainer.warmup import restore_for_eval
@@ -117,6 +117,35 @@ def test_export_merged_and_peft_give_the_checkpoints_logits(run, tmp_path):
     config = json.loads((tmp_path / "p" / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(run / "qwen")
     assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+    adapted = peft.PeftModel.from_pretrained(_hf(tmp_path / "p" / "base"),
+                                             tmp_path / "p" / "adapter")
+    np.testing.assert_allclose(_logits(adapted, ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_int8_base_trains_its_adapters_serves_them_and_exports(run, tmp_path):
+    """model.quantize=int8 from the folder: the checkpoint holds the folder's projections as
+    int8 (quantized from them, untouched by RL), the engine samples from them with the
+    trainer's log-probs, and both exports give the checkpoint's logits on transformers (the
+    base folder is the dequantized int8 base, and the adapter names it)."""
+    _train(run, tmp_path / "run", "model.quantize=int8")
+    rows = [r for r in read_metrics(tmp_path / "run") if "logprob_parity_tokens" in r]
+    assert all(r["logprob_abs_diff_max"] < 1e-4 for r in rows[1:]) and len(rows) == 3
+    model, _, _, _ = restore_for_eval(tmp_path / "run" / "checkpoints")
+    _, params = split_params(model)
+    _, folder = split_params(from_hf(run / "qwen", "float32"))
+    want_q, want_scale = quant.quantize(folder["layers"]["k_proj"], "k_proj")
+    np.testing.assert_array_equal(np.asarray(params["layers"]["k_proj"]), np.asarray(want_q))
+    np.testing.assert_array_equal(np.asarray(params["layers"]["k_proj_scale"]),
+                                  np.asarray(want_scale))
+    ids = np.random.default_rng(1).integers(0, model.cfg.vocab_size, (2, 10)).astype(np.int32)
+    want = np.asarray(model(ids))
+    ckpt = str(tmp_path / "run" / "checkpoints")
+    assert cli.main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "m")]) == 0
+    np.testing.assert_allclose(_logits(_hf(tmp_path / "m"), ids), want, rtol=1e-5, atol=1e-5)
+    assert cli.main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "p"),
+                     "--format", "peft"]) == 0
+    config = json.loads((tmp_path / "p" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "p" / "base").resolve())
     adapted = peft.PeftModel.from_pretrained(_hf(tmp_path / "p" / "base"),
                                              tmp_path / "p" / "adapter")
     np.testing.assert_allclose(_logits(adapted, ids), want, rtol=1e-5, atol=1e-5)

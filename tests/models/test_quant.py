@@ -1,0 +1,116 @@
+"""int8 projections (model.quantize=int8, jaxrl/models/quant.py): per-channel symmetric int8
+within half a step of the weights, a quantized model computing exactly what the float model
+with the dequantized weights computes (in training and in the engine), LoRA training on top
+with the int8 base untouched, and updates that must keep each weight's dtype."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrl.config import ConfigError, load_run_config
+from jaxrl.models import ModelConfig, Transformer, lora, merge_params, param_axes, quant
+from jaxrl.models.generate import greedy_generate
+from jaxrl.models.lora import LoraConfig
+from jaxrl.models.transformer import split_params
+from jaxrl.train.state import init_state, state_shardings
+from jaxrl.train.step import make_train_step
+from serving.engine import Engine, EngineConfig
+from serving.orchestrator import Orchestrator
+from serving.sampling import SamplingParams
+from sharding import mesh as shd
+from sharding.reshard import WeightUpdateError
+
+FLOAT = ModelConfig(vocab_size=32, embed_dim=16, num_layers=2, num_heads=2, num_kv_heads=1,
+                    head_dim=8, mlp_dim=40, max_seq_len=32)
+INT8 = dataclasses.replace(FLOAT, quantize="int8")
+IDS = np.random.default_rng(0).integers(0, 32, (3, 16)).astype(np.int32)
+
+
+def test_int8_is_within_half_a_step_of_each_channel():
+    w = jax.random.normal(jax.random.key(0), (2, 16, 4, 8)) * np.arange(1, 9)   # q_proj-like
+    w = w.at[1, :, 3, 5].set(0.0)                                              # a zero channel
+    q, scale = quant.quantize(w, "q_proj")
+    assert q.dtype == np.int8 and scale.shape == (2, 4, 8)
+    np.testing.assert_allclose(scale, np.abs(np.asarray(w)).max(axis=1) / 127 + (
+        np.abs(np.asarray(w)).max(axis=1) == 0), rtol=1e-6)
+    back = quant.dequantize(q, scale, np.float32, "q_proj")
+    assert np.all(np.abs(np.asarray(back - w)) <= np.asarray(scale)[:, None] / 2 + 1e-7)
+    assert not np.asarray(back[1, :, 3, 5]).any()
+    o = jax.random.normal(jax.random.key(1), (2, 4, 8, 16))                    # o_proj: 2 in
+    q, scale = quant.quantize(o, "o_proj")
+    assert scale.shape == (2, 16)
+    np.testing.assert_allclose(quant.dequantize(q[0], scale[0], np.float32, "o_proj"),
+                               quant.dequantize(q, scale, np.float32, "o_proj")[0])
+
+
+def test_a_quantized_model_computes_what_its_dequantized_float_model_does():
+    _, floats = split_params(Transformer(FLOAT, rngs=nnx.Rngs(0)))
+    graphdef, params = split_params(Transformer(INT8, rngs=nnx.Rngs(0)))
+    assert params["layers"]["q_proj"].dtype == np.int8
+    assert param_axes(INT8)["layers"]["q_proj_scale"] == ("layers", "q_heads", "head_dim")
+    assert param_axes(INT8)["layers"]["down_proj_scale"] == ("layers", "embed")
+    model = merge_params(graphdef, params)
+    float_graph, _ = split_params(Transformer(FLOAT, rngs=nnx.Rngs(0)))
+    dequantized = merge_params(float_graph, quant.dequantized(params, INT8))
+    np.testing.assert_array_equal(np.asarray(model(IDS)), np.asarray(dequantized(IDS)))
+    assert quant.quantized(quant.dequantized(params, INT8), INT8)["layers"]["q_proj"].dtype \
+        == np.int8
+    assert float(np.abs(np.asarray(model(IDS)) - np.asarray(
+        merge_params(float_graph, floats)(IDS))).max()) < 0.05      # int8's error, not more
+    # The engine serves the int8 weights as they are and decodes as the model does.
+    engine = Engine(INT8, EngineConfig(max_concurrent_decodes=2, max_len=32,
+                                       max_prefill_length=16, prefill_chunk=8))
+    assert engine.param_target["layers"]["q_proj"].dtype == np.int8
+    prompt = IDS[0, :6].tolist()
+    with Orchestrator(engine, params) as o:
+        got = o.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))[0].tokens
+        with pytest.raises(WeightUpdateError, match=r"layers/q_proj has dtype float32; the "
+                                                    r"served model holds it as int8"):
+            o.update_params({**params, "layers": {**params["layers"], "q_proj": np.asarray(
+                params["layers"]["q_proj"], np.float32)}}, 1)
+    assert got == greedy_generate(model, [prompt], 8, eos_id=-1)[0]
+    with pytest.raises(WeightUpdateError, match=r"layers/q_proj has dtype int8; a floating"):
+        Engine(FLOAT, engine.cfg).prepare_params(quant.dequantized(params, INT8) | {
+            "layers": {**quant.dequantized(params, INT8)["layers"],
+                       "q_proj": params["layers"]["q_proj"]}})
+
+
+def test_lora_trains_on_an_int8_base_and_leaves_it_as_it_was():
+    cfg = dataclasses.replace(INT8, lora=LoraConfig(rank=4))
+    graphdef, _ = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))
+    _, floats = split_params(Transformer(FLOAT, rngs=nnx.Rngs(0)))
+    mesh = shd.make_mesh(shd.MeshConfig(), jax.devices()[:1])
+    tx = optax.adam(1e-2)
+    state = init_state(cfg, tx, state_shardings(cfg, tx, mesh), 0, params=floats)
+    before = jax.device_get(state["params"])
+    want = quant.quantized(floats, cfg)["layers"]
+    for name in quant.QUANTIZED:           # the full-precision base quantized by init_state
+        np.testing.assert_array_equal(before["layers"][name], want[name])
+        np.testing.assert_array_equal(before["layers"][name + "_scale"], want[name + "_scale"])
+    batch = {"input_ids": IDS[None], "targets": np.roll(IDS, -1, -1)[None],
+             "loss_mask": np.ones((1, *IDS.shape), np.float32)}
+    step = jax.jit(make_train_step(graphdef, tx))
+    losses = []
+    for _ in range(10):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] - 0.05
+    after = jax.device_get(state["params"])
+    for path, frozen in jax.tree_util.tree_leaves_with_path(lora.frozen(before)):
+        got = lora.frozen(after)
+        for key in path:
+            got = got[key.key]
+        np.testing.assert_array_equal(got, frozen)
+        assert got.dtype == frozen.dtype
+
+
+def test_int8_without_adapters_is_not_trained():
+    with pytest.raises(ConfigError, match=r"model.quantize=int8 holds the projections frozen: "
+                                          r"train LoRA adapters"):
+        load_run_config("configs/demo_cpu.yaml", ["model.quantize=int8"])
+    cfg = load_run_config("configs/demo_cpu.yaml", ["model.quantize=int8", "model.lora.rank=8"])
+    assert cfg.model.quantize == "int8"
