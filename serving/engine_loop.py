@@ -151,6 +151,7 @@ class EngineLoop:
                 self._count(hold_leases_expired=1)
             if self._hold.is_set():
                 self.held.set()
+                self._count(held_iterations=1)     # a turn of the loop that ran nothing
                 return True
             return False
 

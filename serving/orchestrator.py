@@ -332,6 +332,7 @@ class Orchestrator:
                 "updates": len(updates),
                 "paused": self.paused,
                 "pause_leases_expired": s["hold_leases_expired"],
+                "held_iterations": s["held_iterations"],
                 "update_pause_ms_max": 1e3 * max(pauses),
                 "update_pause_ms_mean": 1e3 * sum(pauses) / len(pauses),
                 "programs": self.engine.programs.compiled,

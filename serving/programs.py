@@ -298,6 +298,9 @@ class Programs:
     def compiled(self) -> int:
         return len(self._compiled)
 
+    def is_compiled(self, name: str, key: tuple) -> bool:
+        return (name, key) in self._compiled
+
     def __call__(self, name: str, key: tuple, *args):
         exe = self._compiled.get((name, key))
         if exe is None:

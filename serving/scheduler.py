@@ -1,5 +1,6 @@
 """Who runs next, and on which pages (nano-vllm's Scheduler, Sarathi-Serve's token budget, vLLM's
-recompute preemption). Host bookkeeping only: the orchestrator runs the programs it plans.
+recompute preemption). Host bookkeeping only: the engine loop (serving/engine_loop.py) runs the
+programs it plans.
 
 Each loop iteration the scheduler
 - plans one prefill call: the next chunk of every prompt being prefilled, then new admissions,

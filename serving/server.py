@@ -19,6 +19,8 @@ import numpy as np
 
 from jaxrl.models.tokenizer import Tokenizer
 from serving.detokenize import IncrementalDecoder
+from serving.health import Health
+from serving.health import add_to_server as add_health
 from serving.orchestrator import (
     DoneEvent,
     EngineStopped,
@@ -304,7 +306,8 @@ def is_loopback(host: str) -> bool:
 
 
 class Server:
-    """Both services on one port. `port=0` picks a free one (see `.port` after `start`).
+    """Both services, and gRPC's health service (serving/health.py), on one port. `port=0` picks
+    a free one (see `.port` after `start`).
 
     `tls`: (certificate chain, private key) as PEM bytes; without it the port is plaintext.
     `max_concurrent_rpcs`: RPCs in progress at once; more get RESOURCE_EXHAUSTED at once. Each
@@ -333,6 +336,10 @@ class Server:
         gen_grpc.add_GenerationServicer_to_server(
             GenerationService(orchestrator, tokenizer, update_token, transfer_host=host),
             self._server)
+        self.health = Health(lambda: orchestrator.error is None, [
+            s.full_name for proto in (js_pb2, gen_pb2)
+            for s in proto.DESCRIPTOR.services_by_name.values()])
+        add_health(self.health, self._server)
         self.address = f"{host}:{port}"
         if tls is not None:
             credentials = grpc.ssl_server_credentials([(tls[1], tls[0])])
@@ -348,6 +355,7 @@ class Server:
         return self
 
     def stop(self, grace: float = 5.0) -> None:
+        self.health.stop()
         self._server.stop(grace).wait()
         self.orchestrator.stop()
 

@@ -43,58 +43,21 @@ def pytest_terminal_summary(terminalreporter):
                 terminalreporter.write_line("  ".join("-" * w for w in widths))
 
 
-# Each tier's longest modules first (measured on the 2-core CI machine, by the seconds their
-# tests took; 2026-11-27, the multi-device tier's last five 2026-11-28): `make test` hands
-# whole modules to its two workers in collection order (--no-loadscope-reorder: pytest-xdist
-# otherwise sorts them by test count, and the one-test runs came last), so a long module
-# collected late runs alone at the end while the other worker idles (the checkpoint and
-# train-step modules did, for 20 s).
-_HEAVY_FIRST = {
-    "multi_device": [
-        "sharding/test_tpu_aot.py", "sharding/test_pipeline.py", "run/test_rl_mesh.py",
-        "sharding/test_context.py",
-        "reliability/test_sigkill.py", "serving/test_paged_attention.py",
-        "train/test_checkpoint.py", "models/test_moe.py", "sharding/test_offload.py",
-        "train/test_step.py", "serving/test_mesh.py"],
-    "one_device": [
-        "colab/test_notebooks.py", "reliability/test_load.py", "run/test_multihost.py",
-        "run/test_long_tail.py", "run/test_fleet_rl.py", "run/test_rl.py", "test_serve.py",
-        "test_lm_eval.py", "serving/test_paged.py", "run/test_warmup_stop.py",
-        "run/test_local_servers.py", "test_docs.py", "test_cli.py", "serving/test_runtime.py",
-        "run/test_families_rl.py", "models/test_hf.py", "serving/test_routes.py",
-        "run/test_rl_run.py", "run/test_tool_calc.py", "train/test_objectives.py",
-        "run/test_agents.py"],
-}
-
-
-# The suite's tiers, named once (the Makefile selects them by marker):
-# - unit: everything else; one CPU device; `make test-fast` (a few minutes, the edit-test loop);
+# The tiers are declared by markers in each module (`pytestmark`) or on single tests:
+# - unit: unmarked; one CPU device; `make test-fast` (the edit-test loop);
 # - slow: whole runs (jaxrl train, servers, processes, notebooks); one CPU device in-process,
 #   their own device counts in the processes they start;
-# - multi_device: meshes, collectives, pipelines, TPU compiles; eight CPU devices, their own
-#   pytest invocation (`make test-multi`). Single tests elsewhere carry the marker themselves.
-_MULTI_DEVICE = ["sharding/", "serving/test_mesh.py", "serving/test_paged_attention.py",
-                 "reliability/test_sigkill.py", "run/test_rl_mesh.py", "train/test_step.py"]
-_SLOW = ["colab/", "reliability/", "run/test_", "test_serve.py", "test_cli.py", "test_lm_eval.py",
-         "train/test_checkpoint.py", "serving/test_decode_batches.py"]
-
-
+# - multi_device: meshes, collectives, pipelines; eight CPU devices, their own pytest
+#   invocation (`make test-multi`);
+# - tpu_aot: compiled for a TPU topology with libtpu (no TPU); gpu: needs an NVIDIA GPU.
+# `make test` hands whole modules to its two workers in collection order
+# (--no-loadscope-reorder), so the long ones (whole runs, TPU compiles) go first and the unit
+# modules fill in behind them: no worker is left alone with a long module at a tier's end.
 def pytest_collection_modifyitems(items):
-    def path(item):
-        return item.nodeid.split("::")[0].removeprefix("tests/")
+    def long(item):
+        return bool(item.get_closest_marker("slow") or item.get_closest_marker("tpu_aot"))
 
-    def rank(item):
-        heavy = _HEAVY_FIRST["multi_device" if item.get_closest_marker("multi_device")
-                             else "one_device"]
-        p = path(item)
-        return heavy.index(p) if p in heavy else len(heavy)
-
-    for item in items:
-        if any(path(item).startswith(p) for p in _MULTI_DEVICE):
-            item.add_marker(pytest.mark.multi_device)
-        if any(path(item).startswith(p) for p in _SLOW):
-            item.add_marker(pytest.mark.slow)
-    items.sort(key=rank)     # stable: the order within a module is kept
+    items.sort(key=lambda item: not long(item))     # stable: collection order kept otherwise
 
 
 def _device_count() -> int:

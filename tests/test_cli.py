@@ -12,6 +12,8 @@ from jaxrl.cli import build_parser, main
 from jaxrl.commands import bench
 from tests.xla import xla_flags
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.embed_dim=32", "model.num_layers=2", "model.mlp_dim=64", "train.steps=6",
         "train.batch_size=16", "train.log_every=3", "train.eval_problems=16",

@@ -22,6 +22,31 @@ def test_the_readme_is_short():
     assert len(lines) <= 250, f"README.md has {len(lines)} lines; the rest belongs in docs/"
 
 
+# Words about how the work on the project was organised rather than about the project.
+_DIARY = re.compile(r"\bsessions? (of|[0-9])|\bthis session\b|\bissues? #?[0-9]+\b|\bgoals?\b|"
+                    r"\bworkplace\b|\bdevice time\b|\bwork periods?\b|\bnotes? reports?\b",
+                    re.IGNORECASE)
+
+
+def test_the_docs_speak_of_the_project_not_of_how_it_was_built():
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    found = [f"{page.relative_to(ROOT)}:{i}: {m.group(0)!r}" for page in pages
+             for i, line in enumerate(page.read_text().splitlines(), 1)
+             for m in _DIARY.finditer(line)]
+    assert not found, "\n".join(found)
+
+
+def test_the_benchmarks_page_is_a_results_page():
+    """No dated heading (each benchmark's current table, its date in the table or text), and a
+    headline table that fits one screen."""
+    lines = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    dated = [h for h in lines if h.startswith("#") and re.search(r"\b20\d\d-\d\d-\d\d\b", h)]
+    assert not dated, dated
+    start = lines.index("## Headline")
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+    assert end - start <= 30, f"the headline section has {end - start} lines"
+
+
 def test_every_config_key_is_documented():
     assert gen_reference.undocumented() == [], (
         "config keys without a comment in their dataclass (write one above the field or at the "

@@ -108,6 +108,9 @@ def test_the_gke_trainer_drives_the_statefulset_s_servers():
             for i in range(servers["spec"]["replicas"])]
     assert list(cfg.rl.generation.servers) == want
     assert service["spec"]["ports"][0]["port"] == serve_args.port
+    # Kubernetes' gRPC probes call the servers' grpc.health.v1 service on the port they bind.
+    assert all(serve[probe]["grpc"]["port"] == serve_args.port
+               for probe in ("startupProbe", "readinessProbe", "livenessProbe"))
     # One pod per host of the slice, each with the host's chips; rows divide over all chips.
     job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
     chips_per_pod = train["resources"]["limits"]["google.com/tpu"]

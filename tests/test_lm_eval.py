@@ -15,6 +15,9 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from tests.test_serve import _jaxrl_serve
+import pytest
+
+pytestmark = pytest.mark.slow
 
 VOCAB = 48
 WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 
 import grpc
 import jax
@@ -16,6 +17,8 @@ import openai
 import pytest
 import torch
 import transformers
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jaxrl.commands.serve import load_model
@@ -28,6 +31,8 @@ from serving.proto import generation_pb2 as gen
 from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.sampling import SamplingParams
 from tests.xla import xla_flags
+
+pytestmark = pytest.mark.slow
 
 
 def _word_tokenizer(path, vocab_size):
@@ -223,7 +228,8 @@ def _jaxrl_serve(folder, *flags, devices=None):
 def test_serve_on_a_mesh_equals_transformers_generate(tmp_path):
     """`jaxrl serve --tensor 2 --replicas 2 --http-port 0` on 4 CPU devices: the Hugging Face
     folder is loaded straight onto replica 0's mesh, groups spread over both replicas, and every
-    greedy output equals Hugging Face's `generate`, through gRPC and through the OpenAI API."""
+    greedy output equals Hugging Face's `generate`, through gRPC and through the OpenAI API;
+    gRPC's health check says SERVING and the Prometheus scrape counts every request."""
     torch.manual_seed(1)
     config = transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -250,6 +256,8 @@ def test_serve_on_a_mesh_equals_transformers_generate(tmp_path):
                 for p in prompts]
             got = [[r.token_ids[0] for r in call if r.token_ids] for call in calls]
             metrics = json.loads(stub.GetMetrics(gen.MetricsRequest()).json)
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=30).status
         http = next(x for x in output if "OpenAI-compatible API on" in x)
         client = openai.OpenAI(base_url=http.split(" on ")[1].split()[0], api_key="unused",
                                max_retries=0)
@@ -260,7 +268,12 @@ def test_serve_on_a_mesh_equals_transformers_generate(tmp_path):
             ends = w.index(2) + 1 if 2 in w else len(w)        # the server stops at EOS
             assert choice.text == tokenizer.decode(w[:ends])
             assert choice.finish_reason == ("stop" if 2 in w else "length")
+        with urllib.request.urlopen(http.split("metrics on ")[1].strip(), timeout=30) as r:
+            scraped = {f.name: f.samples[0].value for f in text_string_to_metric_families(
+                r.read().decode())}
     assert got == want
+    assert health == health_pb2.HealthCheckResponse.SERVING
+    assert scraped["jaxrl_requests_done"] == len(prompts) + 2 and scraped["jaxrl_replicas"] == 2
     assert metrics["replicas"] == 2 and metrics["requests_done"] == len(prompts)
     assert min(metrics["replica_requests_done"]) > 0      # both replicas served
 

@@ -160,10 +160,12 @@ def _load_engines(model_dir: str | None, checkpoint_dir: str,
 def _open_http(orchestrator, tokenizer, model_dir: str | None, max_len: int, host: str,
                http_port: int, server: Server, log: Callable[[str], None]):
     """The OpenAI-compatible HTTP API beside the gRPC server; both stop if it cannot listen."""
+    from serving import prometheus
     from serving.openai_api import OpenAIApp, start_http
 
     name = Path(model_dir).name if model_dir else "jaxrl-demo"
     app = OpenAIApp(orchestrator, tokenizer, name, max_len).app
+    prometheus.mount(app, orchestrator)
     try:
         http, bound = start_http(app, host, http_port)
     except (OSError, RuntimeError) as e:
@@ -171,7 +173,8 @@ def _open_http(orchestrator, tokenizer, model_dir: str | None, max_len: int, hos
         orchestrator.stop()
         raise UserError(f"cannot listen on {host}:{http_port} (--http-port): {e}") from e
     log(f"jaxrl serve: OpenAI-compatible API on http://{host}:{bound}/v1 (model {name!r}; "
-        f"plain HTTP{', reachable from other machines' if not is_loopback(host) else ''})")
+        f"plain HTTP{', reachable from other machines' if not is_loopback(host) else ''}), "
+        f"Prometheus metrics on http://{host}:{bound}/metrics")
     return http
 
 

@@ -74,6 +74,7 @@ class Actor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.trained_position = 0    # set by the loop: rollouts before it were trained on
+        self.turns_at_bound = 0      # async: turns of `_run` that found no room to submit
         self.stats = collections.Counter(stats or {})  # cumulative over the whole run
         self.error: BaseException | None = None
         self._warn = warn
@@ -253,6 +254,7 @@ class Actor:
                 with self._lock:
                     ahead = self.log.end + sum(self._in_flight.values()) - self.trained_position
                     if ahead >= bound:
+                        self.turns_at_bound += 1
                         self._lock.wait(0.05)
                         continue
                 self._check_progress()

@@ -60,7 +60,7 @@ def engine_config(cfg: RunConfig, model_cfg: ModelConfig) -> EngineConfig:
 
 
 @dataclasses.dataclass
-class Generation:
+class Generators:
     """The run's fleet and publisher, and its in-process orchestrator if it has one."""
     fleet: Fleet
     publisher: WeightPublisher
@@ -77,7 +77,7 @@ class Generation:
 
 
 def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, version: int,
-          engine_devices, log: Callable[[str], None]) -> Generation:
+          engine_devices, log: Callable[[str], None]) -> Generators:
     """Starts generation serving `params` as weights `version`. Remote servers are brought to
     them before they take work; those that cannot be reached yet join when they answer."""
     g = cfg.rl.generation
@@ -98,7 +98,7 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
         members = [Member("local", local, cfg.rl.slots, remote=False, version=version,
                           joined=True)]
         fleet = Fleet(members, eos_id=tokenizer.eos_id, wait_s=g.wait_s, warn=log)
-        return Generation(fleet, WeightPublisher(fleet, warn=log), local)
+        return Generators(fleet, WeightPublisher(fleet, warn=log), local)
     token, tls_ca = update_token(g.token_file), _read(g.tls_ca, "rl.generation.tls_ca")
     members = []
     for address in g.servers:
@@ -122,7 +122,7 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
     publisher = WeightPublisher(fleet, deadline_s=g.push_deadline_s,
                                 wire_dtype=model_cfg.dtype, warn=log)
     publisher.publish(params, version)
-    return Generation(fleet, publisher, None)
+    return Generators(fleet, publisher, None)
 
 
 def check_server(cfg: RunConfig, tokenizer: Tokenizer, address: str, metrics: dict) -> None:

@@ -23,7 +23,7 @@ import pytest
 from jaxrl.telemetry.metrics import read_metrics
 from jaxrl.train.checkpoint import Checkpointer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multi_device]
 
 ROOT = Path(__file__).resolve().parents[2]
 WARMUP, RL = 24, 8

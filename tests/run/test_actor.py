@@ -140,20 +140,20 @@ class HeldGeneration:
             stream.put(DoneEvent(i, "length"))
 
 
-def _settle(count, at_least: int = 0, timeout: float = 60.0) -> int:
-    """count() once it is at least `at_least` and has then not changed for half a second (a
-    slow machine only makes it wait longer, never return early below `at_least`)."""
+def _until(predicate, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
-    while count() < at_least:
-        assert time.monotonic() < deadline, f"{count()} submitted, {at_least} expected"
-        time.sleep(0.05)
-    last, since = count(), time.monotonic()
-    while time.monotonic() - since < 0.5:
-        assert time.monotonic() < deadline, "the actor kept submitting"
-        time.sleep(0.05)
-        if count() != last:
-            last, since = count(), time.monotonic()
-    return last
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(0.01)
+
+
+def _at_bound(a, count, at_least: int = 0) -> int:
+    """count() once it is at least `at_least` and the actor has since turned twice at its
+    bound (looked for room and found none): a count it will not pass until a step trains."""
+    _until(lambda: count() >= at_least, f"{at_least} groups submitted")
+    turns = a.turns_at_bound
+    _until(lambda: a.turns_at_bound >= turns + 2, "two turns of the actor at its bound")
+    return count()
 
 
 @pytest.mark.parametrize("slots", [8, 64])
@@ -169,14 +169,14 @@ def test_async_keeps_the_engines_full_beside_the_batch_training(parts, slots):
     try:
         cap = (batch + max(batch, min(slots, 2 * batch))) // GROUP
         assert cap == {8: 16, 64: 24}[slots]
-        assert _settle(lambda: len(gen.streams), cap) == cap
+        streams = lambda: len(gen.streams)  # noqa: E731
+        assert _at_bound(a, streams, cap) == cap
         for stream in gen.streams[1:]:          # every group but the first (a long one) ends
             gen.finish(stream)
-        while log.end < (cap - 1) * GROUP:      # their rollouts reach the log
-            time.sleep(0.01)
-        assert _settle(lambda: len(gen.streams)) == cap      # the bound holds: nothing more
+        _until(lambda: log.end >= (cap - 1) * GROUP, "their rollouts reaching the log")
+        assert _at_bound(a, streams) == cap      # the bound holds: nothing more
         a.notify_trained(batch)                 # a step trains a batch: room again
-        assert _settle(lambda: len(gen.streams), cap + 1) == cap + batch // GROUP
+        assert _at_bound(a, streams, cap + 1) == cap + batch // GROUP
     finally:
         a.stop()
         for s in gen.streams:                   # its collectors end with their groups

@@ -19,6 +19,8 @@ from jaxrl.rollout.agents import (
 )
 from tests.run import one_device
 
+pytestmark = pytest.mark.slow
+
 # Behaves as its problem's prompt says; reports out of order (a "slow" episode answers after
 # the next one).
 SCRIPTED = textwrap.dedent(r"""

@@ -7,6 +7,8 @@ import pytest
 
 from jaxrl.commands.compile import _out_of_memory
 
+pytestmark = pytest.mark.slow
+
 ARGS = [jax.ShapeDtypeStruct((4, 1024), jnp.float32,
                              sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))]
 # The message libtpu gave for train.seq_len=8192 on v5p:2x2x1 (configs/llama_1b_v5e.yaml).

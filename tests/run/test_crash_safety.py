@@ -10,6 +10,8 @@ from jaxrl.errors import UserError
 from jaxrl.telemetry.metrics import read_metrics
 from jaxrl.trainer import warmup
 
+pytestmark = pytest.mark.slow
+
 TINY = ["model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64", "model.num_heads=2",
         "model.num_kv_heads=1", "model.head_dim=16", "model.max_seq_len=16",
         "train.batch_size=8", "train.seq_len=12", "train.eval_problems=0", "log.progress=false",

@@ -16,6 +16,8 @@ from jaxrl.rollout.filters import FilterStall
 from jaxrl.telemetry.metrics import read_metrics
 from tests.tiny_hf import tiny_qwen
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "custom_reward"
 RECORD = '''

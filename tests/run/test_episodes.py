@@ -22,6 +22,8 @@ from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams
 from tests.serving.common import CFG, ENGINE
 
+pytestmark = pytest.mark.slow
+
 TASK = ToolCalcTask()
 TOKENIZER = CharTokenizer(TASK.alphabet)
 RL = RLConfig(group_size=3, max_prompt_len=10, max_new_tokens=6, max_turns=3,

@@ -15,6 +15,8 @@ from jaxrl.commands import job
 from jaxrl.telemetry.metrics import read_metrics
 from tests.run.test_rl import BASE, config, quiet
 
+pytestmark = pytest.mark.slow
+
 WARMUP, RL_STEPS = 10, 3
 FAMILIES = {
     "gemma2": ["model.family=gemma2", "model.sliding_window=3",

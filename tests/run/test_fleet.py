@@ -21,6 +21,8 @@ from serving.server import Server
 from serving.stream import RequestStream, Sample, TokenEvent
 from tests.serving.common import CFG, ENGINE, hung_generation_server, prompts
 
+pytestmark = pytest.mark.slow
+
 
 class FakeGeneration:
     """A Generation whose streams the test drives by hand."""

@@ -18,6 +18,8 @@ from serving.engine import EngineConfig
 from jaxrl.telemetry.metrics import read_metrics
 from tests.run.test_rl import BASE, WARMUP
 
+pytestmark = pytest.mark.slow
+
 
 def test_core_plans():
     assert parse_cpus("0,2-3, 5") == [0, 2, 3, 5]

@@ -22,6 +22,8 @@ from jaxrl.telemetry.metrics import read_metrics
 from jaxrl.trainer.warmup import restore_for_eval
 from tests.tiny_hf import tiny_qwen
 
+pytestmark = pytest.mark.slow
+
 peft = pytest.importorskip("peft")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_reward"
 RUN = ["model.dtype=float32", "log.progress=false", "train.eval_problems=0", "rl.steps=3",

@@ -28,6 +28,8 @@ from jaxrl.telemetry.plots import (
 )
 from jaxrl.telemetry.rl_metrics import length_quantiles
 
+pytestmark = pytest.mark.slow
+
 
 def _crc32c(data: bytes) -> int:
     """Bitwise CRC-32C (Castagnoli, reflected polynomial 0x82F63B78): slow, but independent of

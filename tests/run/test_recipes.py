@@ -17,6 +17,8 @@ from jaxrl.telemetry.metrics import read_metrics
 from jaxrl.train.checkpoint import Checkpointer
 from tests.tiny_hf import tiny_qwen
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 QWEN_RECIPE = ROOT / "configs" / "qwen2_5_0_5b_gsm8k.yaml"

@@ -22,6 +22,8 @@ from jaxrl.telemetry import rl_metrics
 from jaxrl.telemetry.metrics import read_metrics
 from serving.orchestrator import Orchestrator
 
+pytestmark = pytest.mark.slow
+
 WARMUP = 30      # supervised steps; RL steps are numbered on from there
 RL_STEPS = 30
 # Partial rollouts climb as the others do in most runs, but two CI runs in about eight (and

@@ -31,6 +31,8 @@ from tests.run.test_rl import (
     warm_up,
 )
 
+pytestmark = [pytest.mark.multi_device, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):

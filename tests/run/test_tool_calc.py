@@ -9,6 +9,8 @@ import pytest
 from jaxrl.config import ConfigError, load_run_config
 from tests.run import one_device
 
+pytestmark = pytest.mark.slow
+
 # A 0.1M-parameter model, 60 warm-up steps (enough to learn the call format, not the sums;
 # without the config's accuracy checks, whose engine would add its own compilation), 3 RL
 # steps. Zero-advantage groups are kept, so steps are fed whatever the model solves.

@@ -16,6 +16,8 @@ from jaxrl.trainer.warmup import restore_for_eval
 from jaxrl.trainer.warmup_stop import AccuracyStop
 from tests.run import one_device
 
+pytestmark = pytest.mark.slow
+
 STEPS, EVERY, TARGET = 300, 10, 0.5
 # test_rl.py's 0.1M-parameter model on sums of operands 0..4; its own cosine length
 # (optim.decay_steps) so that a run with another train.steps follows the same schedule.

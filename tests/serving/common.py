@@ -26,6 +26,26 @@ ENGINE = EngineConfig(max_concurrent_decodes=4, max_len=64, max_prefill_length=4
                       prefill_chunk=16, min_bucket=4, page_size=4, page_buckets=1)
 
 
+def until(predicate, timeout: float = 60.0, what: str = "the condition") -> None:
+    """Returns once `predicate()` holds; fails the test naming `what` after `timeout` s."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.005)
+
+
+def held_turns(orchestrator, turns: int = 3) -> None:
+    """Returns once a paused engine's loop has turned `turns` more times (each a turn that ran
+    nothing): whatever was queued before this call has been seen by the loop, so nothing
+    generated for it proves the pause held, without waiting an arbitrary time."""
+    start = orchestrator.metrics()["held_iterations"]
+    until(lambda: orchestrator.metrics()["held_iterations"] >= start + turns,
+          what=f"{turns} turns of the paused engine loop")
+
+
 def prompts(*lengths, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(3, CFG.vocab_size, n).tolist() for n in lengths]

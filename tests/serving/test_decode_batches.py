@@ -30,6 +30,9 @@ from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams
 from tests.xla import xla_flags
+import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,

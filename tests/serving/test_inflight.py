@@ -1,8 +1,6 @@
 """In-flight weight updates: tokens after the swap follow the new weights on the kept KV cache,
 version tags are exact, a bad update is rejected and serving goes on."""
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +14,7 @@ from serving.sampling import SamplingParams
 from serving.weight_stream import StaleVersion
 from sharding.reshard import WeightUpdateError
 
-from tests.serving.common import CFG, prompts
+from tests.serving.common import CFG, held_turns, prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=56)
 N = GREEDY.max_tokens  # the 8-token prompt plus these fill the 64-position cache
@@ -76,7 +74,7 @@ def test_update_mid_generation(engine, params, model):
         np.testing.assert_allclose([t.logprob for t in tokens[k:]], -np.log(CFG.vocab_size),
                                    rtol=1e-5)
         assert o.metrics()["prefill_chunks"] == chunks + 1  # nothing was prefilled again
-        assert result.version == 1 and result.pause_s < 0.1
+        assert result.version == 1      # (the pause's length is a benchmark's: jaxrl bench engine)
 
         # 2. a nearby model: the tokens after the swap are B's, decoded on A's cache
         o.update_params(params, 2)
@@ -152,7 +150,7 @@ def test_pause_holds_the_engine_and_resume_continues_under_new_weights(engine, p
         held = o.metrics()
         o.update_params(noisy, 1)
         late = o.submit(prompts(5, seed=10)[0], SamplingParams(temperature=0.0, max_tokens=3))
-        time.sleep(0.3)
+        held_turns(o)
         during = o.metrics()
         assert (during["generated_tokens"], during["prefill_chunks"]) == \
             (held["generated_tokens"], held["prefill_chunks"])

@@ -10,6 +10,9 @@ from serving.sampling import SamplingParams
 from sharding.mesh import MeshConfig, make_mesh
 
 from tests.serving.common import CFG, ENGINE, prompts
+import pytest
+
+pytestmark = pytest.mark.multi_device
 
 
 def test_tensor_parallel_serving_equals_one_device(params, orchestrator):

@@ -21,6 +21,8 @@ from sharding.mesh import MeshConfig, make_mesh
 from tests.serving.common import CFG, ENGINE
 from tests.serving.test_paged import _check_against_references, _requests, _run_staggered
 
+pytestmark = pytest.mark.multi_device
+
 
 def _reference(q_BNH, kv_LPKCH, layer, lengths_B, table_BW, window=None, scale=None,
                softcap=None):

@@ -19,7 +19,8 @@ from serving.stream import Sample
 from serving.weight_stream import StaleVersion
 from sharding.reshard import WeightUpdateError
 
-from tests.serving.common import CFG, ENGINE, hung_generation_server, prompts
+from tests.serving.common import (CFG, ENGINE, held_turns, hung_generation_server, prompts,
+                                  until)
 
 TOKEN = "secret"
 
@@ -143,7 +144,8 @@ def test_pause_over_grpc_holds_the_engine_until_resume_or_its_lease(remote, serv
     assert o.paused and o.metrics()["paused"]
     before = o.metrics()
     stream = remote.submit(prompts(6, seed=12)[0], greedy)
-    time.sleep(0.4)
+    until(lambda: o.metrics()["queued"] > 0, what="the request reaching the paused engine")
+    held_turns(o)
     during = o.metrics()
     assert (during["generated_tokens"], during["prefill_chunks"]) == \
         (before["generated_tokens"], before["prefill_chunks"])

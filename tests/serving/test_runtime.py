@@ -165,6 +165,22 @@ def test_smaller_batches_compile_beside_generation_once_asked_for(params, monkey
                 np.testing.assert_allclose(s.logprobs, logprobs, atol=1e-5)
 
 
+def test_a_program_compiled_while_serving_is_counted(params):
+    """`late_compiles` counts a call for a program the engine did not compile before serving
+    (compiled on the spot, logged): the counter the other tests assert to be 0 does count."""
+    cfg = dataclasses.replace(RUNTIME, attention="loop", prefill_chunk=8, max_prefill_length=28)
+    gc.collect()
+    engine = Engine(CFG, cfg)                                # a spec of its own
+    engine.compile(largest_only=True)
+    programs = engine.programs
+    name, key = next(s for s in programs.shapes() if not programs.is_compiled(*s))
+    before = programs.compiled
+    with pytest.raises(TypeError):      # called without its arguments: compiled, then refused
+        programs(name, key)
+    assert programs.late_compiles == 1 and programs.compiled == before + 1
+    assert programs.is_compiled(name, key)
+
+
 def test_programs_no_call_asks_for_are_never_compiled(params):
     """A group that fills every slot and ends at once never shrinks its batches: with
     compile_later, nothing beyond the largest batches' and chunks' programs is compiled; a
@@ -180,7 +196,8 @@ def test_programs_no_call_asks_for_are_never_compiled(params):
             temperature=0.9, seed=4, n=cfg.max_concurrent_decodes, max_tokens=6,
             stop_at_eos=False)).result()
         assert [len(s.tokens) for s in samples] == [6] * cfg.max_concurrent_decodes
-        time.sleep(0.5)                  # the compiling thread had time to act, were it asked
+        # Nothing was asked for, and the compiling thread compiles only what is asked for.
+        assert engine.programs.wanted == set()
         assert engine.programs.compiled == before < len(engine.programs.shapes())
         # A row count is asked for once ASK_AFTER calls were padded for want of it.
         for _ in range(Programs.ASK_AFTER - 1):

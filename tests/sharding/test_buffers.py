@@ -2,6 +2,9 @@
 the sweep over live ranges against a hand count, and the values named by their JAX ops."""
 
 from sharding.buffers import peak
+import pytest
+
+pytestmark = pytest.mark.multi_device
 
 ASSIGNMENT = """BufferAssignment:
 allocation 0: size 4096, parameter 0, shape |f32[1024]| at ShapeIndex {}:

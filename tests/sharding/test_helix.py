@@ -17,6 +17,8 @@ from sharding.pipeline import PipelineConfig
 from tests.sharding.test_pipeline import (CFG, _mesh_cfg, assert_close, packed,  # noqa: F401
                                           pipelined, setup)
 
+pytestmark = pytest.mark.multi_device
+
 
 @pytest.mark.parametrize("stages,layers,microbatches,folds",
                          [(2, 4, 4, 2), (4, 8, 8, 2), (4, 16, 16, 1), (4, 8, 48, 2)])

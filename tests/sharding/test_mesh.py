@@ -4,6 +4,8 @@ from jax.sharding import PartitionSpec as P
 
 from sharding.mesh import MeshConfig, batch_sharding, logical_to_spec, make_mesh
 
+pytestmark = pytest.mark.multi_device
+
 
 def test_auto_axis_takes_the_remaining_devices():
     assert MeshConfig(data=2, tensor=2).resolve(8) == {"data": 2, "stage": 1, "fsdp": 2,

@@ -15,6 +15,8 @@ from jaxrl.models.transformer import split_params
 from jaxrl.train.step import loss_and_grads
 from sharding.offload import REMAT_POLICIES, remat_policy
 
+pytestmark = pytest.mark.multi_device
+
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64, max_seq_len=16)
 M, B, T = 2, 4, 8

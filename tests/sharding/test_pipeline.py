@@ -19,6 +19,8 @@ from sharding.layer_order import LayerOrder
 from sharding.pipeline import PipelineConfig
 from sharding import schedules as sch
 
+pytestmark = pytest.mark.multi_device
+
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=8, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64, max_seq_len=16)
 B, T = 16, 8

@@ -18,6 +18,8 @@ from jaxrl.train.step import loss_and_grads
 from sharding.pipeline import PipelineConfig
 from tests.sharding.test_pipeline import B, CFG, T, _mesh_cfg, assert_close, pipelined
 
+pytestmark = pytest.mark.multi_device
+
 LORA = dataclasses.replace(CFG, lora=LoraConfig(rank=4, alpha=8,
                                                 targets=("q_proj", "o_proj", "down_proj")))
 

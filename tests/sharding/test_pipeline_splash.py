@@ -16,6 +16,8 @@ from sharding import mesh as shd
 from sharding.pipeline import PipelineConfig
 from tests.sharding.test_pipeline import assert_close
 
+pytestmark = pytest.mark.multi_device
+
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=4, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64, max_seq_len=128)
 B, T = 4, 128

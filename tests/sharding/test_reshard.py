@@ -13,6 +13,8 @@ from sharding.mesh import MeshConfig, make_mesh, tree_shardings
 import sharding.reshard as reshard_module
 from sharding.reshard import WeightUpdateError, reshard
 
+pytestmark = pytest.mark.multi_device
+
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64)
 

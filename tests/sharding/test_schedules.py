@@ -9,6 +9,8 @@ import pytest
 from sharding import schedules as sch
 from sharding.schedules import B, F, R, W, X, Op
 
+pytestmark = pytest.mark.multi_device
+
 
 @pytest.mark.parametrize("name", sch.TABLE_SCHEDULES)
 def test_every_table_is_valid_up_to_8_stages_and_32_microbatches(name):

@@ -15,6 +15,8 @@ from jaxrl.models.transformer import run_layers, split_params
 from sharding.offload import single_layer
 from sharding.split_backward import make_split, split_backward
 
+pytestmark = pytest.mark.multi_device
+
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=1, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64, max_seq_len=16)
 B, T = 2, 8

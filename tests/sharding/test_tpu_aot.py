@@ -20,7 +20,7 @@ from serving.engine import Engine, EngineConfig
 from sharding import mesh as shd
 from sharding.aot import tpu_devices
 
-pytestmark = pytest.mark.tpu_aot
+pytestmark = [pytest.mark.tpu_aot, pytest.mark.multi_device]
 ROOT = Path(__file__).resolve().parents[2]
 DEMO, ONE_B = str(ROOT / "configs/demo_cpu.yaml"), str(ROOT / "configs/llama_1b_v5e.yaml")
 SEQ_64 = ["train.seq_len=64", "model.max_seq_len=64"]

@@ -13,6 +13,8 @@ from jaxrl.config import load_run_config
 from jaxrl.train.checkpoint import CheckpointError
 from jaxrl.trainer.warmup import restore_for_eval, train
 
+pytestmark = pytest.mark.slow
+
 TINY = ["model.embed_dim=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
         "model.head_dim=8", "model.mlp_dim=64", "model.max_seq_len=32", "train.batch_size=8",
         "train.seq_len=12", "train.eval_problems=0", "train.log_every=1", "checkpoint.every=2"]

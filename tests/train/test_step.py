@@ -13,6 +13,8 @@ from jaxrl.train.state import init_state, state_shardings
 from jaxrl.train.step import jit_train_step, loss_and_grads, split_microbatches
 from sharding.mesh import MeshConfig, batch_sharding, make_mesh
 
+pytestmark = pytest.mark.multi_device
+
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64, qkv_bias=True, qk_norm=True)
 TX = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0), total_steps=10)
