@@ -110,26 +110,53 @@ class Reference:
     head_fn: Callable
 
 
-def run_schedule(sched: sch.Schedule, layer_fn: Callable, head_fn: Callable, w_PV,
-                 head_params, x_MbTD, aux_M, head_in_M, mesh: Mesh, live_M=None,
-                 reference: Reference | None = None, split_how: str = "stash",
-                 replicate_heads: bool = False, trained: frozenset | None = None):
-    """Loss and gradients of a pipelined model by the table `sched`.
-
-    `layer_fn(w_l, x_bTD, aux_b) -> x_bTD` runs one layer (w_l its parameters); `head_fn(
-    head_params, h_bTD, head_in_b) -> (loss, head_aux)` is everything after the last layer for
-    one microbatch, `loss` a scalar; `w_PV` from `to_stage_chunks`; `aux_M` and `head_in_M`
+@dataclasses.dataclass(frozen=True)
+class StageProblem:
+    """What a schedule computes the loss and gradients of. `layer_fn(w_l, x_bTD, aux_b) ->
+    x_bTD` runs one layer (w_l its parameters); `head_fn(head_params, h_bTD, head_in_b) ->
+    (loss, head_aux)` is everything after the last layer for one microbatch, `loss` a scalar;
+    `w_PV` from `to_stage_chunks`; `x_MbTD` the first layer's inputs; `aux_M` and `head_in_M`
     trees of per-microbatch inputs ([M, ...]). `live_M` [M] bool: microbatches with nothing to
-    learn from (RL padding) run no op at all. `reference`: the model a table with R ops runs
-    (required then). `split_how`: how a table with B and W ops splits the layer's backward
+    learn from (RL padding) run no op at all."""
+
+    layer_fn: Callable
+    head_fn: Callable
+    w_PV: dict
+    head_params: dict
+    x_MbTD: jax.Array
+    aux_M: object
+    head_in_M: object
+    live_M: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleOptions:
+    """How the stages run it. `reference`: the model a table with R ops runs (required then).
+    `split_how`: how a table with B and W ops splits the layer's backward
     (`sharding.pipeline.split_backward`, sharding/split_backward.py). `replicate_heads`: run
     the heads (the policy's and the reference's) on whole copies of their parameters and
     inputs on every device of the automatic axes, so that no collective runs inside their
     branch (beside both fsdp and tensor, where XLA's partitioner fails on a head sharded over
     both inside a `lax.switch` branch that only some stages take). `trained`: the layer
     weights to differentiate (LoRA's adapters: then the head's parameters get no gradient
-    either, {}); None, every weight. Returns (loss [M], head_aux [M, ...], float32 gradients
-    of sum(loss) w.r.t. w_PV (its `trained` part) and head_params, and w.r.t. x_MbTD)."""
+    either, {}); None, every weight."""
+
+    reference: Reference | None = None
+    split_how: str = "stash"
+    replicate_heads: bool = False
+    trained: frozenset | None = None
+
+
+def run_schedule(sched: sch.Schedule, problem: StageProblem, mesh: Mesh,
+                 options: ScheduleOptions = ScheduleOptions()):
+    """Loss and gradients of `problem` pipelined by the table `sched` over `mesh`'s stage axis.
+    Returns (loss [M], head_aux [M, ...], float32 gradients of sum(loss) w.r.t. w_PV (its
+    `trained` part) and head_params, and w.r.t. x_MbTD)."""
+    layer_fn, head_fn, w_PV, head_params, x_MbTD, aux_M, head_in_M, live_M = (
+        problem.layer_fn, problem.head_fn, problem.w_PV, problem.head_params, problem.x_MbTD,
+        problem.aux_M, problem.head_in_M, problem.live_M)
+    reference, split_how, replicate_heads, trained = (
+        options.reference, options.split_how, options.replicate_heads, options.trained)
     if sched.reference != (reference is not None):
         raise ValueError(f"{sched.name}: a table with R ops needs a reference model, and only "
                          f"such a table takes one (R ops: {sched.reference})")

@@ -109,7 +109,7 @@ def _served_and_listening(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-alpha", type=float, default=16.0,
                    help="with --lora-rank: the adapters' alpha (model.lora.alpha)")
     p.add_argument("--lora-targets", default="all-linear",
-                   help="with --lora-rank: the projections adapted, comma-separated "
+                   help="with --lora-rank: the projections adapted, separated by commas "
                         "(model.lora.targets)")
     p.add_argument("--lora-rslora", action="store_true",
                    help="with --lora-rank: scale by alpha/sqrt(rank) (model.lora.use_rslora)")

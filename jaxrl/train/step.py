@@ -180,12 +180,14 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, p
                                   functools.partial(stage_programs.from_stage_chunks,
                                                     sched=sched))
     adapters = lora.trainable(params)["layers"] if io.model_cfg.lora.enabled else None
-    loss_M, (weight_M, stats_M), g_w, g_outer, dx = stage_programs.run_schedule(
-        sched, layer, io.head, to_stages(params["layers"]), io.outer, io.x_M, io.aux_M,
-        io.batch_M, mesh, io.live_M,
+    problem = stage_programs.StageProblem(layer, io.head, to_stages(params["layers"]), io.outer,
+                                          io.x_M, io.aux_M, io.batch_M, io.live_M)
+    options = stage_programs.ScheduleOptions(
         _reference(graphdef, ref_params, objective, io.ids, to_stages, io.micro),
         pipeline.split_backward, _replicate_heads(mesh),
         None if adapters is None else frozenset(adapters))
+    loss_M, (weight_M, stats_M), g_w, g_outer, dx = stage_programs.run_schedule(
+        sched, problem, mesh, options)
     grads = {"layers": from_stages(g_w)}
     if adapters is None:        # LoRA: the layers' adapters alone are trained
         grads.update(io.outer_grads(g_outer, dx))
