@@ -165,70 +165,89 @@ def _zb_h1_orders(p: int, m: int) -> list[list[Op]]:
 
 
 def _list_schedule(p: int, m: int, place, split: bool, caps: list[int]):
-    """Greedy list scheduling: every tick, each free stage runs its most urgent ready op.
-    Urgency: B (or X) first, the deepest chunk first (it frees memory and feeds the stage
-    below); then F, deepest chunk first, if the stage is under its activation cap; then W (the
-    oldest). In-order per chunk: microbatch j's F (B) of a chunk follows j-1's."""
-    K = len(place)
-    local = [[k for k in range(K) if place[k][0] == s] for s in range(p)]
-    done: dict[Op, int] = {}                 # op -> first tick its output can be used
-    next_f, next_b = [0] * K, [0] * K
-    pending_w: list[list[Op]] = [[] for _ in range(p)]
-    # Activations held or reserved per stage, in chunk-microbatches: a microbatch's first F on
-    # a stage reserves room for all its chunks there, so a stage never fills with microbatches
-    # that cannot reach their deeper chunks (a V's or an interleaved schedule's deadlock).
-    held, free_at = [0] * p, [0] * p
-    first_local = [min(ks) for ks in local]
-    rows: list[list[Op | None]] = [[] for _ in range(p)]
-    total = K * m * (3 if split else 2)
-    t = 0
-    while len(done) < total:
-        if t > 8 * total + 64:
-            raise RuntimeError(f"schedule did not converge (caps {caps})")
-        for s in range(p):
-            if free_at[s] > t:
-                continue
-            room = held[s] + len(local[s]) <= caps[s]
-            op = _pick(s, t, local[s], first_local[s], K, m, done, next_f, next_b,
-                       pending_w[s], room, split)
-            if op is None:
-                rows[s].append(None)
-                continue
-            ticks = TICKS[op.kind]
-            rows[s].extend([op] + [None] * (ticks - 1))
-            free_at[s] = t + ticks
-            done[op] = t + ticks
-            if op.kind == F:
-                next_f[op.chunk] += 1
-                held[s] += len(local[s]) if op.chunk == first_local[s] else 0
-            elif op.kind in (B, X):
-                next_b[op.chunk] += 1
-                if op.kind == B:
-                    pending_w[s].append(Op(W, op.chunk, op.microbatch))
-            if op.kind in (W, X):
-                # Freed when the op ends; counted as free for picks from the next tick on
-                # (the op itself runs while the activations are still held).
-                held[s] -= 1
-        t += 1
-    width = max(len(r) for r in rows)
-    return tuple(tuple(r + [None] * (width - len(r))) for r in rows)
+    """Greedy list scheduling (`_ListScheduler`): every tick, each free stage runs its most
+    urgent ready op."""
+    return _ListScheduler(p, m, place, split, caps).run()
 
 
-def _pick(s, t, chunks, first, K, m, done, next_f, next_b, pending_w, room, split):
-    ready = lambda op: op in done and done[op] <= t  # noqa: E731
-    for k in sorted(chunks, reverse=True):
-        j = next_b[k]
-        if j < m and ready(Op(F, k, j)) and (k == K - 1 or _backward_done(k + 1, j, done, t)):
-            return Op(B if split else X, k, j)
-    for k in sorted(chunks, reverse=True):
-        j = next_f[k]
-        if j < m and (k == 0 or ready(Op(F, k - 1, j))) and (room or k != first):
-            return Op(F, k, j)
-    for w in pending_w:
-        if ready(Op(B, w.chunk, w.microbatch)):
-            pending_w.remove(w)
-            return w
-    return None
+class _ListScheduler:
+    """Every tick, each free stage runs its most urgent ready op. Urgency: B (or X) first, the
+    deepest chunk first (it frees memory and feeds the stage below); then F, deepest chunk
+    first, if the stage is under its activation cap; then W (the oldest). In-order per chunk:
+    microbatch j's F (B) of a chunk follows j-1's.
+
+    Activations held or reserved per stage are counted in chunk-microbatches: a microbatch's
+    first F on a stage reserves room for all its chunks there, so a stage never fills with
+    microbatches that cannot reach their deeper chunks (a V's or an interleaved schedule's
+    deadlock)."""
+
+    def __init__(self, p: int, m: int, place, split: bool, caps: list[int]):
+        self.p, self.m, self.split, self.caps = p, m, split, caps
+        self.K = len(place)
+        self.local = [[k for k in range(self.K) if place[k][0] == s] for s in range(p)]
+        self.first_local = [min(ks) for ks in self.local]
+        self.done: dict[Op, int] = {}            # op -> first tick its output can be used
+        self.next_f, self.next_b = [0] * self.K, [0] * self.K
+        self.pending_w: list[list[Op]] = [[] for _ in range(p)]
+        self.held, self.free_at = [0] * p, [0] * p
+        self.rows: list[list[Op | None]] = [[] for _ in range(p)]
+
+    def run(self) -> tuple:
+        total = self.K * self.m * (3 if self.split else 2)
+        t = 0
+        while len(self.done) < total:
+            if t > 8 * total + 64:
+                raise RuntimeError(f"schedule did not converge (caps {self.caps})")
+            for s in range(self.p):
+                if self.free_at[s] > t:
+                    continue
+                op = self._pick(s, t)
+                if op is None:
+                    self.rows[s].append(None)
+                else:
+                    self._run(s, op, t)
+            t += 1
+        width = max(len(r) for r in self.rows)
+        return tuple(tuple(r + [None] * (width - len(r))) for r in self.rows)
+
+    def _run(self, s: int, op: Op, t: int) -> None:
+        """Stage `s` runs `op` from tick `t`."""
+        ticks = TICKS[op.kind]
+        self.rows[s].extend([op] + [None] * (ticks - 1))
+        self.free_at[s] = t + ticks
+        self.done[op] = t + ticks
+        if op.kind == F:
+            self.next_f[op.chunk] += 1
+            if op.chunk == self.first_local[s]:
+                self.held[s] += len(self.local[s])
+        elif op.kind in (B, X):
+            self.next_b[op.chunk] += 1
+            if op.kind == B:
+                self.pending_w[s].append(Op(W, op.chunk, op.microbatch))
+        if op.kind in (W, X):
+            # Freed when the op ends; counted as free for picks from the next tick on (the op
+            # itself runs while the activations are still held).
+            self.held[s] -= 1
+
+    def _pick(self, s: int, t: int) -> Op | None:
+        """Stage `s`'s most urgent op that is ready at tick `t`."""
+        done, m, K = self.done, self.m, self.K
+        ready = lambda op: op in done and done[op] <= t  # noqa: E731
+        chunks = sorted(self.local[s], reverse=True)
+        for k in chunks:
+            j = self.next_b[k]
+            if j < m and ready(Op(F, k, j)) and (k == K - 1 or _backward_done(k + 1, j, done, t)):
+                return Op(B if self.split else X, k, j)
+        room = self.held[s] + len(self.local[s]) <= self.caps[s]
+        for k in chunks:
+            j = self.next_f[k]
+            if j < m and (k == 0 or ready(Op(F, k - 1, j))) and (room or k != self.first_local[s]):
+                return Op(F, k, j)
+        for w in self.pending_w[s]:
+            if ready(Op(B, w.chunk, w.microbatch)):
+                self.pending_w[s].remove(w)
+                return w
+        return None
 
 
 def _backward_done(k, j, done, t) -> bool:
