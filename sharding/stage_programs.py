@@ -177,15 +177,8 @@ def run_schedule(sched: sch.Schedule, problem: StageProblem, mesh: Mesh,
         w_V = jax.tree.map(lambda a: a[0], w_1V)
         stage = jax.lax.axis_index("stage")
         layers = jax.tree.leaves(w_V)[0].shape[1]
-        mb_shape, dt = x_M.shape[1:], x_M.dtype
-        f32 = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
-        state = {   # what a stage carries from tick to tick
-            "inbox": jnp.zeros((slots["inbox"], *mb_shape), dt),
-            "acts": jnp.zeros((slots["res"], layers, *mb_shape), dt),
-            "g_w": jax.tree.map(f32, trained_part(w_V, trained)[0]),
-            "g_head": {} if trained is not None else jax.tree.map(f32, hp),
-            "dx": jnp.zeros_like(x_M), "loss": jnp.zeros((m,), loss_shape.dtype),
-            "aux": jax.tree.map(lambda s: jnp.zeros((m, *s.shape), s.dtype), aux_shape)}
+        grads_like = (trained_part(w_V, trained)[0], {} if trained is not None else hp)
+        state = _empty_state(slots, layers, x_M, grads_like, (loss_shape, aux_shape))
         split_b = None
         if split:
             split_b = _split_backward(split_how, layer_fn, w_V, x_M, aux, trained)
@@ -221,6 +214,20 @@ def run_schedule(sched: sch.Schedule, problem: StageProblem, mesh: Mesh,
                                             x_MbTD, aux_M, live_M, reference, grads_of)
     take = lambda tree, s: jax.tree.map(lambda a: a[s], tree)  # noqa: E731
     return (loss[last_stage], take(aux, last_stage), g_w, take(g_head, last_stage), dx[0])
+
+
+def _empty_state(slots: dict, layers: int, x_M, grads_like: tuple, loss_aux: tuple) -> dict:
+    """What a stage carries from tick to tick, zeroed: its inbox, its layers' inputs, float32
+    gradient accumulators shaped like `grads_like` (layer weights, head), the first chunk's
+    input gradients, and per microbatch the loss and the head's aux (`loss_aux` shapes)."""
+    mb_shape, dt, m = x_M.shape[1:], x_M.dtype, x_M.shape[0]
+    f32 = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
+    loss_shape, aux_shape = loss_aux
+    return {"inbox": jnp.zeros((slots["inbox"], *mb_shape), dt),
+            "acts": jnp.zeros((slots["res"], layers, *mb_shape), dt),
+            "g_w": jax.tree.map(f32, grads_like[0]), "g_head": jax.tree.map(f32, grads_like[1]),
+            "dx": jnp.zeros_like(x_M), "loss": jnp.zeros((m,), loss_shape.dtype),
+            "aux": jax.tree.map(lambda s: jnp.zeros((m, *s.shape), s.dtype), aux_shape)}
 
 
 def _head_and_grads(head_fn, hp, h_bTD, head_in, ref_logp=None, *, frozen: bool = False):

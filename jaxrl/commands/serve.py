@@ -178,61 +178,41 @@ def _open_http(orchestrator, tokenizer, model_dir: str | None, max_len: int, hos
     return http
 
 
-def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
-          engine_config: Callable[[int], EngineConfig], update_token: str | None,
-          log: Callable[[str], None] = print, ready: threading.Event | None = None,
-          tls: tuple[bytes, bytes] | None = None, allow_remote: bool = False,
-          max_concurrent_rpcs: int = 1024, max_queued: int = 1024, tensor: int = 1,
-          replicas: int = 1, http_port: int | None = None, lora_dir: str | None = None,
-          adapters: LoraConfig | None = None) -> None:
-    """`engine_config(context)`: the engine's sizes, given the model's context length.
-    `lora_dir`: a PEFT LoRA folder merged into the served weights. `adapters`: hold LoRA
-    adapters of this shape apart from the weights, for a trainer's adapter-only updates.
-    `http_port`: also serve the OpenAI-compatible HTTP API (serving/openai_api.py) there.
-    `max_queued`: requests waiting for a slot; more get RESOURCE_EXHAUSTED.
-    `tensor`, `replicas`: `replicas` engines, each tensor-parallel over `tensor` devices."""
-    if not is_loopback(host) and not allow_remote:
-        raise UserError(f"--host {host} is reachable from other machines; add --allow-remote "
-                        f"to bind it (and --tls-cert/--tls-key, or the weight-update token "
-                        f"crosses the network in clear)")
-    engines, params, tokenizer, what = _load_engines(
-        model_dir, checkpoint_dir, engine_config, serving_meshes(tensor, replicas), tensor,
-        log, lora_dir, adapters)
-    engine_cfg = engines[0].cfg
-    # Version -1: the weights it was started with, no trainer's; a trainer's first push (any
-    # version >= 0) replaces them.
-    grammars = Grammars(tokenizer, engines[0].model_cfg.vocab_size)
-    orchestrators = [Orchestrator(e, params, version=-1, eos_id=tokenizer.eos_id,
-                                  max_queued=max_queued, grammars=grammars) for e in engines]
-    del params
-    log(f"jaxrl serve: compiling the engine's programs ({len(engines[0].programs.shapes())} "
-        f"shapes{' per replica' if replicas > 1 else ''})")
-    orchestrator = (orchestrators[0] if replicas == 1 else Replicas(orchestrators)).start()
-    log(f"jaxrl serve: compiled {sum(o.compiled_at_start for o in orchestrators)} programs in "
-        f"{sum(o.compile_s for o in orchestrators):.1f} s; none is compiled while serving")
-    try:
-        server = Server(orchestrator, tokenizer, host=host, port=port,
-                        update_token=update_token, tls=tls, allow_remote=allow_remote,
-                        max_concurrent_rpcs=max_concurrent_rpcs).start()
-    except (OSError, RuntimeError) as e:
-        orchestrator.stop()
-        raise UserError(f"cannot listen on {host}:{port}: {e}") from e
-    http = None
-    if http_port is not None:
-        http = _open_http(orchestrator, tokenizer, model_dir, engine_cfg.max_len, host,
-                          http_port, server, log)
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """What `jaxrl serve` serves and how it listens (its flags). `lora_dir`: a PEFT LoRA folder
+    merged into the served weights; `adapters`: hold LoRA adapters of this shape apart from the
+    weights, for a trainer's adapter-only updates. `tls`: (certificate chain, private key) PEM.
+    `max_queued`: requests waiting for a slot; more get RESOURCE_EXHAUSTED. `tensor`,
+    `replicas`: `replicas` engines, each tensor-parallel over `tensor` devices. `http_port`:
+    also the OpenAI-compatible HTTP API (serving/openai_api.py) and /metrics there."""
+
+    model_dir: str | None = None
+    checkpoint_dir: str = "runs/demo/checkpoints"
+    host: str = "127.0.0.1"
+    port: int = 9000
+    update_token: str | None = None
+    tls: tuple[bytes, bytes] | None = None
+    allow_remote: bool = False
+    max_concurrent_rpcs: int = 1024
+    max_queued: int = 1024
+    tensor: int = 1
+    replicas: int = 1
+    http_port: int | None = None
+    lora_dir: str | None = None
+    adapters: LoraConfig | None = None
+
+
+def serve(opts: ServeOptions, engine_config: Callable[[int], EngineConfig],
+          log: Callable[[str], None] = print, ready: threading.Event | None = None) -> None:
+    """Serves until SIGTERM or SIGINT. `engine_config(context)`: the engine's sizes, given the
+    model's context length. `ready` is set once the server answers."""
+    server, http = _start(opts, engine_config, log)
     # The handler only appends to a list: a handler that takes a lock (Event.set) deadlocks
     # when the signal lands while the main thread holds that lock.
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: stopping.append(signum))
-    layout = f"; {replicas} replica(s) x tensor {tensor}" if tensor * replicas > 1 else ""
-    log(f"jaxrl serve: ready on {server.address}{' (TLS)' if tls else ''}: {what}{layout}; "
-        f"{engine_cfg.max_concurrent_decodes * replicas} "
-        f"slots, max_len {engine_cfg.max_len}, {engines[0].num_pages - 1} KV pages of "
-        f"{engine_cfg.page_size} tokens{' per replica' if replicas > 1 else ''}; weight updates "
-        f"{'enabled' if update_token else 'disabled (no update token)'}; CPU cores "
-        f"{sorted(os.sched_getaffinity(0))}")
     if ready is not None:
         ready.set()
     while not stopping:
@@ -248,6 +228,51 @@ def serve(*, model_dir: str | None, checkpoint_dir: str, host: str, port: int,
         stop_http(http)
     server.stop(grace=5.0)
     log("jaxrl serve: stopped")
+
+
+def _start(opts: ServeOptions, engine_config, log):
+    """(the gRPC server, the HTTP server or None), both answering; logs the ready line."""
+    o = opts
+    if not is_loopback(o.host) and not o.allow_remote:
+        raise UserError(f"--host {o.host} is reachable from other machines; add --allow-remote "
+                        f"to bind it (and --tls-cert/--tls-key, or the weight-update token "
+                        f"crosses the network in clear)")
+    engines, params, tokenizer, what = _load_engines(
+        o.model_dir, o.checkpoint_dir, engine_config, serving_meshes(o.tensor, o.replicas),
+        o.tensor, log, o.lora_dir, o.adapters)
+    engine_cfg = engines[0].cfg
+    # Version -1: the weights it was started with, no trainer's; a trainer's first push (any
+    # version >= 0) replaces them.
+    grammars = Grammars(tokenizer, engines[0].model_cfg.vocab_size)
+    orchestrators = [Orchestrator(e, params, version=-1, eos_id=tokenizer.eos_id,
+                                  max_queued=o.max_queued, grammars=grammars) for e in engines]
+    del params
+    per_replica = " per replica" if o.replicas > 1 else ""
+    log(f"jaxrl serve: compiling the engine's programs ({len(engines[0].programs.shapes())} "
+        f"shapes{per_replica})")
+    orchestrator = (orchestrators[0] if o.replicas == 1 else Replicas(orchestrators)).start()
+    log(f"jaxrl serve: compiled {sum(x.compiled_at_start for x in orchestrators)} programs in "
+        f"{sum(x.compile_s for x in orchestrators):.1f} s; none is compiled while serving")
+    try:
+        server = Server(orchestrator, tokenizer, host=o.host, port=o.port,
+                        update_token=o.update_token, tls=o.tls, allow_remote=o.allow_remote,
+                        max_concurrent_rpcs=o.max_concurrent_rpcs).start()
+    except (OSError, RuntimeError) as e:
+        orchestrator.stop()
+        raise UserError(f"cannot listen on {o.host}:{o.port}: {e}") from e
+    http = None
+    if o.http_port is not None:
+        http = _open_http(orchestrator, tokenizer, o.model_dir, engine_cfg.max_len, o.host,
+                          o.http_port, server, log)
+    layout = f"; {o.replicas} replica(s) x tensor {o.tensor}" if o.tensor * o.replicas > 1 \
+        else ""
+    log(f"jaxrl serve: ready on {server.address}{' (TLS)' if o.tls else ''}: {what}{layout}; "
+        f"{engine_cfg.max_concurrent_decodes * o.replicas} "
+        f"slots, max_len {engine_cfg.max_len}, {engines[0].num_pages - 1} KV pages of "
+        f"{engine_cfg.page_size} tokens{per_replica}; weight updates "
+        f"{'enabled' if o.update_token else 'disabled (no update token)'}; CPU cores "
+        f"{sorted(os.sched_getaffinity(0))}")
+    return server, http
 
 
 def read_tls(cert: str | None, key: str | None) -> tuple[bytes, bytes] | None:

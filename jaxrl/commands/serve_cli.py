@@ -29,7 +29,7 @@ def run(args) -> None:
 
     if args.cpus:
         pin(parse_cpus(args.cpus, "--cpus"), "--cpus")   # before JAX sizes its thread pools
-    from jaxrl.commands.serve import read_tls, read_update_token, serve
+    from jaxrl.commands.serve import ServeOptions, read_tls, read_update_token, serve
     from jaxrl.platform import use_compilation_cache
     from serving.engine import EngineConfig
 
@@ -65,12 +65,13 @@ def run(args) -> None:
     logger.setLevel(logging.INFO)
     logger.propagate = False    # a library's root handler (absl's) would print every line again
     tls = read_tls(args.tls_cert, args.tls_key)
-    serve(model_dir=args.model, checkpoint_dir=args.checkpoint, host=args.host, port=args.port,
-          engine_config=engine_config, update_token=token, log=lambda m: print(m, flush=True),
-          tls=tls, allow_remote=args.allow_remote,
-          max_concurrent_rpcs=args.max_concurrent_rpcs, max_queued=args.max_queued,
-          tensor=args.tensor, replicas=args.replicas, http_port=args.http_port,
-          lora_dir=args.lora, adapters=_adapters(args))
+    serve(ServeOptions(model_dir=args.model, checkpoint_dir=args.checkpoint, host=args.host,
+                       port=args.port, update_token=token, tls=tls,
+                       allow_remote=args.allow_remote,
+                       max_concurrent_rpcs=args.max_concurrent_rpcs,
+                       max_queued=args.max_queued, tensor=args.tensor, replicas=args.replicas,
+                       http_port=args.http_port, lora_dir=args.lora, adapters=_adapters(args)),
+          engine_config, log=lambda m: print(m, flush=True))
 
 
 def _adapters(args) -> LoraConfig | None:

@@ -47,14 +47,15 @@ def ahead_bound(batch: int, slots: int) -> int:
 
 class Actor:
     def __init__(self, generation: Generation, task: Task, tokenizer: Tokenizer,
-                 log: RolloutLog, cfg: RLConfig, *, seed: int, next_problem: int = 0,
-                 redo: tuple[int, ...] = (), carry: dict[int, list[Sample]] | None = None,
-                 stats: dict | None = None, warn: Callable[[str], None] = print,
-                 agents=None):
-        """`redo`: the groups in flight when the run was saved, submitted first; `carry`: what
-        had been generated of them (see `snapshot`), continued rather than regenerated.
-        `agents`: external agent programs run the episodes (jaxrl/rollout/agents.py) instead of the
-        task's environment."""
+                 log: RolloutLog, cfg: RLConfig, *, seed: int, resume: dict | None = None,
+                 warn: Callable[[str], None] = print, agents=None):
+        """`resume`: a `snapshot` of the run this one continues: its next problem, the groups
+        in flight when it was saved (submitted first) and what had been generated of them
+        (continued rather than regenerated), its counters. `agents`: external agent programs
+        run the episodes (jaxrl/rollout/agents.py) instead of the task's environment."""
+        resume = resume or {}
+        next_problem, redo = resume.get("next_problem", 0), tuple(resume.get("redo", ()))
+        carry, stats = Actor.carry_from(resume), resume.get("stats")
         self.generation = generation
         self.agents = agents
         self.task = task
@@ -113,25 +114,28 @@ class Actor:
             self._in_flight[index] = self.cfg.group_size
             carry = self._carry.get(index)
         seed = (self.seed * 1_000_003 + index) % 2**32
-        if self.agents is not None:
-            stream = self.agents.group(problem, self.cfg, index=index, seed=seed)
-            collect = self._collect_episodes
-        elif is_multi_turn(self.task):
-            stream = EpisodeGroup(self.generation, self.task, self.tokenizer, problem, prompt,
-                                  self.cfg, seed=seed, state=carry)
-            collect = self._collect_episodes
-        else:
-            sampling = SamplingParams(temperature=self.cfg.temperature,
-                                      n=self.cfg.group_size, seed=seed,
-                                      **self._length_limits(problem))
-            stream = self.generation.submit(prompt, sampling, carry=carry)
-            collect = self._collect
+        stream, finish = self._open(problem, prompt, index, seed, carry)
         with self._lock:
             self._streams[index] = stream
             if self._carry.pop(index, None) is not None:
                 self.stats["carried_tokens"] += _carried_tokens(carry)
-        self._pool.submit(collect, index, problem, prompt, stream)
+        self._pool.submit(self._collect, index, problem, prompt, stream, finish)
         return self.cfg.group_size
+
+    def _open(self, problem: Problem, prompt: list[int], index: int, seed: int, carry):
+        """The group's request, from one of the actor's three sources, and how it ends: (its
+        stream, `finish(index, problem, prompt, stream) -> (complete, rollouts)`). Single-turn
+        tasks sample n completions of one prompt from the generation; multi-turn tasks run n
+        episodes against the task's environment (jaxrl/rollout/episodes.py); with rl.agent,
+        external agent programs run them (jaxrl/rollout/agents.py)."""
+        if self.agents is not None:
+            return self.agents.group(problem, self.cfg, index=index, seed=seed), self._episodes
+        if is_multi_turn(self.task):
+            return EpisodeGroup(self.generation, self.task, self.tokenizer, problem, prompt,
+                                self.cfg, seed=seed, state=carry), self._episodes
+        sampling = SamplingParams(temperature=self.cfg.temperature, n=self.cfg.group_size,
+                                  seed=seed, **self._length_limits(problem))
+        return self.generation.submit(prompt, sampling, carry=carry), self._samples
 
     def _length_limits(self, problem: Problem) -> dict:
         """max_tokens (and min_tokens) of a problem's samples: rl.completion_length."""
@@ -141,29 +145,28 @@ class Actor:
         answer = len(self.tokenizer.encode(problem.answer))
         return {"max_tokens": min(answer + 1, budget), "min_tokens": min(answer, budget - 1)}
 
-    def _collect(self, index: int, problem: Problem, prompt: list[int], stream) -> None:
+    def _collect(self, index: int, problem: Problem, prompt: list[int], stream,
+                 finish: Callable) -> None:
+        """The group's end (a pool thread): scored and logged, or left in flight when it was
+        cut short (a resumed run redoes it); an error fails the actor."""
         rollouts, complete = [], False
         try:
-            samples = stream.result()
-            # A group cut short by shutdown stays in flight: a resumed run redoes it.
-            complete = all(s.finish_reason in FINISHED for s in samples)
-            if complete:
-                rollouts = self._score(index, problem, prompt, samples)
+            complete, rollouts = finish(index, problem, prompt, stream)
         except BaseException as e:
             self._fail(e)
         self._logged(index, complete, rollouts)
 
-    def _collect_episodes(self, index: int, problem: Problem, prompt: list[int],
-                          group: EpisodeGroup) -> None:
-        rollouts, trajectories = [], None
-        try:
-            trajectories = group.run()      # None: cut short, stays in flight
-            self.stats["dropped_agent"] += len(getattr(group, "failures", ()))
-            if trajectories is not None:
-                rollouts = self._score_episodes(index, trajectories)
-        except BaseException as e:
-            self._fail(e)
-        self._logged(index, trajectories is not None, rollouts)
+    def _samples(self, index: int, problem: Problem, prompt: list[int], stream):
+        samples = stream.result()
+        complete = all(s.finish_reason in FINISHED for s in samples)
+        return complete, self._score(index, problem, prompt, samples) if complete else []
+
+    def _episodes(self, index: int, problem: Problem, prompt: list[int], group):
+        trajectories = group.run()      # None: cut short
+        self.stats["dropped_agent"] += len(getattr(group, "failures", ()))
+        if trajectories is None:
+            return False, []
+        return True, self._score_episodes(index, trajectories)
 
     def _logged(self, index: int, complete: bool, rollouts: list[Rollout]) -> None:
         with self._lock:

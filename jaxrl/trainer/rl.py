@@ -208,9 +208,9 @@ class RLRun:
         self.rollout_log = RolloutLog(r.position, [Rollout.from_json(x) for x in r.rollouts])
         stack.callback(self.rollout_log.close)
         self.actor = Actor(gen.fleet, self.task, self.tokenizer, self.rollout_log, rl,
-                           seed=cfg.train.seed, next_problem=r.next_problem,
-                           redo=tuple(r.redo), carry=Actor.carry_from({"partial": r.partial}),
-                           stats=r.stats, warn=log, agents=self.agents)
+                           seed=cfg.train.seed, warn=log, agents=self.agents,
+                           resume={"next_problem": r.next_problem, "redo": r.redo,
+                                   "partial": r.partial, "stats": r.stats})
         stack.callback(self.actor.stop)
         self.actor.notify_trained(r.position)
         self.trainer_step = [step]

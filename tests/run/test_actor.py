@@ -87,8 +87,7 @@ def test_groups_in_flight_continue_after_a_restart(parts):
     # The resumed run redoes them first, from what the checkpoint kept.
     log = RolloutLog()
     with Orchestrator(engine, params, eos_id=tokenizer.eos_id) as o:
-        second = actor(o, task, tokenizer, log, redo=tuple(saved["redo"]),
-                       next_problem=saved["next_problem"], carry=Actor.carry_from(saved))
+        second = actor(o, task, tokenizer, log, resume=saved)
         second.generate(2 * GROUP)
         generated = o.metrics()["generated_tokens"]
         second.stop()

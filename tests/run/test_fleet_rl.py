@@ -142,8 +142,11 @@ def _versions(addresses) -> dict:
     return out
 
 
+@pytest.mark.learning
 def test_reward_rises_with_remote_generation(fleet_run, report_table):
-    """The same margin as in-process (tests/run/test_rl.py: +0.05 over 8 steps each end)."""
+    """The same margin as in-process (tests/run/test_rl.py: +0.05 over 8 steps each end). The
+    samples' lag depends on the threads' and processes' timing, so this is in the learning
+    tier (`make test-learning`), not gated by CI: it has failed 2 times in about 15 runs."""
     rows = rl_rows(fleet_run["run_dir"])
     assert [r["step"] for r in rows] == list(range(WARMUP + 1, WARMUP + RL_STEPS + 1))
     rewards = np.asarray([r["reward"] for r in rows if r["reward"] is not None])

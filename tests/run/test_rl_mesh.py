@@ -111,7 +111,8 @@ def sync_split_run(warm, tmp_path_factory):
     return {"run_dir": run_dir, "summary": summary, "served": served, "saved": saved}
 
 
-@pytest.mark.parametrize("run", ["async_run", "sync_split_run"])
+@pytest.mark.parametrize("run", [pytest.param("async_run", marks=pytest.mark.learning),
+                                 "sync_split_run"])
 def test_reward_rises(request, run, report_table):
     assert_reward_rises(run, request.getfixturevalue(run)["run_dir"], RL_STEPS, report_table)
 

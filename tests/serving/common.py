@@ -46,6 +46,28 @@ def held_turns(orchestrator, turns: int = 3) -> None:
           what=f"{turns} turns of the paused engine loop")
 
 
+def run_staggered(orchestrator, requests):
+    """Submits `requests` ((prompt, sampling) pairs) from threads spread over the decode steps
+    of earlier ones (a pause of 0-40 ms between arrivals spreads them; the results do not
+    depend on it). Returns each request's samples."""
+    import time
+
+    results = [None] * len(requests)
+
+    def run(i):
+        results[i] = orchestrator.submit(*requests[i]).result()
+
+    threads = []
+    for i in range(len(requests)):
+        threads.append(threading.Thread(target=run, args=(i,)))
+        threads[-1].start()
+        time.sleep(0.02 * (i % 3))
+    for t in threads:
+        t.join(300)
+        assert not t.is_alive(), "a request did not finish within 300 s"
+    return results
+
+
 def prompts(*lengths, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(3, CFG.vocab_size, n).tolist() for n in lengths]

@@ -2,8 +2,6 @@
 decoding by full recompute, full-forward log-probabilities, one-request-at-a-time runs."""
 
 import dataclasses
-import threading
-import time
 
 import jax
 import numpy as np
@@ -13,7 +11,7 @@ from jaxrl.models.generate import greedy_generate
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import InvalidRequest, Orchestrator
 from serving.sampling import SamplingParams, sample
-from tests.serving.common import CFG, ENGINE, prompts
+from tests.serving.common import CFG, ENGINE, prompts, run_staggered
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -70,20 +68,8 @@ def test_staggered_arrivals_equal_one_at_a_time(orchestrator):
     samplings = [SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=s, max_tokens=10)
                  for s in range(len(ps))]
     alone = [orchestrator.generate(p, s)[0] for p, s in zip(ps, samplings)]
-
-    results = [None] * len(ps)
-
-    def run(i):
-        results[i] = orchestrator.submit(ps[i], samplings[i]).result()[0]
-
-    threads = []
-    for i in range(len(ps)):  # arrivals spread over the decode steps of earlier requests
-        threads.append(threading.Thread(target=run, args=(i,)))
-        threads[-1].start()
-        time.sleep(0.02 * (i % 3))
-    for t in threads:
-        t.join()
-    for a, b in zip(alone, results):
+    together = run_staggered(orchestrator, list(zip(ps, samplings)))
+    for a, [b] in zip(alone, together):
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 

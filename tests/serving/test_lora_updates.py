@@ -6,7 +6,6 @@ missing, and the old weights keep serving."""
 import dataclasses
 
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 

@@ -4,8 +4,6 @@ pages reused many times, staggered arrivals, chunked prefill, groups sharing pro
 in-flight weight updates and a pool too small for the demand (preemption)."""
 
 import dataclasses
-import threading
-import time
 
 import jax
 import numpy as np
@@ -16,7 +14,7 @@ from serving.engine import Engine
 from serving.orchestrator import InvalidRequest, Orchestrator, Sample, TokenEvent
 from serving.sampling import SamplingParams
 
-from tests.serving.common import CFG, ENGINE, contiguous_decode, prompts
+from tests.serving.common import CFG, ENGINE, contiguous_decode, prompts, run_staggered
 
 
 def _requests(seed, lengths=(5, 21, 9, 37, 3, 14, 30, 7, 18, 11, 26, 4), max_tokens=20):
@@ -26,24 +24,6 @@ def _requests(seed, lengths=(5, 21, 9, 37, 3, 14, 30, 7, 18, 11, 26, 4), max_tok
                  SamplingParams(temperature=0.0, max_tokens=max_tokens - 4, n=3),
                  SamplingParams(temperature=1.0, top_k=12, seed=seed, max_tokens=max_tokens, n=2)]
     return [(p, samplings[i % 3]) for i, p in enumerate(prompts(*lengths, seed=seed))]
-
-
-def _run_staggered(orchestrator, requests):
-    """Submits `requests` from threads spread over the decode steps of earlier ones. Returns
-    each request's samples."""
-    results = [None] * len(requests)
-
-    def run(i):
-        results[i] = orchestrator.submit(*requests[i]).result()
-
-    threads = []
-    for i in range(len(requests)):
-        threads.append(threading.Thread(target=run, args=(i,)))
-        threads[-1].start()
-        time.sleep(0.02 * (i % 3))
-    for t in threads:
-        t.join()
-    return results
 
 
 def _check_against_references(engine, params_by_version, requests, results, model):
@@ -63,7 +43,7 @@ def test_paged_serving_equals_references(engine, params, model):
     requests = _requests(seed=0) + _requests(seed=1)
     with Orchestrator(engine, params) as o:
         pool = o.scheduler.pool
-        results = _run_staggered(o, requests)
+        results = run_staggered(o, requests)
         assert pool.free == pool.capacity                     # every page came back
         assert pool.handed_out > 3 * pool.capacity            # ... and was used again
         assert o.metrics()["preemptions"] == 0
@@ -100,7 +80,7 @@ def test_pool_exhaustion_preempts_and_loses_nothing(params, model):
     requests.append((prompts(10, seed=5)[0],
                      SamplingParams(temperature=1.0, seed=7, max_tokens=40, n=2)))
     with Orchestrator(tight, params) as o:
-        results = _run_staggered(o, requests)
+        results = run_staggered(o, requests)
         metrics = o.metrics()
         assert metrics["preemptions"] > 0
         assert o.scheduler.pool.free == o.scheduler.pool.capacity

@@ -19,7 +19,8 @@ from serving.paged_attention import paged_decode_attention
 from sharding.mesh import MeshConfig, make_mesh
 
 from tests.serving.common import CFG, ENGINE
-from tests.serving.test_paged import _check_against_references, _requests, _run_staggered
+from tests.serving.common import run_staggered
+from tests.serving.test_paged import _check_against_references, _requests
 
 pytestmark = pytest.mark.multi_device
 
@@ -184,6 +185,6 @@ def test_engine_decoding_through_each_attention_equals_the_references(params, mo
     assert engine.cfg.attention == attention
     requests = _requests(seed=3, lengths=(5, 21, 9, 37, 3, 14))
     with Orchestrator(engine, params) as o:
-        results = _run_staggered(o, requests)
+        results = run_staggered(o, requests)
         assert o.scheduler.pool.free == o.scheduler.pool.capacity
     _check_against_references(engine, {0: params}, requests, results, model)
