@@ -40,6 +40,7 @@ from serving.weight_stream import (
     StaleVersion,
     WeightAssembler,
     check_version,
+    quantized_names,
     tensor_names,
 )
 from sharding.reshard import WeightUpdateError
@@ -166,6 +167,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.update_token = update_token
         self.transfer_host = transfer_host     # where weight pulls leave from
         self._shapes = tensor_names(orchestrator.engine.param_target)
+        self._quantized = quantized_names(orchestrator.engine.param_target)
 
     def Generate(self, request, context):
         kind = request.WhichOneof("prompt")
@@ -200,7 +202,8 @@ class GenerationService(gen_grpc.GenerationServicer):
     def UpdateWeights(self, request_iterator, context):
         self._authorize(context)
         try:
-            assembler = WeightAssembler(self._shapes, self.orchestrator.newest_version)
+            assembler = WeightAssembler(self._shapes, self.orchestrator.newest_version,
+                                        self._quantized)
             for piece in request_iterator:
                 assembler.add(piece)
             version, params = assembler.finish()
@@ -217,7 +220,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         specs = [(t.name, tuple(t.shape), t.dtype) for t in request.tensors]
         try:
             check_version(request.version, request.resume, self.orchestrator.newest_version)
-            check_specs(specs, self._shapes)
+            check_specs(specs, self._shapes, self._quantized)
         except StaleVersion as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except WeightUpdateError as e:

@@ -23,9 +23,8 @@ import threading
 import jax
 import numpy as np
 
+from serving.weight_stream import dtype_problem
 from sharding.reshard import WeightUpdateError, adapter_hint, missing_names
-
-DTYPES = ("float32", "bfloat16", "float16", "int8")   # int8: quantized projections
 
 
 class Endpoint:
@@ -78,7 +77,8 @@ def _deadline(seconds: float) -> datetime.datetime:
     return datetime.datetime.now() + datetime.timedelta(seconds=seconds)
 
 
-def check_specs(specs: list[tuple[str, tuple, str]], shapes: dict[str, tuple]) -> None:
+def check_specs(specs: list[tuple[str, tuple, str]], shapes: dict[str, tuple],
+                quantized: frozenset = frozenset()) -> None:
     """A pull's tensors against the served model's ({name: shape}): every tensor exactly once,
     each with the model's shape and a floating dtype. Raises WeightUpdateError naming the first
     that is not."""
@@ -93,9 +93,9 @@ def check_specs(specs: list[tuple[str, tuple, str]], shapes: dict[str, tuple]) -
         if tuple(shape) != tuple(shapes[name]):
             raise WeightUpdateError(f"weight pull: {name} has shape {list(shape)}; the served "
                                     f"model needs {list(shapes[name])}")
-        if dtype not in DTYPES:
-            raise WeightUpdateError(f"weight pull: {name} has dtype {dtype!r}; allowed: "
-                                    f"{', '.join(DTYPES)}")
+        problem = dtype_problem(name, dtype, quantized)
+        if problem:
+            raise WeightUpdateError(f"weight pull: {name}: {problem}")
     missing = missing_names(shapes, seen)
     if missing:
         raise WeightUpdateError(f"weight pull is incomplete: no {missing[0]}"

@@ -28,6 +28,16 @@ from sharding.reshard import WeightUpdateError, adapter_hint, missing_names
 
 WIRE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
                "int8": np.int8}     # int8: a quantized model's projections (model.quantize)
+FLOAT_WIRE = ("float32", "bfloat16", "float16")
+
+
+def dtype_problem(name: str, dtype: str, quantized: frozenset) -> str | None:
+    """Why wire dtype `dtype` cannot carry tensor `name`, or None: a weight the served model
+    holds as int8 (`quantized`) comes as int8, any other in a floating dtype."""
+    if name in quantized:
+        return None if dtype == "int8" else \
+            f"dtype {dtype!r}; the served model holds it as int8 (quantized)"
+    return None if dtype in FLOAT_WIRE else f"dtype {dtype!r} is not one of {', '.join(FLOAT_WIRE)}"
 
 
 class StaleVersion(WeightUpdateError):
@@ -44,10 +54,20 @@ def check_version(version: int, resume: bool, current: int) -> None:
         raise WeightUpdateError(f"weight update version {version} must be >= 0")
 
 
+def _wire_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
 def tensor_names(target) -> dict[str, tuple[int, ...]]:
     """{"layers/q_proj": shape, ...} of a tree of arrays or ShapeDtypeStructs."""
-    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(x.shape)
+    return {_wire_name(path): tuple(x.shape)
             for path, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+
+
+def quantized_names(target) -> frozenset[str]:
+    """The wire names of a tree's int8 (quantized) tensors."""
+    return frozenset(_wire_name(path) for path, x in jax.tree_util.tree_flatten_with_path(target)[0]
+                     if np.dtype(x.dtype) == np.int8)
 
 
 class _Tensor:
@@ -88,11 +108,13 @@ class _Tensor:
 
 
 class WeightAssembler:
-    """Assembles one update for a model whose parameters are `shapes` ({name: shape}), served
-    at `current_version`. `add` each piece, then `finish` for (version, tree)."""
+    """Assembles one update for a model whose parameters are `shapes` ({name: shape}), those
+    named in `quantized` held as int8, served at `current_version`. `add` each piece, then
+    `finish` for (version, tree)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], current_version: int):
-        self.shapes = shapes
+    def __init__(self, shapes: dict[str, tuple[int, ...]], current_version: int,
+                 quantized: frozenset = frozenset()):
+        self.shapes, self.quantized = shapes, quantized
         self.current_version = current_version
         self.version: int | None = None
         self.resume = False
@@ -109,9 +131,9 @@ class WeightAssembler:
             if shape != self.shapes[piece.name]:
                 raise WeightUpdateError(f"weight update: {piece.name} declared shape {shape}; "
                                         f"the served model needs {self.shapes[piece.name]}")
-            if dtype not in WIRE_DTYPES:
-                raise WeightUpdateError(f"weight update: {piece.name}: dtype {dtype!r} is not "
-                                        f"one of {', '.join(WIRE_DTYPES)}")
+            problem = dtype_problem(piece.name, dtype, self.quantized)
+            if problem:
+                raise WeightUpdateError(f"weight update: {piece.name}: {problem}")
             tensor = self.tensors[piece.name] = _Tensor(piece.name, shape,
                                                         np.dtype(WIRE_DTYPES[dtype]))
         elif shape != tensor.shape or np.dtype(WIRE_DTYPES.get(dtype, object)) != tensor.dtype:

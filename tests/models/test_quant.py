@@ -114,3 +114,31 @@ def test_int8_without_adapters_is_not_trained():
         load_run_config("configs/demo_cpu.yaml", ["model.quantize=int8"])
     cfg = load_run_config("configs/demo_cpu.yaml", ["model.quantize=int8", "model.lora.rank=8"])
     assert cfg.model.quantize == "int8"
+
+
+def test_a_server_takes_int8_weights_over_the_stream():
+    """The int8 projections and their scales cross the gRPC stream as they are, and the server
+    decodes as the trainer's quantized model; a float sent for an int8 weight is refused."""
+    from serving.client import RemoteGeneration
+    from serving.server import Server
+
+    graphdef, params = split_params(Transformer(INT8, rngs=nnx.Rngs(0)))
+    _, other = split_params(Transformer(INT8, rngs=nnx.Rngs(1)))
+    engine = Engine(INT8, EngineConfig(max_concurrent_decodes=2, max_len=32,
+                                       max_prefill_length=16, prefill_chunk=8))
+    server = Server(Orchestrator(engine, params).start(), port=0, update_token="t").start()
+    remote = RemoteGeneration(server.address, token="t")
+    prompt = IDS[1, :5].tolist()
+    try:
+        remote.update_params(other, 1, timeout=60)
+        got = remote.submit(prompt, SamplingParams(temperature=0.0, max_tokens=6)).result()
+        assert got[0].tokens == greedy_generate(merge_params(graphdef, other), [prompt], 6,
+                                                eos_id=-1)[0]
+        floats = {**other, "layers": {**other["layers"], "v_proj": np.asarray(
+            other["layers"]["v_proj"], np.float32)}}
+        with pytest.raises(WeightUpdateError, match=r"layers/v_proj: dtype 'float32'; the "
+                                                    r"served model holds it as int8"):
+            remote.update_params(floats, 2, timeout=60)
+    finally:
+        remote.close()
+        server.stop(grace=0)

@@ -93,6 +93,18 @@ def test_unknown_tensors_bad_dtypes_and_changing_declarations_are_refused():
     _refused([], "carried no tensors")
 
 
+def test_an_int8_weight_comes_as_int8_and_a_float_one_as_a_float():
+    """A quantized model's int8 projections (model.quantize) are sent as int8; a float sent
+    for one, or int8 for a float weight, is refused before anything is allocated."""
+    assembler = WeightAssembler(SHAPES, current_version=4, quantized=frozenset({"embed"}))
+    with pytest.raises(WeightUpdateError, match=r"embed: dtype 'float32'; the served model "
+                                                r"holds it as int8"):
+        assembler.add(piece())
+    assert assembler.tensors == {}
+    assembler.add(piece(dtype="int8", data=b"\1" * 32))       # 8 x 4 int8: the whole tensor
+    assert assembler.tensors["embed"].dtype == np.int8
+
+
 def test_versions_must_be_one_per_update_and_newer_than_the_served_one():
     _refused([piece(), piece(offset=4, version=6)], "carry versions 5 and 6")
     _refused(pieces(version=7), "version 7 is not newer than the served version 7",
