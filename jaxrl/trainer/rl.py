@@ -213,7 +213,6 @@ class RLRun:
                                    "partial": r.partial, "stats": r.stats})
         stack.callback(self.actor.stop)
         self.actor.notify_trained(r.position)
-        self.trainer_step = [step]
         self._build_pipeline(r)
         self.clock = _Clock(r.time_s)
         self.metrics_log = MetricsLogger(Path(cfg.run_dir), wandb=cfg.log.wandb,
@@ -230,7 +229,7 @@ class RLRun:
         puts its own rows (RLTrainer.train)."""
         multi, sharding = self.lockstep.processes > 1, self.trainer.batch_sharding
         dataset, self.lag_stats = rl_batches(
-            self.rollout_log, self.cfg.rl, current_step=lambda: self.trainer_step[0],
+            self.rollout_log, self.cfg.rl, current_step=lambda: self.trainer.step,
             put=(lambda a: a) if multi else (lambda a: jax.device_put(a, sharding)),
             start=r.position, lag_state=r.lag_stats)
         self.batches = iter(dataset)
@@ -257,9 +256,7 @@ class RLRun:
                     train_metrics = self.trainer.train(arrays)
                     published = self._weights()
                 step_s = time.perf_counter() - t0
-                step = self.trainer.step
-                if lead:
-                    self.trainer_step[0] = step     # the pipeline's lag filter reads it
+                step = self.trainer.step     # the pipeline's lag filter reads it too
                 update = self.gen.publisher.publish(published, step) if lead else None
             if lead:
                 self._record(step, batch, train_metrics, wait_s, step_s, update)
