@@ -154,19 +154,8 @@ def _train(cfg: RunConfig, trainer: Trainer, task, tokenizer, dataset, rows, bat
             local = {k: v.reshape(*rows.shape, *v.shape[1:]) for k, v in dataset[step].items()}
             metrics = trainer.run_step(global_batch(local, batch_shard,
                                                     dict.fromkeys(local, shape)))
-            accuracy = stop.check(step + 1, lambda: trainer.params)
-            if accuracy is not None:
-                metrics["check_accuracy"] = accuracy
-                log(f"step {step + 1:>5}  greedy accuracy {accuracy:.1%} on "
-                    f"{len(stop.problems)} training problems (train.stop_at_accuracy="
-                    f"{stop.target})")
-                if accuracy >= stop.target:
-                    stopped_at = step + 1
-                    log(f"the warm-up stops at step {stopped_at}; its weights are saved as step "
-                        f"{cfg.train.steps}, where RL begins")
-                    # The checkpoint's step is where RL's step numbers begin (the optimizer
-                    # state inside still counts the steps taken).
-                    trainer.set_step(cfg.train.steps)
+            if _stops(stop, step + 1, trainer, metrics, log):
+                stopped_at = step + 1
             pending.append((step + 1, metrics))
             done = step + 1 == cfg.train.steps or stopped_at is not None
             print_now = (step + 1) % cfg.train.log_every == 0 or done
@@ -200,6 +189,27 @@ def _train(cfg: RunConfig, trainer: Trainer, task, tokenizer, dataset, rows, bat
         summary["eval"] = evaluate_model(model, task, tokenizer, cfg.train.eval_problems,
                                          max_new_tokens=cfg.rl.max_new_tokens, rl=cfg.rl)
     return summary
+
+
+def _stops(stop: AccuracyStop, step: int, trainer: Trainer, metrics: dict,
+           log: Callable[[str], None]) -> bool:
+    """Whether the warm-up stops after `step` (train.stop_at_accuracy reached on the training
+    problems, checked every so many steps); the check's accuracy goes into `metrics`. A
+    stopping trainer's step is renumbered to train.steps, where RL's step numbers begin (the
+    optimizer state inside still counts the steps taken)."""
+    accuracy = stop.check(step, lambda: trainer.params)
+    if accuracy is None:
+        return False
+    metrics["check_accuracy"] = accuracy
+    log(f"step {step:>5}  greedy accuracy {accuracy:.1%} on {len(stop.problems)} training "
+        f"problems (train.stop_at_accuracy={stop.target})")
+    if accuracy < stop.target:
+        return False
+    last = stop.last_step
+    log(f"the warm-up stops at step {step}; its weights are saved as step {last}, where RL "
+        f"begins")
+    trainer.set_step(last)
+    return True
 
 
 def restore_for_eval(checkpoint_dir: str | Path, step: int | None = None, *,
