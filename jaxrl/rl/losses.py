@@ -11,6 +11,8 @@ optimises sum(loss_sum) / sum(weight), so the accumulated gradient equals the on
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -20,10 +22,10 @@ MAX_STATS = ("ratio_max",)   # combined with max; -inf when no tokens
 # Every other stat is a sum: tokens, ratio_sum, ratio_sq_sum, clipped, kl_new_old_sum, kl_ref_sum.
 
 
-def policy_loss(logp_BT, behaviour_logp_BT, advantages_BT, mask_BT, segment_ids_BT, *,
-                kind: str, clip_low: float = 0.2, clip_high: float = 0.2, tis_cap: float = 2.0,
-                ref_logp_BT=None, kl_coef: float = 0.0, max_segments: int = 64):
-    """(loss_sum, weight, stats) of one microbatch; differentiable in `logp_BT` only.
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """Which policy loss and its constants (rl.loss, rl.clip_low / clip_high, rl.tis_cap,
+    rl.kl_coef; `max_segments`: the most sequences a packed row holds, static).
 
     kind:
       "tis"  truncated importance-sampled REINFORCE, PipelineRL's default: per token
@@ -32,12 +34,27 @@ def policy_loss(logp_BT, behaviour_logp_BT, advantages_BT, mask_BT, segment_ids_
              -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A); weight = counted tokens.
       "gspo" GSPO (Zheng et al. 2025): the same clip on the sequence ratio
              s = exp(mean of logp - mu over the sequence's counted tokens); weight = sequences.
-    With `ref_logp_BT` and `kl_coef > 0` (a static float), kl_coef * k3(pi || ref) is added per
-    token (for gspo, its mean per sequence). Segment ids are 1..max_segments within a row, 0 is
-    padding; a sequence whose id exceeds `max_segments` (static) is left out of the gspo loss.
-    """
-    if kind not in LOSSES:
-        raise ValueError(f"unknown policy loss kind {kind!r}; expected one of {LOSSES}")
+    With a reference's log-probs and `kl_coef > 0`, kl_coef * k3(pi || ref) is added per token
+    (for gspo, its mean per sequence). Segment ids are 1..max_segments within a row, 0 is
+    padding; a sequence whose id exceeds `max_segments` is left out of the gspo loss."""
+
+    kind: str
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    tis_cap: float = 2.0
+    kl_coef: float = 0.0
+    max_segments: int = 64
+
+    def __post_init__(self):
+        if self.kind not in LOSSES:
+            raise ValueError(f"unknown policy loss kind {self.kind!r}; expected one of {LOSSES}")
+
+
+def policy_loss(logp_BT, behaviour_logp_BT, advantages_BT, mask_BT, segment_ids_BT,
+                settings: LossSettings, ref_logp_BT=None):
+    """(loss_sum, weight, stats) of one microbatch by `settings`; differentiable in `logp_BT`
+    only. `ref_logp_BT`: the reference model's log-probs (the KL term)."""
+    kind, kl_coef = settings.kind, settings.kl_coef
     f32 = jnp.float32
     valid_BT = mask_BT > 0
     count_BT = valid_BT.astype(f32)
@@ -65,35 +82,44 @@ def policy_loss(logp_BT, behaviour_logp_BT, advantages_BT, mask_BT, segment_ids_
     if kind == "gspo":
         loss_sum, weight, clipped_BT = _sequence_clip_sums(
             log_ratio_BT, adv_BT, kl_loss_BT, valid_BT, segment_ids_BT,
-            clip_low, clip_high, max_segments)
+            settings.clip_low, settings.clip_high, settings.max_segments)
     else:
         if kind == "tis":
             # A surrogate: its value is not the objective, its gradient -A min(r, cap) is.
-            is_weight_BT = jax.lax.stop_gradient(jnp.minimum(ratio_BT, tis_cap))
+            is_weight_BT = jax.lax.stop_gradient(jnp.minimum(ratio_BT, settings.tis_cap))
             loss_BT = -logp_BT * adv_BT * is_weight_BT
-            clipped_BT = ratio_BT > tis_cap
+            clipped_BT = ratio_BT > settings.tis_cap
         else:
-            loss_BT = -_clipped_objective(ratio_BT, adv_BT, clip_low, clip_high)
-            clipped_BT = _clip_active(ratio_BT, adv_BT, clip_low, clip_high)
+            clip = (settings.clip_low, settings.clip_high)
+            loss_BT = -_clipped_objective(ratio_BT, adv_BT, *clip)
+            clipped_BT = _clip_active(ratio_BT, adv_BT, *clip)
         if kl_loss_BT is not None:
             loss_BT = loss_BT + kl_loss_BT
         loss_sum = masked_sum(loss_BT)
         weight = jnp.sum(count_BT)
 
-    r_BT = jax.lax.stop_gradient(ratio_BT)
-    stats = {
-        "tokens": jnp.sum(count_BT),
+    return loss_sum, weight, _stats(valid_BT, log_ratio_BT, clipped_BT, kl_ref_BT)
+
+
+def _stats(valid_BT, log_ratio_BT, clipped_BT, kl_ref_BT) -> dict:
+    """The microbatch's sums over its counted tokens (and the ratio's min and max)."""
+    def masked_sum(x_BT):
+        return jnp.sum(jnp.where(valid_BT, x_BT, 0.0))
+
+    log_r_BT = jax.lax.stop_gradient(log_ratio_BT)
+    r_BT = jnp.exp(log_r_BT)
+    return {
+        "tokens": jnp.sum(valid_BT.astype(jnp.float32)),
         "ratio_sum": masked_sum(r_BT),
         "ratio_sq_sum": masked_sum(r_BT * r_BT),
         "ratio_min": jnp.min(jnp.where(valid_BT, r_BT, jnp.inf)),
         "ratio_max": jnp.max(jnp.where(valid_BT, r_BT, -jnp.inf)),
-        "clipped": masked_sum(clipped_BT.astype(f32)),
+        "clipped": masked_sum(clipped_BT.astype(jnp.float32)),
         # k3 for KL(mu || pi) from mu's own samples: r - 1 - log r.
-        "kl_new_old_sum": masked_sum(r_BT - 1.0 - jax.lax.stop_gradient(log_ratio_BT)),
-        "kl_ref_sum": (jnp.zeros((), f32) if kl_ref_BT is None
+        "kl_new_old_sum": masked_sum(r_BT - 1.0 - log_r_BT),
+        "kl_ref_sum": (jnp.zeros((), jnp.float32) if kl_ref_BT is None
                        else masked_sum(jax.lax.stop_gradient(kl_ref_BT))),
     }
-    return loss_sum, weight, stats
 
 
 def effective_sample_size(ratio_sum, ratio_sq_sum, tokens):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxrl.models.context_attention import context_size
 from jaxrl.models.layers import soft_cap
 from jaxrl.models.moe import load_balancing_loss
-from jaxrl.rl.losses import effective_sample_size, policy_loss
+from jaxrl.rl.losses import LossSettings, effective_sample_size, policy_loss
 
 
 def token_logp(model, mb, temperature: float = 1.0, stack_fn=None, chunk: int = 512):
@@ -161,11 +161,11 @@ class PolicyGradientLoss:
         if self.behaviour == "trainer" and "on_policy" in mb:
             behaviour_BT = jnp.where(mb["on_policy"] > 0, jax.lax.stop_gradient(logp_BT),
                                      behaviour_BT)
-        loss_sum, weight, stats = policy_loss(
-            logp_BT, behaviour_BT, mb["advantages"], mb["loss_mask"],
-            mb["segment_ids"], kind=self.kind, clip_low=self.clip_low,
-            clip_high=self.clip_high, tis_cap=self.tis_cap, ref_logp_BT=ref_logp_BT,
-            kl_coef=self.kl_coef, max_segments=self.max_segments)
+        settings = LossSettings(self.kind, self.clip_low, self.clip_high, self.tis_cap,
+                                self.kl_coef, self.max_segments)
+        loss_sum, weight, stats = policy_loss(logp_BT, behaviour_BT, mb["advantages"],
+                                              mb["loss_mask"], mb["segment_ids"], settings,
+                                              ref_logp_BT)
         mask_BT = mb["loss_mask"].astype(jnp.float32)
         stats = {**stats, "entropy_sum": jnp.sum(jax.lax.stop_gradient(entropy_BT) * mask_BT)}
         if "on_policy" in mb:

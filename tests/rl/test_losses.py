@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.rl.losses import LOSSES, MAX_STATS, MIN_STATS, effective_sample_size, policy_loss
+from jaxrl.rl.losses import (LOSSES, MAX_STATS, MIN_STATS, LossSettings,
+                             effective_sample_size, policy_loss)
 
 LOG_RATIO = np.log([1.0, 1.5, 0.5, 1.0, 3.0, 4 / 3, 1.0])
 LOGP = np.array([[-3.0, -0.5, -1.0, -2.0, -0.25, -0.75, -9.0]], np.float32)
@@ -28,10 +29,14 @@ MASK = np.array([[0, 1, 1, 0, 1, 1, 0]], np.float32)
 SEG = np.array([[1, 1, 1, 2, 2, 2, 0]], np.int32)
 
 
-def loss_and_grad(kind, logp=LOGP, mu=MU, adv=ADV, mask=MASK, seg=SEG, **kw):
+def loss_and_grad(kind, logp=LOGP, mu=MU, adv=ADV, mask=MASK, seg=SEG, ref_logp_BT=None,
+                  **kw):
+    settings = LossSettings(kind=kind, **kw)
+
     def f(lp):
         loss_sum, weight, stats = policy_loss(lp, jnp.asarray(mu), jnp.asarray(adv),
-                                              jnp.asarray(mask), jnp.asarray(seg), kind=kind, **kw)
+                                              jnp.asarray(mask), jnp.asarray(seg), settings,
+                                              ref_logp_BT)
         return loss_sum, (weight, stats)
 
     (loss_sum, (weight, stats)), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp))
@@ -183,9 +188,9 @@ def test_k3_penalty_to_the_reference(kind, loss_sum, grad):
     np.testing.assert_allclose(stats["kl_ref_sum"], 0.5, rtol=1e-5)
 
 
-def test_jits_with_static_kind():
-    kind = "gspo"
-    f = jax.jit(functools.partial(policy_loss, kind=kind, max_segments=4))
+def test_jits_with_static_settings():
+    settings = LossSettings(kind="gspo", max_segments=4)
+    f = jax.jit(functools.partial(policy_loss, settings=settings))
     loss_sum, weight, stats = f(*map(jnp.asarray, (LOGP, MU, ADV, MASK, SEG)))
     np.testing.assert_allclose(float(loss_sum), -0.8660254 * 0.5 + 2.0, rtol=1e-5)
     assert float(weight) == 2.0 and stats["ratio_sum"].dtype == jnp.float32
@@ -193,4 +198,4 @@ def test_jits_with_static_kind():
 
 def test_unknown_kind_names_it_and_the_choices():
     with pytest.raises(ValueError, match=r"'a2c'.*\('tis', 'ppo', 'gspo'\)"):
-        policy_loss(*map(jnp.asarray, (LOGP, MU, ADV, MASK, SEG)), kind="a2c")
+        LossSettings(kind="a2c")
