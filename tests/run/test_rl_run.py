@@ -13,6 +13,7 @@ from jaxrl.recipe import model_config
 from jaxrl.rollout import generation
 from jaxrl.rollout.generation import engine_config
 from jaxrl.trainer import rl as rl_run
+from jaxrl.trainer import rl_leader
 from serving.engine import Engine
 from tests.run.test_rl import config, quiet, rl_run_dir
 
@@ -53,9 +54,9 @@ def failing_like(original):
 
 
 # Each part of the run, in the order it is built (the module attribute the run builds it by).
-PARTS = [(rl_run, "RLTrainer"), (generation, "start"), (rl_run, "RolloutLog"),
-         (rl_run, "Actor"), (rl_run, "rl_batches"), (rl_run, "MetricsLogger"),
-         (rl_run, "Progress")]
+PARTS = [(rl_run, "RLTrainer"), (generation, "start"), (rl_leader, "RolloutLog"),
+         (rl_leader, "Actor"), (rl_leader, "rl_batches"), (rl_leader, "MetricsLogger"),
+         (rl_leader, "Progress")]
 
 
 @pytest.mark.parametrize("module,name", PARTS, ids=[n for _, n in PARTS])
