@@ -14,8 +14,9 @@ Each iteration it
    next iteration (serving/decode_batches.py: one step is decoded and dropped past an end the
    host learns one step late).
 
-Other threads reach it only through its inbox: `updates` (weights to swap in), `ended`
-(sessions to forget), `wake`, `stop`, and `hold` / `release` (partial rollouts).
+Other threads reach it only through its methods, each of which wakes it: `notify` (new work
+in the scheduler), `post_update` (weights to swap in), `post_score` (tokens to score),
+`end_session` (pages to forget), `request_stop`, and `hold` / `release` (partial rollouts).
 """
 
 from __future__ import annotations
@@ -34,21 +35,8 @@ from serving.engine import Engine
 from serving.inbox import Score, Update
 from serving.length_predictor import LengthPredictor
 from serving.scheduler import Scheduler
-from serving.sequence import Prefill, Request, Sequence
+from serving.sequence import Prefill, Request, Sequence, stop_reason
 from serving.stream import FINISHED, DoneEvent, TokenEvent
-
-
-def stop_reason(seq: Sequence, eos_id: int | None, max_len: int) -> str | None:
-    """Why `seq` ends after its last token, if it does."""
-    s, token = seq.request.sampling, seq.tokens[-1]
-    if len(seq.tokens) >= s.min_tokens:
-        if s.stop_at_eos and eos_id is not None and token == eos_id:
-            return "eos"
-        if token in s.stop_token_ids:
-            return "stop"
-    if len(seq.tokens) >= s.max_tokens or seq.total_len() >= max_len:
-        return "length"
-    return None
 
 
 class EngineLoop:
@@ -61,9 +49,9 @@ class EngineLoop:
         self.grammars = grammars
         # the inbox
         self.wake, self.stop = threading.Event(), threading.Event()
-        self.updates: queue.SimpleQueue[Update] = queue.SimpleQueue()
-        self.ended: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self.scores: queue.SimpleQueue[Score] = queue.SimpleQueue()
+        self._updates: queue.SimpleQueue[Update] = queue.SimpleQueue()
+        self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._scores: queue.SimpleQueue[Score] = queue.SimpleQueue()
         self._hold = threading.Event()      # set: dispatch nothing until release()
         self.held = threading.Event()       # set by the loop once it honours the hold
         self._hold_until: float | None = None   # monotonic time a leased hold ends by itself
@@ -77,6 +65,31 @@ class EngineLoop:
         # closing: the loop's end takes every request queued before it, refuses later ones
         self.admit_lock = threading.Lock()
         self.closed = False
+
+    # -- what other threads ask of it (each wakes it) ------------------------------------------
+    def notify(self) -> None:
+        """New work is in the scheduler's queue."""
+        self.wake.set()
+
+    def post_update(self, update: Update) -> None:
+        """Weights to swap in between two steps (`update.applied` is set once they serve)."""
+        self._updates.put(update)
+        self.wake.set()
+
+    def post_score(self, job: Score) -> None:
+        """Tokens to score between two steps (`job.done` is set with its result)."""
+        self._scores.put(job)
+        self.wake.set()
+
+    def end_session(self, key: str) -> None:
+        """The episode `key` has ended: its kept pages go back to the pool."""
+        self._ended.put(key)
+        self.wake.set()
+
+    def request_stop(self) -> None:
+        """End the loop after its current call (every unfinished request ends "shutdown")."""
+        self.stop.set()
+        self.wake.set()
 
     def hold(self, lease_s: float | None = None) -> None:
         """Dispatch nothing until `release`, or for at most `lease_s` seconds (a remote
@@ -116,8 +129,8 @@ class EngineLoop:
             while not self.stop.is_set():
                 self.wake.clear()
                 self._apply_updates()
-                while not self.ended.empty():
-                    self.scheduler.sessions.drop(self.ended.get())
+                while not self._ended.empty():
+                    self.scheduler.sessions.drop(self._ended.get())
                 for request in self.scheduler.take_cancelled():
                     self._finish_request(request, "cancelled")
                 if self._holding():
@@ -156,8 +169,8 @@ class EngineLoop:
             return False
 
     def _apply_updates(self) -> None:
-        while not self.updates.empty():
-            update = self.updates.get()
+        while not self._updates.empty():
+            update = self._updates.get()
             t0 = time.perf_counter()
             # The old weights are released by the caller's thread (update_params), not here:
             # freeing a model's buffers takes time that grows with its size, and decoding would
@@ -176,8 +189,8 @@ class EngineLoop:
     def _score(self) -> None:
         """Scores what is queued, with the weights serving now (its programs compiled at
         start: a few ms against a decode step's, at most one call per request)."""
-        while not self.scores.empty():
-            job = self.scores.get()
+        while not self._scores.empty():
+            job = self._scores.get()
             try:
                 job.result = self.engine.score(self.params, job.tokens)
             except ValueError as e:       # a bad request, said to its caller
@@ -377,7 +390,7 @@ class EngineLoop:
             self._finish_request(p.request, reason)
         for seq in list(sched.resumes) + list(sched.running.values()):
             self._done(seq.request, seq.index, reason)
-        while not self.scores.empty():
-            job = self.scores.get()
+        while not self._scores.empty():
+            job = self._scores.get()
             job.error = RuntimeError(f"the engine loop ended ({reason})")
             job.done.set()

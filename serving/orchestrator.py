@@ -137,8 +137,7 @@ class Orchestrator:
         """Ends the loop (every request not finished ends with reason "shutdown") and returns
         once its threads have ended (the loop's, and compile_wanted's after the program it is
         compiling); raises TimeoutError naming one that has not in `timeout`."""
-        self._loop.stop.set()
-        self._loop.wake.set()
+        self._loop.request_stop()
         deadline = time.monotonic() + timeout
         if self._thread is not None:
             threads.join(self._thread, timeout)
@@ -249,7 +248,7 @@ class Orchestrator:
             if not self.scheduler.add(request, self._max_queued):
                 raise QueueFull(f"{self.scheduler.queued()} requests are queued (max_queued="
                                 f"{self._max_queued})")
-        loop.wake.set()
+        loop.notify()
         return stream
 
     def generate(self, prompt: Seq[int], sampling: SamplingParams = SamplingParams()
@@ -266,8 +265,7 @@ class Orchestrator:
         if not self.running:
             raise self._stopped_error()
         job = Score(tokens)
-        self._loop.scores.put(job)
-        self._loop.wake.set()
+        self._loop.post_score(job)
         self._wait(job.done, timeout, f"scoring {len(tokens)} tokens did not end")
         if isinstance(job.error, ValueError):
             raise InvalidRequest(str(job.error))
@@ -277,8 +275,7 @@ class Orchestrator:
 
     def end_session(self, key: str) -> None:
         """The episode `key` has ended: the pages kept for its next turn go back to the pool."""
-        self._loop.ended.put(key)
-        self._loop.wake.set()
+        self._loop.end_session(key)
 
     # -- weights -------------------------------------------------------------------------------
     def update_params(self, params, version: int, timeout: float | None = None, *,
@@ -301,8 +298,7 @@ class Orchestrator:
             transfer = time.perf_counter() - t0
             update = Update(prepared, version, adapters=self.engine.adapters_only(params))
             self._accepted_version = version
-            self._loop.updates.put(update)
-        self._loop.wake.set()
+            self._loop.post_update(update)
         self._wait(update.applied, timeout, f"weight update {version} not applied")
         update.retired = None       # the replaced weights are freed here, beside decoding
         return UpdateResult(version, transfer, update.pause_s, update.adapters)

@@ -91,3 +91,16 @@ class Prefill:
     @property
     def remaining(self) -> int:
         return len(self.tokens) - self.done
+
+
+def stop_reason(seq: Sequence, eos_id: int | None, max_len: int) -> str | None:
+    """Why `seq` ends after its last token, if it does."""
+    s, token = seq.request.sampling, seq.tokens[-1]
+    if len(seq.tokens) >= s.min_tokens:
+        if s.stop_at_eos and eos_id is not None and token == eos_id:
+            return "eos"
+        if token in s.stop_token_ids:
+            return "stop"
+    if len(seq.tokens) >= s.max_tokens or seq.total_len() >= max_len:
+        return "length"
+    return None
