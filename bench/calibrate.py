@@ -57,6 +57,7 @@ def decode_step_s(engine, params, rows: int, held: int, steps: int = 8) -> float
     """Median seconds of a decode step of `rows` busy slots holding `held` tokens each."""
     import numpy as np
 
+    from serving.engine import SlotBatch
     from serving.sampling import SamplingParams
 
     s = engine.cfg.max_concurrent_decodes
@@ -65,8 +66,8 @@ def decode_step_s(engine, params, rows: int, held: int, steps: int = 8) -> float
     table = 1 + np.arange(s * width, dtype=np.int32).reshape(s, width) % (engine.num_pages - 1)
     times = []
     for _ in range(3):
-        state = engine.insert(engine.init_decode_state(), list(range(s)), [held] * s, [3] * s,
-                              [1] * s, sampling, [0] * s)
+        state = engine.insert(engine.init_decode_state(), SlotBatch(
+            list(range(s)), [held] * s, [3] * s, [1] * s, sampling, [0] * s))
         for i in range(steps):
             t0 = time.perf_counter()
             state, tokens, _ = engine.generate_steps(params, state, table[:rows], 1,

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from jaxrl.models import from_hf, split_params  # noqa: E402
-from serving.engine import Engine, EngineConfig  # noqa: E402
+from serving.engine import Engine, EngineConfig, SlotBatch  # noqa: E402
 from serving.orchestrator import Orchestrator  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
 
@@ -150,8 +150,8 @@ def main(argv=None):
             state, logits = engine.prefill(restored, state, prompts[slots], [0] * n,
                                            [args.prompt] * n, table[slots])
             first, _ = engine.sample_first(logits, list(range(n)), [greedy] * n, [0] * n)
-            state = engine.insert(state, slots, [args.prompt] * n, first, [1] * n,
-                                  [greedy] * n, [0] * n)
+            state = engine.insert(state, SlotBatch(slots, [args.prompt] * n, first, [1] * n,
+                                                     [greedy] * n, [0] * n))
         jax.block_until_ready(state)
 
     reload()

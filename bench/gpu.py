@@ -43,7 +43,7 @@ from jaxrl.optim_config import OptimConfig
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import init_state, state_shardings
 from jaxrl.train.step import jit_train_step
-from serving.engine import Engine, EngineConfig
+from serving.engine import Engine, EngineConfig, SlotBatch
 from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams
 from sharding import mesh as shd
@@ -156,8 +156,8 @@ def decode(engine: Engine, params, held: int, steps: int, bandwidth: float) -> d
     state = [engine.init_decode_state()]
 
     def rewind():
-        state[0] = engine.insert(state[0], list(range(s)), [held] * s, [3] * s, [1] * s,
-                                 greedy, [0] * s)
+        state[0] = engine.insert(state[0], SlotBatch(
+            list(range(s)), [held] * s, [3] * s, [1] * s, greedy, [0] * s))
 
     def run():
         rewind()

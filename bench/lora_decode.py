@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from jaxrl.models import ModelConfig, abstract_model, lora, split_params  # noqa: E402
 from jaxrl.models.lora import LoraConfig  # noqa: E402
 from jaxrl.models.peft_io import merged  # noqa: E402
-from serving.engine import Engine, EngineConfig  # noqa: E402
+from serving.engine import Engine, EngineConfig, SlotBatch  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
 
 
@@ -56,8 +56,8 @@ def _decode_step(cfg: ModelConfig, params, args) -> float:
     best = float("inf")
     for _ in range(args.repeats + 1):       # the first compiles
         state = engine.init_decode_state()
-        state = jax.block_until_ready(engine.insert(state, list(range(s)), [args.held] * s,
-                                                    [3] * s, [1] * s, greedy, [0] * s))
+        state = jax.block_until_ready(engine.insert(state, SlotBatch(
+            list(range(s)), [args.held] * s, [3] * s, [1] * s, greedy, [0] * s)))
         t0 = time.perf_counter()
         state, tokens, _ = engine.generate_steps(placed, state, table, k)
         jax.block_until_ready(tokens)

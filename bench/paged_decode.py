@@ -28,7 +28,7 @@ from flax import nnx  # noqa: E402
 
 from jaxrl.models import ModelConfig, Transformer, merge_params, split_params  # noqa: E402
 from jaxrl.models.kv_cache import ContiguousKV  # noqa: E402
-from serving.engine import Engine, EngineConfig  # noqa: E402
+from serving.engine import Engine, EngineConfig, SlotBatch  # noqa: E402
 from serving.sampling import SamplingParams, sample, slot_keys  # noqa: E402
 
 
@@ -80,8 +80,8 @@ def measure(model, args, held: int) -> dict:
 
     def rewind():   # every slot back to `held` tokens, outside the timed call
         nonlocal state
-        state = jax.block_until_ready(engine.insert(state, list(range(s)), [held] * s,
-                                                    [3] * s, [1] * s, greedy, [0] * s))
+        state = jax.block_until_ready(engine.insert(state, SlotBatch(
+            list(range(s)), [held] * s, [3] * s, [1] * s, greedy, [0] * s)))
 
     def paged():
         nonlocal state

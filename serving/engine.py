@@ -5,7 +5,8 @@ sequence has is the scheduler's (serving/scheduler.py), passed in as page tables
     state = engine.init_decode_state()                        # the page pool + per-slot state
     state, logits = engine.prefill(params, state, tokens, starts, lengths, table)
     tokens, logprobs = engine.sample_first(logits, rows, samplings, sample_indices)
-    state = engine.insert(state, slots, lengths, next_tokens, counts, samplings, indices)
+    state = engine.insert(state, SlotBatch(slots, lengths, next_tokens, counts, samplings,
+                                           indices))
     state, tokens, logprobs = engine.generate_steps(params, state, table, steps)
     state, decoded = engine.dispatch_steps(params, state, table, steps)   # read back later
 
@@ -25,6 +26,7 @@ import dataclasses
 import logging
 import math
 import threading
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +39,7 @@ from serving.constraints import mask_words
 from serving.engine_config import EngineConfig
 from serving.programs import Programs, programs_for
 from serving.steps import HISTORY_CHUNK
-from serving.sampling import MAX_LOGIT_BIAS
+from serving.sampling import MAX_LOGIT_BIAS, SamplingParams
 from serving.spec import DecodeState, Spec
 from sharding import mesh as shd
 from sharding.reshard import reshard
@@ -61,6 +63,30 @@ def _attention(asked: str, platform: str) -> str:
         _log.warning("paged attention: the XLA loop, not the native kernel (%s)", why)
         return "loop"
     return "reference" if asked == "auto" else asked
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotBatch:
+    """K sequences to decode on (`Engine.insert`), row i: slot `slots[i]` decodes on from
+    `next_tokens[i]` at position `lengths[i]` (the tokens its cache holds), having sampled
+    `counts[i]` tokens (`histories[i]`, needed where its sampling has penalties) as sample
+    `sample_indices[i]` of its request, under `samplings[i]`."""
+
+    slots: Sequence[int]
+    lengths: Sequence[int]
+    next_tokens: Sequence[int]
+    counts: Sequence[int]
+    samplings: Sequence[SamplingParams]
+    sample_indices: Sequence[int]
+    histories: Sequence[Sequence[int]] | None = None
+
+    @classmethod
+    def of(cls, seqs) -> "SlotBatch":
+        """The batch of serving Sequences (serving/sequence.py) that took their slots."""
+        return cls([s.slot for s in seqs], [s.cached for s in seqs],
+                   [s.tokens[-1] for s in seqs], [len(s.tokens) for s in seqs],
+                   [s.request.sampling for s in seqs], [s.index for s in seqs],
+                   [s.tokens for s in seqs])
 
 
 class Engine:
@@ -233,12 +259,12 @@ class Engine:
                 np.full((rows, words), -1, np.int32), shd.replicated(self.mesh))
         return mask
 
-    def insert(self, state: DecodeState, slots, lengths, next_tokens, counts, samplings,
-               sample_indices, eos_id=None, histories=None) -> DecodeState:
-        """JetStream's insert for K sequences whose pages are written: slot `slots[i]` decodes
-        on from `next_tokens[i]` at position `lengths[i]`, having sampled `counts[i]` tokens
-        (`histories[i]`, needed where the sampling has penalties). Nothing is copied: the slot
-        reaches its pages through the page table."""
+    def insert(self, state: DecodeState, batch: SlotBatch, eos_id=None) -> DecodeState:
+        """JetStream's insert for the K sequences of `batch`, whose pages are written. Nothing
+        is copied: each slot reaches its pages through the page table."""
+        slots, lengths, next_tokens, counts, samplings, sample_indices, histories = (
+            batch.slots, batch.lengths, batch.next_tokens, batch.counts, batch.samplings,
+            batch.sample_indices, batch.histories)
         k = self.programs.row_bucket("insert", len(slots))
         histories = [h if s.penalized else () for h, s in
                      zip(histories or [()] * len(slots), samplings, strict=True)]

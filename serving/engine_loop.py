@@ -31,7 +31,7 @@ import numpy as np
 
 from serving.constraints import Grammars
 from serving.decode_batches import InFlight, decode_groups, ends_in_flight
-from serving.engine import Engine
+from serving.engine import Engine, SlotBatch
 from serving.inbox import Score, Update
 from serving.length_predictor import LengthPredictor
 from serving.scheduler import Scheduler
@@ -252,10 +252,7 @@ class EngineLoop:
                 in zip(fresh, np.asarray(tokens).tolist(), np.asarray(logprobs).tolist())))
         live = [s for s in started if not s.finished]
         if live:
-            state = engine.insert(state, [s.slot for s in live], [s.cached for s in live],
-                                  [s.tokens[-1] for s in live], [len(s.tokens) for s in live],
-                                  [s.request.sampling for s in live], [s.index for s in live],
-                                  self.eos_id, [s.tokens for s in live])
+            state = engine.insert(state, SlotBatch.of(live), self.eos_id)
         return state
 
     def _decode(self, state):

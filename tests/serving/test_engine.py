@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxrl.models.generate import greedy_generate
-from serving.engine import Engine, EngineConfig
+from serving.engine import Engine, EngineConfig, SlotBatch
 from serving.orchestrator import InvalidRequest, Orchestrator
 from serving.sampling import SamplingParams, sample
 from tests.serving.common import CFG, ENGINE, prompts, run_staggered
@@ -36,7 +36,8 @@ def _prefill_by_hand(engine, params, prompt, chunk, sampling, slot=1):
         state, logits = engine.prefill(params, state, padded, [start], [len(piece)],
                                        [pages])
     first, _ = engine.sample_first(logits, [0], [sampling], [0])
-    state = engine.insert(state, [slot], [len(prompt)], [int(first[0])], [1], [sampling], [0])
+    state = engine.insert(state, SlotBatch([slot], [len(prompt)], [int(first[0])], [1],
+                                              [sampling], [0]))
     table = np.zeros((engine.max_concurrent_decodes, len(pages)), np.int32)
     table[slot] = pages
     return state, np.asarray(logits[0]), int(first[0]), table

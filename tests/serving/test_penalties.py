@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl.models import merge_params, split_params
+from serving.engine import SlotBatch
 from serving.steps import HISTORY_CHUNK
 from serving.sampling import SamplingParams, sample, slot_keys
 from serving.stream import Sample
@@ -99,16 +100,16 @@ def test_insert_counts_a_long_history_and_resets_a_reused_slot(engine):
     sampling = SamplingParams(frequency_penalty=0.5)
     history = np.random.default_rng(0).integers(0, CFG.vocab_size, 2 * HISTORY_CHUNK + 5)
     state = engine.init_decode_state()
-    state = engine.insert(state, [2], [10], [int(history[-1])], [len(history)], [sampling], [0],
-                          histories=[history.tolist()])
+    state = engine.insert(state, SlotBatch([2], [10], [int(history[-1])], [len(history)],
+                                            [sampling], [0], [history.tolist()]))
     np.testing.assert_array_equal(np.asarray(state.seen)[2],
                                   np.bincount(history, minlength=CFG.vocab_size))
-    state = engine.insert(state, [2], [4], [7], [1], [sampling], [0], histories=[[7]])
+    state = engine.insert(state, SlotBatch([2], [4], [7], [1], [sampling], [0], [[7]]))
     want = np.zeros(CFG.vocab_size, np.int32)
     want[7] = 1
     np.testing.assert_array_equal(np.asarray(state.seen)[2], want)
     with pytest.raises(ValueError, match="needs the 3 tokens it has sampled"):
-        engine.insert(state, [1], [4], [7], [3], [sampling], [0], histories=[[7]])
+        engine.insert(state, SlotBatch([1], [4], [7], [3], [sampling], [0], [[7]]))
 
 
 @pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
