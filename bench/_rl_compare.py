@@ -25,6 +25,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,9 @@ from _machine import wait_until_quiet
 
 from jaxrl.config import load_run_config
 from jaxrl.telemetry.metrics import read_metrics
+
+# The demo recipe, found from this file so that the benches run from any directory.
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
 
 VARIANTS = {
     "sync": ["rl.mode=sync"],
@@ -102,6 +106,15 @@ def warm_checkpoint(args, work: Path) -> Path:
     base = work / "base"
     shutil.copytree(Path(warmup_dir) / str(step), base / str(step))
     return base
+
+
+def compare_variants(args) -> None:
+    """The whole comparison in a scratch directory: the warm-up (or --warmup-dir's), every
+    variant with every seed, the report; the directory removed after."""
+    work = Path(tempfile.mkdtemp(prefix="jaxrl-bench-"))
+    base = warm_checkpoint(args, work)
+    report(run_all(base, work, args), args.save)
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def run_variant(base: Path, work: Path, name: str, args, seed: int = 0,

@@ -13,26 +13,18 @@ one after the other in one process (bench/_rl_compare.py).
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
-from pathlib import Path
 
 import _rl_compare as compare
-
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    compare.add_arguments(p, config=DEMO_CONFIG, rl_steps=400, target=0.35, window=20,
+    compare.add_arguments(p, config=compare.DEMO_CONFIG, rl_steps=400, target=0.35, window=20,
                           variants=["full", "lora-r8"])
     p.set_defaults(seeds=2)
     args = p.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="jaxrl-bench-"))
-    base = compare.warm_checkpoint(args, work)
-    compare.report(compare.run_all(base, work, args), args.save)
-    shutil.rmtree(work, ignore_errors=True)
+    compare.compare_variants(args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from typing import Callable
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from serving import threads
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -45,10 +47,12 @@ class Health(health.HealthServicer):
             self._refresh()
 
     def stop(self) -> None:
-        """NOT_SERVING from now on (the server is shutting down), told to every watcher."""
+        """NOT_SERVING from now on (the server is shutting down), told to every watcher; the
+        polling thread has ended when it returns."""
         self._stop.set()
         self._refresh()
         self.enter_graceful_shutdown()
+        threads.join(self._thread, 10.0)
 
 
 def add_to_server(servicer: Health, server) -> None:

@@ -339,10 +339,6 @@ class Server:
         gen_grpc.add_GenerationServicer_to_server(
             GenerationService(orchestrator, tokenizer, update_token, transfer_host=host),
             self._server)
-        self.health = Health(lambda: orchestrator.error is None, [
-            s.full_name for proto in (js_pb2, gen_pb2)
-            for s in proto.DESCRIPTOR.services_by_name.values()])
-        add_health(self.health, self._server)
         self.address = f"{host}:{port}"
         if tls is not None:
             credentials = grpc.ssl_server_credentials([(tls[1], tls[0])])
@@ -352,6 +348,10 @@ class Server:
         if self.port == 0:
             raise OSError(f"cannot listen on {self.address}")
         self.address = f"{host}:{self.port}"
+        self.health = Health(lambda: orchestrator.error is None, [
+            s.full_name for proto in (js_pb2, gen_pb2)
+            for s in proto.DESCRIPTOR.services_by_name.values()])
+        add_health(self.health, self._server)
 
     def start(self) -> "Server":
         self._server.start()

@@ -24,7 +24,8 @@ def test_the_readme_is_short():
 
 # Words about how the work on the project was organised rather than about the project.
 _DIARY = re.compile(r"\bsessions? (of|[0-9])|\bthis session\b|\bissues? #?[0-9]+\b|\bgoals?\b|"
-                    r"\bworkplace\b|\bdevice time\b|\bwork periods?\b|\bnotes? reports?\b",
+                    r"\bworkplace\b|\bdevice time\b|\bwork periods?\b|\bnotes? reports?\b|"
+                    r"\b(?:was|were|is|are) lent\b",
                     re.IGNORECASE)
 
 

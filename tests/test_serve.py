@@ -44,13 +44,20 @@ def _word_tokenizer(path, vocab_size):
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
 
 
-def test_serves_a_hugging_face_folder(tmp_path):
+_TINY_QWEN2 = transformers.Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def _tiny_qwen2(path):
+    """A random tiny Qwen2 folder (seed 0) with a 40-word tokenizer at `path`."""
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, tie_word_embeddings=True)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    _word_tokenizer(tmp_path, 40)
+    transformers.AutoModelForCausalLM.from_config(_TINY_QWEN2).save_pretrained(path)
+    _word_tokenizer(path, 40)
+
+
+def test_serves_a_hugging_face_folder(tmp_path):
+    _tiny_qwen2(tmp_path)
 
     model, tokenizer, what = load_model(str(tmp_path), "unused", print)
     assert what == f"qwen2 from {tmp_path}" and tokenizer.eos_id == 2
@@ -69,10 +76,7 @@ def test_serves_a_peft_adapter_trained_elsewhere_merged_into_its_base(tmp_path):
     logits are PEFT's on transformers."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, tie_word_embeddings=True)
-    base = transformers.AutoModelForCausalLM.from_config(config)
+    base = transformers.AutoModelForCausalLM.from_config(_TINY_QWEN2)
     base.save_pretrained(tmp_path / "base")
     _word_tokenizer(tmp_path / "base", 40)
     adapted = peft.get_peft_model(base, peft.LoraConfig(
@@ -105,12 +109,7 @@ def test_a_server_holding_adapters_takes_a_trainers_adapters_alone(tmp_path, cap
     from serving.server import Server
     from sharding.reshard import WeightUpdateError
 
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, tie_word_embeddings=True)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    _word_tokenizer(tmp_path, 40)
+    _tiny_qwen2(tmp_path)
     shape = LoraConfig(rank=4, alpha=8, targets=("q_proj", "down_proj"))
     base, tokenizer, _ = load_model(str(tmp_path), "unused", print)
     model, _, what = load_model(str(tmp_path), "unused", print, adapters=shape)

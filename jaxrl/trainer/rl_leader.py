@@ -105,7 +105,8 @@ class Leader:
                                    "partial": r.partial, "stats": r.stats})
         stack.callback(self.actor.stop)
         self.actor.notify_trained(r.position)
-        self._build_pipeline(r, processes)
+        self.processes = processes
+        self._build_pipeline(r)
         self.clock = Clock(r.time_s)
         self.metrics_log = MetricsLogger(Path(cfg.run_dir), wandb=cfg.log.wandb,
                                          wandb_project=cfg.log.wandb_project,
@@ -127,14 +128,14 @@ class Leader:
             f"(their stderr: {Path(self.cfg.run_dir) / 'agents'})")
         return agents
 
-    def _build_pipeline(self, r: ResumeState, processes: int) -> None:
+    def _build_pipeline(self, r: ResumeState) -> None:
         """The rollout pipeline. One process: batches go onto the trainer's devices in the
         pipeline's thread. Several: they stay in host memory, are shared, and each process
         puts its own rows (RLTrainer.train)."""
         sharding = self.trainer.batch_sharding
         dataset, self.lag_stats = rl_batches(
             self.rollout_log, self.cfg.rl, current_step=lambda: self.trainer.step,
-            put=(lambda a: a) if processes > 1 else (lambda a: jax.device_put(a, sharding)),
+            put=(lambda a: a) if self.processes > 1 else (lambda a: jax.device_put(a, sharding)),
             start=r.position, lag_state=r.lag_stats)
         self.batches = iter(dataset)
         self._stack.callback(_close, self.batches)
@@ -150,7 +151,7 @@ class Leader:
             self.eval_before = self._held_out()["accuracy"]
             self.metrics_log.log(step, {"eval_accuracy": self.eval_before,
                                         "time_s": self.clock()})
-        mesh, processes = self.trainer.mesh, jax.process_count()
+        mesh, processes = self.trainer.mesh, self.processes
         where = (f"{len(self.gen.fleet.members)} server(s) {', '.join(rl.generation.servers)}"
                  if rl.generation.remote else
                  f"an engine on {len(self.engine_devices)} device(s)")

@@ -4,7 +4,6 @@ regenerating them, ending with exactly the samples an uninterrupted run produces
 
 import dataclasses
 import json
-import time
 
 import pytest
 from flax import nnx
@@ -18,6 +17,7 @@ from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams
 from serving.stream import DoneEvent, RequestStream, TokenEvent
+from tests.serving.common import until
 
 # An untrained model: samples of up to 24 tokens; no filter, so every sample reaches the log.
 CFG = load_run_config(None, ["model.num_layers=2", "model.embed_dim=32", "model.mlp_dim=64",
@@ -139,19 +139,12 @@ class HeldGeneration:
             stream.put(DoneEvent(i, "length"))
 
 
-def _until(predicate, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
-        time.sleep(0.01)
-
-
 def _at_bound(a, count, at_least: int = 0) -> int:
     """count() once it is at least `at_least` and the actor has since turned twice at its
     bound (looked for room and found none): a count it will not pass until a step trains."""
-    _until(lambda: count() >= at_least, f"{at_least} groups submitted")
+    until(lambda: count() >= at_least, what=f"{at_least} groups submitted")
     turns = a.turns_at_bound
-    _until(lambda: a.turns_at_bound >= turns + 2, "two turns of the actor at its bound")
+    until(lambda: a.turns_at_bound >= turns + 2, what="two turns of the actor at its bound")
     return count()
 
 
@@ -172,7 +165,7 @@ def test_async_keeps_the_engines_full_beside_the_batch_training(parts, slots):
         assert _at_bound(a, streams, cap) == cap
         for stream in gen.streams[1:]:          # every group but the first (a long one) ends
             gen.finish(stream)
-        _until(lambda: log.end >= (cap - 1) * GROUP, "their rollouts reaching the log")
+        until(lambda: log.end >= (cap - 1) * GROUP, what="their rollouts reaching the log")
         assert _at_bound(a, streams) == cap      # the bound holds: nothing more
         a.notify_trained(batch)                 # a step trains a batch: room again
         assert _at_bound(a, streams, cap + 1) == cap + batch // GROUP

@@ -26,15 +26,19 @@ CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=8, num_heads=4, num_kv
 B, T = 16, 8
 
 
-@pytest.fixture(scope="module")
-def setup():
-    graphdef, params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))
+def with_reference(graphdef, params):
+    """(graphdef, params, a batch of B x T random tokens, the unpipelined loss and gradients)."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, CFG.vocab_size, (1, B, T)).astype(np.int32)
     batch = {"input_ids": ids, "targets": np.roll(ids, -1, -1),
              "loss_mask": (rng.random(ids.shape) > 0.25).astype(np.float32)}
     ref = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b)[:2])(params, batch)
     return graphdef, params, batch, ref
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return with_reference(*split_params(Transformer(CFG, rngs=nnx.Rngs(0))))
 
 
 def pipelined(setup, pipe: PipelineConfig, mesh_cfg: shd.MeshConfig, objective=None, batch=None,

@@ -14,9 +14,9 @@ from jaxrl.config import ConfigError, load_run_config
 from jaxrl.models import Transformer, lora
 from jaxrl.models.lora import LoraConfig
 from jaxrl.models.transformer import split_params
-from jaxrl.train.step import loss_and_grads
 from sharding.pipeline import PipelineConfig
-from tests.sharding.test_pipeline import B, CFG, T, _mesh_cfg, assert_close, pipelined
+from tests.sharding.test_pipeline import (CFG, _mesh_cfg, assert_close, pipelined,
+                                         with_reference)
 
 pytestmark = pytest.mark.multi_device
 
@@ -31,12 +31,7 @@ def setup():
     params = lora.with_trainable(params, {"layers": {   # B random: every adapter has a gradient
         k: v + k.endswith("_lora_b") * 0.3 * jax.random.normal(next(keys), v.shape)
         for k, v in lora.trainable(params)["layers"].items()}})
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, CFG.vocab_size, (1, B, T)).astype(np.int32)
-    batch = {"input_ids": ids, "targets": np.roll(ids, -1, -1),
-             "loss_mask": (rng.random(ids.shape) > 0.25).astype(np.float32)}
-    ref = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b)[:2])(params, batch)
-    return graphdef, params, batch, ref
+    return with_reference(graphdef, params)
 
 
 @pytest.mark.parametrize("schedule,stages,microbatches,axes,order", [
