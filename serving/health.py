@@ -5,8 +5,8 @@ process whether it serves.
 The server listens only once its engines have compiled, so a probe that connects finds it
 ready; it answers SERVING while the engine loop runs and NOT_SERVING once the loop has failed
 or the server is stopping, for the whole server ("") and for each of its services by name.
-`Check` reads the engine's state at the call; `Watch` streams each change, which a thread
-looks for every `poll_s`."""
+`Check` reads the engine's state at the call; `Watch` streams each change (once), which a
+thread looks for every `poll_s`."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ class Health(health.HealthServicer):
         super().__init__()
         self._serving, self._names = serving, ["", *services]
         self._stop = threading.Event()
+        self._status, self._status_lock = None, threading.Lock()
         self._refresh()
         self._thread = threading.Thread(target=self._poll, args=(poll_s,), daemon=True,
                                         name="health")
@@ -38,9 +39,14 @@ class Health(health.HealthServicer):
         return super().Check(request, context)
 
     def _refresh(self) -> None:
+        """Sets every name's status when it changed (a set sends each watcher a message)."""
         status = SERVING if not self._stop.is_set() and self._serving() else NOT_SERVING
-        for name in self._names:
-            self.set(name, status)
+        with self._status_lock:
+            if status == self._status:
+                return
+            self._status = status
+            for name in self._names:
+                self.set(name, status)
 
     def _poll(self, poll_s: float) -> None:
         while not self._stop.wait(poll_s):
