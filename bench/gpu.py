@@ -42,7 +42,7 @@ from jaxrl.models import ModelConfig, Transformer, abstract_model, layers, split
 from jaxrl.optim_config import OptimConfig
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import init_state, state_shardings
-from jaxrl.train.step import jit_train_step
+from jaxrl.train.step import Layout, jit_train_step
 from serving.engine import Engine, EngineConfig, SlotBatch
 from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams
@@ -103,7 +103,7 @@ def train(cfg: ModelConfig, tokens: int, seq: int, remat: str, peak: float) -> d
     shardings = state_shardings(cfg, tx, mesh)
     graphdef, _ = split_params(abstract_model(cfg))
     state = init_state(cfg, tx, shardings, seed=0)
-    step = jit_train_step(graphdef, tx, shardings, mesh, remat=remat)
+    step = jit_train_step(graphdef, tx, shardings, Layout(mesh, remat))
     rows = tokens // seq
     rng = np.random.default_rng(0)
     ids = rng.integers(0, cfg.vocab_size, (1, rows, seq + 1)).astype(np.int32)

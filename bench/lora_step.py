@@ -27,7 +27,7 @@ from _machine import best_seconds  # noqa: E402
 from jaxrl.models import ModelConfig, abstract_model, split_params  # noqa: E402
 from jaxrl.models.lora import LoraConfig  # noqa: E402
 from jaxrl.train.state import init_state, state_shardings  # noqa: E402
-from jaxrl.train.step import jit_train_step  # noqa: E402
+from jaxrl.train.step import Layout, jit_train_step  # noqa: E402
 from sharding import mesh as shd  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def _step(cfg: ModelConfig, batch: dict):
     shardings = state_shardings(cfg, tx, mesh)
     state = init_state(cfg, tx, shardings, 0)
     graphdef, _ = split_params(abstract_model(cfg))
-    step = jit_train_step(graphdef, tx, shardings, mesh, width=cfg.embed_dim)
+    step = jit_train_step(graphdef, tx, shardings, Layout(mesh), width=cfg.embed_dim)
     box = [state]
 
     def call():

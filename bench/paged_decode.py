@@ -29,7 +29,7 @@ from flax import nnx  # noqa: E402
 from jaxrl.models import ModelConfig, Transformer, merge_params, split_params  # noqa: E402
 from jaxrl.models.kv_cache import ContiguousKV  # noqa: E402
 from serving.engine import Engine, EngineConfig, SlotBatch  # noqa: E402
-from serving.sampling import SamplingParams, sample, slot_keys  # noqa: E402
+from serving.sampling import Draws, SamplingParams, sample, slot_keys  # noqa: E402
 
 
 @partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
@@ -43,7 +43,7 @@ def contiguous_steps(graphdef, params, cache, tokens_S, steps, start_S):
         cache, tokens_S, lengths_S = carry
         x_S1D, cache = model.extend(tokens_S[:, None], lengths_S, cache)
         keys = slot_keys(jnp.zeros(s, jnp.uint32), jnp.zeros(s, jnp.int32), lengths_S)
-        tokens_S, _ = sample(model.logits(x_S1D)[:, 0], *greedy, keys)
+        tokens_S, _ = sample(model.logits(x_S1D)[:, 0], Draws(*greedy, keys))
         return (cache, tokens_S, lengths_S + 1), tokens_S
 
     (cache, _, _), out = jax.lax.scan(body, (cache, tokens_S, start_S), length=steps)

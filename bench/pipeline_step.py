@@ -38,7 +38,7 @@ from flax import nnx  # noqa: E402
 from jaxrl.models import ModelConfig, Transformer, abstract_model, param_axes  # noqa: E402
 from jaxrl.models.transformer import split_params  # noqa: E402
 from jaxrl.train.objectives import PolicyGradientLoss  # noqa: E402
-from jaxrl.train.step import loss_and_grads  # noqa: E402
+from jaxrl.train.step import Layout, loss_and_grads  # noqa: E402
 from sharding.layer_order import LayerOrder  # noqa: E402
 from sharding import mesh as shd  # noqa: E402
 from sharding import schedules as sch  # noqa: E402
@@ -186,8 +186,7 @@ def main() -> None:
                 str(args.microbatches)
         ordered, placed = in_pipeline_order(pipe, params, param_sh, args.layers)
         step = jax.jit(lambda p, b, pipe=pipe, ordered=ordered: loss_and_grads(
-            graphdef, p, b, remat=args.remat, pipeline=pipe, mesh=mesh,
-            pipeline_order=ordered)[:2],
+            graphdef, p, b, layout=Layout(mesh, args.remat, pipe, ordered))[:2],
             in_shardings=(param_sh, shd.batch_sharding(mesh, 3, leading=1)))
         best = best_time(step, placed, batch, repeat=args.repeat)
         base = base or best
@@ -231,9 +230,8 @@ def pipefill(args, graphdef, params, param_sh, batch, mesh, costs) -> None:
         for kl in (0.0, 0.1):
             objective = PolicyGradientLoss(kind="ppo", kl_coef=kl)
             step = jax.jit(lambda p, b, r, pipe=pipe, objective=objective, ordered=ordered:
-                           loss_and_grads(graphdef, p, b, objective, r, remat=args.remat,
-                                          pipeline=pipe, mesh=mesh,
-                                          pipeline_order=ordered)[:2],
+                           loss_and_grads(graphdef, p, b, objective, r,
+                                          Layout(mesh, args.remat, pipe, ordered))[:2],
                            in_shardings=(param_sh, shd.batch_sharding(mesh, 3, leading=1),
                                          None if kl == 0 else param_sh))
             times.append(best_time(step, placed, batch, ref_placed if kl else None,

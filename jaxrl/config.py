@@ -195,6 +195,11 @@ class LogConfig:
     wandb: bool = False            # also log to Weights & Biases (pip install wandb; honours
     wandb_project: str = "jaxrl"   # WANDB_MODE=offline)
 
+    @property
+    def wandb_run(self) -> str | None:
+        """The W&B project to log to, or None."""
+        return self.wandb_project if self.wandb else None
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardingConfig:

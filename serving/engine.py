@@ -26,7 +26,6 @@ import dataclasses
 import logging
 import math
 import threading
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +37,12 @@ from serving import native
 from serving.constraints import mask_words
 from serving.engine_config import EngineConfig
 from serving.programs import Programs, programs_for
-from serving.steps import HISTORY_CHUNK
-from serving.sampling import MAX_LOGIT_BIAS, SamplingParams
+from serving.slot_batch import SlotBatch, padded, sampling_rows
 from serving.spec import DecodeState, Spec
 from sharding import mesh as shd
 from sharding.reshard import reshard
 
-__all__ = ["DecodeState", "Decoded", "Engine", "EngineConfig"]
+__all__ = ["DecodeState", "Decoded", "Engine", "EngineConfig", "SlotBatch"]
 
 _log = logging.getLogger(__name__)
 
@@ -63,30 +61,6 @@ def _attention(asked: str, platform: str) -> str:
         _log.warning("paged attention: the XLA loop, not the native kernel (%s)", why)
         return "loop"
     return "reference" if asked == "auto" else asked
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotBatch:
-    """K sequences to decode on (`Engine.insert`), row i: slot `slots[i]` decodes on from
-    `next_tokens[i]` at position `lengths[i]` (the tokens its cache holds), having sampled
-    `counts[i]` tokens (`histories[i]`, needed where its sampling has penalties) as sample
-    `sample_indices[i]` of its request, under `samplings[i]`."""
-
-    slots: Sequence[int]
-    lengths: Sequence[int]
-    next_tokens: Sequence[int]
-    counts: Sequence[int]
-    samplings: Sequence[SamplingParams]
-    sample_indices: Sequence[int]
-    histories: Sequence[Sequence[int]] | None = None
-
-    @classmethod
-    def of(cls, seqs) -> "SlotBatch":
-        """The batch of serving Sequences (serving/sequence.py) that took their slots."""
-        return cls([s.slot for s in seqs], [s.cached for s in seqs],
-                   [s.tokens[-1] for s in seqs], [len(s.tokens) for s in seqs],
-                   [s.request.sampling for s in seqs], [s.index for s in seqs],
-                   [s.tokens for s in seqs])
 
 
 class Engine:
@@ -237,8 +211,8 @@ class Engine:
         none: serving/constraints.py)."""
         k = self.programs.row_bucket("sample_first", len(rows))
         tokens, logprobs = self.programs(
-            "sample_first", (k,), logits_PV, _padded(rows, k, np.int32),
-            _padded(sample_indices, k, np.int32), *_sampling_arrays(samplings, k, eos_id),
+            "sample_first", (k,), logits_PV, padded(rows, k, np.int32),
+            padded(sample_indices, k, np.int32), sampling_rows(samplings, k, eos_id),
             self._masks(allowed, k))
         return np.asarray(tokens)[: len(rows)], np.asarray(logprobs)[: len(rows)]
 
@@ -261,39 +235,20 @@ class Engine:
 
     def insert(self, state: DecodeState, batch: SlotBatch, eos_id=None) -> DecodeState:
         """JetStream's insert for the K sequences of `batch`, whose pages are written. Nothing
-        is copied: each slot reaches its pages through the page table."""
-        slots, lengths, next_tokens, counts, samplings, sample_indices, histories = (
-            batch.slots, batch.lengths, batch.next_tokens, batch.counts, batch.samplings,
-            batch.sample_indices, batch.histories)
-        k = self.programs.row_bucket("insert", len(slots))
-        histories = [h if s.penalized else () for h, s in
-                     zip(histories or [()] * len(slots), samplings, strict=True)]
-        for slot, h, n, s in zip(slots, histories, counts, samplings):
-            if s.penalized and len(h) != n:
-                raise ValueError(f"slot {slot}: a sample with penalties needs the {n} tokens it "
-                                 f"has sampled to count them, got {len(h)}")
-        # Padding repeats the last insert: writing the same slot twice with the same data (its
-        # history counted once: padding rows have none).
-        args = (_padded(slots, k, np.int32), _padded(lengths, k, np.int32),
-                _padded(next_tokens, k, np.int32), _padded(counts, k, np.int32),
-                *_sampling_arrays(samplings, k, eos_id), _padded(sample_indices, k, np.int32),
-                _padded([s.presence_penalty for s in samplings], k, np.float32),
-                _padded([s.frequency_penalty for s in samplings], k, np.float32))
-        longest = max(len(h) for h in histories)
-        for start in range(0, max(longest, 1), HISTORY_CHUNK):
-            chunk = np.full((k, HISTORY_CHUNK), -1, np.int32)
-            for i, h in enumerate(histories):
-                part = h[start: start + HISTORY_CHUNK]
-                chunk[i, : len(part)] = part
-            state = self.programs("insert", (k,), state, *args, chunk, np.bool_(start == 0))
+        is copied: each slot reaches its pages through the page table. A penalized sample's
+        token counts are rebuilt from its history, a chunk per call."""
+        k = self.programs.row_bucket("insert", len(batch.slots))
+        slots, rows = padded(batch.slots, k, np.int32), batch.rows(k, eos_id)
+        for chunk, first in batch.history_chunks(k):
+            state = self.programs("insert", (k,), state, slots, rows, chunk, np.bool_(first))
         return state
 
     def copy_pages(self, state: DecodeState, src, dst) -> DecodeState:
         """Pool page src[i] copied to dst[i] in every layer (the partly filled last prompt page
         of a group, once per sample beyond the first)."""
         k = self.programs.row_bucket("copy_pages", len(src))
-        return self.programs("copy_pages", (k,), state, _padded(src, k, np.int32),
-                             _padded(dst, k, np.int32))
+        return self.programs("copy_pages", (k,), state, padded(src, k, np.int32),
+                             padded(dst, k, np.int32))
 
     def generate(self, params, state: DecodeState, table_SW):
         """One decode step for every slot: (state, tokens [S], logprobs [S])."""
@@ -372,29 +327,3 @@ def _rows(values, rows: int) -> np.ndarray:
     out = np.zeros((rows,), np.int32)
     out[: len(values)] = values
     return out
-
-
-def _padded(values, k: int, dtype) -> np.ndarray:
-    """`values` as an array of length k, the last value repeated."""
-    values = list(values)
-    return np.asarray(values + values[-1:] * (k - len(values)), dtype)
-
-
-def _sampling_arrays(samplings, k: int, eos_id: int | None):
-    """Per-entry (temperature, top_k, top_p, seed, banned token, min_tokens, logit_bias ids and
-    values) arrays of length k (serving/programs.py, SAMPLING). min_tokens bans EOS where the
-    request stops at it; stop tokens are drawn and ignored until then (serving/engine_loop.py,
-    stop_reason)."""
-    ban = lambda s: eos_id if s.min_tokens and s.stop_at_eos and eos_id is not None else -1  # noqa: E731
-    bias_ids = np.full((k, MAX_LOGIT_BIAS), -1, np.int32)
-    bias_values = np.zeros((k, MAX_LOGIT_BIAS), np.float32)
-    for i in range(k):
-        pairs = samplings[min(i, len(samplings) - 1)].logit_bias   # padding repeats the last
-        if pairs:
-            bias_ids[i, : len(pairs)], bias_values[i, : len(pairs)] = zip(*pairs)
-    return (_padded([s.temperature for s in samplings], k, np.float32),
-            _padded([s.top_k for s in samplings], k, np.int32),
-            _padded([s.top_p for s in samplings], k, np.float32),
-            _padded([s.seed for s in samplings], k, np.uint32),
-            _padded([ban(s) for s in samplings], k, np.int32),
-            _padded([s.min_tokens for s in samplings], k, np.int32), bias_ids, bias_values)

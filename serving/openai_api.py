@@ -20,12 +20,10 @@ everywhere (and as vLLM does for Llama-style tokenizers); a prompt of token ids 
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
 import uuid
-from typing import Iterator
 
 import numpy as np
 
@@ -36,7 +34,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jaxrl.models.chat import ChatTemplateError, render_chat
 from jaxrl.models.tokenizer import prompt_ids
 from serving.http_server import start_http, stop_http  # noqa: F401 (the API's server)
-from serving.openai_choices import Choice, Scored, choice_json
+from serving.openai_choices import Choice, Reply, Scored, choice_json
+from serving.openai_stream import read_events, sse
 from serving.openai_schema import (  # noqa: F401
     FINISH,
     MAX_STOPS,
@@ -50,7 +49,6 @@ from serving.openai_schema import (  # noqa: F401
 from serving.orchestrator import EngineStopped, InvalidRequest, QueueFull
 from serving.steps import SCORE_TOP
 from serving.sampling import SamplingParams
-from serving.stream import TokenEvent
 from serving.structured import response_format_grammar, tool_call_grammar
 from serving.tool_calls import PARSERS, ToolTurn, normalise_messages, parser_for, tools_for
 
@@ -127,9 +125,9 @@ class OpenAIApp:
             text = body.prompt if isinstance(body.prompt, str) else None
             prompts = [self.trajectories.align(key, prompts[0], text)]
         grammar = response_format_grammar((body.model_extra or {}).get("response_format"))
-        return self._respond(body, prompts, body.max_tokens, "text_completion",
-                             logprobs=body.logprobs is not None, key=key,
-                             top=body.logprobs if score else None, echo=body.echo,
+        reply = Reply("text_completion", logprobs=body.logprobs is not None,
+                       top=body.logprobs if score else None, echo=body.echo)
+        return self._respond(body, prompts, body.max_tokens, reply, key,
                              grammar=(grammar, "response_format"))
 
     def chat(self, body: ChatRequest, request: Request):
@@ -175,9 +173,9 @@ class OpenAIApp:
         key = self._trajectory(body, request, 1)
         if key is not None:
             ids = self.trajectories.align(key, ids, text)
-        return self._respond(body, [ids], limit, "chat.completion", logprobs=body.logprobs,
-                             key=key, tools=turn, top=body.top_logprobs if score else None,
-                             grammar=grammar)
+        reply = Reply("chat.completion", logprobs=body.logprobs, tools=turn,
+                       top=body.top_logprobs if score else None)
+        return self._respond(body, [ids], limit, reply, key, grammar)
 
     def _check_scoring(self, body, score: bool, field: str) -> None:
         """A request that needs its sequences scored: refused where the engine cannot, or
@@ -270,12 +268,12 @@ class OpenAIApp:
             raise OpenAIError(503, str(e), kind="server_error") from None
         return streams, stops
 
-    def _respond(self, body, prompts, max_tokens, kind: str, logprobs: bool, key=None,
-                 tools=None, top: int | None = None, echo: bool = False, grammar=(None, None)):
-        """`tools`: a ToolTurn factory (one per choice) when the request has tools. `top`: the
-        alternatives per position when the choices are scored (Scored); `echo`: each choice's
-        text and log-probs begin with its prompt's. max_tokens=0 (with echo) generates
-        nothing."""
+    def _respond(self, body, prompts, max_tokens, reply: Reply, key=None,
+                 grammar=(None, None)):
+        """The response to a request, reported as `reply` says. max_tokens=0 (with echo)
+        generates nothing."""
+        kind, logprobs, tools, top, echo = (reply.kind, reply.logprobs, reply.tools, reply.top,
+                                            reply.echo)
         streams, stops = (self._submit(body, prompts, max_tokens, key, grammar)
                           if max_tokens != 0 else ([], []))
         choices = [Choice(self.tokenizer, stops, tools() if tools else None)
@@ -289,10 +287,10 @@ class OpenAIApp:
         usage_prompt = sum(len(p) for p in prompts) * body.n
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
-            events = self._sse(streams, choices, body.n, kind, meta, logprobs,
-                               usage_prompt if usage else None, key)
+            events = sse(streams, choices, body.n, reply, meta,
+                         usage_prompt if usage else None, lambda: self._record(key, choices))
             return StreamingResponse(events, media_type="text/event-stream")
-        for _ in _events(streams, choices, body.n):
+        for _ in read_events(streams, choices, body.n):
             pass
         self._record(key, choices)
         prompt_of = lambda i: prompts[i // body.n]  # noqa: E731
@@ -323,65 +321,6 @@ class OpenAIApp:
         if key is not None:
             c = choices[0]
             self.trajectories.record(key, c.tokens, c.logprobs, c.versions)
-
-    def _sse(self, streams, choices, n, kind, meta, logprobs, usage_prompt, key=None
-             ) -> Iterator[str]:
-        chunk_kind = "chat.completion.chunk" if kind.startswith("chat") else kind
-        sent = [0] * len(choices)
-
-        def chunk(payload):
-            return f"data: {json.dumps({**meta, 'object': chunk_kind, **payload})}\n\n"
-
-        try:
-            if kind.startswith("chat"):
-                yield chunk({"choices": [{"index": i, "delta": {"role": "assistant",
-                                                                "content": ""},
-                                          "logprobs": None, "finish_reason": None}
-                                         for i in range(len(choices))]})
-            for i in _events(streams, choices, n):
-                c = choices[i]
-                text = c.stream_delta()
-                if text or c.finish is not None:
-                    piece = choice_json(kind, i, c, logprobs, final=False, text=text,
-                                        tokens=slice(sent[i], len(c.tokens)))
-                    sent[i] = len(c.tokens)
-                    yield chunk({"choices": [piece]})
-            self._record(key, choices)
-            if usage_prompt is not None:
-                completion = sum(len(c.tokens) for c in choices)
-                yield chunk({"choices": [], "usage": {
-                    "prompt_tokens": usage_prompt, "completion_tokens": completion,
-                    "total_tokens": usage_prompt + completion}})
-            yield "data: [DONE]\n\n"
-        except OpenAIError as e:                 # the status line has gone: say it in-band
-            yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind}})}\n\n"
-        finally:                                 # also when the client went away
-            for stream in streams:
-                stream.cancel()
-
-
-def _events(streams, choices, n) -> Iterator[int]:
-    """Reads every stream to its end, feeding `choices` (stream s, sample j is choice s*n + j);
-    yields the index of each choice that changed. A sample cut by a stop string is not fed
-    further; a stream whose samples all stopped is cancelled."""
-    for s, stream in enumerate(streams):
-        for event in stream:
-            c = choices[s * n + event.sample_index]
-            if c.finish is not None:        # cut by a stop string: the rest is not shown
-                continue
-            if isinstance(event, TokenEvent):
-                c.add(event.token, event.logprob, event.version)
-            elif event.reason in FINISH:
-                c.end(FINISH[event.reason])
-            else:
-                for other in streams:
-                    other.cancel()
-                raise OpenAIError(503, f"generation failed ({event.reason}"
-                                  f"{': ' + stream.error if stream.error else ''})",
-                                  kind="server_error")
-            if all(choices[s * n + j].finish for j in range(n)):
-                stream.cancel()
-            yield s * n + event.sample_index
 
 
 async def _server_error(_: Request, exc: Exception) -> JSONResponse:

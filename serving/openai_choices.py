@@ -5,11 +5,26 @@ JSON (`choice_json`), whole or as a streamed delta."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
 from serving.detokenize import IncrementalDecoder
 from serving.tool_calls import ToolTurn
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """How a request's choices are reported: the object `kind` ("text_completion" or
+    "chat.completion"), with per-token `logprobs` or not, `tools` a ToolTurn factory (one per
+    choice) when the request has tools, `top` alternatives per position when the choices are
+    scored (Scored), and `echo`: each choice's text and log-probs begin with its prompt's."""
+
+    kind: str
+    logprobs: bool = False
+    tools: Callable | None = None
+    top: int | None = None
+    echo: bool = False
 
 
 class Choice:

@@ -120,7 +120,7 @@ class PagedKV:
         if window is not None:
             mask_BTS &= ops.window_mask(positions_BT, keys_S[None], window)
         return ops.attention(q_BTNH, kv_BSCH[:, :, 0::2], kv_BSCH[:, :, 1::2], mask_BTS, "xla",
-                             scale=scale, softcap=softcap)
+                             scoring=ops.Scoring(scale, softcap))
 
     def _attend_loop(self, layer, q_BTNH, positions_BT, window=None, scale=None,
                      softcap=None):

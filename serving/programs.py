@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from jaxrl import executables
 from serving.constraints import mask_words
-from serving.spec import SAMPLING, Spec
+from serving.spec import PER_SLOT, ROW_TYPES, SAMPLING, Spec
 from serving.steps import HISTORY_CHUNK, PROGRAMS
 from sharding import mesh as shd
 
@@ -142,7 +142,8 @@ class Programs:
         rep = shd.replicated(spec.mesh)
         arr = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
         params, state = spec.param_target, spec.abstract_state()
-        sampling = lambda k: tuple(arr(k, *shape, dtype=d) for d, shape in SAMPLING)  # noqa: E731
+        fields = lambda k, names: {n: arr(k, *ROW_TYPES[n][1], dtype=ROW_TYPES[n][0])  # noqa: E731
+                                   for n in names}
         words = mask_words(spec.model_cfg.vocab_size)    # a row's token bitmask
         if name == "init":
             return ()
@@ -156,12 +157,11 @@ class Programs:
             (k,) = key
             logits = arr(spec.cfg.max_prefill_rows, spec.model_cfg.vocab_size,
                          dtype=jnp.float32)
-            return (logits, arr(k), arr(k), *sampling(k), arr(k, words))
+            return (logits, arr(k), arr(k), fields(k, SAMPLING), arr(k, words))
         if name == "insert":
             (k,) = key
-            return (state, arr(k), arr(k), arr(k), arr(k), *sampling(k), arr(k),
-                    arr(k, dtype=jnp.float32), arr(k, dtype=jnp.float32),
-                    arr(k, HISTORY_CHUNK), arr(dtype=jnp.bool_))
+            return (state, arr(k), fields(k, PER_SLOT), arr(k, HISTORY_CHUNK),
+                    arr(dtype=jnp.bool_))
         if name == "copy_pages":
             (k,) = key
             return (state, arr(k), arr(k))

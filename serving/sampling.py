@@ -4,6 +4,7 @@ seed, all in one jitted call over every slot. Every token comes with its log-pro
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,9 +95,19 @@ def slot_keys(seeds_S, sample_index_S, counts_S):
     return jax.vmap(key)(seeds_S, sample_index_S, counts_S)
 
 
-def sample(logits_SV, temperature_S, top_k_S, top_p_S, keys_S, banned_S=None, allowed_SW=None,
-           adjust=None, top_k_top_p: bool = True):
-    """(tokens [S], log-probs [S]). The log-prob is under softmax(logits / temperature) before
+class Draws(NamedTuple):
+    """How each slot draws its token: temperature (<= 0: greedy), top_k (0: all), top_p and
+    its random key, each [S]."""
+
+    temperature_S: jax.Array
+    top_k_S: jax.Array
+    top_p_S: jax.Array
+    keys_S: jax.Array
+
+
+def sample(logits_SV, draws: Draws, banned_S=None, allowed_SW=None, adjust=None,
+           top_k_top_p: bool = True):
+    """(tokens [S], log-probs [S]), each slot's drawn as `draws` says. The log-prob is under softmax(logits / temperature) before
     the top-k/top-p cut, the ban and the mask (temperature 1 for greedy slots): the
     distribution the trainer recomputes. `banned_S`: a token id each slot may not draw
     (min_tokens' EOS), -1 for none. `allowed_SW`: each slot's token bitmask (bit t of word
@@ -105,6 +116,7 @@ def sample(logits_SV, temperature_S, top_k_S, top_p_S, keys_S, banned_S=None, al
     not in the log-probs (`with_bias`, `with_penalties`). The sort that top-k/top-p need, and
     the random draw, are skipped when no slot needs them (XLA's CPU sort costs more than a
     small model's whole decode step); `top_k_top_p=False` leaves them out of the program."""
+    temperature_S, top_k_S, top_p_S, keys_S = draws
     logits_SV = logits_SV.astype(jnp.float32)
     greedy_S = temperature_S <= 0
     temperature_S1 = jnp.where(greedy_S, 1.0, temperature_S)[:, None]

@@ -45,11 +45,16 @@ class DecodeState:
 
 # What a decode batch gathers for its rows (`seen` is gathered only when a row is penalized).
 PER_SLOT = tuple(f.name for f in dataclasses.fields(DecodeState) if f.name not in ("kv", "seen"))
-# temperature, top_k, top_p, seed, banned, min_tokens, bias ids, bias values, each (dtype,
-# shape after the entry axis): serving.engine's _sampling_arrays
-SAMPLING = ((jnp.float32, ()), (jnp.int32, ()), (jnp.float32, ()), (jnp.uint32, ()),
-            (jnp.int32, ()), (jnp.int32, ()), (jnp.int32, (MAX_LOGIT_BIAS,)),
-            (jnp.float32, (MAX_LOGIT_BIAS,)))
+# The per-slot fields a request's sampling parameters fill (serving.engine's _sampling_arrays);
+# the first token is drawn with them alone.
+SAMPLING = ("temperature", "top_k", "top_p", "seeds", "banned", "min_tokens", "bias_ids",
+            "bias_values")
+# Each per-slot field's (dtype, shape after the slot axis): an insert's and a first draw's rows
+# are dicts of arrays [K, ...] keyed by these names.
+ROW_TYPES = {n: (jnp.int32, ()) for n in PER_SLOT} | {
+    "temperature": (jnp.float32, ()), "top_p": (jnp.float32, ()), "seeds": (jnp.uint32, ()),
+    "bias_ids": (jnp.int32, (MAX_LOGIT_BIAS,)), "bias_values": (jnp.float32, (MAX_LOGIT_BIAS,)),
+    "presence": (jnp.float32, ()), "frequency": (jnp.float32, ())}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models import merge_params
-from serving.sampling import sample, slot_keys, with_bias, with_penalties
+from serving.sampling import Draws, sample, slot_keys, with_bias, with_penalties
 from serving.spec import PER_SLOT, DecodeState, Spec, empty_state, pinned
 from sharding import mesh as shd
 
@@ -38,40 +38,33 @@ def _banned(banned_S, min_tokens_S, counts_S):
     return jnp.where(counts_S < min_tokens_S, banned_S, -1)
 
 
-def _sample_first(spec: Spec, logits_PV, rows_K, index_K, temperature_K, top_k_K, top_p_K,
-                  seeds_K, banned_K, min_tokens_K, bias_ids_KB, bias_values_KB, allowed_KW):
+def _sample_first(spec: Spec, logits_PV, rows_K, index_K, sampling_K: dict, allowed_KW):
+    """Each entry's first token from logits row `rows_K`, as sample `index_K` of its request,
+    under `sampling_K` (arrays [K, ...] keyed by spec.SAMPLING)."""
     zeros = jnp.zeros_like(index_K)
-    keys = slot_keys(seeds_K, index_K, zeros)
+    keys = slot_keys(sampling_K["seeds"], index_K, zeros)
     has = spec.cfg.sampling_features.__contains__
+    s = sampling_K
     # A sample's first token: nothing generated yet to penalize.
     tokens_K, logprobs_K = sample(
-        logits_PV[rows_K], temperature_K, top_k_K, top_p_K, keys,
-        _banned(banned_K, min_tokens_K, zeros) if has("min_tokens") else None,
+        logits_PV[rows_K], Draws(s["temperature"], s["top_k"], s["top_p"], keys),
+        _banned(s["banned"], s["min_tokens"], zeros) if has("min_tokens") else None,
         allowed_KW if has("grammar") else None,
-        partial(with_bias, ids_SB=bias_ids_KB, values_SB=bias_values_KB)
+        partial(with_bias, ids_SB=s["bias_ids"], values_SB=s["bias_values"])
         if has("logit_bias") else None, top_k_top_p=has("top_k_top_p"))
     rep = shd.replicated(spec.mesh)
     return (jax.lax.with_sharding_constraint(tokens_K, rep),
             jax.lax.with_sharding_constraint(logprobs_K, rep))
 
 
-def _insert(spec: Spec, state: DecodeState, slots_K, lengths_K, tokens_K, counts_K,
-            temperature_K, top_k_K, top_p_K, seeds_K, banned_K, min_tokens_K, bias_ids_KB,
-            bias_values_KB, index_K, presence_K, frequency_K, history_KC, reset):
-    """Puts K sequences into their slots. A penalized one's token counts are rebuilt from the
-    tokens it has generated (`history_KC`, -1 padding), a chunk per call: `reset` zeroes them
-    first, later calls (a long history) add on."""
-    at = lambda a, x: a.at[slots_K].set(x)  # noqa: E731
-    state = dataclasses.replace(
-        state, lengths=at(state.lengths, lengths_K), tokens=at(state.tokens, tokens_K),
-        counts=at(state.counts, counts_K), temperature=at(state.temperature, temperature_K),
-        top_k=at(state.top_k, top_k_K), top_p=at(state.top_p, top_p_K),
-        seeds=at(state.seeds, seeds_K), banned=at(state.banned, banned_K),
-        min_tokens=at(state.min_tokens, min_tokens_K),
-        sample_index=at(state.sample_index, index_K), bias_ids=at(state.bias_ids, bias_ids_KB),
-        bias_values=at(state.bias_values, bias_values_KB),
-        presence=at(state.presence, presence_K), frequency=at(state.frequency, frequency_K))
-    penalized_K = (presence_K != 0) | (frequency_K != 0)
+def _insert(spec: Spec, state: DecodeState, slots_K, rows_K: dict, history_KC, reset):
+    """Puts K sequences into their slots: `rows_K` holds each per-slot field's values [K, ...]
+    (spec.PER_SLOT). A penalized one's token counts are rebuilt from the tokens it has
+    generated (`history_KC`, -1 padding), a chunk per call: `reset` zeroes them first, later
+    calls (a long history) add on."""
+    state = dataclasses.replace(state, **{
+        n: getattr(state, n).at[slots_K].set(rows_K[n]) for n in PER_SLOT})
+    penalized_K = (rows_K["presence"] != 0) | (rows_K["frequency"] != 0)
 
     def recount(seen_SV):
         s, v = seen_SV.shape
@@ -117,7 +110,7 @@ def _advance(spec: Spec, state: DecodeState, logits_RV, slots_R, real_R, allowed
         return logits_RV
 
     tokens_R, logprobs_R = sample(
-        logits_RV, rows["temperature"], rows["top_k"], rows["top_p"], keys,
+        logits_RV, Draws(rows["temperature"], rows["top_k"], rows["top_p"], keys),
         _banned(rows["banned"], rows["min_tokens"], rows["counts"])
         if has("min_tokens") else None, allowed_RW if has("grammar") else None,
         adjust if has("logit_bias") or has("penalties") else None,

@@ -26,7 +26,7 @@ that returned a buffer would copy it, sharding/stage_ops.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,17 +51,32 @@ class LayerParts:
     head: Callable
 
 
-def run_helix(plan: HelixPlan, parts: LayerParts, w_in_PV, w_out_PV, head_params, x_MbTD,
-              aux_M, head_in_M, mesh: Mesh, live_M=None, replicate_heads: bool = False):
-    """Loss and gradients by the helix schedule. `w_in_PV` / `w_out_PV`: [P, L/P, ...] the
-    input side of layer s + kP and the output side of layer s + kP - 1 on stage s, slot k
-    (`jaxrl.train.helix_step.helix_layout`); `x_MbTD` the embedded microbatches; `aux_M`,
-    `head_in_M` trees of per-microbatch inputs; `live_M` [M] bool (False: a padded
-    microbatch, no op runs). `replicate_heads` as in `stage_programs.run_schedule`. Returns
-    (loss [M], head_aux [M, ...], float32 gradients w.r.t. w_in_PV, w_out_PV and
-    head_params, and x_MbTD's)."""
+@dataclasses.dataclass(frozen=True)
+class HelixInputs:
+    """What the helix schedule differentiates and runs on. `w_in_PV` / `w_out_PV`: [P, L/P,
+    ...] the input side of layer s + kP and the output side of layer s + kP - 1 on stage s,
+    slot k (`jaxrl.train.helix_step.helix_layout`); `x_MbTD` the embedded microbatches;
+    `aux_M`, `head_in_M` trees of per-microbatch inputs; `live_M` [M] bool (False: a padded
+    microbatch, no op runs; None: all run)."""
+
+    w_in_PV: dict
+    w_out_PV: dict
+    head_params: dict
+    x_MbTD: jax.Array
+    aux_M: object
+    head_in_M: object
+    live_M: jax.Array | None = None
+
+
+def run_helix(plan: HelixPlan, parts: LayerParts, inputs: HelixInputs, mesh: Mesh,
+              replicate_heads: bool = False):
+    """Loss and gradients by the helix schedule. `replicate_heads` as in
+    `stage_programs.run_schedule`. Returns (loss [M], head_aux [M, ...], float32 gradients
+    w.r.t. w_in_PV, w_out_PV and head_params, and x_MbTD's)."""
+    w_in_PV, w_out_PV, head_params = inputs.w_in_PV, inputs.w_out_PV, inputs.head_params
+    x_MbTD, aux_M, head_in_M = inputs.x_MbTD, inputs.aux_M, inputs.head_in_M
     m = x_MbTD.shape[0]
-    live_M = jnp.ones((m,), bool) if live_M is None else live_M
+    live_M = jnp.ones((m,), bool) if inputs.live_M is None else inputs.live_M
     table = plan.table()
     rows = jnp.stack([jnp.asarray(table["wave"]), jnp.asarray(table["boundary"])], -1)
     first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
@@ -94,6 +109,19 @@ def run_helix(plan: HelixPlan, parts: LayerParts, w_in_PV, w_out_PV, head_params
                                              head_in_M, live_M)
     on_first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
     return loss[0], on_first(aux), g_in, g_out, on_first(g_head), dx[0]
+
+
+class _Op(NamedTuple):
+    """A P op of a stage in a round: microbatch `j`, layer boundary `i`, whether it runs
+    (`on`), its `kind` (IDLE, FIRST, MID, LAST), and the slots of its input and output sides
+    among the stage's layers (`k`, `k_out`)."""
+
+    j: jax.Array
+    i: jax.Array
+    on: jax.Array
+    kind: jax.Array
+    k: jax.Array
+    k_out: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,14 +179,14 @@ class _Stage:
     def stage(self):
         return jax.lax.axis_index("stage")
 
-    def _slot(self, row, slot):
-        """(microbatch, boundary, kind) of this stage's P op for a wave slot in a round."""
+    def _slot(self, row, slot) -> "_Op":
+        """This stage's P op for a wave slot in a round."""
         p, L = self.plan.stages, self.plan.layers
         g, i = row[self.stage, 0], row[self.stage, 1]
         j = jnp.clip(g, 0) * self.plan.wave + slot
         on = (g >= 0) & self.live[j]
         kind = jnp.where(~on, IDLE, jnp.where(i == 0, FIRST, jnp.where(i == L, LAST, MID)))
-        return j, i, on, kind, i // p, (i // p) % (L // p)
+        return _Op(j, i, on, kind, i // p, (i // p) % (L // p))
 
     def _aux(self, j):
         return jax.tree.map(lambda a: a[j], self.aux_M)
@@ -284,9 +312,10 @@ class _Stage:
         (cotangents of the residual and the attention output, (real, microbatch, layer))
         for layer i-1's A op."""
         p = self.plan.stages
-        j, i, on, kind, k, k_out = self._slot(row, slot)
+        op = self._slot(row, slot)
+        j, i, on, kind, k, k_out = op
         r_in, a_in = (buf[j, k] for buf in state["kept_in"])
-        out = self._p_backward(state, kind, j, k, k_out, r_in, a_in, dqkv, dy)
+        out = self._p_backward(state, op, r_in, a_in, dqkv, dy)
         g_in_k, g_out_k, g_head, dr, da, dx, loss, aux = out
         add = lambda acc, g, i: jax.tree.map(  # noqa: E731
             lambda A, G: A.at[i].add(G.astype(A.dtype)), acc, g)
@@ -299,9 +328,10 @@ class _Stage:
                                      state["aux"], aux)}
         return state, (dr, da, (on & (i > 0), j, i - 1))
 
-    def _p_backward(self, state, kind, j, k, k_out, r_in, a_in, dqkv, dy):
+    def _p_backward(self, state, op: "_Op", r_in, a_in, dqkv, dy):
         """(w_in grads, w_out grads, head grads, dr, da, dx, loss, head aux) of one P op."""
-        w_in, w_out = self._weights(k, k_out)
+        j, kind = op.j, op.kind
+        w_in, w_out = self._weights(op.k, op.k_out)
         aux, head_in = self._aux(j), jax.tree.map(lambda a: a[j], self.head_in_M)
         none = (_zeros(self.shapes.loss), _zeros(self.shapes.aux))
         g_head = state["g_head"]

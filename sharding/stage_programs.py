@@ -152,44 +152,54 @@ def run_schedule(sched: sch.Schedule, problem: StageProblem, mesh: Mesh,
     """Loss and gradients of `problem` pipelined by the table `sched` over `mesh`'s stage axis.
     Returns (loss [M], head_aux [M, ...], float32 gradients of sum(loss) w.r.t. w_PV (its
     `trained` part) and head_params, and w.r.t. x_MbTD)."""
-    layer_fn, head_fn, w_PV, head_params, x_MbTD, aux_M, head_in_M, live_M = (
-        problem.layer_fn, problem.head_fn, problem.w_PV, problem.head_params, problem.x_MbTD,
-        problem.aux_M, problem.head_in_M, problem.live_M)
-    reference, split_how, replicate_heads, trained = (
-        options.reference, options.split_how, options.replicate_heads, options.trained)
-    if sched.reference != (reference is not None):
+    if sched.reference != (options.reference is not None):
         raise ValueError(f"{sched.name}: a table with R ops needs a reference model, and only "
                          f"such a table takes one (R ops: {sched.reference})")
+    if problem.live_M is None:
+        problem = dataclasses.replace(problem, live_M=jnp.ones((problem.x_MbTD.shape[0],), bool))
+    trained = options.trained
+    head = functools.partial(_head_and_grads, problem.head_fn, frozen=trained is not None)
+    shapes = _head_shapes(head, problem.head_params, problem.x_MbTD, problem.head_in_M,
+                          options.reference)
+    program = _stage_program(sched, problem, options, head, shapes)
+    grads_of = (trained_part(problem.w_PV, trained)[0],
+                {} if trained is not None else problem.head_params)
+    g_w, g_head, dx, loss, aux = _on_stages(program, mesh, problem, options.reference,
+                                            grads_of, shapes[2])
+    last_stage = sched.placement[-1][0]
+    take = lambda tree, s: jax.tree.map(lambda a: a[s], tree)  # noqa: E731
+    return (loss[last_stage], take(aux, last_stage), g_w, take(g_head, last_stage), dx[0])
+
+
+def _stage_program(sched: sch.Schedule, problem: StageProblem, options: ScheduleOptions, head,
+                   shapes: tuple) -> Callable:
+    """What each stage runs: the table's ticks in a scan, each tick its op (a `lax.switch`
+    over `branches`), then its gradients, input gradients, losses and aux. `shapes`: the
+    reference log-probs', the loss's and the aux's (`_head_shapes`)."""
     table = sch.as_arrays(sched)
     rows = jnp.asarray(np.stack([table[f] for f in FIELDS], axis=-1))      # [ticks, P, fields]
-    slots = table["slots"]
-    split = sched.split
-    p, m = sched.stages, x_MbTD.shape[0]
-    last_stage = sched.placement[-1][0]
-    live_M = jnp.ones((m,), bool) if live_M is None else live_M
-
-    head = functools.partial(_head_and_grads, head_fn, frozen=trained is not None)
-    ref_shape, loss_shape, aux_shape = _head_shapes(head, head_params, x_MbTD, head_in_M,
-                                                    reference)
+    slots, p, trained = table["slots"], sched.stages, options.trained
+    ref_shape, loss_shape, aux_shape = shapes
+    reference = options.reference
 
     def program(w_1V, hp, x_M, aux, live, ref):
-        hp, ref = _whole_heads(hp, ref) if replicate_heads else (hp, ref)
+        hp, ref = _whole_heads(hp, ref) if options.replicate_heads else (hp, ref)
         w_V = jax.tree.map(lambda a: a[0], w_1V)
         stage = jax.lax.axis_index("stage")
         layers = jax.tree.leaves(w_V)[0].shape[1]
         grads_like = (trained_part(w_V, trained)[0], {} if trained is not None else hp)
         state = _empty_state(slots, layers, x_M, grads_like, (loss_shape, aux_shape))
         split_b = None
-        if split:
-            split_b = _split_backward(split_how, layer_fn, w_V, x_M, aux, trained)
+        if sched.split:
+            split_b = _split_backward(options.split_how, problem.layer_fn, w_V, x_M, aux, trained)
             state["stash"] = tuple(jnp.zeros((slots["w"], layers, *s.shape), s.dtype)
                                    for s in split_b.stash_shapes())
         if ref is not None:
             ref = {**ref, "w_V": jax.tree.map(lambda a: a[0], ref["w_1V"])}
-            state["ref_logp"] = jnp.zeros((m, *ref_shape.shape), ref_shape.dtype)
-        model = StageModel(layer_fn, head, w_V, hp, x_M, aux, head_in_M, split_b, ref,
-                           None if reference is None else reference.head_fn, replicate_heads,
-                           trained)
+            state["ref_logp"] = jnp.zeros((x_M.shape[0], *ref_shape.shape), ref_shape.dtype)
+        model = StageModel(problem.layer_fn, head, w_V, hp, x_M, aux, problem.head_in_M,
+                           split_b, ref, None if reference is None else reference.head_fn,
+                           options.replicate_heads, trained)
         ops = branches(model, ((loss_shape, aux_shape), ref_shape))
         read_only = [k for k in ("inbox", "acts", "stash", "ref_logp") if k in state]
 
@@ -205,15 +215,11 @@ def run_schedule(sched: sch.Schedule, problem: StageProblem, mesh: Mesh,
             return state, None
 
         state, _ = jax.lax.scan(tick, state, rows)
-        return (jax.tree.map(lambda a: a[None], state["g_w"]),
-                jax.tree.map(lambda a: a[None], state["g_head"]), state["dx"][None],
-                state["loss"][None], jax.tree.map(lambda a: a[None], state["aux"]))
+        lead = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
+        return (lead(state["g_w"]), lead(state["g_head"]), state["dx"][None],
+                state["loss"][None], lead(state["aux"]))
 
-    grads_of = (trained_part(w_PV, trained)[0], {} if trained is not None else head_params)
-    g_w, g_head, dx, loss, aux = _on_stages(program, mesh, aux_shape, w_PV, head_params,
-                                            x_MbTD, aux_M, live_M, reference, grads_of)
-    take = lambda tree, s: jax.tree.map(lambda a: a[s], tree)  # noqa: E731
-    return (loss[last_stage], take(aux, last_stage), g_w, take(g_head, last_stage), dx[0])
+    return program
 
 
 def _empty_state(slots: dict, layers: int, x_M, grads_like: tuple, loss_aux: tuple) -> dict:
@@ -273,11 +279,11 @@ def _head_shapes(head, head_params, x_MbTD, head_in_M, reference: Reference | No
     return ref_shape, loss_shape, aux_shape
 
 
-def _on_stages(program, mesh: Mesh, aux_shape, w_PV, head_params, x_MbTD, aux_M, live_M,
-               reference: Reference | None, grads_of: tuple):
+def _on_stages(program, mesh: Mesh, problem: StageProblem, reference: Reference | None,
+               grads_of: tuple, aux_shape):
     """`program` run on every stage (shard_map over the stage axis): the chunks of layers and
     the outputs split by stage, everything else whole. `grads_of`: the (layer, head) weights
-    the program returns gradients of."""
+    the program returns gradients of; `aux_shape`: the head's aux for one microbatch."""
     stage_spec = lambda tree: jax.tree.map(lambda _: P("stage"), tree)  # noqa: E731
     whole_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
     ref = None if reference is None else {
@@ -288,10 +294,11 @@ def _on_stages(program, mesh: Mesh, aux_shape, w_PV, head_params, x_MbTD, aux_M,
     out_specs = (stage_spec(grads_of[0]), stage_spec(grads_of[1]), P("stage"), P("stage"),
                  stage_spec(aux_shape))
     run = jax.shard_map(program, mesh=mesh, axis_names={"stage"}, check_vma=False,
-                        in_specs=(stage_spec(w_PV), whole_spec(head_params), P(),
-                                  whole_spec(aux_M), P(), ref_spec),
+                        in_specs=(stage_spec(problem.w_PV), whole_spec(problem.head_params), P(),
+                                  whole_spec(problem.aux_M), P(), ref_spec),
                         out_specs=out_specs)
-    return run(w_PV, head_params, x_MbTD, aux_M, live_M, ref)
+    return run(problem.w_PV, problem.head_params, problem.x_MbTD, problem.aux_M, problem.live_M,
+               ref)
 
 
 def _deliver(inbox, out, row, p: int):

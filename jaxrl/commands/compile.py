@@ -19,7 +19,7 @@ from jaxrl.recipe import model_config
 from jaxrl.train.objectives import SupervisedLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
 from jaxrl.train.state import abstract_state, state_shardings
-from jaxrl.train.step import jit_train_step
+from jaxrl.train.step import Layout, jit_train_step
 from sharding import buffers
 from sharding import mesh as shd
 from sharding.aot import tpu_devices
@@ -153,10 +153,9 @@ def compile_train_step(cfg: RunConfig, topology: str) -> dict:
     state = abstract_state(model_cfg, tx, shardings)
     graphdef, _ = split_params(abstract_model(model_cfg))
     order = LayerOrder.for_pipeline(cfg.sharding.pipeline, model_cfg.num_layers)
-    step = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(cfg.optim, 1),
-                          remat=cfg.train.remat, pipeline=cfg.sharding.pipeline,
-                          objective=SupervisedLoss(cfg.train.logits_chunk),
-                          pipeline_order=order is not None)   # as the trainer runs it
+    layout = Layout(mesh, cfg.train.remat, cfg.sharding.pipeline, order is not None)
+    step = jit_train_step(graphdef, tx, shardings, layout, lr_schedule(cfg.optim, 1),
+                          SupervisedLoss(cfg.train.logits_chunk))   # as the trainer runs it
     t = cfg.train
     shape = (t.microbatches, t.batch_size // t.microbatches, t.seq_len)
     sharding = shd.batch_sharding(mesh, 3, leading=1)

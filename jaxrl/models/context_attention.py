@@ -24,6 +24,7 @@ Shape letters as in layers.py; b rows on this device, s tokens a chunk, C the co
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +94,32 @@ def attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, *, scale: float,
                          out_specs=spec, check_vma=False)(q_BTNH, k_BTGH, v_BTGH, seg_BT)
 
 
+class Queries(NamedTuple):
+    """A block's queries [b, q, G, R, H] with their segment ids [b, q] and token indices [q]."""
+
+    x: jax.Array
+    seg: jax.Array
+    index: jax.Array
+
+    def tail(self, s: int) -> "Queries":
+        """The second chunk of a pair (rows s onwards)."""
+        return Queries(self.x[:, s:], self.seg[:, s:], self.index[s:])
+
+
+class Keys(NamedTuple):
+    """A block's keys and values [b, k, G, H] with their segment ids [b, k] and token indices
+    [k]."""
+
+    k: jax.Array
+    v: jax.Array
+    seg: jax.Array
+    index: jax.Array
+
+    def head(self, s: int) -> "Keys":
+        """The first chunk of a pair (keys 0 .. s-1)."""
+        return Keys(self.k[:, :s], self.v[:, :s], self.seg[:, :s], self.index[:s])
+
+
 def _pair_index(j, s: int, context: int, xp=jnp):
     """Original indices [2s] of the tokens device j holds (chunks j and 2C-1-j; j may be
     traced), int32."""
@@ -107,19 +134,18 @@ def _case(i, j):
     return jnp.sign(j - i) + 1
 
 
-def _pair_forward(block, q_b2sGRH, k_j, v_j, seg_q, seg_j, q_index, k_index, case, s: int):
+def _pair_forward(block, queries: Queries, pair: Keys, case, s: int):
     """(output, log-sum-exp) of the queries against one device's chunk pair, for all 2s query
     rows (-inf and zeros where a case leaves rows out)."""
 
     def earlier():
-        return block(q_b2sGRH, k_j[:, :s], v_j[:, :s], seg_q, seg_j[:, :s], q_index,
-                     k_index[:s])
+        return block(queries, pair.head(s))
 
     def diagonal():
-        return block(q_b2sGRH, k_j, v_j, seg_q, seg_j, q_index, k_index)
+        return block(queries, pair)
 
     def later():
-        out, lse = block(q_b2sGRH[:, s:], k_j, v_j, seg_q[:, s:], seg_j, q_index[s:], k_index)
+        out, lse = block(queries.tail(s), pair)
         return (jnp.concatenate([jnp.zeros_like(out), out], axis=1),
                 jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=1))
 
@@ -137,13 +163,13 @@ def _local_attention(q_b2sNH, k_b2sGH, v_b2sGH, seg_b2s, *, length: int, context
     q_b2sGRH = q_b2sNH.reshape(b, 2 * s, g, n // g, h)
     gather = functools.partial(jax.lax.all_gather, axis_name=AXIS, axis=1, tiled=True)
     k_bTGH, v_bTGH, seg_bT = gather(k_b2sGH), gather(v_b2sGH), gather(seg_b2s)
-    q_index = _pair_index(i, s, c)
+    queries = Queries(q_b2sGRH, seg_b2s, _pair_index(i, s, c))
     block = jax.checkpoint(functools.partial(_block, scale=scale, softcap=softcap))
     outs, lses = [], []
     for j in range(c):          # device j's chunk pair: keys j*2s .. (j+1)*2s - 1
-        pair = slice(j * 2 * s, (j + 1) * 2 * s)
-        out, lse = _pair_forward(block, q_b2sGRH, k_bTGH[:, pair], v_bTGH[:, pair], seg_b2s,
-                                 seg_bT[:, pair], q_index, _pair_index(j, s, c), _case(i, j), s)
+        at = slice(j * 2 * s, (j + 1) * 2 * s)
+        pair = Keys(k_bTGH[:, at], v_bTGH[:, at], seg_bT[:, at], _pair_index(j, s, c))
+        out, lse = _pair_forward(block, queries, pair, _case(i, j), s)
         outs.append(out)
         lses.append(lse)
     lse_C = jnp.stack(lses)                          # [C, b, 2s, G, R]
@@ -152,25 +178,29 @@ def _local_attention(q_b2sNH, k_b2sGH, v_b2sGH, seg_b2s, *, length: int, context
     return out.reshape(b, 2 * s, n, h).astype(q_b2sNH.dtype)
 
 
-def _block(q_bqGRH, k_bkGH, v_bkGH, seg_q_bq, seg_k_bk, index_q, index_k, *, scale: float,
-           softcap: float | None):
+def _mask(queries: Queries, keys: Keys):
+    """[b, 1, 1, q, k]: which keys each query sees (causal, within its segment)."""
+    mask_bqk = ((queries.index[:, None] >= keys.index[None, :])[None]
+                & (queries.seg[:, :, None] == keys.seg[:, None, :]))
+    return mask_bqk[:, None, None]
+
+
+def _block(queries: Queries, keys: Keys, *, scale: float, softcap: float | None):
     """Attention of queries to one block of keys: (output [b, q, G, R, H] float32, normalised
     within the block; its log-sum-exp [b, q, G, R], -inf where the block holds no key the
     query may see)."""
-    scores = jnp.einsum("bqgrh,bkgh->bgrqk", q_bqGRH, k_bkGH,
+    scores = jnp.einsum("bqgrh,bkgh->bgrqk", queries.x, keys.k,
                         preferred_element_type=jnp.float32) * scale
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
-    mask_bqk = ((index_q[:, None] >= index_k[None, :])[None]
-                & (seg_q_bq[:, :, None] == seg_k_bk[:, None, :]))
-    mask = mask_bqk[:, None, None]
+    mask = _mask(queries, keys)
     scores = jnp.where(mask, scores, _LOW)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.where(mask, jnp.exp(scores - m), 0.0)
     l = jnp.sum(p, axis=-1)
     seen = l > 0
     out = jnp.einsum("bgrqk,bkgh->bqgrh", p / jnp.where(seen, l, 1.0)[..., None],
-                     v_bkGH.astype(jnp.float32))
+                     keys.v.astype(jnp.float32))
     lse = jnp.where(seen, m[..., 0] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     return out, jnp.moveaxis(lse, 3, 1)
 
@@ -201,12 +231,12 @@ def _ring_forward(q_b2sNH, k_b2sGH, v_b2sGH, seg_b2s, length, context, scale, so
     g = k_b2sGH.shape[2]
     q_b2sGRH = q_b2sNH.reshape(b, 2 * s, g, n // g, h)
     block = functools.partial(_block, scale=scale, softcap=softcap)
-    q_index = _pair_index(i, s, c)
+    queries = Queries(q_b2sGRH, seg_b2s, _pair_index(i, s, c))
     k_j, v_j, seg_j = k_b2sGH, v_b2sGH, seg_b2s
     for r in range(c):                  # step r: device i holds device (i - r)'s pair
         j = (i - r) % c
-        out_r, lse_r = _pair_forward(block, q_b2sGRH, k_j, v_j, seg_b2s, seg_j, q_index,
-                                     _pair_index(j, s, c), _case(i, j), s)
+        out_r, lse_r = _pair_forward(block, queries, Keys(k_j, v_j, seg_j, _pair_index(j, s, c)),
+                                     _case(i, j), s)
         if r == 0:                      # the diagonal: every query sees at least itself
             out, lse = out_r, lse_r
         else:
@@ -230,30 +260,26 @@ def _ring_backward(length, context, scale, softcap, residuals, dout_b2sNH):
     dout = dout_b2sNH.reshape(b, 2 * s, g, n // g, h).astype(jnp.float32)
     delta = jnp.sum(dout * out, axis=-1)
     grads = functools.partial(_block_grads, scale=scale, softcap=softcap)
-    q_index = _pair_index(i, s, c)
+    queries = Queries(q_b2sGRH, seg_b2s, _pair_index(i, s, c))
     dq = jnp.zeros(q_b2sGRH.shape, jnp.float32)
     k_j, v_j, seg_j = k_b2sGH, v_b2sGH, seg_b2s
     dk_j = dv_j = jnp.zeros(k_b2sGH.shape, jnp.float32)
     for r in range(c):
-        j = (i - r) % c
-        k_index = _pair_index(j, s, c)
+        pair = Keys(k_j, v_j, seg_j, _pair_index((i - r) % c, s, c))
 
         def earlier():
-            dq_, dk, dv = grads(q_b2sGRH, k_j[:, :s], v_j[:, :s], seg_b2s, seg_j[:, :s],
-                                q_index, k_index[:s], lse, dout, delta)
+            dq_, dk, dv = grads(queries, pair.head(s), lse, dout, delta)
             pad = ((0, 0), (0, s), (0, 0), (0, 0))
             return dq_, jnp.pad(dk, pad), jnp.pad(dv, pad)
 
         def diagonal():
-            return grads(q_b2sGRH, k_j, v_j, seg_b2s, seg_j, q_index, k_index, lse, dout,
-                         delta)
+            return grads(queries, pair, lse, dout, delta)
 
         def later():
-            dq_, dk, dv = grads(q_b2sGRH[:, s:], k_j, v_j, seg_b2s[:, s:], seg_j,
-                                q_index[s:], k_index, lse[:, s:], dout[:, s:], delta[:, s:])
+            dq_, dk, dv = grads(queries.tail(s), pair, lse[:, s:], dout[:, s:], delta[:, s:])
             return jnp.concatenate([jnp.zeros_like(dq_), dq_], axis=1), dk, dv
 
-        dq_r, dk_r, dv_r = jax.lax.switch(_case(i, j), (earlier, diagonal, later))
+        dq_r, dk_r, dv_r = jax.lax.switch(_case(i, (i - r) % c), (earlier, diagonal, later))
         dq, dk_j, dv_j = dq + dq_r, dk_j + dk_r, dv_j + dv_r
         if r < c - 1:
             k_j, v_j, seg_j, dk_j, dv_j = _next_device((k_j, v_j, seg_j, dk_j, dv_j), c)
@@ -265,19 +291,19 @@ def _ring_backward(length, context, scale, softcap, residuals, dout_b2sNH):
 _ring_local.defvjp(_ring_forward, _ring_backward)
 
 
-def _block_grads(q_bqGRH, k_bkGH, v_bkGH, seg_q, seg_k, index_q, index_k, lse_bqGR,
-                 dout_bqGRH, delta_bqGR, *, scale: float, softcap: float | None):
+def _block_grads(queries: Queries, keys: Keys, lse_bqGR, dout_bqGRH, delta_bqGR, *,
+                 scale: float, softcap: float | None):
     """Gradients (q, k, v; float32) of one block's share of the attention, from the
     attention's final log-sum-exp and output (`delta` = sum(dout * out))."""
+    q_bqGRH, k_bkGH = queries.x, keys.k
     raw = jnp.einsum("bqgrh,bkgh->bgrqk", q_bqGRH, k_bkGH,
                      preferred_element_type=jnp.float32) * scale
     capped = None if softcap is None else jnp.tanh(raw / softcap)
     scores = raw if softcap is None else softcap * capped
-    mask = ((index_q[:, None] >= index_k[None, :])[None]
-            & (seg_q[:, :, None] == seg_k[:, None, :]))[:, None, None]
+    mask = _mask(queries, keys)
     p = jnp.where(mask, jnp.exp(scores - jnp.moveaxis(lse_bqGR, 1, 3)[..., None]), 0.0)
     dv = jnp.einsum("bgrqk,bqgrh->bkgh", p, dout_bqGRH)
-    dp = jnp.einsum("bqgrh,bkgh->bgrqk", dout_bqGRH, v_bkGH.astype(jnp.float32))
+    dp = jnp.einsum("bqgrh,bkgh->bgrqk", dout_bqGRH, keys.v.astype(jnp.float32))
     ds = p * (dp - jnp.moveaxis(delta_bqGR, 1, 3)[..., None])
     if softcap is not None:
         ds = ds * (1.0 - capped * capped)

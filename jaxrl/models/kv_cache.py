@@ -57,4 +57,4 @@ class ContiguousKV:
             mask_BTM &= ops.window_mask(positions_BT, keys_M[None], window)
         return ops.attention(q_BTNH, self.k[layer].astype(q_BTNH.dtype),
                              self.v[layer].astype(q_BTNH.dtype), mask_BTM, "xla",
-                             scale=scale, softcap=softcap)
+                             scoring=ops.Scoring(scale, softcap))

@@ -103,5 +103,5 @@ def attend(cfg: ModelConfig, q_BTNH, k_BTGH, v_BTGH, mask_BTS, segment_ids_BT):
         return block_attention.block_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT,
                                                cfg.attention_scale)
     return ops.attention(q_BTNH, k_BTGH, v_BTGH, mask_BTS, cfg.attention, segment_ids_BT,
-                         cfg.max_segments, scale=cfg.attention_scale, softcap=cfg.attn_softcap,
-                         causal=True)
+                         cfg.max_segments, ops.Scoring(cfg.attention_scale, cfg.attn_softcap,
+                                                       causal=True))

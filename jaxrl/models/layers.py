@@ -6,6 +6,7 @@ H head dim, F mlp hidden, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -82,17 +83,25 @@ def window_mask(q_positions_BT, k_positions_BS, window):
     return k_positions_BS[:, None, :] > q_positions_BT[:, :, None] - window
 
 
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """How attention forms its scores: `scale` multiplies q.k (None: 1/sqrt(head_dim));
+    `softcap` (xla only, Gemma 2) bounds them to (-cap, cap) by cap * tanh(score / cap);
+    `causal`: the caller promises that queries and keys are the same positions and the mask
+    is false above the diagonal (the model's forward over whole sequences), so the xla path
+    may skip the keys after each block of queries (`causal_blocks`)."""
+
+    scale: float | None = None
+    softcap: float | None = None
+    causal: bool = False
+
+
 def attention(q_BTNH, k_BSGH, v_BSGH, mask_BTS, impl: str = "xla", segment_ids_BT=None,
-              max_segments: int = 16, *, scale: float | None = None,
-              softcap: float | None = None, causal: bool = False):
+              max_segments: int = 16, scoring: Scoring = Scoring()):
     """Grouped-query attention. `mask_BTS` is True where a query may attend to a key (the xla
-    path; the fused kernels take `segment_ids_BT`, cudnn at most `max_segments` a row).
-    `scale` multiplies q.k (default 1/sqrt(head_dim)); `softcap` (xla only, Gemma 2) bounds
-    the scores to (-cap, cap) by cap * tanh(score / cap). `causal`: the caller promises that
-    queries and keys are the same positions and the mask is false above the diagonal (the
-    model's forward over whole sequences), so the xla path may skip the keys after each block
-    of queries (`causal_blocks`)."""
-    scale = q_BTNH.shape[-1] ** -0.5 if scale is None else scale
+    path; the fused kernels take `segment_ids_BT`, cudnn at most `max_segments` a row)."""
+    scale = q_BTNH.shape[-1] ** -0.5 if scoring.scale is None else scoring.scale
+    softcap, causal = scoring.softcap, scoring.causal
     if softcap is not None and impl != "xla":
         raise ValueError(f"attention soft-capping runs on the xla path only, not {impl!r}")
     if impl == "xla" and causal:

@@ -22,11 +22,12 @@ METRICS_FILE = "metrics.jsonl"
 class MetricsLogger:
     """Appends one row per step; reopening the same run_dir (a resumed run) appends to it."""
 
-    def __init__(self, run_dir, *, tensorboard: bool = True, wandb: bool = False,
-                 wandb_project: str = "jaxrl", config: dict | None = None,
-                 resume_step: int | None = None, name: str | None = None,
-                 phase: str | None = None, phase_restarts: bool = False):
-        """`resume_step`: the step a resumed run restarts from; rows a crashed run logged after
+    def __init__(self, run_dir, *, tensorboard: bool = True, wandb: str | None = None,
+                 config: dict | None = None, resume_step: int | None = None,
+                 name: str | None = None, phase: str | None = None,
+                 phase_restarts: bool = False):
+        """`wandb`: the Weights & Biases project to log to as well (None: none), with the run's
+        `config`. `resume_step`: the step a resumed run restarts from; rows a crashed run logged after
         it (and will log again) are dropped, from metrics.jsonl and from TensorBoard's view.
         `name`: the phase (warm-up, RL), which names the W&B run `<run_dir>/<name>`.
         `phase`: written into every row as "phase"; with `phase_restarts` (the phase starts
@@ -37,7 +38,7 @@ class MetricsLogger:
         self._phase = phase
         # W&B first: when it cannot start, the run's files are left as they were.
         self._wandb, self._wandb_histogram = \
-            _start_wandb(wandb_project, self.run_dir, config, name) if wandb else (None, None)
+            _start_wandb(wandb, self.run_dir, config, name) if wandb else (None, None)
         path = self.run_dir / METRICS_FILE
         if path.exists():
             _drop_partial_last_line(path)

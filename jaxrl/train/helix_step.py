@@ -15,7 +15,7 @@ from jaxrl.models.layer_parts import INPUT_KEYS, attend, attention_inputs, \
     attention_output_and_mlp
 from jaxrl.models.transformer import layer_inputs
 from jaxrl.train.pipeline_io import pipeline_io
-from sharding.helix_program import LayerParts, run_helix
+from sharding.helix_program import HelixInputs, LayerParts, run_helix
 
 
 def helix_layout(stacked: dict, stages: int, pipeline_order: bool) -> tuple[dict, dict]:
@@ -88,9 +88,10 @@ def helix_grads(graphdef, params, batch, objective, pipeline, mesh,
     input gradient."""
     io = pipeline_io(graphdef, params, batch, objective, pipeline.microbatches)
     w_in, w_out = helix_layout(params["layers"], pipeline.stages, pipeline_order)
+    inputs = HelixInputs(w_in, w_out, io.outer, io.x_M, io.aux_M, io.batch_M, io.live_M)
     loss_M, (weight_M, stats_M), g_in, g_out, g_outer, dx = run_helix(
-        pipeline.helix(io.model_cfg.num_layers), layer_parts(io.model_cfg, io.head), w_in,
-        w_out, io.outer, io.x_M, io.aux_M, io.batch_M, mesh, io.live_M, replicate_heads)
+        pipeline.helix(io.model_cfg.num_layers), layer_parts(io.model_cfg, io.head), inputs,
+        mesh, replicate_heads)
     grads = {**io.outer_grads(g_outer, dx),
              "layers": from_helix_layout(g_in, g_out, pipeline_order)}
     return loss_M, weight_M, stats_M, io.live_M, grads

@@ -11,6 +11,7 @@ the whole global batch, so the accumulated gradient equals the one-shot gradient
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 from typing import Callable
@@ -42,37 +43,53 @@ def _combine(name: str, a, b):
     return a + b
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a train step's layers run and what they keep: the `mesh` (None: the default
+    device), `remat` (what each layer keeps for its backward: none, full, offload, ...), a
+    `pipeline` over the mesh's stage axis, and `pipeline_order` (the state's layer stacks are
+    in the pipeline's order: sharding/layer_order.py)."""
+
+    mesh: Mesh | None = None
+    remat: str = "none"
+    pipeline: pp.PipelineConfig | None = None
+    pipeline_order: bool = False
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline is not None and self.pipeline.enabled
+
+    def stage_mesh(self) -> Mesh:
+        """The mesh, or one of the first `stages` devices along a stage axis."""
+        stages = self.pipeline.stages
+        return self.mesh or shd.make_mesh(shd.MeshConfig(stage=stages), jax.devices()[:stages])
+
+
 def loss_and_grads(graphdef, params, batch, objective=SupervisedLoss(), ref_params=None,
-                   remat: str = "none", pipeline: pp.PipelineConfig | None = None,
-                   mesh: Mesh | None = None, pipeline_order: bool = False, dropout_key=None):
+                   layout: Layout = Layout(), dropout_key=None):
     """sum(loss_sum) / sum(weight) over the microbatches of `batch` ([M, ...] arrays), its
     gradient (accumulated in float32) and the objective's metrics.
 
     Without a pipeline the microbatches are a gradient-accumulation scan, and a microbatch with
     nothing to learn from (loss_mask all zero, e.g. padding of a packed RL step) is skipped.
-    With one (`pipeline.stages > 1`) the whole batch goes through the pipeline schedule, split
-    into `pipeline.microbatches`. `pipeline_order`: the layer stacks of `params` and
-    `ref_params` are in the pipeline's order (sharding/layer_order.py), and so is the
-    gradient's. `dropout_key`: model.lora.dropout's randomness for this step (no pipeline
-    runs LoRA)."""
+    With one (`layout.pipeline.stages > 1`) the whole batch goes through the pipeline schedule,
+    split into `pipeline.microbatches`. With `layout.pipeline_order` the layer stacks of
+    `params` and `ref_params` are in the pipeline's order, and so is the gradient's.
+    `dropout_key`: model.lora.dropout's randomness for this step (no pipeline runs LoRA)."""
     ref_model = None if ref_params is None else merge_params(graphdef, ref_params)
-    stack = layer_stack(remat)
-    if pipeline is not None and pipeline.enabled:
+    stack = layer_stack(layout.remat)
+    if layout.pipelined:
+        pipeline = layout.pipeline
         flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
         if pipeline.schedule == "helix":
             loss, weight, stats, grads = _helix_grads(graphdef, params, flat, objective,
-                                                      ref_params, pipeline, mesh,
-                                                      pipeline_order)
+                                                      ref_params, layout)
         elif pipeline.table is not None:
-            # A table schedule keeps each layer's input and recomputes the layer in its
-            # backward ops: `full` remat already, so `full` adds no second recompute.
-            loss, weight, stats, grads = _scheduled_grads(
-                graphdef, params, flat, objective, ref_params,
-                single_layer(stage_programs.layer_remat(remat)), pipeline, mesh,
-                pipeline_order)
+            loss, weight, stats, grads = _scheduled_grads(graphdef, params, flat, objective,
+                                                          ref_params, layout)
         else:
-            _check_nested_offload(remat, pipeline, mesh)
-            stack = pp.pipelined_stack(pipeline, stack, mesh, pipeline_order)
+            _check_nested_offload(layout)
+            stack = pp.pipelined_stack(pipeline, stack, layout.mesh, layout.pipeline_order)
 
             adapters_only = merge_params(graphdef, params).cfg.lora.enabled
 
@@ -99,11 +116,13 @@ def optimized(graphdef, params):
     return trained(merge_params(graphdef, params).cfg, params)
 
 
-def _check_nested_offload(remat: str, pipeline: pp.PipelineConfig, mesh: Mesh | None) -> None:
+def _check_nested_offload(layout: Layout) -> None:
     """Per-layer host offload nested in a gpipe/circular pipeline's scan trips an XLA error on
     TPU (the host residuals stacked by the outer scan get a layout without the host memory
     space); it compiles on CPU. Say so, and what works, before XLA does."""
-    if remat == "offload" and mesh is not None and mesh.devices.flat[0].platform == "tpu":
+    mesh, pipeline = layout.mesh, layout.pipeline
+    if (layout.remat == "offload" and mesh is not None
+            and mesh.devices.flat[0].platform == "tpu"):
         raise ValueError(
             f"train.remat=offload inside a {pipeline.schedule} pipeline (sharding.pipeline."
             f"stages={pipeline.stages}) does not compile for TPU: XLA rejects host-offloaded "
@@ -154,8 +173,7 @@ def _accumulated_grads(graphdef, params, batch, objective, ref_model, stack, dro
     return loss, weight, stats, grads
 
 
-def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, pipeline, mesh,
-                     pipeline_order):
+def _scheduled_grads(graphdef, params, batch, objective, ref_params, layout: Layout):
     """The same four values as `_accumulated_grads`, by a per-stage schedule table
     (sharding/stage_programs.py): the embedding runs before the pipeline, the head (final
     norm, logits, objective) after the last chunk's forward on its stage, and the embedding's
@@ -163,16 +181,17 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, p
     to learn from (RL padding) run no pipeline op. With `ref_params` (the KL term's frozen
     reference model) the table's R ops run the reference model chunk by chunk on the same
     stages, in the ticks the schedule leaves idle (PipeFill), and its head hands each
-    microbatch's reference log-probs to the objective."""
+    microbatch's reference log-probs to the objective. Each layer's input is kept and the layer
+    recomputed in its backward ops: `full` remat already, so `full` adds no second recompute."""
+    pipeline, mesh = layout.pipeline, layout.stage_mesh()
     io = pipeline_io(graphdef, params, batch, objective, pipeline.microbatches)
     sched = pipeline.table if ref_params is None else pipeline.reference_table
-    if mesh is None:
-        mesh = shd.make_mesh(shd.MeshConfig(stage=pipeline.stages), jax.devices()[:pipeline.stages])
+    layer_fn = single_layer(stage_programs.layer_remat(layout.remat))
 
     def layer(w_l, x_bTD, aux):
         return layer_fn(io.model_cfg, w_l, x_bTD, *aux)
 
-    if pipeline_order:
+    if layout.pipeline_order:
         to_stages, from_stages = (functools.partial(stage_programs.stage_view, sched=sched),
                                   stage_programs.flat_view)
     else:
@@ -195,17 +214,15 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layer_fn, p
     return jnp.sum(loss_M), jnp.sum(weight_M), stats, grads
 
 
-def _helix_grads(graphdef, params, batch, objective, ref_params, pipeline, mesh,
-                 pipeline_order):
+def _helix_grads(graphdef, params, batch, objective, ref_params, layout: Layout):
     """The same four values as `_accumulated_grads`, by HelixPipe (jaxrl/train/helix_step.py)."""
     if ref_params is not None:
         raise ValueError("sharding.pipeline.schedule=helix does not run the KL term's "
                          "reference model; use a table schedule (1f1b, zb-h1 or a V "
                          "schedule, which fill their bubbles with it) or set rl.kl_coef=0")
-    mesh = mesh or shd.make_mesh(shd.MeshConfig(stage=pipeline.stages),
-                                 jax.devices()[:pipeline.stages])
+    mesh = layout.stage_mesh()
     loss_M, weight_M, stats_M, live_M, grads = helix_step.helix_grads(
-        graphdef, params, batch, objective, pipeline, mesh, pipeline_order,
+        graphdef, params, batch, objective, layout.pipeline, mesh, layout.pipeline_order,
         _replicate_heads(mesh))
     stats = {k: _reduce_over_microbatches(k, v, live_M) for k, v in stats_M.items()}
     return jnp.sum(loss_M), jnp.sum(weight_M), stats, grads
@@ -246,15 +263,13 @@ def _reduce_over_microbatches(name: str, v_M, live_M):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
-                    objective=SupervisedLoss(), remat: str = "none",
-                    pipeline: pp.PipelineConfig | None = None, mesh: Mesh | None = None,
-                    opt_device=None, pipeline_order: bool = False) -> Callable:
+                    objective=SupervisedLoss(), layout: Layout = Layout(),
+                    opt_device=None) -> Callable:
     """`step(state, batch) -> (state, metrics)`, not yet jitted (see `jit_train_step`). A state
     with `ref_params` (a frozen reference model) hands them to the objective. `opt_device`:
     device shardings to bring a host-resident optimizer state in for the update (see
-    `state_shardings(offload_optimizer=True)`); the step's out_shardings send it back.
-    `pipeline_order`: the state's layer stacks are in the pipeline's order
-    (sharding/layer_order.py)."""
+    `state_shardings(offload_optimizer=True)`); the step's out_shardings send it back."""
+    mesh = layout.mesh
 
     def step(state, batch):
         if "oldest_version" in batch:   # RL: tokens whose whole context these weights made
@@ -273,8 +288,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule=None,
                    if cfg.lora.enabled and cfg.lora.dropout else None)
         with context:
             loss, grads, aux = loss_and_grads(graphdef, state["params"], batch, objective,
-                                              state.get("ref_params"), remat, pipeline, mesh,
-                                              pipeline_order, dropout)
+                                              state.get("ref_params"), layout, dropout)
         opt_state = state["opt_state"]
         if opt_device is not None:
             opt_state = jax.device_put(opt_state, opt_device)
@@ -310,16 +324,14 @@ def compiler_options(mesh: Mesh, width: int) -> dict[str, str] | None:
     return {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-def jit_train_step(graphdef, tx, shardings, mesh: Mesh, schedule=None, rules=shd.RULES,
-                   remat: str = "none", pipeline: pp.PipelineConfig | None = None,
-                   objective=SupervisedLoss(), pipeline_order: bool = False, width: int = 0):
-    """The train step compiled for the mesh; the state is donated and updated in place. `width`,
-    the model's embedding width, picks XLA:CPU's options (`compiler_options`)."""
+def jit_train_step(graphdef, tx, shardings, layout: Layout, schedule=None,
+                   objective=SupervisedLoss(), rules=shd.RULES, width: int = 0):
+    """The train step compiled for `layout.mesh`; the state is donated and updated in place.
+    `width`, the model's embedding width, picks XLA:CPU's options (`compiler_options`)."""
+    mesh = layout.mesh
     batch = shd.batch_sharding(mesh, 3, rules, leading=1)
-    return jax.jit(make_train_step(graphdef, tx, schedule, objective, remat=remat,
-                                   pipeline=pipeline, mesh=mesh,
-                                   opt_device=optimizer_on_device(shardings),
-                                   pipeline_order=pipeline_order),
+    return jax.jit(make_train_step(graphdef, tx, schedule, objective, layout,
+                                   opt_device=optimizer_on_device(shardings)),
                    in_shardings=(shardings, batch),
                    out_shardings=(shardings, shd.replicated(mesh)),
                    donate_argnums=0, compiler_options=compiler_options(mesh, width))

@@ -108,8 +108,7 @@ class Leader:
         self.processes = processes
         self._build_pipeline(r)
         self.clock = Clock(r.time_s)
-        self.metrics_log = MetricsLogger(Path(cfg.run_dir), wandb=cfg.log.wandb,
-                                         wandb_project=cfg.log.wandb_project,
+        self.metrics_log = MetricsLogger(Path(cfg.run_dir), wandb=cfg.log.wandb_run,
                                          config=self.config_dict, resume_step=step, name="RL",
                                          phase="rl", phase_restarts=trainer.restarted)
         stack.callback(self.metrics_log.close)

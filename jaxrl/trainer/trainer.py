@@ -24,7 +24,7 @@ from jaxrl.optim_config import OptimConfig
 from jaxrl.train.checkpoint import Checkpointer, CheckpointError
 from jaxrl.train.optim import lr_schedule, make_optimizer
 from jaxrl.train.state import optimizer_on_device, state_shardings
-from jaxrl.train.step import jit_train_step
+from jaxrl.train.step import Layout, jit_train_step
 from sharding import mesh as shd
 from sharding.layer_order import LayerOrder, converter
 
@@ -81,10 +81,9 @@ class Trainer:
         self.state = converter(order, "pipeline", shardings, on_device)(state)
         self.graphdef, _ = split_params(abstract_model(model_cfg))
         self.batch_sharding = shd.batch_sharding(mesh, 3, leading=1)
-        self._step_fn = jit_train_step(self.graphdef, tx, shardings, mesh,
-                                       lambda s: schedule(s - first_step), remat=cfg.train.remat,
-                                       pipeline=cfg.sharding.pipeline, objective=objective,
-                                       pipeline_order=order is not None,
+        layout = Layout(mesh, cfg.train.remat, cfg.sharding.pipeline, order is not None)
+        self._step_fn = jit_train_step(self.graphdef, tx, shardings, layout,
+                                       lambda s: schedule(s - first_step), objective,
                                        width=model_cfg.embed_dim)
         self.step = int(self.state["step"])
         # What fixes the step's program beside its arguments (jaxrl/executables.py).

@@ -89,9 +89,14 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     trainer = Trainer(cfg, model_cfg, mesh, objective=SupervisedLoss(t.logits_chunk),
                       optim=cfg.optim, steps=t.steps, first_step=0,
                       restore=_restore_or_init(cfg, latest, log))
+
+    def batch(step: int) -> dict:
+        """Step `step`'s global batch, from the rows this process holds."""
+        local = {k: v.reshape(*rows.shape, *v.shape[1:]) for k, v in dataset[step].items()}
+        return global_batch(local, batch_shard, dict.fromkeys(local, shape))
+
     try:
-        return _train(cfg, trainer, task, tokenizer, dataset, rows, batch_shard, shape, log,
-                      evaluate_at_end)
+        return _train(cfg, trainer, (task, tokenizer), batch, log, evaluate_at_end)
     finally:
         trainer.close()
 
@@ -132,8 +137,9 @@ def _restore_or_init(cfg: RunConfig, latest: int | None, log: Callable[[str], No
     return restore
 
 
-def _train(cfg: RunConfig, trainer: Trainer, task, tokenizer, dataset, rows, batch_shard, shape,
+def _train(cfg: RunConfig, trainer: Trainer, task_tokenizer: tuple, batch: Callable[[int], dict],
            log: Callable[[str], None], evaluate_at_end: bool) -> dict:
+    task, tokenizer = task_tokenizer
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_dict = to_dict(cfg)
@@ -143,17 +149,14 @@ def _train(cfg: RunConfig, trainer: Trainer, task, tokenizer, dataset, rows, bat
     log(f"model: {model_cfg.family}, {model_cfg.num_params() / 1e6:.2f}M parameters; mesh "
         f"{dict(trainer.mesh.shape)}; steps {first}..{cfg.train.steps}")
     pending, last_metrics, start = [], {}, time.perf_counter()
-    metrics_log = open_metrics(run_dir, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
-                               config=config_dict, name="warm-up", phase="warm-up",
+    metrics_log = open_metrics(run_dir, wandb=cfg.log.wandb_run, config=config_dict, name="warm-up", phase="warm-up",
                                # rows a crashed run logged past its checkpoint; never RL's
                                resume_step=first if first < cfg.train.steps else None)
     stop = AccuracyStop(cfg, task, tokenizer, trainer.graphdef)
     stopped_at = None
     try:
         for step in range(first, cfg.train.steps):
-            local = {k: v.reshape(*rows.shape, *v.shape[1:]) for k, v in dataset[step].items()}
-            metrics = trainer.run_step(global_batch(local, batch_shard,
-                                                    dict.fromkeys(local, shape)))
+            metrics = trainer.run_step(batch(step))
             if _stops(stop, step + 1, trainer, metrics, log):
                 stopped_at = step + 1
             pending.append((step + 1, metrics))

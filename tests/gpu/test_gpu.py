@@ -123,14 +123,14 @@ def test_engine_greedy_tokens_in_bfloat16_follow_float32():
 
 
 def _grads(remat, device):
-    from jaxrl.train.step import loss_and_grads
+    from jaxrl.train.step import Layout, loss_and_grads
 
     graphdef, params = model_on(device)
     ids, seg, pos = packed_batch()
     batch = {"input_ids": ids[None], "targets": np.roll(ids, -1, -1)[None],
              "loss_mask": np.ones((1,) + ids.shape, np.float32), "segment_ids": seg[None],
              "positions": pos[None]}
-    fn = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, remat=remat)[:2])
+    fn = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, layout=Layout(remat=remat))[:2])
     return fn(params, jax.device_put(batch, device)), fn, params, batch
 
 

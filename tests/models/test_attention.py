@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl.models.layers import (attention, causal_blocks, causal_mask, segment_layout,
+from jaxrl.models.layers import (Scoring, attention, causal_blocks, causal_mask, segment_layout,
                                 window_mask)
 
 
@@ -159,8 +159,9 @@ def test_causal_blocks_give_the_full_masks_values_and_gradients(t):
     cotangent = np.random.default_rng(1).standard_normal(q.shape).astype(np.float32)
 
     def run(causal):
-        out, grad = jax.vjp(lambda q, k, v: attention(q, k, v, mask, "xla", softcap=20.0,
-                                                      causal=causal), q, k, v)
+        out, grad = jax.vjp(lambda q, k, v: attention(q, k, v, mask, "xla",
+                                                      scoring=Scoring(softcap=20.0,
+                                                                      causal=causal)), q, k, v)
         return out, grad(cotangent)
 
     (got, got_grads), (want, want_grads) = run(True), run(False)
@@ -178,7 +179,9 @@ def test_causal_blocks_skip_the_scores_above_the_block_diagonal():
     mask = causal_mask(None, 1024)
 
     def flops(causal):
-        loss = lambda q, k, v: attention(q, k, v, mask, causal=causal).sum()  # noqa: E731
+        def loss(q, k, v):
+            return attention(q, k, v, mask, scoring=Scoring(causal=causal)).sum()
+
         cost = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile().cost_analysis()
         return (cost[0] if isinstance(cost, list) else cost)["flops"]
 

@@ -47,7 +47,8 @@ def test_values_and_gradients_equal_the_dense_masked_path(t):
     scale = 0.3
 
     def dense(q, k, v):
-        out = ops.attention(q, k, v, ops.causal_mask(jnp.asarray(seg)), "xla", scale=scale)
+        out = ops.attention(q, k, v, ops.causal_mask(jnp.asarray(seg)), "xla",
+                            scoring=ops.Scoring(scale))
         return jnp.where(real, out, 0.0)
 
     def blocks(q, k, v):

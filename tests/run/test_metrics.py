@@ -207,7 +207,7 @@ def test_read_metrics_of_a_directory_without_metrics_is_a_user_error(tmp_path):
 def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
     with pytest.raises(UserError, match=r"pip install wandb.*log\.wandb=false"):
-        MetricsLogger(tmp_path / "run", wandb=True)
+        MetricsLogger(tmp_path / "run", wandb="jaxrl")
 
 
 def _wandb_records(path: Path) -> list:
@@ -270,7 +270,7 @@ def wandb_offline(tmp_path, monkeypatch):
 
 def test_wandb_offline_run_holds_the_history(tmp_path, wandb_offline):
     run_dir = tmp_path / "run"
-    with MetricsLogger(run_dir, wandb=True, wandb_project="jaxrl-test",
+    with MetricsLogger(run_dir, wandb="jaxrl-test",
                        config={"train": {"lr": 1e-3}}) as logger:
         logger.log(1, {"loss": 0.5, "kl": float("nan")})
         logger.log(2, {"loss": 0.25})
@@ -313,7 +313,7 @@ def test_wandb_that_cannot_start_is_a_clear_error_and_writes_nothing(tmp_path, w
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / METRICS_FILE).write_text('{"step": 1, "loss": 1.0}\n{"step": 2')
     with pytest.raises(UserError, match=r"No API key configured.*wandb login.*WANDB_MODE"):
-        MetricsLogger(tmp_path / "run", wandb=True, resume_step=0)
+        MetricsLogger(tmp_path / "run", wandb="jaxrl", resume_step=0)
     assert (tmp_path / "run" / METRICS_FILE).read_text() == '{"step": 1, "loss": 1.0}\n{"step": 2'
     assert not (tmp_path / "run" / "tensorboard").exists()
 

@@ -15,7 +15,7 @@ from jaxrl.models import ModelConfig, merge_params
 from jaxrl.models.kv_cache import ContiguousKV
 from serving.engine import EngineConfig
 from serving.proto import generation_pb2_grpc as gen_grpc
-from serving.sampling import sample, slot_keys
+from serving.sampling import Draws, sample, slot_keys
 
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64, qkv_bias=True)
@@ -81,7 +81,7 @@ def _contiguous_step(graphdef, params, token, position, cache, sampling_args):
     model = merge_params(graphdef, params)
     x, cache = model.extend(jnp.reshape(token, (1, 1)), jnp.reshape(position, (1,)), cache)
     keys = slot_keys(seed, index, count)
-    return sample(model.logits(x)[:, 0], temperature, top_k, top_p, keys, banned), cache
+    return sample(model.logits(x)[:, 0], Draws(temperature, top_k, top_p, keys), banned), cache
 
 
 def contiguous_decode(graphdef, params, prompt, sampling, index, versions, eos_id=None):

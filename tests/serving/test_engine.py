@@ -10,7 +10,7 @@ import pytest
 from jaxrl.models.generate import greedy_generate
 from serving.engine import Engine, EngineConfig, SlotBatch
 from serving.orchestrator import InvalidRequest, Orchestrator
-from serving.sampling import SamplingParams, sample
+from serving.sampling import Draws, SamplingParams, sample
 from tests.serving.common import CFG, ENGINE, prompts, run_staggered
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -157,8 +157,9 @@ def test_sampling_frequencies_match_reference(temperature, top_k, top_p):
     logits = np.array([2.0, 1.5, 1.0, 0.3, 0.0, -1.0], np.float32)
     n = 20000
     keys = jax.random.split(jax.random.key(0), n)
-    tokens, _ = jax.jit(sample)(np.tile(logits, (n, 1)), np.full(n, temperature, np.float32),
-                                np.full(n, top_k, np.int32), np.full(n, top_p, np.float32), keys)
+    draws = Draws(np.full(n, temperature, np.float32), np.full(n, top_k, np.int32),
+                  np.full(n, top_p, np.float32), keys)
+    tokens, _ = jax.jit(sample)(np.tile(logits, (n, 1)), draws)
     freq = np.bincount(np.asarray(tokens), minlength=6) / n
     want = _reference_probs(logits, temperature, top_k, top_p)
     np.testing.assert_allclose(freq, want, atol=0.015)

@@ -13,7 +13,7 @@ import pytest
 from jaxrl.models import merge_params, split_params
 from serving.engine import SlotBatch
 from serving.steps import HISTORY_CHUNK
-from serving.sampling import SamplingParams, sample, slot_keys
+from serving.sampling import Draws, SamplingParams, sample, slot_keys
 from serving.stream import Sample
 from tests.serving.common import CFG, ENGINE, prompts
 
@@ -28,7 +28,7 @@ def _logits(graphdef, params, ids_T):
 def _draw(penalized_V, logits_V, temperature, top_k, top_p, keys):
     """The engine's sampler on one row of penalized logits, and the unpenalized log-probs
     (jitted: run eagerly, its small ops cost most of a test's time)."""
-    token, _ = sample(penalized_V[None], temperature, top_k, top_p, keys)
+    token, _ = sample(penalized_V[None], Draws(temperature, top_k, top_p, keys))
     greedy_as_one = jax.numpy.where(temperature[0] > 0, temperature[0], 1.0)
     return token[0], jax.nn.log_softmax(logits_V / greedy_as_one)
 

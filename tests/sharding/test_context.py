@@ -18,7 +18,7 @@ from jaxrl.optim_config import OptimConfig
 from jaxrl.train.objectives import PolicyGradientLoss, SupervisedLoss
 from jaxrl.train.optim import lr_schedule, make_optimizer
 from jaxrl.train.state import init_state, state_shardings
-from jaxrl.train.step import jit_train_step, split_microbatches
+from jaxrl.train.step import Layout, jit_train_step, split_microbatches
 from sharding.mesh import MeshConfig, batch_sharding, make_mesh
 
 pytestmark = pytest.mark.multi_device
@@ -73,7 +73,8 @@ def _assert_split_equals_unsplit(mesh, q, k, v, w, seg, *, scale, softcap=None, 
         return jnp.sum(out[:, undo] * w), out[:, undo]
 
     def unsplit(q, k, v):
-        out = ops.attention(q, k, v, ops.causal_mask(seg, t), scale=scale, softcap=softcap)
+        out = ops.attention(q, k, v, ops.causal_mask(seg, t),
+                                scoring=ops.Scoring(scale, softcap))
         return jnp.sum(out * w), out
 
     grad = functools.partial(jax.value_and_grad, argnums=(0, 1, 2), has_aux=True)
@@ -173,7 +174,7 @@ def test_train_steps_on_a_context_axis_match_one_device(model, objective, mesh_c
         shardings = state_shardings(cfg, TX, mesh)
         state = init_state(cfg, TX, shardings, seed=0, params=params)
         params = jax.device_get(state["params"])
-        step = jit_train_step(graphdef, TX, shardings, mesh, schedule, objective=objective)
+        step = jit_train_step(graphdef, TX, shardings, Layout(mesh), schedule, objective)
         metrics = []
         for k in range(2):
             mb = jax.device_put(split_microbatches(_rl_batch(seed=k), 2),

@@ -12,7 +12,7 @@ from flax import nnx
 from jaxrl.config import ConfigError, load_run_config
 from jaxrl.models import ModelConfig, Transformer
 from jaxrl.models.transformer import split_params
-from jaxrl.train.step import loss_and_grads
+from jaxrl.train.step import Layout, loss_and_grads
 from sharding.offload import REMAT_POLICIES, remat_policy
 
 pytestmark = pytest.mark.multi_device
@@ -33,7 +33,7 @@ def setup():
 
 def grads_of(setup, remat):
     graphdef, params, batch = setup
-    return jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, remat=remat)[:2])(params, batch)
+    return jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, layout=Layout(remat=remat))[:2])(params, batch)
 
 
 @pytest.mark.parametrize("remat", [r for r in REMAT_POLICIES if r != "none"])
@@ -49,7 +49,7 @@ def test_every_policy_gives_the_gradients_of_none(setup, remat):
 def host_residuals(setup, remat) -> list[str]:
     """Shapes of the values the backward pass's residuals put in host memory."""
     graphdef, params, batch = setup
-    jaxpr = str(jax.make_jaxpr(lambda p, b: loss_and_grads(graphdef, p, b, remat=remat)[:2])(
+    jaxpr = str(jax.make_jaxpr(lambda p, b: loss_and_grads(graphdef, p, b, layout=Layout(remat=remat))[:2])(
         params, batch))
     return sorted(re.findall(r"f32<host>\[([\d,]+)\] = device_put", jaxpr))
 
@@ -75,7 +75,7 @@ def test_optimizer_offload_keeps_the_state_on_host_and_gives_the_same_steps(setu
     from jaxrl.optim_config import OptimConfig
     from jaxrl.train.optim import make_optimizer
     from jaxrl.train.state import init_state, state_shardings
-    from jaxrl.train.step import jit_train_step
+    from jaxrl.train.step import Layout, jit_train_step
     from sharding import mesh as shd
 
     graphdef, _, batch = setup
@@ -85,7 +85,7 @@ def test_optimizer_offload_keeps_the_state_on_host_and_gives_the_same_steps(setu
     for offload in (False, True):
         shardings = state_shardings(CFG, tx, mesh, offload_optimizer=offload)
         state = init_state(CFG, tx, shardings, seed=0)
-        step = jit_train_step(graphdef, tx, shardings, mesh)
+        step = jit_train_step(graphdef, tx, shardings, Layout(mesh))
         for _ in range(3):
             state, _ = step(state, batch)
         states[offload] = state
@@ -107,7 +107,7 @@ def test_lora_trains_with_activations_and_optimizer_state_on_host(setup):
     from jaxrl.optim_config import OptimConfig
     from jaxrl.train.optim import make_optimizer
     from jaxrl.train.state import init_state, state_shardings
-    from jaxrl.train.step import jit_train_step
+    from jaxrl.train.step import Layout, jit_train_step
     from sharding import mesh as shd
 
     cfg = dataclasses.replace(CFG, lora=LoraConfig(rank=4, targets=("q_proj", "up_proj")))
@@ -129,7 +129,7 @@ def test_lora_trains_with_activations_and_optimizer_state_on_host(setup):
     for offload in (False, True):
         shardings = state_shardings(cfg, tx, mesh, offload_optimizer=offload)
         state = init_state(cfg, tx, shardings, seed=0)
-        step = jit_train_step(graphdef, tx, shardings, mesh)
+        step = jit_train_step(graphdef, tx, shardings, Layout(mesh))
         for _ in range(3):
             state, _ = step(state, setup[2])
         states[offload] = state

@@ -13,7 +13,7 @@ from jaxrl.config import ConfigError, load_run_config
 from jaxrl.models import ModelConfig, Transformer, abstract_model, merge_params, param_axes
 from jaxrl.models.transformer import split_params
 from jaxrl.train.objectives import PolicyGradientLoss
-from jaxrl.train.step import loss_and_grads
+from jaxrl.train.step import Layout, loss_and_grads
 from sharding import mesh as shd
 from sharding.layer_order import LayerOrder
 from sharding.pipeline import PipelineConfig
@@ -61,8 +61,9 @@ def pipelined(setup, pipe: PipelineConfig, mesh_cfg: shd.MeshConfig, objective=N
     if order is not None:
         params = order.to_pipeline(params)
         ref_params = None if ref_params is None else order.to_pipeline(ref_params)
-    fn = jax.jit(lambda p, b, r: loss_and_grads(graphdef, p, b, ref_params=r, pipeline=pipe,
-                                                mesh=mesh, pipeline_order=order is not None,
+    fn = jax.jit(lambda p, b, r: loss_and_grads(graphdef, p, b, ref_params=r,
+                                                layout=Layout(mesh, pipeline=pipe,
+                                                              pipeline_order=order is not None),
                                                 **kwargs)[:3 if with_stats else 2],
                  in_shardings=(param_sh, batch_sh, None if ref_params is None else param_sh))
     args = jax.device_put(params, param_sh), batch, ref_params
@@ -268,7 +269,7 @@ def test_offloaded_stage_inputs_give_the_same_gradients_from_host_memory(setup):
     graphdef, params, batch, ref = setup
     pipe = PipelineConfig(stages=2, microbatches=4, offload_stage_inputs=True)
     assert_close(pipelined(setup, pipe, shd.MeshConfig(stage=2, fsdp=1)), ref)
-    jaxpr = str(jax.make_jaxpr(lambda p, b: loss_and_grads(graphdef, p, b, pipeline=pipe)[:2])(
+    jaxpr = str(jax.make_jaxpr(lambda p, b: loss_and_grads(graphdef, p, b, layout=Layout(pipeline=pipe))[:2])(
         params, batch))
     # Inside the pipeline's vmap over stages, the offloaded residual is one stage input
     # ([rows per microbatch, T, D]) per stage.

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer, abstract_model, param_axes
 from jaxrl.models.transformer import split_params
-from jaxrl.train.step import loss_and_grads
+from jaxrl.train.step import Layout, loss_and_grads
 from sharding import mesh as shd
 from sharding.pipeline import PipelineConfig
 from tests.sharding.test_pipeline import assert_close
@@ -44,7 +44,7 @@ def test_splash_inside_the_stage_programs_matches_xla(setup, schedule, folds, ax
                          jax.devices()[:2 * axes.get("fsdp", 1)])
     _, abstract = split_params(abstract_model(cfg))
     param_sh = shd.tree_shardings(param_axes(cfg), abstract, mesh)
-    step = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, pipeline=pipe, mesh=mesh)[:2],
+    step = jax.jit(lambda p, b: loss_and_grads(graphdef, p, b, layout=Layout(mesh, pipeline=pipe))[:2],
                    in_shardings=(param_sh, shd.batch_sharding(mesh, 3, leading=1)))
     assert_close(step(jax.device_put(params, param_sh), batch), want, rel=1e-4)
 

@@ -10,7 +10,7 @@ from jaxrl.models import ModelConfig, abstract_model, split_params
 from jaxrl.optim_config import OptimConfig
 from jaxrl.train.optim import lr_schedule, make_optimizer
 from jaxrl.train.state import init_state, state_shardings
-from jaxrl.train.step import jit_train_step, loss_and_grads, split_microbatches
+from jaxrl.train.step import Layout, jit_train_step, loss_and_grads, split_microbatches
 from sharding.mesh import MeshConfig, batch_sharding, make_mesh
 
 pytestmark = pytest.mark.multi_device
@@ -90,7 +90,7 @@ def test_train_steps_match_one_device(single, sharded):
     results = []
     for mesh, shardings, state in (single, sharded):
         state = jax.tree.map(jnp.copy, state)  # the step donates its input
-        step = jit_train_step(graphdef, TX, shardings, mesh, SCHEDULE)
+        step = jit_train_step(graphdef, TX, shardings, Layout(mesh), SCHEDULE)
         losses = []
         for k in range(3):
             mb = jax.device_put(split_microbatches(_batch(seed=10 + k, b=16), 2),

@@ -10,7 +10,7 @@ from jaxrl.models import ModelConfig, abstract_model, split_params
 from jaxrl.optim_config import OptimConfig
 from jaxrl.train.optim import lr_schedule, make_optimizer
 from jaxrl.train.state import init_state, state_shardings
-from jaxrl.train.step import (PLAIN_DOT_WIDTH, compiler_options, jit_train_step,
+from jaxrl.train.step import (PLAIN_DOT_WIDTH, Layout, compiler_options, jit_train_step,
                               split_microbatches)
 from sharding.mesh import MeshConfig, batch_sharding, make_mesh
 
@@ -26,7 +26,7 @@ def test_cpu_step_leaves_out_ynn_fusions_with_the_default_steps_numbers():
     tx = make_optimizer(OPTIM, total_steps=4)
     shardings = state_shardings(CFG, tx, mesh)
     graphdef, _ = split_params(abstract_model(CFG))
-    tuned = jit_train_step(graphdef, tx, shardings, mesh, lr_schedule(OPTIM, 4),
+    tuned = jit_train_step(graphdef, tx, shardings, Layout(mesh), lr_schedule(OPTIM, 4),
                            width=CFG.embed_dim)
     default = jax.jit(tuned.__wrapped__, donate_argnums=0)   # XLA's own options
     rng = np.random.default_rng(0)
