@@ -50,6 +50,7 @@ def _eval_sampled(args, model, task, tokenizer, step, cfg) -> None:
     from jaxrl.eval.evaluate import task_engine
     from jaxrl.eval.sampled import sampled_eval
     from jaxrl.rl.env import is_multi_turn
+    from serving.sampling import SamplingParams
 
     if is_multi_turn(task):
         raise UserError(f"--samples: task {task.name!r} runs multi-turn episodes; sampled "
@@ -57,9 +58,10 @@ def _eval_sampled(args, model, task, tokenizer, step, cfg) -> None:
     problems = task.held_out(args.problems)
     with task_engine(model, task, tokenizer, problems, args.max_new_tokens, cfg.rl) as o:
         try:
-            r = sampled_eval(o, task, tokenizer, problems, args.samples,
-                             args.k or sorted({1, args.samples}), args.temperature,
-                             args.max_new_tokens, cfg.rl)
+            sampling = SamplingParams(temperature=args.temperature, n=args.samples,
+                                      max_tokens=args.max_new_tokens)
+            r = sampled_eval(o, task, tokenizer, problems, sampling,
+                             args.k or sorted({1, args.samples}), cfg.rl)
         except ValueError as e:
             raise UserError(str(e)) from None
     print(f"step {step}: {r['problems']} held-out problems, {r['samples']} samples each at "

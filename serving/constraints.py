@@ -94,6 +94,17 @@ class Grammars:
             raise ValueError(f"the tokens so far do not match the grammar: {m.get_error()}")
         return m
 
+    def masks(self, seqs) -> np.ndarray | None:
+        """The token bitmasks of serving Sequences (serving/sequence.py) in a batch, or None
+        when none has a grammar (nothing is sent). A sample's matcher is made when it is first
+        needed: one resumed from a checkpoint (carry) goes on from the tokens it had."""
+        if all(s.request.sampling.grammar is None for s in seqs):
+            return None
+        for s in seqs:
+            if s.matcher is None and s.request.sampling.grammar is not None:
+                s.matcher = self.matcher(s.request.sampling.grammar, s.tokens)
+        return self.fill([s.matcher for s in seqs], len(seqs))
+
     def fill(self, matchers: list, rows: int) -> np.ndarray:
         """[rows, mask_words] int32: row i's allowed tokens by matchers[i] (all for None and
         for rows past the list)."""

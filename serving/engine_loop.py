@@ -11,8 +11,13 @@ Each iteration it
    while the device runs them, it reads back the previous dispatch's tokens and appends each
    to its sequence and its request's stream, applying the stop rules (EOS, stop tokens,
    max_tokens, max_len, client gone). A finished sequence's pages and slot are free for the
-   next iteration (serving/decode_batches.py: one step is decoded and dropped past an end the
-   host learns one step late).
+   next iteration. Step t+1 is dispatched before step t's tokens are read (they stay in the
+   device's decode state, which the next step feeds: vLLM's and SGLang's overlapped
+   scheduling), so a sequence is decoded once past an end the host learns one step late (EOS,
+   a stop token, its grammar complete), and that token is dropped.
+
+One decode step reads through four files: this loop, serving/scheduler.py (pages, batches),
+serving/engine.py (padding, the program called) and serving/steps.py (what it computes).
 
 Other threads reach it only through its methods, each of which wakes it: `notify` (new work
 in the scheduler), `post_update` (weights to swap in), `post_score` (tokens to score),
@@ -22,6 +27,7 @@ in the scheduler), `post_update` (weights to swap in), `post_score` (tokens to s
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import threading
 import time
@@ -30,13 +36,23 @@ from functools import partial
 import numpy as np
 
 from serving.constraints import Grammars
-from serving.decode_batches import InFlight, decode_groups, ends_in_flight
-from serving.engine import Engine, SlotBatch
+from serving.engine import Decoded, Engine, SlotBatch
 from serving.inbox import Score, Update
 from serving.length_predictor import LengthPredictor
 from serving.scheduler import Scheduler
 from serving.sequence import Prefill, Request, Sequence, stop_reason
 from serving.stream import FINISHED, DoneEvent, TokenEvent
+
+
+@dataclasses.dataclass
+class InFlight:
+    """Decode batches dispatched and not yet read back: each batch's (slot, sequence) rows and
+    its outputs on the device, the steps each ran, the weights version that ran them, and the
+    tokens their rows attended over (k x the sum of their cached lengths)."""
+    batches: list[tuple[list[tuple[int, Sequence]], Decoded]]
+    steps: int
+    version: int
+    held_tokens: int
 
 
 class EngineLoop:
@@ -265,18 +281,15 @@ class EngineLoop:
                 self._finish(seq, "cancelled")
         if self._constrained():
             self._collect()     # a grammar's next mask follows the token before it
-        k, max_len = engine.cfg.steps_per_dispatch, engine.cfg.max_len
-        ready = [(slot, s) for slot, s in sorted(sched.running.items())
-                 if not ends_in_flight(s, max_len)]
-        sched.reserve(k, [s for _, s in ready])
-        owners = [(slot, s) for slot, s in ready if s.slot is not None]   # none preempted
-        if not owners:
+        k = engine.cfg.steps_per_dispatch
+        groups = sched.plan_decode(k, engine.cfg, partial(engine.programs.rows_now, "decode"))
+        if not groups:
             return state, self._collect()
         batches = []
-        for group in decode_groups(engine.cfg, owners, k,
-                                   partial(engine.programs.rows_now, "decode")):
+        for group in groups:
             state, decoded = self._dispatch(state, group, k)
             batches.append((group, decoded))
+        owners = [row for group in groups for row in group]
         held = k * sum(s.cached for _, s in owners)
         for _, seq in owners:
             seq.inflight += k
@@ -323,13 +336,7 @@ class EngineLoop:
 
     def _masks(self, seqs: list[Sequence]):
         """The rows' token bitmasks, or None when no row has a grammar (nothing is sent)."""
-        if self.grammars is None or all(s.request.sampling.grammar is None for s in seqs):
-            return None
-        for s in seqs:
-            if s.matcher is None and s.request.sampling.grammar is not None:
-                # A sample resumed from a checkpoint (carry) goes on from the tokens it had.
-                s.matcher = self.grammars.matcher(s.request.sampling.grammar, s.tokens)
-        return self.grammars.fill([s.matcher for s in seqs], len(seqs))
+        return None if self.grammars is None else self.grammars.masks(seqs)
 
     def _push(self, seq: Sequence, token: int, logprob: float, version: int) -> int:
         """Appends one token to `seq` and its stream, then applies the stop rules; the tokens

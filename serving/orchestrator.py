@@ -22,7 +22,7 @@ from serving import carry as carry_replay
 from serving import threads
 from serving.constraints import Grammars
 from serving.engine import Engine
-from serving.decode_batches import decode_groups
+from serving.scheduler import decode_groups
 from serving.engine_loop import EngineLoop, Score, Update
 from serving.length_predictor import LengthPredictor
 from serving.programs import process_compiles

@@ -163,13 +163,8 @@ class PagedKV:
             k_RSGH, v_RSGH = (self.kv[layer, pages_RC, :, c::2].reshape(b, block, g, h)
                               .astype(jnp.float32) for c in (0, 1))
             s_RTGRS = ops.soft_cap(scores(q_BTGRH[row_R], k_RSGH), softcap)
-            keys_RS = (index_RC[:, :, None] * k + jnp.arange(k)).reshape(b, block)
-            pos_RT = positions_BT[row_R]
-            mask_RTS = ((keys_RS[:, None] <= pos_RT[..., None])
-                        & (index_RC < w).repeat(k, axis=1)[:, None] & valid_R[:, None, None])
-            if window is not None:
-                mask_RTS &= ops.window_mask(pos_RT, keys_RS, window)
-            mask_RTGRS = mask_RTS[:, :, None, None]
+            mask_RTGRS = _block_mask(index_RC, positions_BT[row_R], valid_R, k, w,
+                                     window)[:, :, None, None]
             s_RTGRS = jnp.where(mask_RTGRS, s_RTGRS, low)
             m_RTGR = s_RTGRS.max(-1)
             p_RTGRS = jnp.where(mask_RTGRS, jnp.exp(s_RTGRS - m_RTGR[..., None]), 0.0)
@@ -259,3 +254,16 @@ def table_width(tokens: int, page_size: int, max_pages: int, per_doubling: int =
     octave = 1 << (need - 1).bit_length() - 1 if need > 1 else 1   # largest power of 2 < need
     step = max(octave // per_doubling, 1)
     return min(-(-need // step) * step, max_pages)
+
+
+def _block_mask(index_RC, positions_RT, valid_R, page: int, width: int, window):
+    """[R, T, C * page]: which keys of each work item's block (table entries `index_RC`) its
+    row's queries see: at or before their position, within the table, within the window, and
+    none for a padding item."""
+    r, c = index_RC.shape
+    keys_RS = (index_RC[:, :, None] * page + jnp.arange(page)).reshape(r, c * page)
+    mask_RTS = ((keys_RS[:, None] <= positions_RT[..., None])
+                & (index_RC < width).repeat(page, axis=1)[:, None] & valid_R[:, None, None])
+    if window is not None:
+        mask_RTS &= ops.window_mask(positions_RT, keys_RS, window)
+    return mask_RTS

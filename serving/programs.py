@@ -275,7 +275,7 @@ class Programs:
 
     def rows_now(self, family: str, n: int, default: int | None = None) -> int:
         """What `row_bucket` returns, without asking for anything: for estimates of calls
-        that may not be made (serving/decode_batches.py)."""
+        that may not be made (serving/scheduler.py, decode_groups)."""
         table = self._row_tables.get(family)
         got = table[n] if table else 0
         return got or (self.spec.cfg.row_bucket(n) if default is None else default)

@@ -1,6 +1,6 @@
-"""Who runs next, and on which pages (nano-vllm's Scheduler, Sarathi-Serve's token budget, vLLM's
-recompute preemption). Host bookkeeping only: the engine loop (serving/engine_loop.py) runs the
-programs it plans.
+"""Who runs next, on which pages and in which batches (nano-vllm's Scheduler, Sarathi-Serve's
+token budget, vLLM's recompute preemption). Host bookkeeping only: the engine loop
+(serving/engine_loop.py) runs the programs it plans.
 
 Each loop iteration the scheduler
 - plans one prefill call: the next chunk of every prompt being prefilled, then new admissions,
@@ -9,10 +9,13 @@ Each loop iteration the scheduler
   against immediate preemption). Preempted sequences are admitted before new requests, and a
   request carried over from a previous run (`Request.carried`) queues its started samples as
   preempted ones;
-- gives every running sequence the pages the next `steps_per_dispatch` decode steps write.
-  When the pool runs dry it preempts the youngest running sequence: its pages go back to the
-  pool and it waits to be recomputed (prompt and tokens, as one more prefill), then decodes on
-  exactly where it stopped.
+- plans one decode dispatch: gives every running sequence the pages the next
+  `steps_per_dispatch` decode steps write and puts them in one batch, or two when that is
+  cheaper (`decode_groups`). When the pool runs dry it preempts the youngest running sequence:
+  its pages go back to the pool and it waits to be recomputed (prompt and tokens, as one more
+  prefill), then decodes on exactly where it stopped. A sequence whose end by length is known
+  while its last tokens are still in flight (the loop dispatches step t+1 before it reads step
+  t's tokens) is not dispatched again (`ends_in_flight`).
 
 The n samples of a request share the pages its prompt fills completely; a partly filled last
 page is copied, once per sample beyond the first, since each sample writes its own tokens there.
@@ -209,6 +212,18 @@ class Scheduler:
         return seqs, copies
 
     # -- decode --------------------------------------------------------------------------------
+    def plan_decode(self, steps: int, cfg, bucket=None) -> list[list[tuple[int, Sequence]]]:
+        """The batches of the next decode dispatch of `steps` steps, as (slot, sequence) rows:
+        every running sequence but those ending by length with tokens still in flight
+        (`ends_in_flight`), given the pages the steps write (preempting the youngest when the
+        pool runs dry), in one batch or two (`decode_groups`, `bucket` its row sizes); [] when
+        none is left to run."""
+        ready = [(slot, s) for slot, s in sorted(self.running.items())
+                 if not ends_in_flight(s, self.max_len)]
+        self.reserve(steps, [s for _, s in ready])
+        owners = [(slot, s) for slot, s in ready if s.slot is not None]   # none preempted
+        return decode_groups(cfg, owners, steps, bucket) if owners else []
+
     def reserve(self, steps: int, seqs=None) -> list[Sequence]:
         """Pages for `steps` more tokens of the running sequences `seqs` (default: all), oldest
         first; returns the sequences preempted to find them (the youngest running, which may
@@ -259,3 +274,38 @@ class Scheduler:
 
     def longest_running(self) -> int:
         return max((s.cached for s in self.running.values()), default=0)
+
+
+def ends_in_flight(seq: Sequence, max_len: int) -> bool:
+    """`seq` ends by length once the tokens it has in flight are read back: decoding it again
+    would only make tokens that are dropped."""
+    s, n = seq.request.sampling, len(seq.tokens) + seq.inflight
+    return seq.inflight > 0 and (n >= s.max_tokens or len(seq.request.prompt) + n >= max_len)
+
+
+# A row of a decode batch costs about this many pages of attention in the rest of the model
+# (projections, MLP, sampling), and a dispatch about this many row-pages of host overhead.
+_ROW_PAGES, _DISPATCH_ROW_PAGES = 4, 16
+_SPLIT_GAIN = 0.8     # two batches only when they cost at most this share of one
+
+
+def decode_groups(cfg, owners: list[tuple[int, Sequence]], k: int, bucket=None
+                  ) -> list[list[tuple[int, Sequence]]]:
+    """The running (slot, sequence) pairs in one decode batch, or two when that is cheaper: the
+    reference attention pads every row to the batch's longest, so in a long tail (many short
+    sequences, a few long ones) the short rows go in a batch at their own width. Cost of a batch:
+    its rows (bucketed: `bucket(n)`, by default the config's ladder) x (its page-table width +
+    _ROW_PAGES), plus a dispatch; two batches when they cost at most _SPLIT_GAIN of one."""
+    cached = [seq.cached for _, seq in owners]       # each row's, once
+    order = sorted(range(len(owners)), key=cached.__getitem__)
+    by_length = [owners[i] for i in order]
+    widths = [cfg.table_width(cached[i] + k) for i in order]
+    n, bucket, wide = len(by_length), bucket or cfg.row_bucket, widths[-1] + _ROW_PAGES
+    # cost(rows, width) = bucket(rows) * (width + _ROW_PAGES) + _DISPATCH_ROW_PAGES
+    best = _SPLIT_GAIN * (bucket(n) * wide + _DISPATCH_ROW_PAGES)   # split only for a clear gain
+    split = None
+    for i in range(n - 1, 0, -1):   # on a tie, the fewest rows at the wide width
+        c = bucket(i) * (widths[i - 1] + _ROW_PAGES) + bucket(n - i) * wide
+        if c + 2 * _DISPATCH_ROW_PAGES < best:
+            best, split = c + 2 * _DISPATCH_ROW_PAGES, i
+    return [by_length] if split is None else [by_length[:split], by_length[split:]]

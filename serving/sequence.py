@@ -55,7 +55,7 @@ class Sequence:
     slot: int | None = None
     order: int = -1          # when it last started running: the youngest is preempted first
     finished: bool = False
-    inflight: int = 0        # tokens decoded on the device, not read back yet (decode_batches)
+    inflight: int = 0        # tokens decoded on the device, not read back yet
     matcher: object = None   # its grammar's state (serving/constraints.py), if it has one
     # With EngineConfig.record_routes: each fed position's experts [L, K], recorded the first
     # time the position is computed (a preempted sequence's recompute does not overwrite them).

@@ -283,66 +283,96 @@ def as_arrays(sched: Schedule) -> dict[str, np.ndarray]:
     writes and B/X/W read; w_slot: the slot B writes its per-layer stash to and W reads;
     send (0 none, 1 next stage, 2 previous stage, 3 this stage) and send_slot: where the op's
     output goes in the receiver's inbox. Also the slot counts."""
-    p, K = sched.stages, sched.chunks
-    start = sched.start()
-    split = sched.split
-    back = B if split else X
-    end = {op: t + TICKS[op.kind] for op, t in start.items()}
-    fields = ("op", "chunk", "microbatch", "first", "last", "in_slot", "res_slot", "w_slot",
+    table = _Arrays(sched)
+    table.route_messages()
+    table.place_ops()
+    table.share_reads()
+    pools = table.pools
+    return {**table.arr,
+            "slots": {name: max(1, max(pool.size for pool in pools[name])) for name in pools}}
+
+
+class _Arrays:
+    """`as_arrays` under way: the arrays filled so far, each stage's slot pools, and the
+    inbox slot of every message."""
+
+    FIELDS = ("op", "chunk", "microbatch", "first", "last", "in_slot", "res_slot", "w_slot",
               "send", "send_slot")
-    arr = {f: np.zeros((sched.ticks, p), np.int32) for f in fields}
-    pools = {name: [_Pool() for _ in range(p)] for name in ("inbox", "res", "w")}
-    stage = lambda k: sched.placement[k][0]  # noqa: E731
-    # Messages: F(k) -> F(k+1)'s inbox, last F -> its own B (the head's cotangent), B(k) ->
-    # B(k-1), R(k) -> R(k+1). A message is written at the end of its op's first tick and read
-    # when the consumer starts.
-    inbox_slot: dict[tuple[Op, Op], int] = {}
-    for op, t in sorted(start.items(), key=lambda kv: kv[1]):
-        consumer = None
+
+    def __init__(self, sched: Schedule):
+        self.sched, self.start, self.split = sched, sched.start(), sched.split
+        self.back = B if self.split else X
+        self.end = {op: t + TICKS[op.kind] for op, t in self.start.items()}
+        self.arr = {f: np.zeros((sched.ticks, sched.stages), np.int32) for f in self.FIELDS}
+        self.pools = {name: [_Pool() for _ in range(sched.stages)]
+                      for name in ("inbox", "res", "w")}
+        self.inbox_slot: dict[tuple[Op, Op], int] = {}
+
+    def stage(self, chunk: int) -> int:
+        return self.sched.placement[chunk][0]
+
+    def _consumer(self, op: Op) -> Op | None:
+        """Who reads op's output: F(k) -> F(k+1), the last F -> its own B (the head's
+        cotangent), B(k) -> B(k-1), R(k) -> R(k+1); None for the ends."""
+        last = self.sched.chunks - 1
         if op.kind == F:
-            consumer = Op(F, op.chunk + 1, op.microbatch) if op.chunk < K - 1 else \
-                Op(back, op.chunk, op.microbatch)
-        elif op.kind == back and op.chunk > 0:
-            consumer = Op(back, op.chunk - 1, op.microbatch)
-        elif op.kind == R and op.chunk < K - 1:
-            consumer = Op(R, op.chunk + 1, op.microbatch)
-        if consumer is not None:
-            dest = stage(consumer.chunk)
-            slot = pools["inbox"][dest].take(t, start[consumer])
-            inbox_slot[(op, consumer)] = slot
-            s = stage(op.chunk)
-            arr["send"][t, s] = 3 if dest == s else 1 if dest == (s + 1) % p else 2
+            return Op(F, op.chunk + 1, op.microbatch) if op.chunk < last else \
+                Op(self.back, op.chunk, op.microbatch)
+        if op.kind == self.back and op.chunk > 0:
+            return Op(self.back, op.chunk - 1, op.microbatch)
+        if op.kind == R and op.chunk < last:
+            return Op(R, op.chunk + 1, op.microbatch)
+        return None
+
+    def route_messages(self) -> None:
+        """Every message an inbox slot, held from the end of its op's first tick to when its
+        consumer starts, and the sender's send and send_slot."""
+        p, arr = self.sched.stages, self.arr
+        for op, t in sorted(self.start.items(), key=lambda kv: kv[1]):
+            consumer = self._consumer(op)
+            if consumer is None:
+                continue
+            dest, s = self.stage(consumer.chunk), self.stage(op.chunk)
+            slot = self.pools["inbox"][dest].take(t, self.start[consumer])
+            self.inbox_slot[(op, consumer)] = slot
             if dest not in (s, (s + 1) % p, (s - 1) % p):
-                raise ValueError(f"{sched.name}: {op} sends to stage {dest}, not a neighbour")
+                raise ValueError(f"{self.sched.name}: {op} sends to stage {dest}, not a "
+                                 f"neighbour")
+            arr["send"][t, s] = 3 if dest == s else 1 if dest == (s + 1) % p else 2
             arr["send_slot"][t, s] = slot
-    for op, t in start.items():
-        s, (_, c) = stage(op.chunk), sched.placement[op.chunk]
-        arr["op"][t, s], arr["chunk"][t, s], arr["microbatch"][t, s] = op.kind, c, op.microbatch
-        arr["first"][t, s], arr["last"][t, s] = op.chunk == 0, op.chunk == K - 1
-        j = op.microbatch
-        if op.kind == F:
-            if op.chunk:
-                arr["in_slot"][t, s] = inbox_slot[(Op(F, op.chunk - 1, j), op)]
-            freed = end[Op(W, op.chunk, j)] - 1 if split else end[Op(X, op.chunk, j)] - 1
-            arr["res_slot"][t, s] = pools["res"][s].take(t, freed)
-        elif op.kind == R and op.chunk:
-            arr["in_slot"][t, s] = inbox_slot[(Op(R, op.chunk - 1, j), op)]
-        elif op.kind == back:
-            producer = Op(F, op.chunk, j) if op.chunk == K - 1 else Op(back, op.chunk + 1, j)
-            arr["in_slot"][t, s] = inbox_slot[(producer, op)]
-            if split:
-                arr["w_slot"][t, s] = pools["w"][s].take(t, start[Op(W, op.chunk, j)])
-    # Second pass: B/X/W read the activation slot their F wrote, W the slot its B wrote.
-    for op, t in start.items():
-        s = stage(op.chunk)
-        if op.kind in (B, X, W):
-            f = Op(F, op.chunk, op.microbatch)
-            arr["res_slot"][t, s] = arr["res_slot"][start[f], s]
-        if op.kind == W:
-            b = Op(B, op.chunk, op.microbatch)
-            arr["w_slot"][t, s] = arr["w_slot"][start[b], s]
-    arr["slots"] = {name: max(1, max(pool.size for pool in pools[name])) for name in pools}
-    return arr
+
+    def place_ops(self) -> None:
+        """Each op in its stage's row: what it is, and the slots it reads and writes."""
+        arr, K, split, back = self.arr, self.sched.chunks, self.split, self.back
+        for op, t in self.start.items():
+            s, (_, c) = self.stage(op.chunk), self.sched.placement[op.chunk]
+            j = op.microbatch
+            arr["op"][t, s], arr["chunk"][t, s], arr["microbatch"][t, s] = op.kind, c, j
+            arr["first"][t, s], arr["last"][t, s] = op.chunk == 0, op.chunk == K - 1
+            if op.kind == F:
+                if op.chunk:
+                    arr["in_slot"][t, s] = self.inbox_slot[(Op(F, op.chunk - 1, j), op)]
+                freed = self.end[Op(W if split else X, op.chunk, j)] - 1
+                arr["res_slot"][t, s] = self.pools["res"][s].take(t, freed)
+            elif op.kind == R and op.chunk:
+                arr["in_slot"][t, s] = self.inbox_slot[(Op(R, op.chunk - 1, j), op)]
+            elif op.kind == back:
+                producer = Op(F, op.chunk, j) if op.chunk == K - 1 else \
+                    Op(back, op.chunk + 1, j)
+                arr["in_slot"][t, s] = self.inbox_slot[(producer, op)]
+                if split:
+                    arr["w_slot"][t, s] = self.pools["w"][s].take(
+                        t, self.start[Op(W, op.chunk, j)])
+
+    def share_reads(self) -> None:
+        """B/X/W read the activation slot their F wrote, W the slot its B wrote."""
+        arr, start = self.arr, self.start
+        for op, t in start.items():
+            s = self.stage(op.chunk)
+            if op.kind in (B, X, W):
+                arr["res_slot"][t, s] = arr["res_slot"][start[Op(F, op.chunk, op.microbatch)], s]
+            if op.kind == W:
+                arr["w_slot"][t, s] = arr["w_slot"][start[Op(B, op.chunk, op.microbatch)], s]
 
 
 class _Pool:

@@ -18,7 +18,7 @@ from rewards import correct, short  # noqa: E402
 
 def main(model: str, *overrides: str) -> dict:
     rows = [json.loads(line) for line in (HERE / "prompts.jsonl").read_text().splitlines()]
-    task = CustomTask.from_rows(rows, [correct, short], held_out_percent=10,
+    task = CustomTask.from_rows(rows, [correct, short], held_out=10,
                                 tokenizer=HFTokenizer(model))   # writes the chat prompts
     return train(HERE / "config.yaml", [f"hf_path={model}", *overrides], task=task)
 

@@ -16,6 +16,7 @@ from jaxrl.rl.env import is_multi_turn
 from jaxrl.rl.rewards import Scorer
 from jaxrl.rl.tasks.base import Problem, Task
 from jaxrl.rollout.episodes import EpisodeGroup
+from jaxrl.rollout.group import Group
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import InvalidRequest, Orchestrator, QueueFull
 from serving.sampling import SamplingParams
@@ -53,7 +54,7 @@ def evaluate(orchestrator: Orchestrator, task: Task, tokenizer: Tokenizer, num_p
 def _evaluate_episodes(generation, task, tokenizer, problems: Sequence[Problem],
                        rl: RLConfig) -> dict:
     prompts = _prompts(problems, tokenizer)
-    groups = [EpisodeGroup(generation, task, tokenizer, problem, prompt, rl, seed=i,
+    groups = [EpisodeGroup(generation, task, tokenizer, Group(i, problem, prompt, seed=i), rl,
                            temperature=0.0) for i, (problem, prompt) in
               enumerate(zip(problems, prompts))]
     with concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="eval-episode") as pool:

@@ -15,6 +15,7 @@ seeded by its index, so a run repeats exactly."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 from math import comb
 from typing import Sequence
 
@@ -43,10 +44,12 @@ def majority_correct(completions: Sequence[str], correct: Sequence[bool], key) -
 
 
 def sampled_eval(orchestrator, task: Task, tokenizer: Tokenizer, problems: Sequence[Problem],
-                 n: int, ks: Sequence[int], temperature: float, max_new_tokens: int,
-                 rl: RLConfig | None = None) -> dict:
+                 sampling: SamplingParams, ks: Sequence[int], rl: RLConfig | None = None
+                 ) -> dict:
     """{"pass@k" for k in ks, "avg@n", "maj@n", "problems", "samples", "too_long",
-    "reward_errors"} over `problems`, n samples each."""
+    "reward_errors"} over `problems`, each sampled n times as `sampling` says (problem i with
+    seed i)."""
+    n, temperature = sampling.n, sampling.temperature
     bad = [k for k in ks if not 1 <= k <= n]
     if bad:
         raise ValueError(f"--k {bad}: each k must be in [1, --samples={n}]")
@@ -74,12 +77,10 @@ def sampled_eval(orchestrator, task: Task, tokenizer: Tokenizer, problems: Seque
         per_problem[i] = (correct, texts)
 
     for i, problem in enumerate(problems):
-        sampling = SamplingParams(temperature=temperature, n=n, max_tokens=max_new_tokens,
-                                  seed=i)
         while True:
             try:
                 pending.append((i, orchestrator.submit(prompt_ids(tokenizer, problem.prompt),
-                                                       sampling)))
+                                                       dataclasses.replace(sampling, seed=i))))
                 break
             except InvalidRequest:       # the engine cannot take the prompt: all wrong
                 per_problem[i], too_long = ([False] * n, [""] * n), too_long + 1

@@ -29,27 +29,8 @@ def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
         raise HFCheckpointError(f"{str(path)!r} is not a Hugging Face checkpoint folder: "
                                 f"no config.json in it")
     raw = json.loads(file.read_text())
-    model_type = raw.get("model_type")
-    if model_type == "gemma3" and "text_config" in raw:
-        raise HFCheckpointError(f"{file}: model_type='gemma3' is Gemma 3's image-text model; "
-                                f"only its text-only form (model_type='gemma3_text', "
-                                f"Gemma3ForCausalLM) is supported")
-    if model_type not in FAMILIES:
-        raise HFCheckpointError(f"unsupported architecture model_type={model_type!r} in "
-                                f"{file}; supported: {', '.join(FAMILIES)}")
-    family = FAMILIES[model_type]
+    family = _family(raw, file)
     gemma = family.startswith("gemma")
-    act = "gelu_pytorch_tanh" if gemma else "silu"
-    allowed = {"hidden_act": act, "hidden_activation": act, "mlp_bias": False,
-               "use_bidirectional_attention": False}
-    if not gemma:
-        allowed["use_sliding_window"] = False
-    if family != "qwen2":       # Qwen2's bias is on q, k and v; elsewhere it would be on o too
-        allowed["attention_bias"] = False
-    for key, value in allowed.items():
-        if raw.get(key) is not None and raw[key] != value:
-            raise HFCheckpointError(f"{file}: {key}={raw[key]!r} is not supported for "
-                                    f"{model_type} (only {value!r})")
     heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id")
     rope = raw.get("rope_parameters") or {}
@@ -89,6 +70,33 @@ def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
         return ModelConfig(**fields)
     except ValueError as e:
         raise HFCheckpointError(f"{file}: {e}") from None
+
+
+def _family(raw: dict, file: Path) -> str:
+    """The model family of a config.json, refused by name where it or one of its settings is
+    not supported."""
+    model_type = raw.get("model_type")
+    if model_type == "gemma3" and "text_config" in raw:
+        raise HFCheckpointError(f"{file}: model_type='gemma3' is Gemma 3's image-text model; "
+                                f"only its text-only form (model_type='gemma3_text', "
+                                f"Gemma3ForCausalLM) is supported")
+    if model_type not in FAMILIES:
+        raise HFCheckpointError(f"unsupported architecture model_type={model_type!r} in "
+                                f"{file}; supported: {', '.join(FAMILIES)}")
+    family = FAMILIES[model_type]
+    gemma = family.startswith("gemma")
+    act = "gelu_pytorch_tanh" if gemma else "silu"
+    allowed = {"hidden_act": act, "hidden_activation": act, "mlp_bias": False,
+               "use_bidirectional_attention": False}
+    if not gemma:
+        allowed["use_sliding_window"] = False
+    if family != "qwen2":       # Qwen2's bias is on q, k and v; elsewhere it would be on o too
+        allowed["attention_bias"] = False
+    for key, value in allowed.items():
+        if raw.get(key) is not None and raw[key] != value:
+            raise HFCheckpointError(f"{file}: {key}={raw[key]!r} is not supported for "
+                                    f"{model_type} (only {value!r})")
+    return family
 
 
 def _moe_fields(raw: dict, file: Path) -> dict:

@@ -25,7 +25,7 @@ import threading
 from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.rl.config import RLConfig
 from jaxrl.rl.env import MultiTurnTask, Trajectory
-from jaxrl.rl.tasks.base import Problem
+from jaxrl.rollout.group import Group
 from serving.generation import Generation
 from serving.sampling import SamplingParams
 from serving.stream import FINISHED, Sample
@@ -35,17 +35,18 @@ _keys = itertools.count()
 
 class EpisodeGroup:
     def __init__(self, generation: Generation, task: MultiTurnTask, tokenizer: Tokenizer,
-                 problem: Problem, prompt: list[int], cfg: RLConfig, *, seed: int,
-                 temperature: float | None = None, state: dict | None = None):
-        """`seed`: the group's sampling seed; `state`: a `snapshot()` to continue from.
-        `temperature`: None samples rl.group_size episodes at rl.temperature (training); a
-        value runs one episode at it (held-out evaluation: 0.0, greedy)."""
+                 group: Group, cfg: RLConfig, *, temperature: float | None = None,
+                 state: dict | None = None):
+        """`group`: the problem, its prompt and the group's sampling seed; `state`: a
+        `snapshot()` to continue from. `temperature`: None samples rl.group_size episodes at
+        rl.temperature (training); a value runs one episode at it (held-out evaluation: 0.0,
+        greedy)."""
         self.generation = generation
         self.task = task
         self.tokenizer = tokenizer
-        self.problem = problem
+        self.problem, prompt = group.problem, group.prompt
         self.cfg = cfg
-        self.seed = seed
+        self.seed = seed = group.seed
         self.temperature = cfg.temperature if temperature is None else temperature
         state = state or {}
         n = cfg.group_size if temperature is None else 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import enum
 import threading
 import time
 from typing import Callable, Sequence
@@ -42,8 +43,24 @@ class NoGeneration(UserError):
     serving): one line naming each server's last error."""
 
 
+class MemberState(enum.Enum):
+    """Where a member stands. Its transitions are the fleet's alone:
+
+        JOINING --(pushed the newest weights: `advanced`)--> READY
+        JOINING, READY --(a failure: `set_aside`)--> SET_ASIDE
+        SET_ASIDE --(answers a heartbeat again)--> JOINING, or READY if it has the weights
+    """
+
+    JOINING = "joining"        # answers, and is being brought to the newest weights
+    READY = "ready"            # takes work
+    SET_ASIDE = "set aside"    # failed or not reached yet: no work; a remote one rejoins
+
+
 @dataclasses.dataclass(eq=False)
 class Member:
+    """A generation engine of the fleet. Whoever builds one sets where it starts (`state`,
+    `why_down`); from then on only the fleet moves it."""
+
     name: str
     generation: Generation
     slots: int
@@ -51,10 +68,9 @@ class Member:
     # The version of this trainer's weights it serves; None until it has been given them (a
     # server's own start-up weights, or a version from before a trainer restart, do not count).
     version: int | None = None
-    alive: bool = True              # answers (set aside on a failure until it answers again)
-    joined: bool = False            # reached the weights published when it came (back)
+    state: MemberState = MemberState.JOINING
+    why_down: str | None = None     # why it was set aside
     outstanding: int = 0            # samples submitted to it and not finished
-    why_down: str | None = None
     failures: int = 0
     last_metrics: dict = dataclasses.field(default_factory=dict)
     streams: set = dataclasses.field(default_factory=set)   # its groups in progress
@@ -62,13 +78,12 @@ class Member:
 
     @property
     def ready(self) -> bool:
-        return self.alive and self.joined
+        return self.state is MemberState.READY
 
     @property
-    def state(self) -> str:
-        """joining (it answers, and is being brought to the newest weights), ready (it takes
-        work), or set aside (it failed; a remote one rejoins once it answers again)."""
-        return "set aside" if not self.alive else "ready" if self.joined else "joining"
+    def alive(self) -> bool:
+        """It answers (joining or ready)."""
+        return self.state is not MemberState.SET_ASIDE
 
 
 class Fleet:
@@ -163,7 +178,7 @@ class Fleet:
             self._lock.notify_all()
 
     def _no_member_message(self) -> str:
-        states = "; ".join(f"{m.name}: {m.why_down or m.state}" for m in self.members)
+        states = "; ".join(f"{m.name}: {m.why_down or m.state.value}" for m in self.members)
         return f"no generation member could take work for {self.wait_s:.0f} s ({states})"
 
     @property
@@ -193,7 +208,7 @@ class Fleet:
         with self._lock:
             if not member.alive:
                 return
-            member.alive, member.joined, member.why_down = False, False, why
+            member.state, member.why_down = MemberState.SET_ASIDE, why
             member.failures += 1
             self.stats["members_set_aside"] += 1
             streams = list(member.streams)
@@ -207,8 +222,8 @@ class Fleet:
         """The publisher brought `member` to weights `version`."""
         with self._lock:
             member.version = version
-            if member.alive and not member.joined and member.version >= self.latest_version:
-                member.joined = True
+            if member.state is MemberState.JOINING and version >= self.latest_version:
+                member.state = MemberState.READY
                 if member.failures:
                     self._warn(f"generation: {member.name} rejoined at version {version}")
             self._lock.notify_all()
@@ -229,14 +244,21 @@ class Fleet:
                 except ConnectionError as e:
                     self.set_aside(m, f"no heartbeat: {e}")
                     continue
-                with self._lock:
-                    if not m.alive:    # back: it rejoins once it has the newest weights
-                        m.alive, m.why_down = True, None
-                        m.slots = int(m.last_metrics.get("slots", m.slots))
-                        if m.last_metrics.get("version") != m.version:
-                            m.version = None       # restarted, or changed by someone else
-                        m.joined = m.version is not None and m.version >= self.latest_version
-                        self._lock.notify_all()
+                self._answered(m)
+
+    def _answered(self, m: Member) -> None:
+        """`m` answered a heartbeat: one set aside is back, and rejoins once it has the newest
+        weights (at once if it kept them)."""
+        with self._lock:
+            if m.alive:
+                return
+            m.why_down = None
+            m.slots = int(m.last_metrics.get("slots", m.slots))
+            if m.last_metrics.get("version") != m.version:
+                m.version = None       # restarted, or changed by someone else
+            current = m.version is not None and m.version >= self.latest_version
+            m.state = MemberState.READY if current else MemberState.JOINING
+            self._lock.notify_all()
 
     def wait_ready(self, version: int, timeout: float) -> list[Member]:
         """Waits until every alive member serves `version` or newer; those that do not within

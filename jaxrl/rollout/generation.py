@@ -16,7 +16,7 @@ import jax
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.tokenizer import Tokenizer
-from jaxrl.rollout.fleet import Fleet, Member
+from jaxrl.rollout.fleet import Fleet, Member, MemberState
 from jaxrl.rollout.publisher import WeightPublisher
 from serving.client import RemoteGeneration
 from serving.constraints import Grammars
@@ -96,7 +96,7 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
                    if g.compile == "as_needed" else
                    "(every shape it can run; none is compiled while it generates)"))
         members = [Member("local", local, cfg.rl.slots, remote=False, version=version,
-                          joined=True)]
+                          state=MemberState.READY)]
         fleet = Fleet(members, eos_id=tokenizer.eos_id, wait_s=g.wait_s, warn=log)
         return Generators(fleet, WeightPublisher(fleet, warn=log), local)
     token, tls_ca = update_token(g.token_file), _read(g.tls_ca, "rl.generation.tls_ca")
@@ -106,17 +106,16 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
                                   rpc_timeout_s=g.heartbeat_timeout_s,
                                   transfer_host=g.transfer_host if g.transfer == "jax" else None,
                                   stream_interval_ms=g.stream_interval_ms)
-        member = Member(address, remote, slots=cfg.rl.group_size, remote=True, alive=False,
-                        why_down="not reached yet")
         try:
-            member.last_metrics = remote.metrics()
+            metrics = remote.metrics()
         except ConnectionError as e:
             log(f"generation: {address} does not answer yet ({e}); it joins when it does")
+            metrics, state, why = {}, MemberState.SET_ASIDE, "not reached yet"
         else:
-            check_server(cfg, tokenizer, address, member.last_metrics)
-            member.alive, member.why_down = True, None
-            member.slots = int(member.last_metrics["slots"])
-        members.append(member)
+            check_server(cfg, tokenizer, address, metrics)
+            state, why = MemberState.JOINING, None
+        members.append(Member(address, remote, int(metrics.get("slots", cfg.rl.group_size)),
+                              remote=True, state=state, why_down=why, last_metrics=metrics))
     fleet = Fleet(members, eos_id=tokenizer.eos_id, heartbeat_s=g.heartbeat_s,
                   heartbeat_timeout_s=g.heartbeat_timeout_s, wait_s=g.wait_s, warn=log)
     publisher = WeightPublisher(fleet, deadline_s=g.push_deadline_s,

@@ -26,6 +26,7 @@ from jaxrl.rl.tasks.base import Task
 from jaxrl.rollout import generation
 from jaxrl.rollout.actor import Actor
 from jaxrl.rollout.agents import Agents
+from jaxrl.rollout.sources import group_source
 from jaxrl.telemetry.metrics import MetricsLogger
 from jaxrl.telemetry.progress import Progress
 from jaxrl.telemetry.rl_metrics import StepMetrics, rate
@@ -99,8 +100,9 @@ class Leader:
         self.agents = self._agents()
         self.rollout_log = RolloutLog(r.position, [Rollout.from_json(x) for x in r.rollouts])
         stack.callback(self.rollout_log.close)
-        self.actor = Actor(gen.fleet, self.task, self.tokenizer, self.rollout_log, rl,
-                           seed=cfg.train.seed, warn=log, agents=self.agents,
+        source = group_source(gen.fleet, self.task, self.tokenizer, rl, agents=self.agents,
+                              warn=log)
+        self.actor = Actor(source, self.rollout_log, rl, seed=cfg.train.seed, warn=log,
                            resume={"next_problem": r.next_problem, "redo": r.redo,
                                    "partial": r.partial, "stats": r.stats})
         stack.callback(self.actor.stop)

@@ -15,7 +15,7 @@ from jaxrl.rollout.publisher import wire_dtype
 from jaxrl.models.transformer import split_params
 from jaxrl.train.objectives import PolicyGradientLoss
 from jaxrl.train.state import abstract_state, init_state
-from jaxrl.trainer.trainer import Trainer
+from jaxrl.trainer.trainer import Phase, Trainer
 from sharding import hosts
 
 
@@ -35,9 +35,9 @@ class RLTrainer(Trainer):
 
     def __init__(self, cfg: RunConfig, model_cfg, mesh, log: Callable[[str], None] = print):
         rl = cfg.rl
-        super().__init__(cfg, model_cfg, mesh, objective=make_objective(cfg), optim=rl.optim,
-                         steps=rl.steps, first_step=cfg.train.steps,
-                         restore=lambda *args: _restore_or_init(cfg, *args, log),
+        super().__init__(cfg, model_cfg, mesh,
+                         Phase(make_objective(cfg), rl.optim, rl.steps, cfg.train.steps),
+                         lambda *args: _restore_or_init(cfg, *args, log),
                          ref_params=rl.kl_coef > 0)
         self.restarted = self.data is None
         self._cast = None

@@ -11,6 +11,7 @@ initialises its state (`restore`).
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -48,27 +49,38 @@ def check_resume(cfg: RunConfig) -> int | None:
     return latest
 
 
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """What a trainer trains: its `objective`, its optimizer settings, the `steps` its
+    learning-rate schedule runs over, and the step it begins at (RL's follow the warm-up's)."""
+
+    objective: object
+    optim: OptimConfig
+    steps: int
+    first_step: int = 0
+
+
 class Trainer:
     """`state` (restored or initialised by `restore`), `step` (the optimizer step reached),
     `data` (what the checkpoint it resumed from saved beside the state, or None)."""
 
-    def __init__(self, cfg: RunConfig, model_cfg, mesh, *, objective, optim: OptimConfig,
-                 steps: int, first_step: int, restore: Restore, ref_params: bool = False):
+    def __init__(self, cfg: RunConfig, model_cfg, mesh, phase: Phase, restore: Restore, *,
+                 ref_params: bool = False):
         self.mesh = mesh
         self.model_cfg = model_cfg = model_cfg.for_platform(mesh.devices.flat[0].platform,
                                                             mesh.devices.size)
         self.ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep,
                                  async_save=cfg.checkpoint.async_save)
         try:
-            self._build(cfg, objective, optim, steps, first_step, restore, ref_params)
+            self._build(cfg, phase, restore, ref_params)
         except BaseException:
             self.ckpt.close()
             raise
 
-    def _build(self, cfg, objective, optim, steps, first_step, restore, ref_params) -> None:
+    def _build(self, cfg, phase: Phase, restore: Restore, ref_params: bool) -> None:
         model_cfg, mesh = self.model_cfg, self.mesh
-        tx = make_optimizer(optim, steps)
-        schedule = lr_schedule(optim, steps)
+        tx = make_optimizer(phase.optim, phase.steps)
+        schedule = lr_schedule(phase.optim, phase.steps)
         shardings = state_shardings(model_cfg, tx, mesh,
                                     offload_optimizer=cfg.train.offload_optimizer)
         if ref_params:
@@ -83,12 +95,12 @@ class Trainer:
         self.batch_sharding = shd.batch_sharding(mesh, 3, leading=1)
         layout = Layout(mesh, cfg.train.remat, cfg.sharding.pipeline, order is not None)
         self._step_fn = jit_train_step(self.graphdef, tx, shardings, layout,
-                                       lambda s: schedule(s - first_step), objective,
+                                       lambda s: schedule(s - phase.first_step),
+                                       phase.objective,
                                        width=model_cfg.embed_dim)
         self.step = int(self.state["step"])
         # What fixes the step's program beside its arguments (jaxrl/executables.py).
-        self._program = ("train_step", model_cfg, objective, optim, steps, first_step,
-                         cfg.train, cfg.sharding, ref_params)
+        self._program = ("train_step", model_cfg, phase, cfg.train, cfg.sharding, ref_params)
         self._compiling: Future | None = None
         self._compiled = None   # (the batch's abstract arrays, the executable)
 

@@ -33,7 +33,7 @@ from jaxrl.train.checkpoint import Checkpointer, CheckpointError
 from jaxrl.train.objectives import SupervisedLoss
 from jaxrl.train.state import abstract_state, init_state
 from jaxrl.trainer.distributed import is_leader
-from jaxrl.trainer.trainer import Trainer, check_resume
+from jaxrl.trainer.trainer import Phase, Trainer, check_resume
 from jaxrl.trainer.warmup_stop import AccuracyStop
 from sharding.hosts import fully_addressable, global_batch, local_box
 from sharding.mesh import batch_sharding, data_parallel_size, make_mesh
@@ -86,9 +86,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
     dataset = sft_dataset(task, tokenizer, batch_size=t.batch_size, seq_len=t.seq_len,
                           seed=t.seed, rows=rows)
     dataset[0]  # fails here, naming the example, if train.seq_len is too short
-    trainer = Trainer(cfg, model_cfg, mesh, objective=SupervisedLoss(t.logits_chunk),
-                      optim=cfg.optim, steps=t.steps, first_step=0,
-                      restore=_restore_or_init(cfg, latest, log))
+    trainer = Trainer(cfg, model_cfg, mesh, Phase(SupervisedLoss(t.logits_chunk), cfg.optim,
+                                                  t.steps), _restore_or_init(cfg, latest, log))
 
     def batch(step: int) -> dict:
         """Step `step`'s global batch, from the rows this process holds."""
@@ -149,7 +148,8 @@ def _train(cfg: RunConfig, trainer: Trainer, task_tokenizer: tuple, batch: Calla
     log(f"model: {model_cfg.family}, {model_cfg.num_params() / 1e6:.2f}M parameters; mesh "
         f"{dict(trainer.mesh.shape)}; steps {first}..{cfg.train.steps}")
     pending, last_metrics, start = [], {}, time.perf_counter()
-    metrics_log = open_metrics(run_dir, wandb=cfg.log.wandb_run, config=config_dict, name="warm-up", phase="warm-up",
+    metrics_log = open_metrics(run_dir, wandb=cfg.log.wandb_run, config=config_dict,
+                               name="warm-up", phase="warm-up",
                                # rows a crashed run logged past its checkpoint; never RL's
                                resume_step=first if first < cfg.train.steps else None)
     stop = AccuracyStop(cfg, task, tokenizer, trainer.graphdef)

@@ -1,3 +1,5 @@
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -93,6 +95,7 @@ def test_the_actor_gives_each_episode_s_turns_their_advantages(mode):
     from jaxrl.rl.config import RLConfig
     from jaxrl.rl.env import Reply, Trajectory
     from jaxrl.rollout.actor import Actor
+    from jaxrl.rollout.sources import EnvEpisodes
 
     def episode(rewards):
         t = Trajectory(prompt=[1])
@@ -102,9 +105,11 @@ def test_the_actor_gives_each_episode_s_turns_their_advantages(mode):
         t.finish = "done"
         return t
     cfg = RLConfig(turn_advantage=mode, turn_discount=0.5, filter_overlong=False)
-    actor = Actor(None, None, None, RolloutLog(), cfg, seed=0)
+    source = EnvEpisodes(None, None, None, cfg)
+    actor = Actor(source, RolloutLog(), cfg, seed=0)
     try:
-        a, b = actor._score_episodes(0, [episode([1.0, 0.0]), episode([0.0, 2.0])])
+        scored = source.score(0, [episode([1.0, 0.0]), episode([0.0, 2.0])], Counter())
+        a, b = actor._kept(scored)
     finally:
         actor.stop()
     if mode == "episode":

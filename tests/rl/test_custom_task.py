@@ -76,7 +76,7 @@ def test_rows_and_rewards_from_files_reach_the_reward_with_their_fields(files):
 def test_trl_batched_rewards_and_the_python_api(files):
     from my_rewards import trl_style  # noqa: E402  (written by the fixture)
 
-    task = CustomTask.from_rows(files["rows"], trl_style, batched=True, held_out_percent=20)
+    task = CustomTask.from_rows(files["rows"], trl_style, batched=True, held_out=20)
     held = {p.prompt for p in task.held_out(100)}
     assert held and len(held) + len(task) == 40 and not held & {p.prompt for p in task._train}
     problem = task.held_out(1)[0]
@@ -94,12 +94,22 @@ def test_chat_message_prompts_are_written_with_the_models_template():
     rows = [{"prompt": [{"role": "system", "content": "Be brief."},
                         {"role": "user", "content": f"2+{i}?"}], "answer": str(2 + i)}
             for i in range(30)]
-    task = CustomTask.from_rows(rows, lambda p, c, **f: 0.0, eval_rows=rows[:1],
+    task = CustomTask.from_rows(rows, lambda p, c, **f: 0.0, held_out=rows[:1],
                                 tokenizer=Tok(), answer_key="answer")
     # BOS is jaxrl's to add (prompt_ids): the template's is cut.
     assert task.held_out(1)[0].prompt == "[system]Be brief.[user]2+0?[assistant]"
     with pytest.raises(TaskDataError, match="no chat template"):
         CustomTask.from_rows(rows, lambda p, c: 0.0, tokenizer=None)
+
+
+def test_held_out_is_a_percent_or_rows():
+    rows = [{"prompt": f"p{i}"} for i in range(200)]
+    share = len(CustomTask.from_rows(rows, lambda p, c: 0.0, held_out=20).held_out(200))
+    assert 20 <= share <= 60          # about 40 of 200, by a hash of each prompt
+    own = CustomTask.from_rows(rows, lambda p, c: 0.0, held_out=rows[:3])
+    assert [p.prompt for p in own.held_out(10)] == ["p0", "p1", "p2"]
+    with pytest.raises(ValueError, match="held_out=101: a percent of the rows"):
+        CustomTask.from_rows(rows, lambda p, c: 0.0, held_out=101)
 
 
 @pytest.mark.parametrize("overrides, match", [

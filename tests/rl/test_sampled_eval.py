@@ -64,7 +64,8 @@ def test_sampled_eval_equals_the_samples_scored_one_by_one():
     problems = task.held_out(6)
     n, new = 6, 4
     with local_engine(model, tokenizer.eos_id, 10, new, slots=8) as o:
-        got = sampled_eval(o, task, tokenizer, problems, n, [1, 3, 6], 1.5, new)
+        got = sampled_eval(o, task, tokenizer, problems,
+                           SamplingParams(temperature=1.5, n=n, max_tokens=new), [1, 3, 6])
         correct, answers = [], []
         for i, p in enumerate(problems):     # the same draws, one request at a time
             samples = o.generate(prompt_ids(tokenizer, p.prompt), SamplingParams(
@@ -85,4 +86,5 @@ def test_sampled_eval_equals_the_samples_scored_one_by_one():
     assert got["maj@6"] == pytest.approx(np.mean([
         any(ok for t, ok in zip(a, cs) if t == v) for a, cs, v in zip(answers, correct, votes)]))
     with pytest.raises(ValueError, match="each k must be in"):
-        sampled_eval(None, task, tokenizer, problems, 2, [3], 1.0, new)
+        sampled_eval(None, task, tokenizer, problems,
+                     SamplingParams(temperature=1.0, n=2, max_tokens=new), [3])

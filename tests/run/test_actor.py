@@ -13,6 +13,7 @@ from jaxrl.data.rollouts import RolloutLog
 from jaxrl.models import Transformer, split_params
 from jaxrl.recipe import build_task, model_config
 from jaxrl.rollout.actor import Actor
+from jaxrl.rollout.sources import group_source
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams
@@ -40,8 +41,8 @@ def parts():
 
 
 def actor(orchestrator, task, tokenizer, log, **kwargs):
-    return Actor(orchestrator, task, tokenizer, log, CFG.rl, seed=3, warn=lambda _: None,
-                 **kwargs)
+    source = group_source(orchestrator, task, tokenizer, CFG.rl, warn=lambda _: None)
+    return Actor(source, log, CFG.rl, seed=3, warn=lambda _: None, **kwargs)
 
 
 def test_groups_in_flight_continue_after_a_restart(parts):
@@ -75,8 +76,7 @@ def test_groups_in_flight_continue_after_a_restart(parts):
         first._submit_next()
         first._submit_next()
         o.resume()
-        while not o._loop.held.wait(0.01):
-            pass
+        until(o._loop.held.is_set, what="the engine holding at half the tokens")
         o.pause()
         saved = json.loads(json.dumps(first.snapshot(0)))   # as a checkpoint stores it
         first.stop()
@@ -109,7 +109,7 @@ def test_answer_lengths_fix_every_sample(parts):
     rl = dataclasses.replace(CFG.rl, completion_length="answer")
     log = RolloutLog()
     with Orchestrator(engine, params, eos_id=tokenizer.eos_id) as o:
-        a = Actor(o, task, tokenizer, log, rl, seed=5, warn=lambda _: None)
+        a = Actor(group_source(o, task, tokenizer, rl), log, rl, seed=5, warn=lambda _: None)
         a.generate(3 * GROUP)
         a.stop()
     rollouts = log.tail(0)

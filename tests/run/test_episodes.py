@@ -17,6 +17,7 @@ from jaxrl.rl.config import RLConfig
 from jaxrl.rl.tasks.base import Problem
 from jaxrl.rl.tasks.toolcalc import ToolCalcTask
 from jaxrl.rollout.episodes import EpisodeGroup
+from jaxrl.rollout.group import Group
 from serving.engine import Engine
 from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams
@@ -43,7 +44,7 @@ def engine(params):
 
 
 def _group(o, state=None, temperature=0.0):
-    return EpisodeGroup(o, TASK, TOKENIZER, PROBLEM, PROMPT, RL, seed=5, state=state,
+    return EpisodeGroup(o, TASK, TOKENIZER, Group(0, PROBLEM, PROMPT, seed=5), RL, state=state,
                         temperature=temperature)
 
 

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import Transformer, split_params
-from jaxrl.rollout.fleet import Fleet, Member, NoGeneration
+from jaxrl.rollout.fleet import Fleet, Member, MemberState, NoGeneration
 from jaxrl.rollout.publisher import WeightPublisher
 from serving.client import RemoteGeneration
 from serving.engine import Engine
@@ -70,7 +70,7 @@ class FakeGeneration:
 
 
 def member(name, gen, slots=4, remote=True, version=0):
-    return Member(name, gen, slots, remote=remote, version=version, joined=True)
+    return Member(name, gen, slots, remote=remote, version=version, state=MemberState.READY)
 
 
 def finish(stream, tokens=(5, 6)):
@@ -109,7 +109,7 @@ def test_partial_rollouts_pause_every_member_that_answers():
     fleet = Fleet([member("local", local, remote=False), member("good", good),
                    member("bad", bad), member("aside", aside)], eos_id=1, heartbeat_s=3600,
                   warn=warned.append)
-    fleet.members[3].alive = False
+    fleet.set_aside(fleet.members[3], "down for the test")
     fleet.pause(lease_s=600)
     assert (local.paused, good.paused) == (None, 600) and not hasattr(aside, "paused")
     assert [w for w in warned if "could not pause bad" in w and "it is down" in w]

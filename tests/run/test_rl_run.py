@@ -47,7 +47,7 @@ def failing(*args, **kwargs):
 
 def failing_like(original):
     """`original` (a class or a function) failing when called; a class keeps its other
-    attributes (Actor.carry_from)."""
+    attributes."""
     if isinstance(original, type):
         return type(original.__name__, (original,), {"__init__": failing})
     return failing

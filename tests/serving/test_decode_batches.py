@@ -1,4 +1,4 @@
-"""Busy slots decoded in two batches in one step (serving/orchestrator.py: decode_groups) keep
+"""Busy slots decoded in two batches in one step (serving/scheduler.py: decode_groups) keep
 their own state: the smaller batch is padded with rows of other slots, which may be the other
 batch's busy slots. Every sample's log-probs equal a teacher-forced forward of the same weights
 over its prompt and tokens (an independent reference), with groups of 8 whose samples stop at
@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer, merge_params, split_params
-from serving import engine_loop
+from serving import scheduler
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams
@@ -52,14 +52,14 @@ def check_two_decode_batches_per_step() -> int:
     graphdef, params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))
     model = merge_params(graphdef, params)
     splits = []
-    decode_groups = engine_loop.decode_groups
+    decode_groups = scheduler.decode_groups
 
     def recording(*args, **kwargs):
         groups = decode_groups(*args, **kwargs)
         splits.append(len(groups))
         return groups
 
-    engine_loop.decode_groups = recording
+    scheduler.decode_groups = recording
     engine = Engine(CFG, EngineConfig(max_concurrent_decodes=32, max_len=13,
                                       max_prefill_length=8, prefill_chunk=8, prefill_budget=8))
     rng = np.random.default_rng(0)

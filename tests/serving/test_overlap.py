@@ -1,5 +1,5 @@
 """The engine loop dispatches a decode step before it reads back the one before
-(serving/decode_batches.py), so the host's work for one step runs while the device computes the
+(serving/engine_loop.py), so the host's work for one step runs while the device computes the
 next. Checked on what the loop did, not on timing: the order of its dispatches and read-backs,
 and the decode rows it ran, counted from what each sample's tokens and finish reason say they
 must have cost (an end by length is known ahead and costs nothing more; an end by a stop token

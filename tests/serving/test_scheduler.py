@@ -159,7 +159,7 @@ def test_a_long_tail_is_decoded_apart_from_the_short_rows():
     from types import SimpleNamespace
 
     from serving.engine import EngineConfig
-    from serving.engine_loop import decode_groups
+    from serving.scheduler import decode_groups
 
     cfg = EngineConfig(max_concurrent_decodes=64, max_len=2048, page_size=16)
 

@@ -143,22 +143,27 @@ class CustomTask:
     # -- building ------------------------------------------------------------------------------
     @classmethod
     def from_rows(cls, rows: Iterable[Mapping], reward: Reward | Sequence[Reward], *,
-                  eval_rows: Iterable[Mapping] | None = None, weights: Sequence[float] = (),
+                  held_out: int | Iterable[Mapping] = 5, weights: Sequence[float] = (),
                   batched: bool = False, prompt_key: str = "prompt", answer_key: str = "",
-                  held_out_percent: int = 5, tokenizer=None) -> "CustomTask":
+                  tokenizer=None) -> "CustomTask":
         """The Python API: `rows` are mappings (a list, a Hugging Face `datasets.Dataset`, a
-        Grain MapDataset), `reward` one callable or several. `tokenizer` writes chat-message
-        prompts with its chat template."""
+        Grain MapDataset), `reward` one callable or several. `held_out`: the problems held out
+        for evaluation, a percent of `rows` (chosen by a hash of the prompt) or rows of their
+        own (any of `rows` with the same prompt is then not trained on). `tokenizer` writes
+        chat-message prompts with its chat template."""
         problems = [_problem(row, prompt_key, answer_key, tokenizer, f"row {n}")
                     for n, row in enumerate(rows, 1)]
-        if eval_rows is not None:
-            held = [_problem(row, prompt_key, answer_key, tokenizer, f"eval row {n}")
-                    for n, row in enumerate(eval_rows, 1)]
+        if isinstance(held_out, bool) or not isinstance(held_out, int):
+            held = [_problem(row, prompt_key, answer_key, tokenizer, f"held-out row {n}")
+                    for n, row in enumerate(held_out, 1)]
             held_prompts = {p.prompt for p in held}
             train = [p for p in problems if p.prompt not in held_prompts]
         else:
-            train = [p for p in problems if not is_held_out(p.prompt, held_out_percent)]
-            held = [p for p in problems if is_held_out(p.prompt, held_out_percent)]
+            if not 0 <= held_out <= 100:
+                raise ValueError(f"held_out={held_out}: a percent of the rows (0 to 100) or "
+                                 f"rows of their own")
+            train = [p for p in problems if not is_held_out(p.prompt, held_out)]
+            held = [p for p in problems if is_held_out(p.prompt, held_out)]
         rewards = list(reward) if isinstance(reward, (list, tuple)) else [reward]
         return cls(train, held, rewards, weights, batched=batched)
 
@@ -180,9 +185,10 @@ class CustomTask:
             if not callable(r):
                 raise UserError(f"task.reward={path!r} is a {type(r).__name__}, not a function")
         task = cls.from_rows(rows(cfg.prompts), rewards, weights=cfg.reward_weights,
-                             eval_rows=rows(cfg.eval_prompts) if cfg.eval_prompts else None,
+                             held_out=rows(cfg.eval_prompts) if cfg.eval_prompts
+                             else cfg.held_out_percent,
                              batched=cfg.batched, prompt_key=cfg.prompt_key,
-                             answer_key=cfg.answer_key, held_out_percent=cfg.held_out_percent,
+                             answer_key=cfg.answer_key,
                              tokenizer=tokenizer)
         if not task._eval and not cfg.eval_prompts:
             raise TaskDataError(f"holding out {cfg.held_out_percent}% of the problems in "
