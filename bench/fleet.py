@@ -116,9 +116,10 @@ def fleet_vs_local(args, work: Path) -> dict:
 
 def push_rate(embed: int, layers: int, pushes: int) -> dict:
     """Pushes `pushes` updates of a model of this size to an in-process server over loopback
-    while it decodes greedy requests, by each path: streamed over gRPC, and pulled by the server
-    over jax.experimental.transfer (serving/transfer.py). Bytes/s and the decode pause of each,
-    the two paths taking turns so that both see the same machine."""
+    while it decodes greedy requests, by each path: streamed over gRPC, pulled by the server
+    over jax.experimental.transfer (serving/transfer.py) and over plain TCP (serving/bulk.py).
+    Bytes/s and the decode pause of each, the paths taking turns so that all see the same
+    machine."""
     cfg = ModelConfig(vocab_size=1024, embed_dim=embed, num_layers=layers, num_heads=8,
                       num_kv_heads=4, head_dim=embed // 8, mlp_dim=4 * embed, max_seq_len=128)
     params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1]
@@ -128,7 +129,8 @@ def push_rate(embed: int, layers: int, pushes: int) -> dict:
                     update_token=TOKEN).start()
     paths = {"grpc": RemoteGeneration(server.address, token=TOKEN),
              "transfer": RemoteGeneration(server.address, token=TOKEN,
-                                          transfer_host="127.0.0.1")}
+                                          transfer="jax"),
+             "tcp": RemoteGeneration(server.address, token=TOKEN, transfer="tcp")}
     busy = threading.Event()
 
     def decode():                   # keep the server generating throughout
@@ -195,13 +197,13 @@ def main(argv=None) -> None:
         embed, layers = map(int, size.split("x"))
         r = push_rate(embed, layers, args.pushes)
         out["pushes"].append(r)
-        g, t = r["grpc"], r["transfer"]
+        g = r["grpc"]
+        rates = ", ".join(f"{name} {p['bytes_per_s'] / 1e9:.3f} GB/s "
+                          f"({p['bytes_per_s'] / g['bytes_per_s']:.1f}x, decode pause median "
+                          f"{p['pause_ms_median']:.3f} ms, max {p['pause_ms_max']:.3f} ms)"
+                          for name, p in r.items() if isinstance(p, dict))
         print(f"push of {r['params_M']:.1f}M float32 parameters ({r['bytes'] / 1e6:.0f} MB) to a "
-              f"decoding server over loopback: gRPC stream {g['bytes_per_s'] / 1e9:.3f} GB/s, "
-              f"jax transfer pull {t['bytes_per_s'] / 1e9:.3f} GB/s "
-              f"({t['bytes_per_s'] / g['bytes_per_s']:.1f}x); decode pause median "
-              f"{g['pause_ms_median']:.3f} / {t['pause_ms_median']:.3f} ms, max "
-              f"{g['pause_ms_max']:.3f} / {t['pause_ms_max']:.3f} ms", flush=True)
+              f"decoding server over loopback: {rates}", flush=True)
     print(json.dumps(out))
 
 

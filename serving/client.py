@@ -30,6 +30,7 @@ from serving.weight_stream import StaleVersion
 from sharding.reshard import WeightUpdateError
 
 MAX_MESSAGE = 64 * 2**20
+TRANSFERS = ("grpc", "jax", "tcp")
 _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
             grpc.StatusCode.OUT_OF_RANGE)
@@ -86,17 +87,21 @@ class RemoteGeneration:
 
     `token`: the server's weight-update token (needed by `update_params`).
     `rpc_timeout_s`: the deadline of metrics calls (a hung server fails them).
-    `transfer_host`: send weights device to device (serving/transfer.py: the server pulls them
-    from a jax.experimental.transfer server of this process bound to this host) instead of
-    streaming them in pieces (None, the default).
+    `transfer`: how `update_params` sends weights: "grpc" streams them in pieces over the gRPC
+    call; "jax" has the server pull them device to device from a jax.experimental.transfer
+    server of this process (serving/transfer.py); "tcp" has it pull them from a bulk TCP server
+    of this process (serving/bulk.py). Both pull paths bind `transfer_host`, which the server
+    must reach.
     `stream_interval_ms`: 0, each token as it is drawn; N, a sample's tokens gathered for up to
     N ms per message (an RL trainer's: fewer messages for its process to read)."""
 
     def __init__(self, address: str, *, token: str | None = None, tls_ca: bytes | None = None,
-                 rpc_timeout_s: float = 10.0, transfer_host: str | None = None,
-                 stream_interval_ms: int = 0):
+                 rpc_timeout_s: float = 10.0, transfer: str = "grpc",
+                 transfer_host: str = "127.0.0.1", stream_interval_ms: int = 0):
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer={transfer!r} is not one of {', '.join(TRANSFERS)}")
         self.address = address
-        self.transfer_host = transfer_host
+        self.transfer, self.transfer_host = transfer, transfer_host
         self.stream_interval_ms = stream_interval_ms
         self._token = token
         self._channel = open_channel(address, tls_ca=tls_ca)
@@ -157,21 +162,26 @@ class RemoteGeneration:
         stream.end(reason)
 
     def update_params(self, params, version: int, timeout: float | None = None, *,
-                      resume: bool = False) -> UpdateResult:
-        """Streams `params` as weights `version`. Raises StaleVersion (the server already has
-        this version or a newer one, and not `resume`), WeightUpdateError (refused: shapes,
-        dtypes, token), TimeoutError (the deadline passed: the server keeps its old weights) or
-        ConnectionError (the server cannot be reached)."""
+                      resume: bool = False, pull_from: tuple[str, int] | None = None,
+                      relay_as: int = 0) -> UpdateResult:
+        """Sends `params` as weights `version` (`transfer`). With tcp, `pull_from` = (the bulk
+        address of a server pulling the same update, the id it relays it under): this server
+        pulls from that one, not from this process (`params` only describe the tensors); with
+        `relay_as`, it offers what it pulls under that id in turn. Raises StaleVersion (the
+        server already has this version or a newer one, and not `resume`), WeightUpdateError
+        (refused: shapes, dtypes, token), TimeoutError (the deadline passed: the server keeps
+        its old weights) or ConnectionError (the server cannot be reached)."""
         t0 = time.perf_counter()
         metadata = [("authorization", f"Bearer {self._token or ''}")]
         try:
-            if self.transfer_host is None:
+            if self.transfer == "grpc":
                 reply = self._stub.UpdateWeights(
                     weight_pieces(params, version, resume=resume), timeout=timeout,
                     metadata=metadata)
             else:
                 reply = self._stub.PullWeights(
-                    self._offer(params, version, resume, timeout), timeout=timeout,
+                    self._offer(params, version, resume, timeout, pull_from, relay_as),
+                    timeout=timeout,
                     metadata=metadata)
         except grpc.RpcError as e:
             code, details = e.code(), e.details()
@@ -185,17 +195,31 @@ class RemoteGeneration:
             raise ConnectionError(f"{where}: {code.name}: {details}") from None
         return UpdateResult(reply.version, time.perf_counter() - t0, reply.pause_ms / 1e3)
 
-    def _offer(self, params, version: int, resume: bool, timeout: float | None):
-        """Offers `params` on this process's transfer server; the request that pulls them."""
-        from serving.transfer import Endpoint
-
+    def _offer(self, params, version: int, resume: bool, timeout: float | None, pull_from,
+               relay_as: int):
+        """Offers `params` on this process's transfer or bulk server (or, with `pull_from`,
+        names the server that relays them); the request that pulls them."""
         named = {_name(path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-        endpoint = Endpoint.get(host=self.transfer_host)
-        uuid = endpoint.offer(named, deadline_s=timeout or 600.0)
-        return gen_pb2.PullRequest(
-            version=version, resume=resume, address=endpoint.address, uuid=uuid,
-            tensors=[gen_pb2.TensorSpec(name=n, shape=list(x.shape), dtype=np.dtype(x.dtype).name)
-                     for n, x in named.items()])
+        tensors = [gen_pb2.TensorSpec(name=n, shape=list(x.shape), dtype=np.dtype(x.dtype).name)
+                   for n, x in named.items()]
+        request = gen_pb2.PullRequest(version=version, resume=resume, tensors=tensors,
+                                      transport=self.transfer, relay_uuid=relay_as)
+        if pull_from is not None:
+            request.address, request.uuid = pull_from
+        elif self.transfer == "tcp":
+            from serving.bulk import BulkServer
+
+            bulk = BulkServer.get(self.transfer_host)
+            request.address = bulk.address
+            request.uuid = bulk.offer([np.asarray(x) for x in named.values()],
+                                      deadline_s=timeout or 600.0)[0]
+        else:
+            from serving.transfer import Endpoint
+
+            endpoint = Endpoint.get(host=self.transfer_host)
+            request.address = endpoint.address
+            request.uuid = endpoint.offer(named, deadline_s=timeout or 600.0)
+        return request
 
     def metrics(self, timeout: float | None = None) -> dict:
         """The server's counters. Raises ConnectionError if it does not answer within

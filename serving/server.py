@@ -215,19 +215,22 @@ class GenerationService(gen_grpc.GenerationServicer):
         return self._updated(version, result, "streamed")
 
     def PullWeights(self, request, context):
-        """The device-to-device path (serving/transfer.py): every check first, then the pull."""
+        """The pull paths (serving/transfer.py, serving/bulk.py): every check first, then the
+        pull, then the swap."""
         self._authorize(context)
         specs = [(t.name, tuple(t.shape), t.dtype) for t in request.tensors]
         try:
             check_version(request.version, request.resume, self.orchestrator.newest_version)
             check_specs(specs, self._shapes, self._quantized)
+            if request.transport not in ("", "jax", "tcp"):
+                raise WeightUpdateError(f"weight pull: transport {request.transport!r} is not "
+                                        f"one of 'jax', 'tcp'")
         except StaleVersion as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except WeightUpdateError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            named = self._endpoint().pull(request.address, request.uuid, specs,
-                                          context.time_remaining())
+            named = self._pull(request, specs, context.time_remaining())
         except Exception as e:      # the offer is gone, the trainer unreachable, the deadline
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"weight pull from {request.address} failed: {e}")
@@ -239,6 +242,20 @@ class GenerationService(gen_grpc.GenerationServicer):
         except (WeightUpdateError, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return self._updated(request.version, result, "pulled")
+
+    def _pull(self, request, specs, timeout_s):
+        if request.transport != "tcp":
+            return self._endpoint().pull(request.address, request.uuid, specs, timeout_s)
+        from serving import bulk
+
+        relay = (self.bulk_server(), request.relay_uuid) if request.relay_uuid else None
+        return bulk.pull(request.address, request.uuid, specs, timeout_s, relay)
+
+    def bulk_server(self):
+        """This server's bulk TCP server (serving/bulk.py: what it relays is pulled from it)."""
+        from serving.bulk import BulkServer
+
+        return BulkServer.get(self.transfer_host)
 
     def _endpoint(self):
         """This server's transfer endpoint, on its engine's first device, started on first use."""
@@ -257,7 +274,8 @@ class GenerationService(gen_grpc.GenerationServicer):
                                              pause_ms=1e3 * result.pause_s)
 
     def GetMetrics(self, request, context):
-        return gen_pb2.MetricsResponse(json=json.dumps(self.orchestrator.metrics()))
+        return gen_pb2.MetricsResponse(json=json.dumps(
+            {**self.orchestrator.metrics(), "bulk_address": self.bulk_server().address}))
 
     def EndSession(self, request, context):
         self.orchestrator.end_session(request.session)

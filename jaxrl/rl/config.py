@@ -24,10 +24,13 @@ class GenerationConfig:
     heartbeat_timeout_s: float = 10.0  # ... and how long it may take to answer
     wait_s: float = 600.0            # the run fails if no server can take work for this long
     # How weights reach the servers: grpc (streamed in pieces over their gRPC port: the portable
-    # default) or jax (each server pulls them device to device from a jax.experimental.transfer
-    # server of the trainer's process 0, bound to transfer_host, which the servers must reach;
-    # it has no authentication of its own: a trusted network only). serving/transfer.py.
-    transfer: Literal["grpc", "jax"] = "grpc"
+    # default), jax (each server pulls them device to device from a jax.experimental.transfer
+    # server of the trainer's process 0: serving/transfer.py) or tcp (each pulls them over a
+    # plain TCP connection into its host memory, the servers relaying them along a chain so the
+    # trainer sends each byte once: serving/bulk.py). The pull paths bind transfer_host, which
+    # the servers must reach, and have no authentication of their own beyond the offer's
+    # random id: a trusted network only.
+    transfer: Literal["grpc", "jax", "tcp"] = "grpc"
     transfer_host: str = "127.0.0.1"
     # A server gathers each sample's tokens for up to this long and sends them in one message
     # (0: every token as it is drawn): the trainer's process reads a message per 50 ms per

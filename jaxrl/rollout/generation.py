@@ -104,7 +104,7 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
     for address in g.servers:
         remote = RemoteGeneration(address, token=token, tls_ca=tls_ca,
                                   rpc_timeout_s=g.heartbeat_timeout_s,
-                                  transfer_host=g.transfer_host if g.transfer == "jax" else None,
+                                  transfer=g.transfer, transfer_host=g.transfer_host,
                                   stream_interval_ms=g.stream_interval_ms)
         try:
             metrics = remote.metrics()

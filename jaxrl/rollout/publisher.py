@@ -4,10 +4,11 @@ trainer's newest weights, without letting a slow or dead member hold the trainer
 - In-process members get each version at once, device to device (the orchestrator swaps it in
   between two decode steps); `publish` returns when they serve it, as before the fleet existed.
 - Remote members get it from a thread each, streamed in pieces with a deadline
-  (`deadline_s`), or, with rl.generation.transfer=jax, pulled by the server from the device
-  copy (serving/transfer.py). `publish` itself only starts a device-side copy in the serving dtype (the
-  trainer's buffers are donated to its next step) and returns: the trainer never waits for a
-  remote push. A member still pushing when newer weights arrive gets the newest next (versions
+  (`deadline_s`), or pulled by the server: with rl.generation.transfer=jax from the device
+  copy (serving/transfer.py), with tcp from a host copy over a plain TCP connection, each
+  server relaying it to the next along a chain (serving/bulk.py, relay_chain.py). `publish`
+  itself only starts a device-side copy in the serving dtype (the trainer's buffers are
+  donated to its next step) and returns: the trainer never waits for a remote push. A member still pushing when newer weights arrive gets the newest next (versions
   in between are skipped, never sent out of order).
 - A member's first push from this trainer says `resume`: it replaces whatever the server had,
   even a newer version left by this run before it crashed and resumed from an older checkpoint.
@@ -29,6 +30,7 @@ import numpy as np
 
 from jaxrl.models import lora, quant
 from jaxrl.rollout.fleet import Fleet, Member
+from jaxrl.rollout.relay_chain import RelayChains
 from serving import threads
 from serving.weight_stream import StaleVersion
 from sharding.reshard import WeightUpdateError
@@ -64,6 +66,7 @@ class WeightPublisher:
         self.stats = {"pushes": 0, "push_failures": 0, "push_timeouts": 0, "push_bytes": 0,
                       "push_s": 0.0, "update_pause_ms_max": 0.0}
         self.errors: dict[str, str] = {}
+        self._chains = RelayChains(deadline_s)
         self._threads = [threading.Thread(target=self._serve, args=(m,), daemon=True,
                                           name=f"publish-{m.name}")
                          for m in fleet.members if m.remote]
@@ -132,15 +135,8 @@ class WeightPublisher:
             if resume:
                 self._based.discard(m.name)
             version, params = job
-            try:    # a server that pulls takes the device copy; a stream, host memory
-                pulls = getattr(m.generation, "transfer_host", None) is not None
-                payload = self._payload(m, params)
-                if not pulls:
-                    payload = self._host_copy(version, payload, payload is not params)
-                t0 = time.perf_counter()
-                result = m.generation.update_params(payload, version, timeout=self.deadline_s,
-                                                    resume=resume)
-                seconds = time.perf_counter() - t0
+            try:
+                payload, result, seconds = self._push(m, version, params, resume)
             except StaleVersion:     # someone else pushed it newer weights: replace them
                 self._based.discard(m.name)
                 fleet.replaced(m)
@@ -167,6 +163,29 @@ class WeightPublisher:
                 s["push_s"] += seconds
                 s["update_pause_ms_max"] = max(s["update_pause_ms_max"], 1e3 * result.pause_s)
             fleet.advanced(m, version)
+
+    def _push(self, m: Member, version: int, params, resume: bool):
+        """One push of weights `version` to `m`: (what it carried, the server's result, its
+        seconds). A server that pulls device to device takes the device copy; the others a host
+        copy, fetched once for all, and tcp servers along a relay chain."""
+        payload = self._payload(m, params)
+        adapters = payload is not params
+        transfer = getattr(m.generation, "transfer", "grpc")
+        if transfer != "jax":
+            payload = self._host_copy(version, payload, adapters)
+        route, link = {}, None
+        if transfer == "tcp":
+            link = self._chains.join((version, adapters), m.last_metrics.get("bulk_address"))
+            route = link.route()
+        t0 = time.perf_counter()
+        try:
+            result = m.generation.update_params(payload, version, timeout=self.deadline_s,
+                                                resume=resume, **route)
+        except BaseException:
+            if link is not None:
+                self._chains.failed((version, adapters), link)
+            raise
+        return payload, result, time.perf_counter() - t0
 
     def _due(self, m: Member) -> bool:
         """Whether `m` should be pushed the latest weights now (under the fleet's lock)."""

@@ -97,9 +97,10 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PullWeights(self, request, context):
-        """The device-to-device path: the trainer offers its weights on a jax.experimental.transfer
-        server and the server pulls them straight into its device memory. Checked as UpdateWeights
-        is (token, version, every tensor's name, shape and dtype) before anything is pulled.
+        """The pull paths: the trainer offers its weights on a jax.experimental.transfer server (the
+        server pulls them straight into its device memory) or on a bulk TCP server, and the server
+        pulls them, relaying them on when asked. Checked as UpdateWeights is (token, version, every
+        tensor's name, shape and dtype) before anything is pulled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -201,13 +201,14 @@ def test_an_unreachable_server_is_a_connection_error(params):
     remote.close()
 
 
-def test_weights_pulled_device_to_device_are_served(server, params):
-    """The jax.experimental.transfer path (serving/transfer.py): other weights pulled by the
-    server then generate exactly what a local engine holding them generates, at their version;
-    the original weights pulled back (resume) serve as before."""
+@pytest.mark.parametrize("transfer", ["jax", "tcp"])
+def test_pulled_weights_are_served(server, params, transfer):
+    """The pull paths (jax: serving/transfer.py, device to device; tcp: serving/bulk.py):
+    other weights pulled by the server then generate exactly what a local engine holding them
+    generates, at their version; the original weights pulled back (resume) serve as before."""
     import jax
     other = jax.tree.map(lambda x: x * 1.5 + 0.01, params)
-    puller = RemoteGeneration(server.address, token=TOKEN, transfer_host="127.0.0.1")
+    puller = RemoteGeneration(server.address, token=TOKEN, transfer=transfer)
     version = puller.newest_version + 1
     result = puller.update_params(other, version, timeout=60)
     assert result.version == version == puller.newest_version
@@ -223,9 +224,10 @@ def test_weights_pulled_device_to_device_are_served(server, params):
     puller.close()
 
 
-def test_a_pull_that_does_not_fit_is_refused_before_anything_moves(server, params):
+@pytest.mark.parametrize("transfer", ["jax", "tcp"])
+def test_a_pull_that_does_not_fit_is_refused_before_anything_moves(server, params, transfer):
     import jax
-    puller = RemoteGeneration(server.address, token=TOKEN, transfer_host="127.0.0.1")
+    puller = RemoteGeneration(server.address, token=TOKEN, transfer=transfer)
     version = puller.newest_version
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     (path, first), = flat[:1]
@@ -235,9 +237,57 @@ def test_a_pull_that_does_not_fit_is_refused_before_anything_moves(server, param
         puller.update_params(wrong, version + 1, timeout=30)
     with pytest.raises(StaleVersion, match="not newer"):
         puller.update_params(params, version, timeout=30)
-    stranger = RemoteGeneration(server.address, token="not-it", transfer_host="127.0.0.1")
+    stranger = RemoteGeneration(server.address, token="not-it", transfer=transfer)
     with pytest.raises(WeightUpdateError, match="refused"):
         stranger.update_params(params, version + 1, timeout=30)
     stranger.close()
     assert puller.newest_version == version
     puller.close()
+
+
+def test_a_tcp_pull_cut_short_applies_nothing(server, params):
+    """A bulk source that sends half the bytes and goes: the pull is UNAVAILABLE, the server
+    keeps its weights and version and goes on serving; an unknown transport is refused."""
+    import socket
+    import threading
+
+    import grpc
+    import jax
+
+    from serving.proto import generation_pb2 as gen
+    from serving.proto import generation_pb2_grpc as gen_grpc
+
+    flat = [(("/".join(str(k.key) for k in path)), np.asarray(x))
+            for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+    total = sum(x.nbytes for _, x in flat)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def half_then_gone():
+        sock, _ = listener.accept()
+        with sock:
+            sock.recv(16)
+            sock.sendall(b"\1" + bytes(total // 2))
+
+    threading.Thread(target=half_then_gone, daemon=True).start()
+    remote = RemoteGeneration(server.address, token=TOKEN)
+    version = remote.newest_version
+    stub = gen_grpc.GenerationStub(grpc.insecure_channel(server.address))
+    request = gen.PullRequest(
+        version=version + 1, address=f"127.0.0.1:{listener.getsockname()[1]}", uuid=1,
+        transport="tcp", tensors=[gen.TensorSpec(name=n, shape=list(x.shape),
+                                                 dtype=x.dtype.name) for n, x in flat])
+    auth = [("authorization", f"Bearer {TOKEN}")]
+    with pytest.raises(grpc.RpcError) as cut:
+        stub.PullWeights(request, timeout=60, metadata=auth)
+    assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and "ended the offer" in \
+        cut.value.details()
+    request.transport = "carrier-pigeon"
+    with pytest.raises(grpc.RpcError) as bogus:
+        stub.PullWeights(request, timeout=60, metadata=auth)
+    assert bogus.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "carrier-pigeon" in bogus.value.details()
+    assert remote.newest_version == version
+    [sample] = remote.submit([3, 4], SamplingParams(max_tokens=2, temperature=0.0)).result()
+    assert sample.finish_reason == "length" and set(sample.versions) == {version}
+    listener.close()
+    remote.close()
