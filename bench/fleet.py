@@ -7,10 +7,12 @@
    (rl.generation.transfer=jax). Prints samples/s as a ratio, the weight pushes' bytes/s and each server's decode pause
    per update (its engine loop held to swap the weights in).
 2. Weight pushes to a server that is decoding, over loopback, for models of growing size, by
-   both paths in turn: the gRPC stream (the default) and the server pulling them over
-   jax.experimental.transfer (rl.generation.transfer=jax). Bytes/s of the whole update
-   (transfer, checks, assembly beside decoding) and the decode pause, which should not grow
-   with the model.
+   each path in turn: the gRPC stream (the default), the server pulling them over
+   jax.experimental.transfer (rl.generation.transfer=jax) and over plain TCP (tcp). Bytes/s
+   of the whole update (transfer, checks, assembly beside decoding) and the decode pause,
+   which should not grow with the model.
+3. Pushes to one server and to several (bench/_fanout.py): the seconds until all serve the
+   version, by the gRPC stream and by tcp's relay chain.
 
     jaxrl bench fleet --rl-steps 60 [--warmup-dir runs/demo/checkpoints]
     (or: .venv/bin/python bench/fleet.py ...)
@@ -32,6 +34,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import _rl_compare as compare  # noqa: E402
+from _fanout import fanout  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -128,8 +131,7 @@ def push_rate(embed: int, layers: int, pushes: int) -> dict:
     server = Server(Orchestrator(engine, params, version=-1, eos_id=None).start(), port=0,
                     update_token=TOKEN).start()
     paths = {"grpc": RemoteGeneration(server.address, token=TOKEN),
-             "transfer": RemoteGeneration(server.address, token=TOKEN,
-                                          transfer="jax"),
+             "jax": RemoteGeneration(server.address, token=TOKEN, transfer="jax"),
              "tcp": RemoteGeneration(server.address, token=TOKEN, transfer="tcp")}
     busy = threading.Event()
 
@@ -185,7 +187,10 @@ def main(argv=None) -> None:
     p.add_argument("--push-sizes", default="256x4,512x8,1024x8",
                    help="models for the push measurement, EMBEDxLAYERS each")
     p.add_argument("--pushes", type=int, default=5, help="pushes per model size")
-    p.add_argument("--skip-rl", action="store_true", help="only the push measurement")
+    p.add_argument("--skip-rl", action="store_true", help="only the push measurements")
+    p.add_argument("--fanout", default="1,4",
+                   help="servers pushed to at once, compared with the first (empty: skip)")
+    p.add_argument("--fanout-size", default="1024x8", help="the fan-out's model, EMBEDxLAYERS")
     args = p.parse_args(argv)
     out = {}
     if not args.skip_rl:
@@ -204,6 +209,15 @@ def main(argv=None) -> None:
                           for name, p in r.items() if isinstance(p, dict))
         print(f"push of {r['params_M']:.1f}M float32 parameters ({r['bytes'] / 1e6:.0f} MB) to a "
               f"decoding server over loopback: {rates}", flush=True)
+    if args.fanout:
+        counts = [int(n) for n in args.fanout.split(",")]
+        embed, layers = map(int, args.fanout_size.split("x"))
+        r = out["fanout"] = fanout(embed, layers, counts, args.pushes)
+        for transfer in ("grpc", "tcp"):
+            t = r[transfer]
+            print(f"push of {r['bytes'] / 1e6:.0f} MB to " + ", ".join(
+                f"{n} server{'s' * (n > 1)} {t[n]:.2f} s ({t[n] / t[counts[0]]:.2f}x)"
+                for n in counts) + f" over {transfer}", flush=True)
     print(json.dumps(out))
 
 
