@@ -185,7 +185,8 @@ class ServeOptions:
     weights, for a trainer's adapter-only updates. `tls`: (certificate chain, private key) PEM.
     `max_queued`: requests waiting for a slot; more get RESOURCE_EXHAUSTED. `tensor`,
     `replicas`: `replicas` engines, each tensor-parallel over `tensor` devices. `http_port`:
-    also the OpenAI-compatible HTTP API (serving/openai_api.py) and /metrics there."""
+    also the OpenAI-compatible HTTP API (serving/openai_api.py) and /metrics there. `join`: a
+    trainer's address to offer this server to (serving/join.py), as `advertise`."""
 
     model_dir: str | None = None
     checkpoint_dir: str = "runs/demo/checkpoints"
@@ -201,13 +202,24 @@ class ServeOptions:
     http_port: int | None = None
     lora_dir: str | None = None
     adapters: LoraConfig | None = None
+    join: str | None = None          # a trainer's rl.generation.join to offer this server to
+    advertise: str | None = None     # where that trainer reaches it (default: host and port)
 
 
 def serve(opts: ServeOptions, engine_config: Callable[[int], EngineConfig],
           log: Callable[[str], None] = print, ready: threading.Event | None = None) -> None:
     """Serves until SIGTERM or SIGINT. `engine_config(context)`: the engine's sizes, given the
     model's context length. `ready` is set once the server answers."""
+    if opts.join and opts.update_token is None:
+        raise UserError("--join needs the update token (--update-token-file or "
+                        "$JAXRL_UPDATE_TOKEN): the trainer checks it, and pushes weights with it")
     server, http = _start(opts, engine_config, log)
+    joiner = None
+    if opts.join:
+        from serving.join import Joiner
+
+        joiner = Joiner(opts.join, opts.advertise or server.address, opts.update_token).start()
+        log(f"jaxrl serve: joining the run at {opts.join} as {opts.advertise or server.address}")
     # The handler only appends to a list: a handler that takes a lock (Event.set) deadlocks
     # when the signal lands while the main thread holds that lock.
     stopping: list[int] = []
@@ -222,6 +234,8 @@ def serve(opts: ServeOptions, engine_config: Callable[[int], EngineConfig],
     # every thread's stack to stderr and exits with status 1 instead of hanging on; it stays
     # armed through interpreter exit, which runs JAX's and gRPC's own clean-up.
     faulthandler.dump_traceback_later(SHUTDOWN_DEADLINE_S, exit=True)
+    if joiner is not None:
+        joiner.stop(leave=True)         # the trainer moves this server's groups elsewhere
     if http is not None:
         from serving.openai_api import stop_http
 

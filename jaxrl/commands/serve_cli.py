@@ -70,7 +70,8 @@ def run(args) -> None:
                        allow_remote=args.allow_remote,
                        max_concurrent_rpcs=args.max_concurrent_rpcs,
                        max_queued=args.max_queued, tensor=args.tensor, replicas=args.replicas,
-                       http_port=args.http_port, lora_dir=args.lora, adapters=_adapters(args)),
+                       http_port=args.http_port, lora_dir=args.lora, adapters=_adapters(args),
+                       join=args.join, advertise=args.advertise),
           engine_config, log=lambda m: print(m, flush=True))
 
 
@@ -128,6 +129,13 @@ def _served_and_listening(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued", type=int_at_least(1), default=1024,
                    help="requests waiting for a decode slot; more get RESOURCE_EXHAUSTED")
     p.add_argument("--port", type=port, default=9000, help="port (0: any free port)")
+    p.add_argument("--join", default=None, metavar="TRAINER",
+                   help="offer this server to the RL run listening at TRAINER (host:port, its "
+                        "rl.generation.join), with the update token; joined again every few "
+                        "seconds while the run is not reachable, left at shutdown")
+    p.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                   help="with --join: where the trainer reaches this server (default: --host "
+                        "and the bound port)")
 
 
 def _engine_arguments(p: argparse.ArgumentParser) -> None:

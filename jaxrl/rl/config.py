@@ -16,6 +16,10 @@ class GenerationConfig:
 
     # host:port of each generation server, e.g. "127.0.0.1:9001,127.0.0.1:9002"; empty: local.
     servers: tuple[str, ...] = ()
+    # host:port where servers join this run while it runs (`jaxrl serve --join host:port`,
+    # with the update token; port 0: any free port, logged) and leave it: an elastic fleet
+    # (jaxrl/rollout/registry.py). Empty: the fleet is the servers listed above.
+    join: str = ""
     # The servers' weight-update token: read from this file, else from $JAXRL_UPDATE_TOKEN.
     token_file: str = ""
     tls_ca: str = ""                 # PEM root certificates: talk TLS to the servers
@@ -57,6 +61,10 @@ class GenerationConfig:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"rl.generation.servers: {address!r} is not host:port")
+        if self.join:
+            host, sep, port = self.join.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+                raise ValueError(f"rl.generation.join={self.join!r} is not host:port")
         if len(set(self.servers)) != len(self.servers):
             raise ValueError(f"rl.generation.servers lists a server twice: {self.servers}")
         if self.stream_interval_ms < 0:
@@ -70,7 +78,7 @@ class GenerationConfig:
 
     @property
     def remote(self) -> bool:
-        return bool(self.servers) or self.launch > 0
+        return bool(self.servers) or self.launch > 0 or bool(self.join)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -167,9 +167,10 @@ class Actor:
         longest group in flight (with only one batch in flight it is: sync's tail): short groups
         complete it while long ones go on under the newer weights (PipelineRL). With fewer, the
         bound is two batches, which keeps the samples' lag low."""
-        bound = ahead_bound(self.cfg.batch_size, self.source.slots)
         try:
             while not self._stop.is_set():
+                # The slots present now: a fleet's servers may join and leave during the run.
+                bound = ahead_bound(self.cfg.batch_size, self.source.slots)
                 with self._lock:
                     ahead = self.log.end + sum(self._in_flight.values()) - self.trained_position
                     if ahead >= bound:

@@ -21,19 +21,19 @@ where a group is generated.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import enum
 import threading
 import time
 from typing import Callable, Sequence
 
 from jaxrl.errors import UserError
+from jaxrl.rollout.member import Member, MemberState
 from serving import threads
-from serving.generation import Generation
 from serving.orchestrator import QueueFull
 from serving.router import Router, session_keys
 from serving.sampling import SamplingParams
 from serving.stream import FINISHED, RequestStream, Sample
+
+__all__ = ["Fleet", "FleetStream", "Member", "MemberState", "NoGeneration"]
 
 _MAX_HOMES = 1 << 16     # sessions whose member is remembered (the least recent forgotten)
 
@@ -43,56 +43,16 @@ class NoGeneration(UserError):
     serving): one line naming each server's last error."""
 
 
-class MemberState(enum.Enum):
-    """Where a member stands. Its transitions are the fleet's alone:
-
-        JOINING --(pushed the newest weights: `advanced`)--> READY
-        JOINING, READY --(a failure: `set_aside`)--> SET_ASIDE
-        SET_ASIDE --(answers a heartbeat again)--> JOINING, or READY if it has the weights
-    """
-
-    JOINING = "joining"        # answers, and is being brought to the newest weights
-    READY = "ready"            # takes work
-    SET_ASIDE = "set aside"    # failed or not reached yet: no work; a remote one rejoins
-
-
-@dataclasses.dataclass(eq=False)
-class Member:
-    """A generation engine of the fleet. Whoever builds one sets where it starts (`state`,
-    `why_down`); from then on only the fleet moves it."""
-
-    name: str
-    generation: Generation
-    slots: int
-    remote: bool
-    # The version of this trainer's weights it serves; None until it has been given them (a
-    # server's own start-up weights, or a version from before a trainer restart, do not count).
-    version: int | None = None
-    state: MemberState = MemberState.JOINING
-    why_down: str | None = None     # why it was set aside
-    outstanding: int = 0            # samples submitted to it and not finished
-    failures: int = 0
-    last_metrics: dict = dataclasses.field(default_factory=dict)
-    streams: set = dataclasses.field(default_factory=set)   # its groups in progress
-    counted: dict = dataclasses.field(default_factory=dict)  # counters before a restart
-
-    @property
-    def ready(self) -> bool:
-        return self.state is MemberState.READY
-
-    @property
-    def alive(self) -> bool:
-        """It answers (joining or ready)."""
-        return self.state is not MemberState.SET_ASIDE
-
-
 class Fleet:
+    """The members (`members`: replaced, never changed in place, so a reader may iterate a
+    list it took without the lock) and what is dispatched to them. Servers may `join` and
+    `leave` at any time; with none ready, work waits up to `wait_s` for one."""
+
     def __init__(self, members: Sequence[Member], *, eos_id: int | None,
                  heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 10.0,
                  wait_s: float = 600.0, warn: Callable[[str], None] = print):
-        if not members:
-            raise ValueError("a fleet needs at least one generation member")
         self.members = list(members)
+        self._departed: list[Member] = []      # left: their counters still count
         self.eos_id = eos_id
         self.wait_s = wait_s
         self._warn = warn
@@ -104,10 +64,14 @@ class Fleet:
         self.stats = {"groups_moved": 0, "members_set_aside": 0}
         self._router = Router(lambda m: m.outstanding / m.slots, _MAX_HOMES)
         self._monitor = None
-        if any(m.remote for m in self.members):
-            self._monitor = threading.Thread(target=self._watch, name="fleet-heartbeat",
-                                             daemon=True)
-            self._monitor.start()
+        self._start_heartbeats()
+
+    def _start_heartbeats(self) -> None:
+        with self._lock:
+            if self._monitor is None and any(m.remote for m in self.members):
+                self._monitor = threading.Thread(target=self._watch, name="fleet-heartbeat",
+                                                 daemon=True)
+                self._monitor.start()
 
     # -- dispatch --------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, *,
@@ -178,7 +142,8 @@ class Fleet:
             self._lock.notify_all()
 
     def _no_member_message(self) -> str:
-        states = "; ".join(f"{m.name}: {m.why_down or m.state.value}" for m in self.members)
+        states = "; ".join(f"{m.name}: {m.why_down or m.state.value}"
+                           for m in self.members) or "no server has joined"
         return f"no generation member could take work for {self.wait_s:.0f} s ({states})"
 
     @property
@@ -186,6 +151,30 @@ class Fleet:
         return self._closed.is_set()
 
     # -- membership ------------------------------------------------------------------------------
+    def join(self, member: Member) -> bool:
+        """Adds `member` (a server that registered itself), in the state it was built in; False
+        if a member of that name is already in the fleet."""
+        with self._lock:
+            if any(m.name == member.name for m in self.members):
+                return False
+            self.members = [*self.members, member]
+            self._lock.notify_all()
+        self._start_heartbeats()
+        self._warn(f"generation: {member.name} joined ({member.slots} slots, "
+                   f"{len(self.members)} members)")
+        return True
+
+    def leave(self, member: Member, why: str) -> None:
+        """`member` leaves the fleet: set aside (its groups move to the others) and dropped."""
+        self.set_aside(member, why)
+        with self._lock:
+            if member not in self.members:
+                return
+            self.members = [m for m in self.members if m is not member]
+            self._departed.append(member)
+            self._lock.notify_all()
+        self._warn(f"generation: {member.name} left ({why}); {len(self.members)} members")
+
     def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Waits (up to `timeout`) until `predicate()`, evaluated under the fleet's lock each
         time the members change (`notify`), holds; what it last returned."""
@@ -333,7 +322,7 @@ class Fleet:
         total: dict = dict.fromkeys(self._COUNTERS, 0)
         total["slot_steps"] = 0
         with self._lock:
-            for m in self.members:
+            for m in self.members + self._departed:
                 for key in self._COUNTERS:
                     total[key] += m.counted.get(key, 0) + m.last_metrics.get(key, 0)
                 steps = m.counted.get("steps", 0) + m.last_metrics.get("steps", 0)

@@ -18,6 +18,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.rollout.fleet import Fleet, Member, MemberState
 from jaxrl.rollout.publisher import WeightPublisher
+from jaxrl.rollout.registry import Registry
 from serving.client import RemoteGeneration
 from serving.constraints import Grammars
 from serving.engine import Engine, EngineConfig
@@ -65,8 +66,11 @@ class Generators:
     fleet: Fleet
     publisher: WeightPublisher
     local: Orchestrator | None
+    registry: Registry | None = None      # where servers join (rl.generation.join)
 
     def close(self) -> None:
+        if self.registry is not None:
+            self.registry.close()
         self.publisher.close()
         self.fleet.close()
         if self.local is not None:
@@ -99,29 +103,52 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
                           state=MemberState.READY)]
         fleet = Fleet(members, eos_id=tokenizer.eos_id, wait_s=g.wait_s, warn=log)
         return Generators(fleet, WeightPublisher(fleet, warn=log), local)
+    return _remote(cfg, model_cfg, tokenizer, params, version, log)
+
+
+def _remote(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, version: int,
+            log: Callable[[str], None]) -> Generators:
+    """The fleet of `jaxrl serve` processes: those listed (one that does not answer yet joins
+    when it does) and, with rl.generation.join, those that offer themselves during the run."""
+    g = cfg.rl.generation
     token, tls_ca = update_token(g.token_file), _read(g.tls_ca, "rl.generation.tls_ca")
-    members = []
-    for address in g.servers:
-        remote = RemoteGeneration(address, token=token, tls_ca=tls_ca,
-                                  rpc_timeout_s=g.heartbeat_timeout_s,
-                                  transfer=g.transfer, transfer_host=g.transfer_host,
-                                  stream_interval_ms=g.stream_interval_ms)
+
+    def reach(address: str) -> RemoteGeneration:
+        return RemoteGeneration(address, token=token, tls_ca=tls_ca,
+                                rpc_timeout_s=g.heartbeat_timeout_s, transfer=g.transfer,
+                                transfer_host=g.transfer_host,
+                                stream_interval_ms=g.stream_interval_ms)
+
+    def admit(address: str) -> Member:
+        """A server that answers and serves this run's model, as a joining member."""
+        remote = reach(address)
         try:
             metrics = remote.metrics()
+            check_server(cfg, tokenizer, address, metrics)
+        except BaseException:
+            remote.close()
+            raise
+        return Member(address, remote, int(metrics["slots"]), remote=True, last_metrics=metrics)
+
+    members = []
+    for address in g.servers:
+        try:
+            members.append(admit(address))
         except ConnectionError as e:
             log(f"generation: {address} does not answer yet ({e}); it joins when it does")
-            metrics, state, why = {}, MemberState.SET_ASIDE, "not reached yet"
-        else:
-            check_server(cfg, tokenizer, address, metrics)
-            state, why = MemberState.JOINING, None
-        members.append(Member(address, remote, int(metrics.get("slots", cfg.rl.group_size)),
-                              remote=True, state=state, why_down=why, last_metrics=metrics))
+            members.append(Member(address, reach(address), cfg.rl.group_size, remote=True,
+                                  state=MemberState.SET_ASIDE, why_down="not reached yet"))
     fleet = Fleet(members, eos_id=tokenizer.eos_id, heartbeat_s=g.heartbeat_s,
                   heartbeat_timeout_s=g.heartbeat_timeout_s, wait_s=g.wait_s, warn=log)
     publisher = WeightPublisher(fleet, deadline_s=g.push_deadline_s,
-                                wire_dtype=model_cfg.dtype, warn=log)
+                                wire_dtype=model_cfg.dtype, elastic=bool(g.join), warn=log)
     publisher.publish(params, version)
-    return Generators(fleet, publisher, None)
+    registry = None
+    if g.join:
+        registry = Registry(fleet, publisher, admit, token, g.join)
+        log(f"generation: servers join this run at {registry.address} "
+            f"(jaxrl serve --join {registry.address})")
+    return Generators(fleet, publisher, None, registry)
 
 
 def check_server(cfg: RunConfig, tokenizer: Tokenizer, address: str, metrics: dict) -> None:

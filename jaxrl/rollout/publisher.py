@@ -49,8 +49,11 @@ def wire_dtype(path, x, serving_dtype):
 
 class WeightPublisher:
     def __init__(self, fleet: Fleet, *, deadline_s: float = 60.0, wire_dtype=None,
-                 warn: Callable[[str], None] = print):
+                 elastic: bool = False, warn: Callable[[str], None] = print):
+        """`elastic`: remote members may join later (`watch`), so every version is kept for
+        them even while the fleet has none."""
         self.fleet = fleet
+        self.elastic = elastic
         self.deadline_s = deadline_s
         self.wire_dtype = wire_dtype
         self._warn = warn
@@ -67,17 +70,24 @@ class WeightPublisher:
                       "push_s": 0.0, "update_pause_ms_max": 0.0}
         self.errors: dict[str, str] = {}
         self._chains = RelayChains(deadline_s)
-        self._threads = [threading.Thread(target=self._serve, args=(m,), daemon=True,
-                                          name=f"publish-{m.name}")
-                         for m in fleet.members if m.remote]
-        for t in self._threads:
-            t.start()
+        self._threads: list[threading.Thread] = []
+        for m in fleet.members:
+            self.watch(m)
+
+    def watch(self, m: Member) -> None:
+        """Keeps remote member `m` at the newest weights from a thread of its own, until it
+        leaves the fleet or the publisher closes (a member that joined later included)."""
+        if m.remote:
+            thread = threading.Thread(target=self._serve, args=(m,), daemon=True,
+                                      name=f"publish-{m.name}")
+            self._threads.append(thread)
+            thread.start()
 
     def publish(self, params, version: int) -> dict:
         """Makes `params` weights `version` everywhere: in-process members before returning,
         remote members in the background. Returns the in-process swap's timings."""
         timings = {"update_pause_ms": 0.0, "update_transfer_ms": 0.0}
-        remote = any(m.remote for m in self.fleet.members)
+        remote = self.elastic or any(m.remote for m in self.fleet.members)
         if remote:
             copy = jax.tree_util.tree_map_with_path(self._wire_copy, params)
         self.fleet.published(version)
@@ -125,7 +135,7 @@ class WeightPublisher:
 
     def _serve(self, m: Member) -> None:
         fleet, backoff = self.fleet, 0.0
-        while not self._closed.is_set():
+        while not self._closed.is_set() and m in fleet.members:
             if not fleet.wait_for(lambda: self._closed.is_set() or self._due(m), timeout=1.0):
                 continue
             job = self._latest
@@ -189,7 +199,8 @@ class WeightPublisher:
 
     def _due(self, m: Member) -> bool:
         """Whether `m` should be pushed the latest weights now (under the fleet's lock)."""
-        return (m.alive and self._latest is not None and m.name not in self.errors
+        return (m.alive and m in self.fleet.members and self._latest is not None
+                and m.name not in self.errors
                 and (m.version is None or m.version < self._latest[0]))
 
     def _count(self, key: str) -> None:

@@ -384,3 +384,51 @@ def test_tcp_pushes_travel_a_relay_chain():
     for r, s in zip(remotes, servers):
         r.close()
         s.stop(0)
+
+
+def test_servers_join_and_leave_a_running_fleet():
+    """rl.generation.join: a fleet that starts with no member takes the servers that offer
+    themselves (serving/join.py) once they have the newest weights, logs each join and leave,
+    moves a leaving server's group in flight to the other from its tokens, and refuses a
+    server with the wrong token."""
+    from jaxrl.rollout.registry import Registry
+    from serving.join import Joiner
+
+    params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
+    servers = [Server(Orchestrator(Engine(CFG, ENGINE), params, version=-1, eos_id=1).start(),
+                      port=0, update_token="t").start() for _ in range(2)]
+    log = []
+    fleet = Fleet([], eos_id=1, heartbeat_s=0.2, wait_s=60, warn=log.append)
+    publisher = WeightPublisher(fleet, deadline_s=60, elastic=True, warn=log.append)
+    publisher.publish(params, 4)
+
+    def admit(address):
+        remote = RemoteGeneration(address, token="t")
+        return Member(address, remote, 4, remote=True, last_metrics=remote.metrics())
+
+    registry = Registry(fleet, publisher, admit, "t", "127.0.0.1:0")
+    joiners = [Joiner(registry.address, s.address, "t", every_s=0.2).start() for s in servers]
+    stranger = Joiner(registry.address, "127.0.0.1:1", "wrong", every_s=0.2).start()
+    wait_for(lambda: sum(m.ready for m in fleet.members) == 2)
+    assert all(j.joined.is_set() for j in joiners)
+    assert sorted(m.name for m in fleet.members) == sorted(s.address for s in servers)
+    wait_for(lambda: stranger.last is not None)
+    assert "refused" in stranger.last and "UNAUTHENTICATED" in stranger.last
+    stranger.stop(leave=False)
+    sampling = SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=2, stop_at_eos=False)
+    with Orchestrator(Engine(CFG, ENGINE), params, version=4, eos_id=1) as want:
+        expected = [s.tokens for s in want.submit([3, 4, 5], sampling).result()]
+    stream = fleet.submit([3, 4, 5], sampling)
+    leaving = next(j for j, s in zip(joiners, servers) if s.address == stream.member.name)
+    leaving.stop(leave=True)                      # its group continues on the other server
+    assert [s.tokens for s in stream.result()] == expected
+    assert [m.name for m in fleet.members] == [j.advertise for j in joiners if j is not leaving]
+    assert any("joined" in line for line in log) and any("left" in line for line in log)
+    for j in joiners:
+        if j is not leaving:
+            j.stop(leave=False)
+    registry.close()
+    publisher.close()
+    fleet.close()
+    for s in servers:
+        s.stop(0)
