@@ -34,7 +34,6 @@ from serving.weight_stream import WIRE_DTYPES
 
 CHUNK = 8 << 20              # bytes a send or a receive moves at a time at most
 _HEADER = struct.Struct("<QQ")
-_BUFFER = 8 << 20            # socket buffers (the kernel may cap them)
 LATE_S = 10.0                # how long a pull waits for a relay's offer to be registered
 
 
@@ -158,7 +157,6 @@ class BulkServer:
                     sock.sendall(b"\0")
                     return
                 sock.settimeout(max(offer.deadline - time.monotonic(), 1.0))
-                _tune(sock)
                 sock.sendall(b"\1")
                 offer.send(sock)
             except (OSError, ConnectionError, TimeoutError):
@@ -180,7 +178,6 @@ def pull(address: str, uuid: int, specs: list[tuple[str, tuple, str]],
                                uuid=relay[1], complete=False)[1]
     try:
         with socket.create_connection((host, int(port)), timeout=_left(deadline)) as sock:
-            _tune(sock)
             sock.sendall(_HEADER.pack(uuid, total))
             if _recv_exactly(sock, 1) != b"\1":
                 raise ConnectionError(f"{address} has no offer {uuid} of {total} bytes (expired, "
@@ -213,11 +210,6 @@ def _left(deadline: float | None) -> float | None:
     if left <= 0:
         raise TimeoutError("the weight pull's deadline passed")
     return left
-
-
-def _tune(sock: socket.socket) -> None:
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, option, _BUFFER)
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
