@@ -132,7 +132,8 @@ def _served_and_listening(p: argparse.ArgumentParser) -> None:
     p.add_argument("--join", default=None, metavar="TRAINER",
                    help="offer this server to the RL run listening at TRAINER (host:port, its "
                         "rl.generation.join), with the update token; joined again every few "
-                        "seconds while the run is not reachable, left at shutdown")
+                        "seconds while the run is not reachable, left at shutdown (default: "
+                        "none)")
     p.add_argument("--advertise", default=None, metavar="HOST:PORT",
                    help="with --join: where the trainer reaches this server (default: --host "
                         "and the bound port)")

@@ -33,12 +33,14 @@ KILL_AT, REJOINED_BY = WARMUP + 8, WARMUP + 20
 TOKEN = "fleet-test-token"
 
 
-def start_server(checkpoint, token_file, port=0):
-    """A `jaxrl serve` subprocess; (process, address) once it is ready."""
+def start_server(checkpoint, token_file, port=0, join=None):
+    """A `jaxrl serve` subprocess (offering itself to the run at `join`); (process, address)
+    once it is ready."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxrl.cli", "serve", "--checkpoint", str(checkpoint),
          "--port", str(port), "--slots", "16", "--max-len", "13", "--max-prefill-length", "8",
-         "--prefill-chunk", "8", "--page-size", "4", "--update-token-file", str(token_file)],
+         "--prefill-chunk", "8", "--page-size", "4", "--update-token-file", str(token_file),
+         *(["--join", join] if join else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     output = []
@@ -51,11 +53,17 @@ def start_server(checkpoint, token_file, port=0):
 
 
 @pytest.fixture(scope="module")
-def fleet_run(tmp_path_factory):
+def warmed(tmp_path_factory):
+    """The warm-up's run directory, with the servers' token file in it."""
     warm_dir = tmp_path_factory.mktemp("fleet_warmup")
     job.run(config(warm_dir, "rl.steps=0"), log=quiet)
-    token_file = warm_dir / "token"
-    token_file.write_text(TOKEN)
+    (warm_dir / "token").write_text(TOKEN)
+    return warm_dir
+
+
+@pytest.fixture(scope="module")
+def fleet_run(warmed, tmp_path_factory):
+    warm_dir, token_file = warmed, warmed / "token"
     servers = [start_server(warm_dir / "checkpoints", token_file) for _ in range(2)]
     addresses = [address for _, address in servers]
     run_dir = rl_run_dir(warm_dir / "checkpoints", tmp_path_factory.mktemp("fleet"))
@@ -213,3 +221,81 @@ def test_a_trainer_resumed_from_older_weights_brings_every_server_back(fleet_run
         assert all(WARMUP <= min(r.versions) and max(r.versions) < step for r in rollouts)
     after = {a: m["version"] for a, m in fleet_run["after_resume"].items()}
     assert all(WARMUP <= v <= WARMUP + 2 for v in after.values()), (before, after)
+
+
+# The elastic run: one server from the start, two more join after step JOIN_AT and leave
+# (SIGTERM: they say Leave) after step LEAVE_AT, with the run going on.
+ELASTIC_STEPS, JOIN_AT, LEAVE_AT = 12, WARMUP + 3, WARMUP + 7
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def elastic_run(warmed, tmp_path_factory):
+    """rl.generation.join with no server listed: servers offer themselves (`jaxrl serve
+    --join`), two join mid-run and leave again while it goes on."""
+    checkpoint, token_file = warmed / "checkpoints", warmed / "token"
+    door = f"127.0.0.1:{_free_port()}"
+    servers = [start_server(checkpoint, token_file, join=door)]
+    run_dir = rl_run_dir(checkpoint, tmp_path_factory.mktemp("elastic"))
+    cfg = config(run_dir, "rl.mode=async", f"rl.generation.join={door}",
+                 f"rl.generation.token_file={token_file}", "rl.generation.heartbeat_s=0.5",
+                 "rl.max_lag=1000", f"rl.steps={ELASTIC_STEPS}")
+    trained, lines, batch_stats = {}, [], rl_metrics.batch_stats
+
+    def joined():
+        return sum("joined" in line for line in lines)
+
+    def record(rollouts, step):     # once per optimizer step, in the trainer's thread
+        trained[step + 1] = list(rollouts)
+        if step + 1 == JOIN_AT:
+            servers.extend(start_server(checkpoint, token_file, join=door) for _ in range(2))
+        if step + 1 == LEAVE_AT:
+            deadline = time.monotonic() + 300
+            while joined() < 3:
+                assert time.monotonic() < deadline, "the servers did not join"
+                time.sleep(0.2)
+            for proc, _ in servers[1:]:
+                proc.send_signal(signal.SIGTERM)
+            for proc, _ in servers[1:]:
+                proc.wait(120)
+        return batch_stats(rollouts, step)
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rl_metrics, "batch_stats", record)
+            job.run(cfg, log=lines.append)
+    finally:
+        for proc, _ in servers:
+            proc.kill()
+            proc.wait(60)
+    ckpt = Checkpointer(run_dir / "checkpoints")
+    final = ckpt.saved_data(WARMUP + ELASTIC_STEPS)
+    ckpt.close()
+    return {"run_dir": run_dir, "trained": trained, "lines": lines, "final": final}
+
+
+def test_servers_join_and_leave_mid_run_and_nothing_is_lost_or_repeated(elastic_run):
+    lines = elastic_run["lines"]
+    assert sum("joined" in line for line in lines) == 3
+    assert sum(" left (" in line for line in lines) == 2
+    rows = {r["step"]: r for r in rl_rows(elastic_run["run_dir"])}
+    assert sorted(rows) == list(range(WARMUP + 1, WARMUP + ELASTIC_STEPS + 1))
+    assert max(r["members_ready"] for s, r in rows.items() if JOIN_AT < s <= LEAVE_AT) == 3
+    assert rows[WARMUP + ELASTIC_STEPS]["members_ready"] == 1
+    per_group = {}
+    for step, rollouts in elastic_run["trained"].items():
+        for r in rollouts:
+            per_group.setdefault(r.group, []).append(step)
+            assert WARMUP <= min(r.versions) and max(r.versions) < step
+    counts = {g: len(steps) for g, steps in per_group.items()}
+    assert max(counts.values()) == 8, counts             # never a sample twice
+    assert sum(c != 8 for c in counts.values()) <= 1, counts
+    final = elastic_run["final"]
+    assert final["stats"]["samples"] == final["trained"] + len(final["rollouts"])
+    assert final["trained"] == sum(counts.values())
