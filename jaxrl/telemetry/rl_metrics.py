@@ -77,7 +77,8 @@ class StepMetrics:
         self.batch_size = batch_size
         self.actor, self.fleet, self.publisher, self.lag_stats = actor, fleet, publisher, lag_stats
         self.trained = trained
-        self.remote = any(m.remote for m in fleet.members)
+        # Servers listed, or joining later (an elastic fleet may start empty).
+        self.remote = publisher.elastic or any(m.remote for m in fleet.members)
         self._engine, self._actor, self._t = fleet.metrics(), actor.stats.copy(), now
 
     def row(self, step: int, batch: dict, train_metrics: dict, *, now: float, wait_s: float,
