@@ -65,9 +65,10 @@ class Registry(pb_grpc.FleetServicer):
             return pb.JoinResponse(added=False, members=len(self.fleet.members))
         try:
             member = self.admit(address)
-        except ConnectionError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"the trainer cannot reach {address}: {e}")
+        except ConnectionError as e:     # most often a wrong --advertise: said as a refusal
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"the trainer cannot reach {address} (is --advertise an address "
+                          f"the trainer can reach?): {e}")
         except ConfigError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         added = self.fleet.join(member)

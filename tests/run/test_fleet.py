@@ -432,3 +432,35 @@ def test_servers_join_and_leave_a_running_fleet():
     fleet.close()
     for s in servers:
         s.stop(0)
+
+
+def test_a_join_that_cannot_serve_the_run_is_refused_with_the_reason():
+    """The registry refuses a server the trainer cannot reach (its --advertise is wrong) or
+    that serves another model (the check's own words), and a malformed address; the fleet is
+    left as it was, and the joiner says so."""
+    from jaxrl.config import ConfigError
+    from jaxrl.rollout.registry import Registry
+    from serving.join import Joiner
+
+    fleet = Fleet([], eos_id=1, heartbeat_s=3600, warn=lambda _: None)
+    publisher = WeightPublisher(fleet, deadline_s=5, elastic=True, warn=lambda _: None)
+
+    def admit(address):
+        if address.endswith(":1"):
+            raise ConnectionError("connection refused")
+        raise ConfigError(f"generation server {address} has vocab_size=7; this run needs 1024")
+
+    registry = Registry(fleet, publisher, admit, "t", "127.0.0.1:0")
+    outcomes = {}
+    for address in ("127.0.0.1:1", "127.0.0.1:2", "no-port"):
+        joiner = Joiner(registry.address, address, "t", every_s=0.2).start()
+        wait_for(lambda j=joiner: j.last is not None)
+        outcomes[address] = joiner.last
+        joiner.stop(leave=False)
+    assert "refused" in outcomes["127.0.0.1:1"] and "--advertise" in outcomes["127.0.0.1:1"]
+    assert "refused" in outcomes["127.0.0.1:2"] and "vocab_size=7" in outcomes["127.0.0.1:2"]
+    assert "refused" in outcomes["no-port"] and "not host:port" in outcomes["no-port"]
+    assert fleet.members == []
+    registry.close()
+    publisher.close()
+    fleet.close()
