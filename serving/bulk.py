@@ -163,13 +163,38 @@ class BulkServer:
                 return          # the puller sees the connection end short and says so
 
 
+class ReceivePool:
+    """Receive arrays kept from one pull to the next of the same tensors. A fresh array's first
+    touch costs a page fault per page, which on some hosts is most of a pull's time (a 2-core
+    VM here: 1.2 s per 512 MB fresh, 0.05 s reused). A pull's arrays come back (`give_back`)
+    once the engine has copied them in; one set is kept."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free: dict[tuple, list[np.ndarray]] = {}
+
+    @staticmethod
+    def _key(specs) -> tuple:
+        return tuple((tuple(shape), dtype) for _, shape, dtype in specs)
+
+    def take(self, specs: list[tuple[str, tuple, str]]) -> list[np.ndarray]:
+        with self._lock:
+            arrays = self._free.pop(self._key(specs), None)
+        return arrays or [np.empty(shape, WIRE_DTYPES[dtype]) for _, shape, dtype in specs]
+
+    def give_back(self, specs: list[tuple[str, tuple, str]], arrays: list[np.ndarray]) -> None:
+        with self._lock:
+            self._free = {self._key(specs): arrays}
+
+
 def pull(address: str, uuid: int, specs: list[tuple[str, tuple, str]],
-         timeout_s: float | None, relay: tuple[BulkServer, int] | None = None
-         ) -> dict[str, np.ndarray]:
+         timeout_s: float | None, relay: tuple[BulkServer, int] | None = None,
+         into: list[np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """The offer `uuid` of the bulk server at `address`, as {name: array} in `specs`' order
-    (name, shape, wire dtype: checked by the caller first). With `relay` (a bulk server, an
-    id), the arrays are offered there under that id as they fill."""
-    arrays = [np.empty(shape, WIRE_DTYPES[dtype]) for _, shape, dtype in specs]
+    (name, shape, wire dtype: checked by the caller first), received `into` those arrays
+    (default: new ones). With `relay` (a bulk server, an id), the arrays are offered there
+    under that id as they fill."""
+    arrays = into or [np.empty(shape, WIRE_DTYPES[dtype]) for _, shape, dtype in specs]
     total = sum(a.nbytes for a in arrays)
     host, port = address.rsplit(":", 1)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s

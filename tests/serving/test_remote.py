@@ -221,6 +221,12 @@ def test_pulled_weights_are_served(server, params, transfer):
             assert [s.tokens for s in got] == [s.tokens for s in expected]
             assert {v for s in got for v in s.versions} == {version}
     assert puller.update_params(params, 0, timeout=60, resume=True).version == 0
+    # The second pull of the same tensors (tcp: into the first's arrays, reused) serves them.
+    with Orchestrator(engine, params, version=0, eos_id=1) as want:
+        for prompt in prompts(5, seed=9):
+            expected = want.submit(prompt, sampling).result()
+            got = puller.submit(prompt, sampling).result()
+            assert [s.tokens for s in got] == [s.tokens for s in expected]
     puller.close()
 
 
