@@ -48,7 +48,12 @@ class Offer:
     rest."""
 
     def __init__(self, arrays: list[np.ndarray], deadline: float, *, complete: bool = True):
+        """`complete`: the arrays hold their bytes already (the trainer's offer, pulled any
+        number of times until its deadline); else a relay's, which fills as its pull receives
+        and is sent once (`done` is set then, or when its pull fails)."""
         self.arrays = arrays
+        self.single_use = not complete
+        self.done = threading.Event()
         self.total = sum(a.nbytes for a in arrays)
         self.deadline = deadline
         self._arrived = self.total if complete else 0
@@ -67,6 +72,7 @@ class Offer:
         with self._cond:
             self._failed = why
             self._cond.notify_all()
+        self.done.set()
 
     def _wait(self, n: int) -> None:
         with self._cond:
@@ -90,6 +96,8 @@ class Offer:
                 sent += len(piece)
         with self._cond:
             self.sends += 1
+        if self.single_use:
+            self.done.set()
 
 
 class BulkServer:
@@ -158,9 +166,18 @@ class BulkServer:
                     return
                 sock.settimeout(max(offer.deadline - time.monotonic(), 1.0))
                 sock.sendall(b"\1")
+                if offer.single_use:        # one puller: nobody else is sent it
+                    self.withdraw(uuid)
                 offer.send(sock)
             except (OSError, ConnectionError, TimeoutError):
                 return          # the puller sees the connection end short and says so
+
+
+def relay_offer(server: BulkServer, uuid: int, arrays: list[np.ndarray],
+                timeout_s: float | None) -> Offer:
+    """Offers `arrays`, which a pull is about to fill, under `uuid` on `server`, once."""
+    return server.offer(arrays, 600.0 if timeout_s is None else timeout_s, uuid=uuid,
+                        complete=False)[1]
 
 
 class ReceivePool:
@@ -188,19 +205,16 @@ class ReceivePool:
 
 
 def pull(address: str, uuid: int, specs: list[tuple[str, tuple, str]],
-         timeout_s: float | None, relay: tuple[BulkServer, int] | None = None,
-         into: list[np.ndarray] | None = None) -> dict[str, np.ndarray]:
+         timeout_s: float | None, into: list[np.ndarray] | None = None,
+         relay: Offer | None = None) -> dict[str, np.ndarray]:
     """The offer `uuid` of the bulk server at `address`, as {name: array} in `specs`' order
     (name, shape, wire dtype: checked by the caller first), received `into` those arrays
-    (default: new ones). With `relay` (a bulk server, an id), the arrays are offered there
-    under that id as they fill."""
+    (default: new ones). `relay`: an offer made over these same arrays (`relay_offer`), told
+    of each chunk as it arrives."""
     arrays = into or [np.empty(shape, WIRE_DTYPES[dtype]) for _, shape, dtype in specs]
     total = sum(a.nbytes for a in arrays)
     host, port = address.rsplit(":", 1)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    if relay is not None:
-        relay = relay[0].offer(arrays, 600.0 if timeout_s is None else timeout_s,
-                               uuid=relay[1], complete=False)[1]
     try:
         with socket.create_connection((host, int(port)), timeout=_left(deadline)) as sock:
             sock.sendall(_HEADER.pack(uuid, total))

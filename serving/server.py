@@ -36,7 +36,7 @@ from serving.proto import jetstream_pb2 as js_pb2
 from serving.proto import jetstream_pb2_grpc as js_grpc
 from serving.sampling import SamplingParams
 from serving.transfer import as_tree, check_specs
-from serving.bulk import ReceivePool
+from serving.pulls import Pulls
 from serving.weight_stream import (
     StaleVersion,
     WeightAssembler,
@@ -167,9 +167,14 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.update_token = update_token
         self.transfer_host = transfer_host     # where weight pulls leave from
-        self._receive_pool = ReceivePool()      # tcp pulls' arrays, reused
+        self._pulls = Pulls(lambda: orchestrator.params, transfer_host, self._first_device)
         self._shapes = tensor_names(orchestrator.engine.param_target)
         self._quantized = quantized_names(orchestrator.engine.param_target)
+
+    def _first_device(self):
+        """The engine's first device: where device-to-device pulls land."""
+        sharding = jax.tree.leaves(self.orchestrator.engine.param_target)[0].sharding
+        return sorted(sharding.device_set, key=lambda d: d.id)[0]
 
     def Generate(self, request, context):
         kind = request.WhichOneof("prompt")
@@ -231,54 +236,24 @@ class GenerationService(gen_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except WeightUpdateError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        # A tcp pull that relays nothing receives into the arrays of the last one, given back
-        # once the engine has copied them in (a relayed pull's arrays go on being sent).
-        reuse = request.transport == "tcp" and not request.relay_uuid
-        into = self._receive_pool.take(specs) if reuse else None
+        def apply(named):
+            return self.orchestrator.update_params(as_tree(named), request.version,
+                                                   resume=request.resume)
+
         try:
-            named = self._pull(request, specs, context.time_remaining(), into)
-        except Exception as e:      # the offer is gone, the trainer unreachable, the deadline
-            self._give_back(specs, into)
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"weight pull from {request.address} failed: {e}")
-        try:
-            result = self.orchestrator.update_params(as_tree(named), request.version,
-                                                     resume=request.resume)
+            result = self._pulls.pull(request, specs, context.time_remaining(), apply)
         except StaleVersion as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (WeightUpdateError, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        finally:
-            self._give_back(specs, into)
+        except Exception as e:      # the offer is gone, the trainer unreachable, the deadline
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"weight pull from {request.address} failed: {e}")
         return self._updated(request.version, result, "pulled")
-
-    def _give_back(self, specs, arrays) -> None:
-        """Returns receive arrays to the pool once no copy out of them is still running."""
-        if arrays is not None:
-            jax.block_until_ready(self.orchestrator.params)
-            self._receive_pool.give_back(specs, arrays)
-
-    def _pull(self, request, specs, timeout_s, into):
-        if request.transport != "tcp":
-            return self._endpoint().pull(request.address, request.uuid, specs, timeout_s)
-        from serving import bulk
-
-        relay = (self.bulk_server(), request.relay_uuid) if request.relay_uuid else None
-        return bulk.pull(request.address, request.uuid, specs, timeout_s, relay, into)
 
     def bulk_server(self):
         """This server's bulk TCP server (serving/bulk.py: what it relays is pulled from it)."""
-        from serving.bulk import BulkServer
-
-        return BulkServer.get(self.transfer_host)
-
-    def _endpoint(self):
-        """This server's transfer endpoint, on its engine's first device, started on first use."""
-        from serving.transfer import Endpoint
-
-        device = jax.tree.leaves(self.orchestrator.engine.param_target)[0].sharding
-        return Endpoint.get(sorted(device.device_set, key=lambda d: d.id)[0],
-                            host=self.transfer_host)
+        return self._pulls.bulk_server()
 
     @staticmethod
     def _updated(version: int, result, how: str):

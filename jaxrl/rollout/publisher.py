@@ -20,6 +20,7 @@ trainer's newest weights, without letting a slow or dead member hold the trainer
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Callable
@@ -100,6 +101,10 @@ class WeightPublisher:
                 self.fleet.advanced(m, version)
         if remote:
             self._latest = (version, copy)
+            self._chains.expect(collections.Counter(
+                (version, self._payload(m, copy) is not copy) for m in self.fleet.members
+                if m.remote and m.alive and m.name not in self.errors
+                and getattr(m.generation, "transfer", "grpc") == "tcp"))
             self.fleet.notify()
         return timings
 

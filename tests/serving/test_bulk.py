@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from serving import bulk as bulk_module
-from serving.bulk import BulkServer, pull
+from serving.bulk import BulkServer, ReceivePool, pull, relay_offer
 
 
 def _arrays():
@@ -55,7 +55,7 @@ def test_a_wrong_id_or_size_is_refused_before_any_byte_moves(bulk, monkeypatch):
     assert offer.sends == 0
 
 
-def test_a_relay_passes_on_what_it_receives(bulk):
+def test_a_relay_passes_on_what_it_receives(bulk, monkeypatch):
     arrays = _arrays()
     relay = BulkServer("127.0.0.1")             # the first server's own bulk server
     uuid, _ = bulk.offer(list(arrays.values()), 30)
@@ -66,10 +66,16 @@ def test_a_relay_passes_on_what_it_receives(bulk):
     downstream = threading.Thread(target=lambda: second.update(
         pull(relay.address, relay_id, _specs(arrays), 30)))
     downstream.start()
-    first = pull(bulk.address, uuid, _specs(arrays), 30, relay=(relay, relay_id))
+    into = ReceivePool().take(_specs(arrays))
+    offer = relay_offer(relay, relay_id, into, 30)
+    first = pull(bulk.address, uuid, _specs(arrays), 30, into, offer)
     downstream.join(30)
     for name, a in arrays.items():
         assert np.array_equal(first[name], a) and np.array_equal(second[name], a)
+    assert offer.done.is_set() and offer.sends == 1
+    monkeypatch.setattr(bulk_module, "LATE_S", 0.2)
+    with pytest.raises(ConnectionError, match="has no offer"):     # a relay is sent once
+        pull(relay.address, relay_id, _specs(arrays), 30)
 
 
 def test_a_relay_cut_short_cuts_its_puller_short(bulk):
@@ -96,8 +102,10 @@ def test_a_relay_cut_short_cuts_its_puller_short(bulk):
 
     thread = threading.Thread(target=downstream)
     thread.start()
+    offer = relay_offer(relay, 777, ReceivePool().take(specs), 30)
     with pytest.raises(ConnectionError, match="ended the offer"):
-        pull(f"127.0.0.1:{listener.getsockname()[1]}", 1, specs, 30, relay=(relay, 777))
+        pull(f"127.0.0.1:{listener.getsockname()[1]}", 1, specs, 30, offer.arrays, offer)
     thread.join(30)
     assert errors and "ended the offer" in errors[0]
+    assert offer.done.is_set()
     listener.close()
