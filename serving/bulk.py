@@ -53,6 +53,7 @@ class Offer:
         and is sent once (`done` is set then, or when its pull fails)."""
         self.arrays = arrays
         self.single_use = not complete
+        self.claimed = threading.Event()
         self.done = threading.Event()
         self.total = sum(a.nbytes for a in arrays)
         self.deadline = deadline
@@ -85,19 +86,29 @@ class Offer:
                 self._cond.wait(left)
 
     def send(self, sock: socket.socket) -> None:
-        """Every array's bytes, in order, as they are there."""
+        """Every array's bytes, in order, as they are there. A single-use offer is `claimed`
+        from the first byte and `done` when its one send ends, whole or not."""
         sent = 0
-        for a in self.arrays:
-            view = _bytes(a)
-            for start in range(0, len(view), CHUNK):
-                piece = view[start: start + CHUNK]
-                self._wait(sent + len(piece))
-                sock.sendall(piece)
-                sent += len(piece)
-        with self._cond:
-            self.sends += 1
-        if self.single_use:
-            self.done.set()
+        self.claimed.set()
+        try:
+            for a in self.arrays:
+                view = _bytes(a)
+                for start in range(0, len(view), CHUNK):
+                    piece = view[start: start + CHUNK]
+                    self._wait(sent + len(piece))
+                    sock.sendall(piece)
+                    sent += len(piece)
+            with self._cond:
+                self.sends += 1
+        finally:
+            if self.single_use:
+                self.done.set()
+
+    def released(self) -> bool:
+        """Whether nothing will read the arrays any more: a single-use offer's send has ended,
+        or it expired before anyone claimed it."""
+        return self.done.is_set() or (not self.claimed.is_set()
+                                      and time.monotonic() > self.deadline)
 
 
 class BulkServer:

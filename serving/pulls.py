@@ -10,7 +10,6 @@ has expired). Fresh pages cost a fault each, which on some hosts is most of a pu
 from __future__ import annotations
 
 import threading
-import time
 
 import jax
 
@@ -50,8 +49,8 @@ class Pulls:
         """`arrays` back to the pool once nothing reads them: the engine's copy in done, and a
         relay sent (or expired), waited for on a thread of its own."""
         def back():
-            if relay is not None:
-                relay.done.wait(max(relay.deadline - time.monotonic(), 0.0) + 1.0)
+            while relay is not None and not relay.released():
+                relay.done.wait(1.0)
             jax.block_until_ready(self._params())
             self._pool.give_back(specs, arrays)
 
