@@ -124,6 +124,11 @@ class Fleet:
                     raise
                 time.sleep(0.05)     # its queue is full: wait for one to drain
                 continue
+            except Exception:
+                self.release(member, sampling.n)
+                if member.alive:
+                    raise
+                continue             # it left or failed while we submitted: place it elsewhere
             except BaseException:
                 self.release(member, sampling.n)
                 raise
@@ -163,6 +168,12 @@ class Fleet:
         self._warn(f"generation: {member.name} joined ({member.slots} slots, "
                    f"{len(self.members)} members)")
         return True
+
+    @property
+    def departed(self) -> list[Member]:
+        """Members that left (their connections are closed with the fleet's)."""
+        with self._lock:
+            return list(self._departed)
 
     def leave(self, member: Member, why: str) -> None:
         """`member` leaves the fleet: set aside (its groups move to the others) and dropped."""

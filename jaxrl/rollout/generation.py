@@ -75,7 +75,7 @@ class Generators:
         self.fleet.close()
         if self.local is not None:
             self.local.stop()
-        for m in self.fleet.members:
+        for m in self.fleet.members + self.fleet.departed:
             if m.remote:
                 m.generation.close()
 

@@ -83,8 +83,9 @@ class Registry(pb_grpc.FleetServicer):
         member = self._member(request.address)
         if member is None:
             return pb.LeaveResponse(removed=False)
+        # Its connection stays open until the run closes its generation: a group placed on it
+        # a moment ago may still be reading from it (and then moves to another member).
         self.fleet.leave(member, "it left the fleet")
-        member.generation.close()
         return pb.LeaveResponse(removed=True)
 
     def close(self) -> None:

@@ -430,6 +430,8 @@ def test_servers_join_and_leave_a_running_fleet():
     registry.close()
     publisher.close()
     fleet.close()
+    for m in fleet.members + fleet.departed:
+        m.generation.close()
     for s in servers:
         s.stop(0)
 
@@ -463,4 +465,22 @@ def test_a_join_that_cannot_serve_the_run_is_refused_with_the_reason():
     assert fleet.members == []
     registry.close()
     publisher.close()
+    fleet.close()
+
+
+def test_a_group_placed_on_a_member_that_leaves_meanwhile_goes_elsewhere():
+    """The member chosen leaves while the group is being submitted to it (its submit then
+    fails): the group goes to another member instead of failing the run."""
+    gone, other = FakeGeneration(), FakeGeneration()
+    fleet = Fleet([member("gone", gone, 8), member("other", other, 4)], eos_id=1,
+                  heartbeat_s=3600, warn=lambda _: None)
+
+    def leaving_submit(*args, **kwargs):
+        fleet.leave(fleet.members[0], "it left the fleet")
+        raise ValueError("Cannot invoke RPC: Channel closed!")
+
+    gone.submit = leaving_submit
+    stream = fleet.submit([3], SAMPLING)         # "gone" has more room: it is chosen first
+    assert stream.member.name == "other" and len(other.submitted) == 1
+    assert [m.name for m in fleet.members] == ["other"]
     fleet.close()
