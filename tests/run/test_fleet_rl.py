@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from jaxrl.commands import job
+from jaxrl.rollout.fleet import Fleet
 from jaxrl.telemetry import rl_metrics
 from jaxrl.train.checkpoint import Checkpointer
 from serving.client import RemoteGeneration
@@ -247,19 +248,22 @@ def elastic_run(warmed, tmp_path_factory):
                  f"rl.generation.token_file={token_file}", "rl.generation.heartbeat_s=0.5",
                  "rl.max_lag=1000", f"rl.steps={ELASTIC_STEPS}")
     trained, lines, batch_stats = {}, [], rl_metrics.batch_stats
+    ready, advanced = set(), Fleet.advanced
 
-    def joined():
-        return sum("joined" in line for line in lines)
+    def record_ready(fleet, member, version):     # the fleet makes a member ready in there
+        advanced(fleet, member, version)
+        ready.add(member.name)
 
     def record(rollouts, step):     # once per optimizer step, in the trainer's thread
         trained[step + 1] = list(rollouts)
         if step + 1 == JOIN_AT:
             servers.extend(start_server(checkpoint, token_file, join=door) for _ in range(2))
-        if step + 1 == LEAVE_AT:
+        if step + 1 == LEAVE_AT - 1:   # this step's row (read after this hook) shows all three
             deadline = time.monotonic() + 300
-            while joined() < 3:
+            while len(ready) < 3:
                 assert time.monotonic() < deadline, "the servers did not join"
                 time.sleep(0.2)
+        if step + 1 == LEAVE_AT:
             for proc, _ in servers[1:]:
                 proc.send_signal(signal.SIGTERM)
             for proc, _ in servers[1:]:
@@ -269,6 +273,7 @@ def elastic_run(warmed, tmp_path_factory):
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(rl_metrics, "batch_stats", record)
+            mp.setattr(Fleet, "advanced", record_ready)
             job.run(cfg, log=lines.append)
     finally:
         for proc, _ in servers:
@@ -286,7 +291,7 @@ def test_servers_join_and_leave_mid_run_and_nothing_is_lost_or_repeated(elastic_
     assert sum(" left (" in line for line in lines) == 2
     rows = {r["step"]: r for r in rl_rows(elastic_run["run_dir"])}
     assert sorted(rows) == list(range(WARMUP + 1, WARMUP + ELASTIC_STEPS + 1))
-    assert max(r["members_ready"] for s, r in rows.items() if JOIN_AT < s <= LEAVE_AT) == 3
+    assert rows[LEAVE_AT - 1]["members_ready"] == 3
     assert rows[WARMUP + ELASTIC_STEPS]["members_ready"] == 1
     per_group = {}
     for step, rollouts in elastic_run["trained"].items():
