@@ -38,6 +38,10 @@ def test_every_shipped_config_loads():
      r"train.microbatches=3 does not divide train.batch_size=10"),
     (["model.num_heads=6", "model.num_kv_heads=4"],
      r"model.num_kv_heads=4 must divide model.num_heads=6"),
+    (["rl.rollout_correction=clip"], r"rl.rollout_correction='clip' is not allowed; choose one "
+                                     r"of: 'none', 'icepop', 'seq_mis', 'geo_mis'"),
+    (["rl.rollout_correction=icepop", "rl.correction_high=0.9"],
+     r"rl.correction_low=0.5 and rl.correction_high=0.9 must satisfy 0 <= low < 1 < high"),
     (["mesh.fsdp=-1", "mesh.data=-1"], r"at most one mesh axis may be -1"),
     (["train.seq_len=100", "model.max_seq_len=64"],
      r"train.seq_len=100 exceeds model.max_seq_len=64"),

@@ -154,6 +154,13 @@ class RLConfig:
     # ppo = PPO-clip, gspo = GSPO (sequence-level ratio).
     loss: Literal["tis", "ppo", "gspo"] = "tis"
     tis_cap: float = 2.0            # tis: importance weight min(pi/mu, tis_cap)
+    # Rollout correction, a mask on top of any loss for tokens whose ratio r = pi/mu is out of
+    # [correction_low, correction_high] (jaxrl/rl/losses.py): none; icepop (per token, as
+    # IcePop); seq_mis (a sequence's product of ratios, verl's sequence rejection); geo_mis
+    # (its geometric mean). Masked tokens get no gradient and leave the loss's mean.
+    rollout_correction: Literal["none", "icepop", "seq_mis", "geo_mis"] = "none"
+    correction_low: float = 0.5
+    correction_high: float = 5.0
     # The behaviour log-prob mu of a token the trainer's own weights generated (lag 0): engine
     # (what the sampler reported: the ratio then also corrects sampler/trainer numerics, as in
     # truncated importance sampling) or trainer (its own recomputation, as verl recomputes
@@ -231,6 +238,9 @@ class RLConfig:
             raise ValueError(f"rl.temperature={self.temperature} must be > 0 (sampling)")
         if self.tis_cap < 1:
             raise ValueError(f"rl.tis_cap={self.tis_cap} must be >= 1")
+        if not 0 <= self.correction_low < 1 < self.correction_high:
+            raise ValueError(f"rl.correction_low={self.correction_low} and rl.correction_high="
+                             f"{self.correction_high} must satisfy 0 <= low < 1 < high")
         if not (0 < self.clip_low < 1 and self.clip_high > 0):
             raise ValueError(f"rl.clip_low={self.clip_low} must be in (0, 1) and "
                              f"rl.clip_high={self.clip_high} > 0")

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 LOSSES = ("tis", "ppo", "gspo")
+CORRECTIONS = ("none", "icepop", "seq_mis", "geo_mis")
 MIN_STATS = ("ratio_min",)   # combined across microbatches with min; +inf when no tokens
 MAX_STATS = ("ratio_max",)   # combined with max; -inf when no tokens
 # Every other stat is a sum: tokens, ratio_sum, ratio_sq_sum, clipped, kl_new_old_sum, kl_ref_sum.
@@ -36,7 +37,19 @@ class LossSettings:
              s = exp(mean of logp - mu over the sequence's counted tokens); weight = sequences.
     With a reference's log-probs and `kl_coef > 0`, kl_coef * k3(pi || ref) is added per token
     (for gspo, its mean per sequence). Segment ids are 1..max_segments within a row, 0 is
-    padding; a sequence whose id exceeds `max_segments` is left out of the gspo loss."""
+    padding; a sequence whose id exceeds `max_segments` is left out of the gspo loss.
+
+    correction (rl.rollout_correction), a mask on top of any kind, for tokens whose ratio
+    r = pi/mu says the sampler and the learner disagree too much to learn from (numerics of
+    another engine, low-precision rollout weights, or a lag the trust region cannot bridge):
+      "none"     every counted token learns;
+      "icepop"   IcePop (Ling team, Ring-1T): a token learns only if
+                 correction_low <= r <= correction_high; outside it, its gradient is zero;
+      "seq_mis"  sequence-level masked importance sampling (verl's sequence rejection): a
+                 sequence learns only if its product of ratios is within the bounds;
+      "geo_mis"  the same on the geometric mean of its ratios (length-independent).
+    A masked token leaves the loss and its weight (the others' mean is unchanged by it), and
+    is counted in the `corrected` stat."""
 
     kind: str
     clip_low: float = 0.2
@@ -44,10 +57,19 @@ class LossSettings:
     tis_cap: float = 2.0
     kl_coef: float = 0.0
     max_segments: int = 64
+    correction: str = "none"
+    correction_low: float = 0.5
+    correction_high: float = 5.0
 
     def __post_init__(self):
         if self.kind not in LOSSES:
             raise ValueError(f"unknown policy loss kind {self.kind!r}; expected one of {LOSSES}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"unknown rollout correction {self.correction!r}; expected one of "
+                             f"{CORRECTIONS}")
+        if not 0 <= self.correction_low < 1 < self.correction_high:
+            raise ValueError(f"rollout correction bounds [{self.correction_low}, "
+                             f"{self.correction_high}] must satisfy 0 <= low < 1 < high")
 
 
 def policy_loss(logp_BT, behaviour_logp_BT, advantages_BT, mask_BT, segment_ids_BT,
@@ -56,7 +78,11 @@ def policy_loss(logp_BT, behaviour_logp_BT, advantages_BT, mask_BT, segment_ids_
     only. `ref_logp_BT`: the reference model's log-probs (the KL term)."""
     kind, kl_coef = settings.kind, settings.kl_coef
     f32 = jnp.float32
-    valid_BT = mask_BT > 0
+    counted_BT = mask_BT > 0
+    sampled_log_ratio_BT = jax.lax.stop_gradient(
+        jnp.where(counted_BT, logp_BT.astype(f32) - behaviour_logp_BT.astype(f32), 0.0))
+    valid_BT = counted_BT & correction_mask(sampled_log_ratio_BT, counted_BT, segment_ids_BT,
+                                            settings)
     count_BT = valid_BT.astype(f32)
 
     # Padding may hold anything (-inf, garbage): zero it before any arithmetic, so that neither
@@ -98,7 +124,30 @@ def policy_loss(logp_BT, behaviour_logp_BT, advantages_BT, mask_BT, segment_ids_
         loss_sum = masked_sum(loss_BT)
         weight = jnp.sum(count_BT)
 
-    return loss_sum, weight, _stats(valid_BT, log_ratio_BT, clipped_BT, kl_ref_BT)
+    stats = _stats(counted_BT, sampled_log_ratio_BT, clipped_BT & valid_BT, kl_ref_BT)
+    stats["corrected"] = jnp.sum((counted_BT & ~valid_BT).astype(f32))
+    return loss_sum, weight, stats
+
+
+def correction_mask(log_ratio_BT, valid_BT, segment_ids_BT, settings: LossSettings):
+    """Which tokens the rollout correction keeps (`settings.correction`), from each token's
+    log-ratio log(pi/mu) (no gradient flows through the decision)."""
+    if settings.correction == "none":
+        return jnp.ones_like(valid_BT)
+    log_r_BT = jax.lax.stop_gradient(log_ratio_BT)
+    low = jnp.log(jnp.maximum(settings.correction_low, 1e-30))
+    high = jnp.log(settings.correction_high)
+    if settings.correction == "icepop":
+        measured_BT = log_r_BT
+    else:
+        ids_K = jnp.arange(1, settings.max_segments + 1)
+        onehot_BTK = ((segment_ids_BT[..., None] == ids_K)
+                      & valid_BT[..., None]).astype(jnp.float32)
+        sum_BK = jnp.einsum("bt,btk->bk", log_r_BT, onehot_BTK)
+        if settings.correction == "geo_mis":
+            sum_BK = sum_BK / jnp.maximum(jnp.sum(onehot_BTK, axis=1), 1.0)
+        measured_BT = jnp.einsum("btk,bk->bt", onehot_BTK, sum_BK)
+    return (measured_BT >= low) & (measured_BT <= high)
 
 
 def _stats(valid_BT, log_ratio_BT, clipped_BT, kl_ref_BT) -> dict:

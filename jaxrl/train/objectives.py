@@ -149,6 +149,9 @@ class PolicyGradientLoss:
     logits_chunk: int = 512   # positions whose logits exist at once (token_logp); 0: all
     behaviour: str = "engine"  # trainer: mu of lag-0 tokens is the trainer's own log-prob
     moe_routing: str = "own"   # replay: a MoE model runs the engine's experts (rl.moe_routing)
+    correction: str = "none"   # rl.rollout_correction (jaxrl/rl/losses.py)
+    correction_low: float = 0.5
+    correction_high: float = 5.0
 
     def __call__(self, model, mb, ref_model=None, stack_fn=None):
         logp_BT, entropy_BT, _, routing = routed_token_logp(
@@ -162,7 +165,8 @@ class PolicyGradientLoss:
             behaviour_BT = jnp.where(mb["on_policy"] > 0, jax.lax.stop_gradient(logp_BT),
                                      behaviour_BT)
         settings = LossSettings(self.kind, self.clip_low, self.clip_high, self.tis_cap,
-                                self.kl_coef, self.max_segments)
+                                self.kl_coef, self.max_segments, self.correction,
+                                self.correction_low, self.correction_high)
         loss_sum, weight, stats = policy_loss(logp_BT, behaviour_BT, mb["advantages"],
                                               mb["loss_mask"], mb["segment_ids"], settings,
                                               ref_logp_BT)
@@ -188,6 +192,7 @@ class PolicyGradientLoss:
                 "ratio_mean": stats["ratio_sum"] / tokens,
                 "ratio_min": stats["ratio_min"], "ratio_max": stats["ratio_max"],
                 "clip_fraction": stats["clipped"] / tokens,
+                "corrected_fraction": stats["corrected"] / tokens,
                 "ess": effective_sample_size(stats["ratio_sum"], stats["ratio_sq_sum"],
                                              stats["tokens"]),
                 "kl_new_old": stats["kl_new_old_sum"] / tokens,

@@ -25,7 +25,10 @@ def make_objective(cfg: RunConfig) -> PolicyGradientLoss:
                               clip_low=rl.clip_low, clip_high=rl.clip_high,
                               kl_coef=rl.kl_coef, max_segments=rl.max_segments,
                               logits_chunk=cfg.train.logits_chunk,
-                              behaviour=rl.behaviour_logprobs, moe_routing=rl.moe_routing)
+                              behaviour=rl.behaviour_logprobs, moe_routing=rl.moe_routing,
+                              correction=rl.rollout_correction,
+                              correction_low=rl.correction_low,
+                              correction_high=rl.correction_high)
 
 
 class RLTrainer(Trainer):

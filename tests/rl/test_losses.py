@@ -12,6 +12,7 @@ Tokens that do not count hold garbage, which must not reach any output.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -199,3 +200,45 @@ def test_jits_with_static_settings():
 def test_unknown_kind_names_it_and_the_choices():
     with pytest.raises(ValueError, match=r"'a2c'.*\('tis', 'ppo', 'gspo'\)"):
         LossSettings(kind="a2c")
+
+
+# (correction, bounds, loss_sum, weight, dL/dlogp) of the tis loss, by hand from the table:
+# per token r = 1.5, 0.5 | 3, 4/3; per sequence the product 0.75 | 4, the geometric mean
+# 0.8660254 | 2. A masked token leaves the loss and the weight.
+CORRECTED = [
+    ("icepop", (0.6, 2.5), 0.375 - 1.0, 2.0, [0, -0.75, 0, 0, 0, 4 / 3, 0]),
+    ("seq_mis", (0.5, 2.5), 0.375 + 0.25, 2.0, [0, -0.75, -0.25, 0, 0, 0, 0]),
+    ("geo_mis", (0.9, 2.5), -0.5 - 1.0, 2.0, [0, 0, 0, 0, 2.0, 4 / 3, 0]),
+    ("none", (0.6, 2.5), 0.375 + 0.25 - 0.5 - 1.0, 4.0, [0, -0.75, -0.25, 0, 2.0, 4 / 3, 0]),
+]
+
+
+@pytest.mark.parametrize("correction,bounds,loss_sum,weight,grad", CORRECTED)
+def test_rollout_corrections_mask_by_hand(correction, bounds, loss_sum, weight, grad):
+    got_loss, got_weight, stats, got_grad = loss_and_grad(
+        "tis", correction=correction, correction_low=bounds[0], correction_high=bounds[1])
+    np.testing.assert_allclose(got_loss, loss_sum, rtol=1e-5)
+    np.testing.assert_allclose(got_grad, [grad], rtol=1e-5, atol=1e-7)
+    assert got_weight == weight and stats["corrected"] == 4.0 - weight
+    # The ratio's stats still describe every counted token, masked or not.
+    assert stats["tokens"] == 4.0 and stats["ratio_max"] == pytest.approx(3.0)
+
+
+def test_a_sequence_correction_drops_whole_gspo_sequences():
+    """seq_mis drops sequence 2 (product 4): gspo's weight is the one sequence left."""
+    got_loss, weight, stats, grad = loss_and_grad("gspo", correction="seq_mis",
+                                                  correction_low=0.5, correction_high=2.5)
+    np.testing.assert_allclose(got_loss, -0.8660254 * 0.5, rtol=1e-5)
+    assert weight == 1.0 and stats["corrected"] == 2.0
+    np.testing.assert_allclose(grad, [[0, -0.21650635, -0.21650635, 0, 0, 0, 0]], rtol=1e-5,
+                               atol=1e-7)
+
+
+@pytest.mark.parametrize("correction,low,high,says", [
+    ("clip", 0.5, 5.0, "unknown rollout correction 'clip'"),
+    ("icepop", 1.0, 5.0, "[1.0, 5.0] must satisfy 0 <= low < 1 < high"),
+    ("icepop", 0.5, 0.9, "[0.5, 0.9] must satisfy"),
+])
+def test_bad_corrections_name_the_value(correction, low, high, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        LossSettings("tis", correction=correction, correction_low=low, correction_high=high)
