@@ -25,6 +25,7 @@ from __future__ import annotations
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -103,12 +104,6 @@ class Offer:
         finally:
             if self.single_use:
                 self.done.set()
-
-    def released(self) -> bool:
-        """Whether nothing will read the arrays any more: a single-use offer's send has ended,
-        or it expired before anyone claimed it."""
-        return self.done.is_set() or (not self.claimed.is_set()
-                                      and time.monotonic() > self.deadline)
 
 
 class BulkServer:
@@ -191,28 +186,59 @@ def relay_offer(server: BulkServer, uuid: int, arrays: list[np.ndarray],
                         complete=False)[1]
 
 
-class ReceivePool:
-    """Receive arrays kept from one pull to the next of the same tensors. A fresh array's first
-    touch costs a page fault per page, which on some hosts is most of a pull's time (a 2-core
-    VM here: 1.2 s per 512 MB fresh, 0.05 s reused). A pull's arrays come back (`give_back`)
-    once the engine has copied them in; one set is kept."""
+ALIGN = 64                   # bytes: XLA:CPU takes a host array this aligned without a copy
 
-    def __init__(self):
+
+class ReceivePool:
+    """The memory tcp pulls receive into: one slab per pull, each tensor a 64-byte-aligned view
+    of it, and slabs reused once nothing holds a view of them any more.
+
+    On a CPU device `jax.device_put` takes an aligned numpy array as it is (no copy), so the
+    engine serves from the very slab its pull received into: an update then costs one copy of
+    the weights (the receive) and no fresh memory, whose first touch costs a page fault per page
+    (a 2-core VM here: 0.35 s per 512 MB, most of a pull). A slab is free again when the last
+    view of it is gone: the engine has retired those weights and every program that read them
+    has finished (jax holds the array until then), a relay has sent them, the pull has
+    returned. So at most two slabs live in steady state: the weights served and the ones
+    arriving. On an accelerator the device copy is the engine's own, and the slab is free at
+    once."""
+
+    def __init__(self, keep: int = 2):
         self._lock = threading.Lock()
-        self._free: dict[tuple, list[np.ndarray]] = {}
+        self._slabs: list[np.ndarray] = []
+        self._keep = keep
 
     @staticmethod
-    def _key(specs) -> tuple:
-        return tuple((tuple(shape), dtype) for _, shape, dtype in specs)
+    def _layout(specs) -> tuple[list[tuple[int, tuple, np.dtype]], int]:
+        """(offset, shape, dtype) of each tensor in a slab, and the slab's size."""
+        out, at = [], 0
+        for _, shape, dtype in specs:
+            dtype = np.dtype(WIRE_DTYPES[dtype])
+            out.append((at, tuple(shape), dtype))
+            at += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // ALIGN) * ALIGN
+        return out, max(at, ALIGN)
+
+    def _slab(self, size: int) -> np.ndarray:
+        """A free slab of `size` bytes (64-byte aligned), reused when one is."""
+        with self._lock:
+            # A slab's memory is in use while a view of it lives: numpy gives every view the
+            # array that owns the memory as its base, so the owner's references count them
+            # (beyond this list's tuple, the loop's name and getrefcount's argument).
+            for raw, start in self._slabs:
+                if sys.getrefcount(raw) <= 3 and raw.nbytes == size + ALIGN:
+                    return raw[start: start + size]
+            raw = np.empty(size + ALIGN, np.uint8)
+            start = (-raw.ctypes.data) % ALIGN
+            busy = [(r, at) for r, at in self._slabs if sys.getrefcount(r) > 3]
+            self._slabs = (busy + [(raw, start)])[-max(self._keep, len(busy) + 1):]
+            return raw[start: start + size]
 
     def take(self, specs: list[tuple[str, tuple, str]]) -> list[np.ndarray]:
-        with self._lock:
-            arrays = self._free.pop(self._key(specs), None)
-        return arrays or [np.empty(shape, WIRE_DTYPES[dtype]) for _, shape, dtype in specs]
-
-    def give_back(self, specs: list[tuple[str, tuple, str]], arrays: list[np.ndarray]) -> None:
-        with self._lock:
-            self._free = {self._key(specs): arrays}
+        """Arrays for `specs` (name, shape, wire dtype), views of one slab."""
+        layout, size = self._layout(specs)
+        slab = self._slab(size)
+        return [slab[at: at + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize]
+                .view(dtype).reshape(shape) for at, shape, dtype in layout]
 
 
 def pull(address: str, uuid: int, specs: list[tuple[str, tuple, str]],

@@ -1,28 +1,20 @@
 """The server's side of the pull paths of a weight update (`PullWeights`): where the bytes
 come from (serving/transfer.py: device to device; serving/bulk.py: plain TCP, relayed on when
-asked) and the receive arrays a tcp pull fills, kept from one update to the next.
-
-A tcp pull receives into the arrays of an earlier one when they are free: given back once the
-engine has copied them in, and, when the pull relayed them, once the relay has been sent (or
-has expired). Fresh pages cost a fault each, which on some hosts is most of a pull's time.
+asked) and the memory a tcp pull receives into (`bulk.ReceivePool`: reused once nothing holds
+it, which on a CPU device includes the engine serving straight from it).
 """
 
 from __future__ import annotations
-
-import threading
-
-import jax
 
 from serving import bulk
 
 
 class Pulls:
-    """`params()`: the weights the engine serves now (their copies out of the receive arrays
-    finish before those are reused); `host`: where this server's transfer and bulk servers
-    bind."""
+    """`host`: where this server's transfer and bulk servers bind; `device_of()`: the device a
+    jax transfer pull lands on."""
 
-    def __init__(self, params, host: str, device_of):
-        self._params, self.host, self._device_of = params, host, device_of
+    def __init__(self, host: str, device_of):
+        self.host, self._device_of = host, device_of
         self._pool = bulk.ReceivePool()
 
     def bulk_server(self) -> bulk.BulkServer:
@@ -39,22 +31,4 @@ class Pulls:
         relay = None
         if request.relay_uuid:
             relay = bulk.relay_offer(self.bulk_server(), request.relay_uuid, into, timeout_s)
-        try:
-            named = bulk.pull(request.address, request.uuid, specs, timeout_s, into, relay)
-            return apply(named)
-        finally:
-            self._give_back(specs, into, relay)
-
-    def _give_back(self, specs, arrays, relay: bulk.Offer | None) -> None:
-        """`arrays` back to the pool once nothing reads them: the engine's copy in done, and a
-        relay sent (or expired), waited for on a thread of its own."""
-        def back():
-            while relay is not None and not relay.released():
-                relay.done.wait(1.0)
-            jax.block_until_ready(self._params())
-            self._pool.give_back(specs, arrays)
-
-        if relay is None:
-            back()
-        else:
-            threading.Thread(target=back, name="bulk-give-back", daemon=True).start()
+        return apply(bulk.pull(request.address, request.uuid, specs, timeout_s, into, relay))

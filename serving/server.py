@@ -167,7 +167,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.update_token = update_token
         self.transfer_host = transfer_host     # where weight pulls leave from
-        self._pulls = Pulls(lambda: orchestrator.params, transfer_host, self._first_device)
+        self._pulls = Pulls(transfer_host, self._first_device)
         self._shapes = tensor_names(orchestrator.engine.param_target)
         self._quantized = quantized_names(orchestrator.engine.param_target)
 

@@ -104,7 +104,10 @@ def reshard(params, target, *, chunk_bytes: int = 256 * 2**20):
     for _, x, t in checked:
         if np.dtype(t.dtype).itemsize < np.dtype(x.dtype).itemsize and isinstance(x, jax.Array):
             x = x.astype(t.dtype)  # cast where the data is: fewer bytes to move
-        # Always a copy: the trainer donates its parameters to the next step.
+        # A jax array is copied (the trainer donates its parameters to the next step). A numpy
+        # array XLA:CPU may take as it is, 64-byte aligned (whatever may_alias says, on the
+        # pinned jax): its owner must not write into it while these weights serve, as the tcp
+        # pull's receive pool does not (serving/bulk.py).
         y = jax.device_put(x, t.sharding, may_alias=False).astype(t.dtype)
         placed.append(y)
         in_flight.append(y)

@@ -339,6 +339,7 @@ class Fleet:
                 steps = m.counted.get("steps", 0) + m.last_metrics.get("steps", 0)
                 total["slot_steps"] += steps * m.slots
             total["members_ready"] = sum(m.ready for m in self.members)
+            total["slots_ready"] = sum(m.slots for m in self.members if m.ready)
             total.update(self.stats)
         return total
 

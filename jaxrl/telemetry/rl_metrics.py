@@ -113,7 +113,7 @@ class StepMetrics:
         row["held_tokens_mean"] = delta["held_tokens"] / max(delta["busy_slot_steps"], 1)
         if self.remote:
             push = self.publisher.metrics()
-            row.update({k: engine[k] for k in ("members_ready", "groups_moved",
+            row.update({k: engine[k] for k in ("members_ready", "slots_ready", "groups_moved",
                                                "members_set_aside")},
                        **{k: push[k] for k in ("pushes", "push_timeouts", "push_failures",
                                                "push_bytes", "push_bytes_per_s",

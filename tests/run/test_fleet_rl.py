@@ -293,6 +293,10 @@ def test_servers_join_and_leave_mid_run_and_nothing_is_lost_or_repeated(elastic_
     assert sorted(rows) == list(range(WARMUP + 1, WARMUP + ELASTIC_STEPS + 1))
     assert rows[LEAVE_AT - 1]["members_ready"] == 3
     assert rows[WARMUP + ELASTIC_STEPS]["members_ready"] == 1
+    # The work in flight follows the slots present (the actor's bound is read every turn).
+    assert rows[WARMUP + 1]["slots_ready"] == 16
+    assert rows[LEAVE_AT - 1]["slots_ready"] == 48
+    assert rows[WARMUP + ELASTIC_STEPS]["slots_ready"] == 16
     per_group = {}
     for step, rollouts in elastic_run["trained"].items():
         for r in rollouts:

@@ -1,11 +1,15 @@
 """The bulk TCP path of weight updates (serving/bulk.py) on its own: bytes that arrive equal
 what was offered, in every wire dtype; a wrong id or size is refused before any byte moves; a
 relay passes on what it receives while it receives, and a relay whose own pull stops short
-stops its puller short too (a ConnectionError, never a partial array handed on)."""
+stops its puller short too (a ConnectionError, never a partial array handed on). The receive
+pool hands out aligned views of a slab and reuses a slab only once nothing holds a view of it,
+jax arrays that alias it included."""
 
+import gc
 import socket
 import threading
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -109,3 +113,29 @@ def test_a_relay_cut_short_cuts_its_puller_short(bulk):
     assert errors and "ended the offer" in errors[0]
     assert offer.done.is_set()
     listener.close()
+
+
+def test_the_receive_pool_reuses_a_slab_only_once_nothing_holds_it():
+    arrays = _arrays()
+    specs = _specs(arrays)
+    pool = ReceivePool()
+    first = pool.take(specs)
+    assert [(a.shape, a.dtype) for a in first] == [(a.shape, a.dtype) for a in arrays.values()]
+    held = [a for a in first if a.size]
+    assert all(a.ctypes.data % bulk_module.ALIGN == 0 for a in held)
+    for a, b in zip(held, held[1:]):            # disjoint, in order
+        assert a.ctypes.data + a.nbytes <= b.ctypes.data
+    slab = id(first[0].base)        # its id: a reference here would keep it in use
+    # The engine's weights made from the arrays (on a CPU device, the same memory): while they
+    # live the slab is not handed out again, whatever else let go of it.
+    served = [jax.device_put(a) for a in first]
+    first[0][0, 0] = 7.0
+    assert float(served[0][0, 0]) == 7.0        # aliased: no copy was made
+    del first, held, a, b
+    second = pool.take(specs)
+    assert id(second[0].base) != slab
+    del served, second
+    gc.collect()
+    third = pool.take(specs)
+    assert id(third[0].base) == slab            # free again: reused, no fresh pages
+    assert len(pool._slabs) == 2
