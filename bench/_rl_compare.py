@@ -44,6 +44,8 @@ VARIANTS = {
     "async+longest_first": ["rl.mode=async", "rl.admission=longest_first"],
     "full": [],                                  # the config as it is: every weight trains
     "lora-r8": ["model.lora.rank=8"],            # rank-8 adapters on every projection
+    "int8-rollouts": ["rl.generation.weights=int8"],                 # the engine's weights int8
+    "int8-rollouts+icepop": ["rl.generation.weights=int8", "rl.rollout_correction=icepop"],
 }
 
 
@@ -151,7 +153,12 @@ def summarise(name: str, seed: int, rows: list[dict], args) -> dict:
     return {"variant": name, "seed": seed, "seconds": seconds,
             "samples_per_s": (rows[-1]["samples_trained"] - rows[0]["samples_trained"]) / seconds,
             "time_to_target_s": time_to_target(rows, args.target, args.window),
+            "first_success": float(np.nanmean(success(rows)[:args.window])),
             "final_success": float(np.nanmean(success(rows)[-args.window:])),
+            # the sampler's log-probs against the trainer's, on tokens of the trainer's own
+            # weights: the largest gap of each step, averaged, and the mean KL
+            "logprob_gap_max": float(np.mean(get("logprob_abs_diff_max") or [np.nan])),
+            "logprob_kl": float(np.mean(get("logprob_kl") or [np.nan])),
             "lag_mean": float(np.mean(get("lag_mean") or [np.nan])),
             "slots_busy": float(np.mean(get("slots_busy_fraction") or [np.nan])),
             "held_tokens_mean": float(np.mean(get("held_tokens_mean") or [np.nan])),
@@ -189,8 +196,8 @@ def aggregate(runs: list[dict]) -> dict:
     out = {"samples_per_s": sps[0], "samples_per_s_sd": sps[1], "time_to_target_s": ttt[0],
            "time_to_target_s_sd": ttt[1], "reached": f"{len(hit)}/{len(runs)}",
            "seeds": len(runs)}
-    for k in ("final_success", "lag_mean", "slots_busy", "held_tokens_mean", "length_p50",
-              "length_p90"):
+    for k in ("first_success", "final_success", "lag_mean", "slots_busy", "held_tokens_mean",
+              "length_p50", "length_p90", "logprob_gap_max", "logprob_kl"):
         out[k] = statistics.fmean(r[k] for r in runs)
     out["length_max"] = max(r["length_max"] for r in runs)
     return out
@@ -210,6 +217,10 @@ def report(results: dict[str, list[dict]], save: str | None = None) -> None:
         print(f"{name:<20} {a['samples_per_s']:>7.1f} ± {a['samples_per_s_sd']:<4.1f} "
               f"{ttt:>16} {a['reached']:>8} {a['final_success']:>14.3f} {a['lag_mean']:>5.2f} "
               f"{a['slots_busy']:>10.2f} {a['held_tokens_mean']:>11.0f}")
+    print("success over the first and last windows, the sampler/trainer log-prob gap (largest "
+          "per step, mean; KL): " + "; ".join(
+              f"{n} {a['first_success']:.3f} -> {a['final_success']:.3f}, gap "
+              f"{a['logprob_gap_max']:.2e}, KL {a['logprob_kl']:.2e}" for n, a in agg.items()))
     print("realised completion lengths (tokens; per-step percentiles averaged over the run): "
           + "; ".join(f"{n} p50 {a['length_p50']:.0f}, p90 {a['length_p90']:.0f}, max "
                       f"{a['length_max']:.0f}" for n, a in agg.items()))

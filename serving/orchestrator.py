@@ -309,7 +309,8 @@ class Orchestrator:
         steps = max(s["steps"], 1)
         updates = list(self.pauses_s)
         pauses = updates or [0.0]
-        return {"version": self.version, "slots": sched.num_slots, "max_len": cfg.max_len,
+        return {"version": self.version, "quantize": self.engine.model_cfg.quantize,
+                "slots": sched.num_slots, "max_len": cfg.max_len,
                 "max_prefill_length": cfg.max_prefill_length, "vocab_size": self.vocab_size,
                 "eos_id": self.eos_id, "steps": s["steps"],
                 "busy_slot_steps": s["busy_slot_steps"],

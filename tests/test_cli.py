@@ -152,7 +152,8 @@ def test_bench_lists_the_benchmarks_with_their_summaries(capsys):
                               "engine", "fleet", "gpu", "long_tail", "lora_decode", "lora_rl",
                               "lora_step",
                               "paged_attention", "paged_decode", "parity", "peers",
-                              "pipeline_step", "products", "simulate", "soak", "tpu_memory")}
+                              "pipeline_step", "products", "rollout_weights", "simulate", "soak",
+                              "tpu_memory")}
     assert main(["bench"]) == 0
     listed = capsys.readouterr().out.splitlines()[1:]
     assert [line.split()[0] for line in listed] == list(summaries)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxrl.config import RunConfig
 from jaxrl.errors import UserError
-from jaxrl.models import (Transformer, abstract_model, from_hf, load_hf_config, lora,
+from jaxrl.models import (Transformer, abstract_model, from_hf, load_hf_config, lora, quant,
                           merge_params, split_params)
 from jaxrl.models.lora import LoraConfig
 from jaxrl.models.peft_io import with_adapter
@@ -80,6 +80,14 @@ def hold_adapters(model, adapters: LoraConfig):
     return merge_params(graphdef, lora.with_trainable(split_params(model)[1], zeros))
 
 
+def quantized_model(model):
+    """`model` with its layer projections int8 and a scale per output channel
+    (model.quantize=int8; one already quantized as it is)."""
+    cfg = dataclasses.replace(model.cfg, quantize="int8")
+    graphdef = split_params(abstract_model(cfg))[0]
+    return merge_params(graphdef, quant.quantized(split_params(model)[1], cfg))
+
+
 def _load_base(model_dir, checkpoint_dir, log, place):
     if model_dir:
         dtype, shardings = place(load_hf_config(model_dir)) if place else ("float32", None)
@@ -118,13 +126,13 @@ def check_tensor(model_cfg, tensor: int, devices: int) -> None:
                         f"{max(devices // max(fits), 1)})")
 
 
-def _load_engines(model_dir: str | None, checkpoint_dir: str,
-                  engine_config: Callable[[int], EngineConfig], meshes, tensor: int,
-                  log: Callable[[str], None], lora_dir: str | None = None,
-                  adapters: LoraConfig | None = None,
-                  ) -> tuple[list[Engine], dict, object, str]:
+def _load_engines(opts: "ServeOptions", engine_config: Callable[[int], EngineConfig], meshes,
+                  log: Callable[[str], None]) -> tuple[list[Engine], dict, object, str]:
     """One engine per mesh and the weights they serve (a Hugging Face folder loads straight
-    onto the first engine's mesh), the tokenizer, and what was loaded, in words."""
+    onto the first engine's mesh, unless quantized after loading), the tokenizer, and what was
+    loaded, in words."""
+    tensor, adapters = opts.tensor, opts.adapters
+
     def first_engine(model_cfg) -> Engine:
         check_tensor(model_cfg, tensor, tensor * len(meshes))
         engine_cfg = engine_config(model_cfg.max_seq_len)
@@ -146,8 +154,12 @@ def _load_engines(model_dir: str | None, checkpoint_dir: str,
         return engines[0].cfg.dtype, jax.tree.map(lambda a: a.sharding,
                                                   lora.frozen(engines[0].param_target))
 
-    model, tokenizer, what = load_model(model_dir, checkpoint_dir, log, place, lora_dir,
-                                        adapters)
+    model, tokenizer, what = load_model(opts.model_dir, opts.checkpoint_dir, log,
+                                        None if opts.quantize == "int8" else place,
+                                        opts.lora_dir, adapters)
+    if opts.quantize == "int8":
+        model = quantized_model(model)
+        what += ", its layer projections int8"
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise UserError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
                         f"{model.cfg.vocab_size}")
@@ -202,6 +214,7 @@ class ServeOptions:
     http_port: int | None = None
     lora_dir: str | None = None
     adapters: LoraConfig | None = None
+    quantize: str = "none"           # int8: the layer projections held as int8
     join: str | None = None          # a trainer's rl.generation.join to offer this server to
     advertise: str | None = None     # where that trainer reaches it (default: host and port)
 
@@ -252,8 +265,7 @@ def _start(opts: ServeOptions, engine_config, log):
                         f"to bind it (and --tls-cert/--tls-key, or the weight-update token "
                         f"crosses the network in clear)")
     engines, params, tokenizer, what = _load_engines(
-        o.model_dir, o.checkpoint_dir, engine_config, serving_meshes(o.tensor, o.replicas),
-        o.tensor, log, o.lora_dir, o.adapters)
+        o, engine_config, serving_meshes(o.tensor, o.replicas), log)
     engine_cfg = engines[0].cfg
     # Version -1: the weights it was started with, no trainer's; a trainer's first push (any
     # version >= 0) replaces them.

@@ -14,6 +14,7 @@ from typing import Callable
 import jax
 
 from jaxrl.config import ConfigError, RunConfig
+from jaxrl.models import quant
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.rollout.fleet import Fleet, Member, MemberState
@@ -80,15 +81,33 @@ class Generators:
                 m.generation.close()
 
 
+def rollout_model(model_cfg: ModelConfig, weights: str) -> ModelConfig:
+    """The model the rollout engines hold (rl.generation.weights): the trainer's, or the same
+    with its layer projections int8."""
+    return dataclasses.replace(model_cfg, quantize="int8") if weights == "int8" else model_cfg
+
+
+def rollout_weights(model_cfg: ModelConfig, weights: str) -> Callable | None:
+    """What the publisher makes of the trainer's weights for the engines (a compiled
+    quantization, on the trainer's devices), or None: the weights as they are."""
+    if weights == "model":
+        return None
+    served = rollout_model(model_cfg, weights)
+    return jax.jit(lambda params: quant.quantized(params, served))
+
+
 def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, version: int,
           engine_devices, log: Callable[[str], None]) -> Generators:
     """Starts generation serving `params` as weights `version`. Remote servers are brought to
     them before they take work; those that cannot be reached yet join when they answer."""
     g = cfg.rl.generation
+    served = rollout_weights(model_cfg, g.weights)
     if not g.remote:
-        engine = Engine(model_cfg, engine_config(cfg, model_cfg),
+        served_cfg = rollout_model(model_cfg, g.weights)
+        engine = Engine(served_cfg, engine_config(cfg, served_cfg),
                         mesh=shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), engine_devices))
-        local = Orchestrator(engine, params, version=version, eos_id=tokenizer.eos_id,
+        local = Orchestrator(engine, served(params) if served else params, version=version,
+                             eos_id=tokenizer.eos_id,
                              max_queued=4 * cfg.rl.batch_size,
                              longest_first=cfg.rl.admission == "longest_first",
                              grammars=Grammars(tokenizer, model_cfg.vocab_size)
@@ -102,7 +121,7 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
         members = [Member("local", local, cfg.rl.slots, remote=False, version=version,
                           state=MemberState.READY)]
         fleet = Fleet(members, eos_id=tokenizer.eos_id, wait_s=g.wait_s, warn=log)
-        return Generators(fleet, WeightPublisher(fleet, warn=log), local)
+        return Generators(fleet, WeightPublisher(fleet, served=served, warn=log), local)
     return _remote(cfg, model_cfg, tokenizer, params, version, log)
 
 
@@ -140,8 +159,9 @@ def _remote(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params
                                   state=MemberState.SET_ASIDE, why_down="not reached yet"))
     fleet = Fleet(members, eos_id=tokenizer.eos_id, heartbeat_s=g.heartbeat_s,
                   heartbeat_timeout_s=g.heartbeat_timeout_s, wait_s=g.wait_s, warn=log)
-    publisher = WeightPublisher(fleet, deadline_s=g.push_deadline_s,
-                                wire_dtype=model_cfg.dtype, elastic=bool(g.join), warn=log)
+    publisher = WeightPublisher(fleet, deadline_s=g.push_deadline_s, wire_dtype=model_cfg.dtype,
+                                served=rollout_weights(model_cfg, g.weights),
+                                elastic=bool(g.join), warn=log)
     publisher.publish(params, version)
     registry = None
     if g.join:
@@ -164,6 +184,15 @@ def check_server(cfg: RunConfig, tokenizer: Tokenizer, address: str, metrics: di
                           f"{metrics['max_prefill_length']} tokens and sequences of up to "
                           f"{metrics['max_len']}; this run needs {rl.prefill_len} and "
                           f"{rl.sample_len + 1} (jaxrl serve --max-prefill-length, --max-len)")
+    held = metrics.get("quantize", "none")
+    wanted = rollout_model(cfg.model, rl.generation.weights).quantize
+    if held != wanted:
+        raise ConfigError(f"generation server {address} holds {held} weights (model.quantize); "
+                          f"this run (rl.generation.weights={rl.generation.weights}, "
+                          f"model.quantize={cfg.model.quantize}) needs "
+                          + ("int8 ones: start it with jaxrl serve --quantize int8"
+                             if wanted == "int8" else "the model's own: start it without "
+                             "--quantize, or set rl.generation.weights=int8"))
     if metrics["slots"] < rl.group_size:
         raise ConfigError(f"generation server {address} has {metrics['slots']} slots; a group "
                           f"needs rl.group_size={rl.group_size}")

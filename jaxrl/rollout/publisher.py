@@ -50,10 +50,14 @@ def wire_dtype(path, x, serving_dtype):
 
 class WeightPublisher:
     def __init__(self, fleet: Fleet, *, deadline_s: float = 60.0, wire_dtype=None,
-                 elastic: bool = False, warn: Callable[[str], None] = print):
-        """`elastic`: remote members may join later (`watch`), so every version is kept for
-        them even while the fleet has none."""
+                 served: Callable | None = None, elastic: bool = False,
+                 warn: Callable[[str], None] = print):
+        """`served`: what the engines hold of the trainer's weights (rl.generation.weights:
+        int8 projections), made of every version before it goes anywhere. `elastic`: remote
+        members may join later (`watch`), so every version is kept for them even while the
+        fleet has none."""
         self.fleet = fleet
+        self.served = served
         self.elastic = elastic
         self.deadline_s = deadline_s
         self.wire_dtype = wire_dtype
@@ -88,6 +92,8 @@ class WeightPublisher:
         """Makes `params` weights `version` everywhere: in-process members before returning,
         remote members in the background. Returns the in-process swap's timings."""
         timings = {"update_pause_ms": 0.0, "update_transfer_ms": 0.0}
+        if self.served is not None:
+            params = self.served(params)
         remote = self.elastic or any(m.remote for m in self.fleet.members)
         if remote:
             copy = jax.tree_util.tree_map_with_path(self._wire_copy, params)

@@ -142,3 +142,73 @@ def test_a_server_takes_int8_weights_over_the_stream():
     finally:
         remote.close()
         server.stop(grace=0)
+
+
+def test_int8_rollouts_serve_the_trainers_float_weights_quantized():
+    """rl.generation.weights=int8: the publisher quantizes each version of the trainer's float
+    weights for an engine holding the int8 model, which then decodes as the quantized model
+    does; the trainer's own weights stay float."""
+    from jaxrl.rollout.fleet import Fleet, Member, MemberState
+    from jaxrl.rollout.generation import rollout_model, rollout_weights
+    from jaxrl.rollout.publisher import WeightPublisher
+
+    assert rollout_model(FLOAT, "int8") == INT8 and rollout_model(FLOAT, "model") == FLOAT
+    assert rollout_weights(FLOAT, "model") is None
+    served = rollout_weights(FLOAT, "int8")
+    _, start = split_params(Transformer(FLOAT, rngs=nnx.Rngs(0)))
+    _, trained = split_params(Transformer(FLOAT, rngs=nnx.Rngs(1)))
+    engine = Engine(INT8, EngineConfig(max_concurrent_decodes=2, max_len=32,
+                                       max_prefill_length=16, prefill_chunk=8))
+    with Orchestrator(engine, served(start)) as local:
+        fleet = Fleet([Member("local", local, 2, remote=False, state=MemberState.READY)],
+                      eos_id=None, warn=lambda _: None)
+        publisher = WeightPublisher(fleet, served=served, warn=lambda _: None)
+        publisher.publish(trained, 1)
+        want = quant.quantized(trained, INT8)
+        for name in quant.QUANTIZED:
+            assert local.params["layers"][name].dtype == np.int8
+            assert trained["layers"][name].dtype == np.float32
+        for got, expected in zip(jax.tree.leaves(local.params), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+        prompt = IDS[2, :5].tolist()
+        got = local.submit(prompt, SamplingParams(temperature=0.0, max_tokens=6)).result()
+        graphdef = split_params(Transformer(INT8, rngs=nnx.Rngs(0)))[0]
+        assert got[0].tokens == greedy_generate(merge_params(graphdef, want), [prompt], 6,
+                                                eos_id=-1)[0]
+        publisher.close()
+        fleet.close()
+
+
+@pytest.mark.parametrize("held,weights,says", [
+    ("none", "int8", "holds none weights .* needs int8 ones: start it with jaxrl serve "
+                     "--quantize int8"),
+    ("int8", "model", "holds int8 weights .* start it without --quantize, or set "
+                      "rl.generation.weights=int8"),
+    ("int8", "int8", None),
+    ("none", "model", None),
+])
+def test_a_server_holding_other_weights_is_refused_up_front(held, weights, says):
+    from jaxrl.models.tokenizer import CharTokenizer
+    from jaxrl.rollout.generation import check_server
+
+    cfg = load_run_config(None, [f"rl.generation.weights={weights}"])
+    tokenizer = CharTokenizer("0123456789+=")
+    metrics = {"eos_id": tokenizer.eos_id, "vocab_size": cfg.model.vocab_size, "max_len": 999,
+               "max_prefill_length": 999, "slots": 64, "quantize": held}
+    if says is None:
+        check_server(cfg, tokenizer, "127.0.0.1:9", metrics)
+    else:
+        with pytest.raises(ConfigError, match=says):
+            check_server(cfg, tokenizer, "127.0.0.1:9", metrics)
+
+
+def test_serve_quantize_holds_the_projections_int8():
+    from jaxrl.commands.serve import quantized_model
+
+    model = Transformer(FLOAT, rngs=nnx.Rngs(0))
+    held = quantized_model(model)
+    assert held.cfg.quantize == "int8"
+    params = split_params(held)[1]
+    want = quant.quantized(split_params(model)[1], INT8)
+    for got, expected in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
