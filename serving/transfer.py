@@ -78,7 +78,7 @@ def _deadline(seconds: float) -> datetime.datetime:
 
 
 def check_specs(specs: list[tuple[str, tuple, str]], shapes: dict[str, tuple],
-                quantized: frozenset = frozenset()) -> None:
+                quantized: dict | None = None) -> None:
     """A pull's tensors against the served model's ({name: shape}): every tensor exactly once,
     each with the model's shape and a floating dtype. Raises WeightUpdateError naming the first
     that is not."""
@@ -93,7 +93,7 @@ def check_specs(specs: list[tuple[str, tuple, str]], shapes: dict[str, tuple],
         if tuple(shape) != tuple(shapes[name]):
             raise WeightUpdateError(f"weight pull: {name} has shape {list(shape)}; the served "
                                     f"model needs {list(shapes[name])}")
-        problem = dtype_problem(name, dtype, quantized)
+        problem = dtype_problem(name, dtype, quantized or {})
         if problem:
             raise WeightUpdateError(f"weight pull: {name}: {problem}")
     missing = missing_names(shapes, seen)

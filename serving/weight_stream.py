@@ -5,7 +5,7 @@ Checks, each before anything that depends on it:
 - the version is the same on every piece and newer than the one served (unless every piece says
   `resume`: a trainer resumed from a checkpoint restarts the sequence at its own version);
 - a tensor's name is one of the served model's, its declared shape is that parameter's shape
-  and its dtype a wire dtype (floating, or int8 for quantized weights): all before its
+  and its dtype a wire dtype (floating, or int8/fp8 for quantized weights): all before its
   buffer is allocated, so a hostile shape allocates nothing;
 - a tensor's shape and dtype are the same on every piece of it;
 - the pieces of a tensor tile it exactly: none starts outside it or runs past its end, none
@@ -26,17 +26,21 @@ import numpy as np
 
 from sharding.reshard import WeightUpdateError, adapter_hint, missing_names
 
+# int8 and float8_e4m3fn: a quantized model's projections (model.quantize), and only those.
 WIRE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
-               "int8": np.int8}     # int8: a quantized model's projections (model.quantize)
+               "int8": np.int8, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
+QUANTIZED_WIRE = ("int8", "float8_e4m3fn")
 FLOAT_WIRE = ("float32", "bfloat16", "float16")
 
 
-def dtype_problem(name: str, dtype: str, quantized: frozenset) -> str | None:
+def dtype_problem(name: str, dtype: str, quantized: dict) -> str | None:
     """Why wire dtype `dtype` cannot carry tensor `name`, or None: a weight the served model
-    holds as int8 (`quantized`) comes as int8, any other in a floating dtype."""
+    holds in 8 bits (`quantized`: {name: dtype}) comes in that dtype, any other in a floating
+    one."""
     if name in quantized:
-        return None if dtype == "int8" else \
-            f"dtype {dtype!r}; the served model holds it as int8 (quantized)"
+        held = quantized[name]
+        return None if dtype == held else \
+            f"dtype {dtype!r}; the served model holds it as {held} (quantized)"
     return None if dtype in FLOAT_WIRE else f"dtype {dtype!r} is not one of {', '.join(FLOAT_WIRE)}"
 
 
@@ -64,10 +68,11 @@ def tensor_names(target) -> dict[str, tuple[int, ...]]:
             for path, x in jax.tree_util.tree_flatten_with_path(target)[0]}
 
 
-def quantized_names(target) -> frozenset[str]:
-    """The wire names of a tree's int8 (quantized) tensors."""
-    return frozenset(_wire_name(path) for path, x in jax.tree_util.tree_flatten_with_path(target)[0]
-                     if np.dtype(x.dtype) == np.int8)
+def quantized_names(target) -> dict[str, str]:
+    """{wire name: dtype} of a tree's 8-bit (quantized) tensors."""
+    return {_wire_name(path): np.dtype(x.dtype).name
+            for path, x in jax.tree_util.tree_flatten_with_path(target)[0]
+            if np.dtype(x.dtype).name in QUANTIZED_WIRE}
 
 
 class _Tensor:
@@ -109,12 +114,13 @@ class _Tensor:
 
 class WeightAssembler:
     """Assembles one update for a model whose parameters are `shapes` ({name: shape}), those
-    named in `quantized` held as int8, served at `current_version`. `add` each piece, then
+    named in `quantized` held in 8 bits ({name: dtype}), served at `current_version`. `add`
+    each piece, then
     `finish` for (version, tree)."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], current_version: int,
-                 quantized: frozenset = frozenset()):
-        self.shapes, self.quantized = shapes, quantized
+                 quantized: dict | None = None):
+        self.shapes, self.quantized = shapes, quantized or {}
         self.current_version = current_version
         self.version: int | None = None
         self.resume = False

@@ -79,14 +79,15 @@ def check_weights(params, target) -> list[tuple[str, object, jax.ShapeDtypeStruc
         if tuple(x.shape) != tuple(t.shape):
             raise WeightUpdateError(f"weight update: {name} has shape {tuple(x.shape)}, the "
                                     f"served model needs {tuple(t.shape)}")
-        if jnp.issubdtype(t.dtype, jnp.integer) and x.dtype != t.dtype:
+        quantized = np.dtype(t.dtype).itemsize == 1        # int8 or fp8, with a scale beside
+        if quantized and x.dtype != t.dtype:
             raise WeightUpdateError(f"weight update: {name} has dtype {x.dtype}; the served "
                                     f"model holds it as {np.dtype(t.dtype).name} (quantized), "
                                     f"and takes it so")
-        if not jnp.issubdtype(t.dtype, jnp.integer) and not jnp.issubdtype(x.dtype,
-                                                                           jnp.floating):
+        if not quantized and not (jnp.issubdtype(x.dtype, jnp.floating)
+                                  and np.dtype(x.dtype).itemsize > 1):
             raise WeightUpdateError(f"weight update: {name} has dtype {x.dtype}; a floating "
-                                    f"dtype is required")
+                                    f"dtype of 16 or 32 bits is required")
         out.append((name, x, t))
     ok = finite([x for _, x, _ in out])
     if not ok.all():

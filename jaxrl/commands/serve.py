@@ -80,10 +80,13 @@ def hold_adapters(model, adapters: LoraConfig):
     return merge_params(graphdef, lora.with_trainable(split_params(model)[1], zeros))
 
 
-def quantized_model(model):
-    """`model` with its layer projections int8 and a scale per output channel
-    (model.quantize=int8; one already quantized as it is)."""
-    cfg = dataclasses.replace(model.cfg, quantize="int8")
+def quantized_model(model, kind: str = "int8"):
+    """`model` with its layer projections in 8 bits (`kind`: int8 or fp8) and a scale per
+    output channel (model.quantize; one already quantized as it is)."""
+    if model.cfg.quantize not in ("none", kind):
+        raise UserError(f"--quantize {kind}: the model's projections are {model.cfg.quantize} "
+                        f"already")
+    cfg = dataclasses.replace(model.cfg, quantize=kind)
     graphdef = split_params(abstract_model(cfg))[0]
     return merge_params(graphdef, quant.quantized(split_params(model)[1], cfg))
 
@@ -155,11 +158,11 @@ def _load_engines(opts: "ServeOptions", engine_config: Callable[[int], EngineCon
                                                   lora.frozen(engines[0].param_target))
 
     model, tokenizer, what = load_model(opts.model_dir, opts.checkpoint_dir, log,
-                                        None if opts.quantize == "int8" else place,
+                                        place if opts.quantize == "none" else None,
                                         opts.lora_dir, adapters)
-    if opts.quantize == "int8":
-        model = quantized_model(model)
-        what += ", its layer projections int8"
+    if opts.quantize != "none":
+        model = quantized_model(model, opts.quantize)
+        what += f", its layer projections {opts.quantize}"
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise UserError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
                         f"{model.cfg.vocab_size}")
@@ -214,7 +217,7 @@ class ServeOptions:
     http_port: int | None = None
     lora_dir: str | None = None
     adapters: LoraConfig | None = None
-    quantize: str = "none"           # int8: the layer projections held as int8
+    quantize: str = "none"           # int8 or fp8: the layer projections held in 8 bits
     join: str | None = None          # a trainer's rl.generation.join to offer this server to
     advertise: str | None = None     # where that trainer reaches it (default: host and port)
 

@@ -116,10 +116,10 @@ def _served_and_listening(p: argparse.ArgumentParser) -> None:
                         "(model.lora.targets)")
     p.add_argument("--lora-rslora", action="store_true",
                    help="with --lora-rank: scale by alpha/sqrt(rank) (model.lora.use_rslora)")
-    p.add_argument("--quantize", choices=("none", "int8"), default="none",
-                   help="int8: hold the layer projections as int8 with a scale per output "
-                        "channel (the weights a trainer with rl.generation.weights=int8 "
-                        "pushes) (default: none)")
+    p.add_argument("--quantize", choices=("none", "int8", "fp8"), default="none",
+                   help="int8 or fp8: hold the layer projections in 8 bits with a scale per "
+                        "output channel (the weights a trainer with rl.generation.weights=int8 "
+                        "or fp8 pushes) (default: none)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; one reachable from other machines needs "
                         "--allow-remote")

@@ -116,9 +116,10 @@ class ModelConfig:
     mlp_chunks: int = 1
     # Low-rank adapters on the layers' projections (jaxrl/models/lora.py); rank 0: off.
     lora: LoraConfig = LoraConfig()
-    # int8: the layers' projection matrices held as int8 with a float32 scale per output
-    # channel (jaxrl/models/quant.py), frozen: trained only through LoRA adapters.
-    quantize: Literal["none", "int8"] = "none"
+    # int8 or fp8 (float8_e4m3fn): the layers' projection matrices held in 8 bits with a
+    # float32 scale per output channel (jaxrl/models/quant.py), frozen: trained only through
+    # LoRA adapters.
+    quantize: Literal["none", "int8", "fp8"] = "none"
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",

@@ -1,8 +1,9 @@
-"""Layer projections held as int8 (`model.quantize=int8`): each of a layer's seven projection
-matrices (q, k, v, o, gate, up, down; a mixture-of-experts model's experts stay as they are) as
-int8 values with a float32 scale per output channel, `<name>_scale`, symmetric (|w| / scale
-rounded, at most 127), so the weight is q * scale. Half a bfloat16 matrix's bytes, a quarter
-of a float32 one's.
+"""Layer projections held in 8 bits (`model.quantize=int8|fp8`): each of a layer's seven
+projection matrices (q, k, v, o, gate, up, down; a mixture-of-experts model's experts stay as
+they are) as 8-bit values with a float32 scale per output channel, `<name>_scale`, symmetric,
+so the weight is q * scale: int8 (|w| / scale rounded, at most 127) or fp8 (float8_e4m3fn,
+|w| / scale at most 448, the e4m3 format's largest, as the FP8 recipes of vLLM and verl). Half
+a bfloat16 matrix's bytes, a quarter of a float32 one's.
 
 The weights are frozen: a quantized model trains LoRA adapters on top (QLoRA's recipe with
 int8 for its NF4) and is served as it is. Each layer's weights are dequantized to the compute
@@ -19,7 +20,9 @@ QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "do
 _AXES = {"q_proj": (1, 2), "k_proj": (1, 2), "v_proj": (1, 2), "o_proj": (2, 1),
          "gate_proj": (1, 1), "up_proj": (1, 1), "down_proj": (1, 1)}
 SCALE = "_scale"
-QMAX = 127.0
+# model.quantize -> (the values' dtype, the largest magnitude a value takes)
+FORMATS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+QMAX = FORMATS["int8"][1]
 
 
 def _input_axes(ndim: int, name: str) -> tuple[int, ...]:
@@ -28,24 +31,28 @@ def _input_axes(ndim: int, name: str) -> tuple[int, ...]:
 
 
 def enabled(cfg) -> bool:
-    return cfg.quantize == "int8"
+    return cfg.quantize in FORMATS
 
 
 def names(cfg) -> tuple[str, ...]:
-    """The projections `cfg` holds as int8 (none unless model.quantize=int8)."""
+    """The projections `cfg` holds in 8 bits (none unless model.quantize is int8 or fp8)."""
     if not enabled(cfg):
         return ()
     return QUANTIZED[:4] if cfg.num_experts else QUANTIZED
 
 
-def quantize(w, name: str):
-    """(int8 values, float32 scale per output channel) of matrices w [.., in.., out..]."""
+def quantize(w, name: str, kind: str = "int8"):
+    """(8-bit values of format `kind`, float32 scale per output channel) of matrices
+    w [.., in.., out..]."""
+    dtype, qmax = FORMATS[kind]
     axes = _input_axes(w.ndim, name)
     w = w.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(w), axis=axes) / QMAX
+    scale = jnp.max(jnp.abs(w), axis=axes) / qmax
     scale = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(jnp.round(w / jnp.expand_dims(scale, axes)), -QMAX, QMAX).astype(jnp.int8)
-    return q, scale
+    q = w / jnp.expand_dims(scale, axes)
+    if kind == "int8":
+        q = jnp.round(q)
+    return jnp.clip(q, -qmax, qmax).astype(dtype), scale
 
 
 def dequantize(q, scale, dtype, name: str):
@@ -77,7 +84,7 @@ def quantized(params: dict, cfg) -> dict:
     layers = dict(params["layers"])
     for name in names(cfg):
         if f"{name}{SCALE}" not in layers:
-            layers[name], layers[f"{name}{SCALE}"] = quantize(layers[name], name)
+            layers[name], layers[f"{name}{SCALE}"] = quantize(layers[name], name, cfg.quantize)
     return {**params, "layers": layers}
 
 

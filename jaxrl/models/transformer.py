@@ -72,12 +72,12 @@ class Layers(nnx.Module):
         self.down_proj = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), dt)
 
     def quantize(self, cfg: ModelConfig):
-        """The projections as int8 with a scale per output channel (jaxrl/models/quant.py),
+        """The projections in 8 bits with a scale per output channel (jaxrl/models/quant.py),
         the scale sharded as the matrix's output axes."""
         for name in quant.names(cfg):
             param = getattr(self, name)
             axes = param.get_metadata()["axes"]
-            q, scale = quant.quantize(param[...], name)
+            q, scale = quant.quantize(param[...], name, cfg.quantize)
             n_out = scale.ndim - 1
             setattr(self, name, nnx.Param(q, axes=axes))
             setattr(self, name + quant.SCALE, nnx.Param(scale, axes=("layers", *axes[-n_out:])))

@@ -52,12 +52,13 @@ class GenerationConfig:
     # for them (padded to a compiled size meanwhile: the soonest first step); all compiles
     # every program before it generates, as `jaxrl serve` does (serving/programs.py).
     compile: Literal["as_needed", "all"] = "as_needed"
-    # The rollout engine's weights: as the model holds them, or int8 (each layer projection with
-    # a float32 scale per output channel, quantized by the trainer at every publish: decode
-    # reads and a push carries a quarter of float32's bytes, half of bfloat16's). The sampler's
+    # The rollout engine's weights: as the model holds them, or int8 / fp8 (float8_e4m3fn): each
+    # layer projection in 8 bits with a float32 scale per output channel, quantized by the
+    # trainer at every publish (decode reads and a push carries a quarter of float32's bytes,
+    # half of bfloat16's; fp8 as vLLM's and verl's FP8 rollouts, int8 everywhere). The sampler's
     # log-probs then differ from the trainer's; the loss's ratio corrects for it (rl.loss=tis,
     # rl.rollout_correction) and each step logs the gap (logprob_abs_diff_*).
-    weights: Literal["model", "int8"] = "model"
+    weights: Literal["model", "int8", "fp8"] = "model"
 
     def __post_init__(self):
         for name in ("push_deadline_s", "heartbeat_s", "heartbeat_timeout_s", "wait_s"):

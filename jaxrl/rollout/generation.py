@@ -83,8 +83,8 @@ class Generators:
 
 def rollout_model(model_cfg: ModelConfig, weights: str) -> ModelConfig:
     """The model the rollout engines hold (rl.generation.weights): the trainer's, or the same
-    with its layer projections int8."""
-    return dataclasses.replace(model_cfg, quantize="int8") if weights == "int8" else model_cfg
+    with its layer projections in 8 bits (int8 or fp8)."""
+    return model_cfg if weights == "model" else dataclasses.replace(model_cfg, quantize=weights)
 
 
 def rollout_weights(model_cfg: ModelConfig, weights: str) -> Callable | None:
@@ -190,9 +190,9 @@ def check_server(cfg: RunConfig, tokenizer: Tokenizer, address: str, metrics: di
         raise ConfigError(f"generation server {address} holds {held} weights (model.quantize); "
                           f"this run (rl.generation.weights={rl.generation.weights}, "
                           f"model.quantize={cfg.model.quantize}) needs "
-                          + ("int8 ones: start it with jaxrl serve --quantize int8"
-                             if wanted == "int8" else "the model's own: start it without "
-                             "--quantize, or set rl.generation.weights=int8"))
+                          + (f"{wanted} ones: start it with jaxrl serve --quantize {wanted}"
+                             if wanted != "none" else "the model's own: start it without "
+                             f"--quantize, or set rl.generation.weights={held}"))
     if metrics["slots"] < rl.group_size:
         raise ConfigError(f"generation server {address} has {metrics['slots']} slots; a group "
                           f"needs rl.group_size={rl.group_size}")

@@ -40,10 +40,11 @@ from sharding.reshard import WeightUpdateError
 def wire_dtype(path, x, serving_dtype):
     """The dtype weight `x` (at tree path `path`) is pushed in: the serving dtype, which the
     server would cast it to anyway, so fewer bytes cross the wire; as it is for what a server
-    holds as the trainer does: LoRA adapters and int8 scales (float32), int8 weights."""
+    holds as the trainer does: LoRA adapters and quantization scales (float32), int8 and fp8
+    weights."""
     name = str(getattr(path[-1], "key", ""))
-    if lora.is_adapter(name) or name.endswith(quant.SCALE) or \
-            not jnp.issubdtype(x.dtype, jnp.floating):
+    if lora.is_adapter(name) or name.endswith(quant.SCALE) or jnp.dtype(x.dtype).itemsize == 1 \
+            or not jnp.issubdtype(x.dtype, jnp.floating):
         return jnp.dtype(x.dtype)
     return jnp.dtype(serving_dtype or x.dtype)
 

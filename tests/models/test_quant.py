@@ -1,11 +1,12 @@
-"""int8 projections (model.quantize=int8, jaxrl/models/quant.py): per-channel symmetric int8
-within half a step of the weights, a quantized model computing exactly what the float model
+"""8-bit projections (model.quantize=int8|fp8, jaxrl/models/quant.py): per-channel symmetric
+int8 within half a step of the weights, fp8 (e4m3) within its rounding, a quantized model computing exactly what the float model
 with the dequantized weights computes (in training and in the engine), LoRA training on top
 with the int8 base untouched, and updates that must keep each weight's dtype."""
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -27,6 +28,7 @@ from sharding.reshard import WeightUpdateError
 FLOAT = ModelConfig(vocab_size=32, embed_dim=16, num_layers=2, num_heads=2, num_kv_heads=1,
                     head_dim=8, mlp_dim=40, max_seq_len=32)
 INT8 = dataclasses.replace(FLOAT, quantize="int8")
+FP8 = dataclasses.replace(FLOAT, quantize="fp8")
 IDS = np.random.default_rng(0).integers(0, 32, (3, 16)).astype(np.int32)
 
 
@@ -47,35 +49,51 @@ def test_int8_is_within_half_a_step_of_each_channel():
                                quant.dequantize(q, scale, np.float32, "o_proj")[0])
 
 
-def test_a_quantized_model_computes_what_its_dequantized_float_model_does():
+def test_fp8_is_within_e4m3_rounding_of_each_channel():
+    w = jax.random.normal(jax.random.key(0), (2, 16, 4, 8)) * np.arange(1, 9)
+    q, scale = quant.quantize(w, "q_proj", "fp8")
+    assert q.dtype == jnp.float8_e4m3fn and scale.shape == (2, 4, 8)
+    np.testing.assert_allclose(scale, np.abs(np.asarray(w)).max(axis=1) / 448, rtol=1e-6)
+    back = np.asarray(quant.dequantize(q, scale, np.float32, "q_proj"))
+    # e4m3: 3 mantissa bits, a relative error of at most 2^-4 for normal values; the smallest
+    # (subnormal) ones within half of their 2^-9 spacing, scaled.
+    err = np.abs(back - np.asarray(w))
+    assert np.all(err <= np.abs(np.asarray(w)) / 16 + np.asarray(scale)[:, None] * 2.0 ** -10)
+
+
+@pytest.mark.parametrize("cfg", [INT8, FP8], ids=["int8", "fp8"])
+def test_a_quantized_model_computes_what_its_dequantized_float_model_does(cfg):
+    held = quant.FORMATS[cfg.quantize][0]
     _, floats = split_params(Transformer(FLOAT, rngs=nnx.Rngs(0)))
-    graphdef, params = split_params(Transformer(INT8, rngs=nnx.Rngs(0)))
-    assert params["layers"]["q_proj"].dtype == np.int8
-    assert param_axes(INT8)["layers"]["q_proj_scale"] == ("layers", "q_heads", "head_dim")
-    assert param_axes(INT8)["layers"]["down_proj_scale"] == ("layers", "embed")
+    graphdef, params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))
+    assert params["layers"]["q_proj"].dtype == held
+    assert param_axes(cfg)["layers"]["q_proj_scale"] == ("layers", "q_heads", "head_dim")
+    assert param_axes(cfg)["layers"]["down_proj_scale"] == ("layers", "embed")
     model = merge_params(graphdef, params)
     float_graph, _ = split_params(Transformer(FLOAT, rngs=nnx.Rngs(0)))
-    dequantized = merge_params(float_graph, quant.dequantized(params, INT8))
+    dequantized = merge_params(float_graph, quant.dequantized(params, cfg))
     np.testing.assert_array_equal(np.asarray(model(IDS)), np.asarray(dequantized(IDS)))
-    assert quant.quantized(quant.dequantized(params, INT8), INT8)["layers"]["q_proj"].dtype \
-        == np.int8
+    assert quant.quantized(quant.dequantized(params, cfg), cfg)["layers"]["q_proj"].dtype \
+        == held
     assert float(np.abs(np.asarray(model(IDS)) - np.asarray(
-        merge_params(float_graph, floats)(IDS))).max()) < 0.05      # int8's error, not more
-    # The engine serves the int8 weights as they are and decodes as the model does.
-    engine = Engine(INT8, EngineConfig(max_concurrent_decodes=2, max_len=32,
-                                       max_prefill_length=16, prefill_chunk=8))
-    assert engine.param_target["layers"]["q_proj"].dtype == np.int8
+        merge_params(float_graph, floats)(IDS))).max()) < 0.1      # 8 bits' error, not more
+    # The engine serves the 8-bit weights as they are and decodes as the model does.
+    engine = Engine(cfg, EngineConfig(max_concurrent_decodes=2, max_len=32,
+                                      max_prefill_length=16, prefill_chunk=8))
+    assert engine.param_target["layers"]["q_proj"].dtype == held
     prompt = IDS[0, :6].tolist()
+    name = np.dtype(held).name
     with Orchestrator(engine, params) as o:
         got = o.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))[0].tokens
         with pytest.raises(WeightUpdateError, match=r"layers/q_proj has dtype float32; the "
-                                                    r"served model holds it as int8"):
+                                                    rf"served model holds it as {name}"):
             o.update_params({**params, "layers": {**params["layers"], "q_proj": np.asarray(
                 params["layers"]["q_proj"], np.float32)}}, 1)
     assert got == greedy_generate(model, [prompt], 8, eos_id=-1)[0]
-    with pytest.raises(WeightUpdateError, match=r"layers/q_proj has dtype int8; a floating"):
-        Engine(FLOAT, engine.cfg).prepare_params(quant.dequantized(params, INT8) | {
-            "layers": {**quant.dequantized(params, INT8)["layers"],
+    with pytest.raises(WeightUpdateError, match=rf"layers/q_proj has dtype {name}; a floating "
+                                                r"dtype of 16 or 32 bits"):
+        Engine(FLOAT, engine.cfg).prepare_params(quant.dequantized(params, cfg) | {
+            "layers": {**quant.dequantized(params, cfg)["layers"],
                        "q_proj": params["layers"]["q_proj"]}})
 
 
@@ -116,18 +134,20 @@ def test_int8_without_adapters_is_not_trained():
     assert cfg.model.quantize == "int8"
 
 
-def test_a_server_takes_int8_weights_over_the_stream():
-    """The int8 projections and their scales cross the gRPC stream as they are, and the server
-    decodes as the trainer's quantized model; a float sent for an int8 weight is refused."""
+@pytest.mark.parametrize("cfg,transfer", [(INT8, "grpc"), (FP8, "tcp")], ids=["int8", "fp8"])
+def test_a_server_takes_8_bit_weights_over_the_wire(cfg, transfer):
+    """The 8-bit projections and their scales cross the gRPC stream (or a tcp pull) as they
+    are, and the server decodes as the trainer's quantized model; a float sent for an 8-bit
+    weight is refused."""
     from serving.client import RemoteGeneration
     from serving.server import Server
 
-    graphdef, params = split_params(Transformer(INT8, rngs=nnx.Rngs(0)))
-    _, other = split_params(Transformer(INT8, rngs=nnx.Rngs(1)))
-    engine = Engine(INT8, EngineConfig(max_concurrent_decodes=2, max_len=32,
-                                       max_prefill_length=16, prefill_chunk=8))
+    graphdef, params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))
+    _, other = split_params(Transformer(cfg, rngs=nnx.Rngs(1)))
+    engine = Engine(cfg, EngineConfig(max_concurrent_decodes=2, max_len=32,
+                                      max_prefill_length=16, prefill_chunk=8))
     server = Server(Orchestrator(engine, params).start(), port=0, update_token="t").start()
-    remote = RemoteGeneration(server.address, token="t")
+    remote = RemoteGeneration(server.address, token="t", transfer=transfer)
     prompt = IDS[1, :5].tolist()
     try:
         remote.update_params(other, 1, timeout=60)
@@ -136,43 +156,46 @@ def test_a_server_takes_int8_weights_over_the_stream():
                                                 eos_id=-1)[0]
         floats = {**other, "layers": {**other["layers"], "v_proj": np.asarray(
             other["layers"]["v_proj"], np.float32)}}
+        held = np.dtype(quant.FORMATS[cfg.quantize][0]).name
         with pytest.raises(WeightUpdateError, match=r"layers/v_proj: dtype 'float32'; the "
-                                                    r"served model holds it as int8"):
+                                                    rf"served model holds it as {held}"):
             remote.update_params(floats, 2, timeout=60)
     finally:
         remote.close()
         server.stop(grace=0)
 
 
-def test_int8_rollouts_serve_the_trainers_float_weights_quantized():
-    """rl.generation.weights=int8: the publisher quantizes each version of the trainer's float
-    weights for an engine holding the int8 model, which then decodes as the quantized model
-    does; the trainer's own weights stay float."""
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_8_bit_rollouts_serve_the_trainers_float_weights_quantized(kind):
+    """rl.generation.weights=int8|fp8: the publisher quantizes each version of the trainer's
+    float weights for an engine holding the 8-bit model, which then decodes as the quantized
+    model does; the trainer's own weights stay float."""
     from jaxrl.rollout.fleet import Fleet, Member, MemberState
     from jaxrl.rollout.generation import rollout_model, rollout_weights
     from jaxrl.rollout.publisher import WeightPublisher
 
-    assert rollout_model(FLOAT, "int8") == INT8 and rollout_model(FLOAT, "model") == FLOAT
+    cfg = {"int8": INT8, "fp8": FP8}[kind]
+    assert rollout_model(FLOAT, kind) == cfg and rollout_model(FLOAT, "model") == FLOAT
     assert rollout_weights(FLOAT, "model") is None
-    served = rollout_weights(FLOAT, "int8")
+    served = rollout_weights(FLOAT, kind)
     _, start = split_params(Transformer(FLOAT, rngs=nnx.Rngs(0)))
     _, trained = split_params(Transformer(FLOAT, rngs=nnx.Rngs(1)))
-    engine = Engine(INT8, EngineConfig(max_concurrent_decodes=2, max_len=32,
+    engine = Engine(cfg, EngineConfig(max_concurrent_decodes=2, max_len=32,
                                        max_prefill_length=16, prefill_chunk=8))
     with Orchestrator(engine, served(start)) as local:
         fleet = Fleet([Member("local", local, 2, remote=False, state=MemberState.READY)],
                       eos_id=None, warn=lambda _: None)
         publisher = WeightPublisher(fleet, served=served, warn=lambda _: None)
         publisher.publish(trained, 1)
-        want = quant.quantized(trained, INT8)
+        want = quant.quantized(trained, cfg)
         for name in quant.QUANTIZED:
-            assert local.params["layers"][name].dtype == np.int8
+            assert local.params["layers"][name].dtype == quant.FORMATS[kind][0]
             assert trained["layers"][name].dtype == np.float32
         for got, expected in zip(jax.tree.leaves(local.params), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
         prompt = IDS[2, :5].tolist()
         got = local.submit(prompt, SamplingParams(temperature=0.0, max_tokens=6)).result()
-        graphdef = split_params(Transformer(INT8, rngs=nnx.Rngs(0)))[0]
+        graphdef = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[0]
         assert got[0].tokens == greedy_generate(merge_params(graphdef, want), [prompt], 6,
                                                 eos_id=-1)[0]
         publisher.close()

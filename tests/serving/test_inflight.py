@@ -100,7 +100,7 @@ def _bad_updates(params):
     nan["layers"]["up_proj"] = params["layers"]["up_proj"].at[1, 2, 3].set(jnp.nan)
     return [(wrong_shape, r"embed has shape \(31, 32\), the served model needs \(32, 32\)"),
             (missing, r"missing \['final_norm'\]"),
-            (ints, "final_norm has dtype int32; a floating dtype is required"),
+            (ints, "final_norm has dtype int32; a floating dtype of 16 or 32 bits is required"),
             (nan, "layers/up_proj contains NaN or Inf")]
 
 
