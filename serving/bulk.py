@@ -5,19 +5,30 @@ random 63-bit id, and calls the generation server's `PullWeights` RPC (transport
 that id, the bulk server's address and every tensor's name, shape and dtype. The generation
 server checks them exactly as it checks a streamed update (token, version, every tensor once,
 shapes, dtypes) before it connects, then reads the tensors' bytes straight into arrays it
-allocated for them: `recv_into`, no Python per byte or per piece, the GIL released while the
-kernel copies. It swaps them in between two decode steps, as it swaps streamed weights.
+allocated for them (serving/bulk_pull.py: `recv_into`, no Python per byte or per piece, the GIL
+released while the kernel copies). It swaps them in between two decode steps, as it swaps
+streamed weights.
 
 A server asked to relay (`relay_uuid`) offers what arrives, as it arrives, under that id on a
 bulk server of its own; the next server of a chain pulls from it while it is still receiving.
 The trainer then sends each byte once, and pushing to a chain of servers costs about one push
 (the fan-out of checkpoint-engine and Marin).
 
+On one host the socket copies are the cost of a chain (each hop through the kernel twice), so a
+bulk server also listens on a Unix socket named after its address (Linux's abstract namespace:
+only processes on this host, in this network namespace, reach it), which a puller tries first.
+There a relay whose arrays lie in a memfd slab (serving/slabs.py) hands the puller the slab's
+file descriptor instead of the bytes, then says how far the slab has filled, and the puller
+copies out of the shared mapping as it fills: one memory copy per hop.
+
 Per connection, the puller sends the offer's id and the bytes it expects (8 bytes each,
-little-endian); the offer's server answers one status byte (1: here they come; 0: no such
-offer, or another size) and then every tensor's bytes in order. The id is the only secret of
-this path, as the jax transfer path's is (serving/transfer.py): it travels over the
-authenticated gRPC call, and the bulk port belongs on a trusted network.
+little-endian); the offer's server answers one status byte (0: no such offer, or another size;
+1: every tensor's bytes follow in order; 2, over the Unix socket only: the slab's descriptor
+with the number of tensors, their offsets in it, then counts of the bytes arrived, the last the
+whole size or 2^64-1 if the relay's own pull failed, after which the puller sends one byte when
+it has copied everything). The id is the only secret of this path, as the jax transfer path's
+is (serving/transfer.py): it travels over the authenticated gRPC call, and the bulk port
+belongs on a trusted network.
 """
 
 from __future__ import annotations
@@ -25,17 +36,24 @@ from __future__ import annotations
 import secrets
 import socket
 import struct
-import sys
 import threading
 import time
 
 import numpy as np
 
-from serving.weight_stream import WIRE_DTYPES
+from serving.slabs import Slab
 
 CHUNK = 8 << 20              # bytes a send or a receive moves at a time at most
-_HEADER = struct.Struct("<QQ")
+HEADER = struct.Struct("<QQ")
+COUNT = struct.Struct("<Q")
+FAILED = 2 ** 64 - 1         # the count a mapped relay sends when its own pull failed
+NONE, STREAM, MAPPED = b"\0", b"\1", b"\2"
 LATE_S = 10.0                # how long a pull waits for a relay's offer to be registered
+
+
+def local_name(address: str) -> str:
+    """The Unix socket (abstract namespace) of the bulk server at TCP `address`."""
+    return "\0jaxrl-bulk-" + address
 
 
 def _bytes(a: np.ndarray) -> memoryview:
@@ -48,11 +66,14 @@ class Offer:
     its own pull receives (`arrived`); a pull of it sends what has arrived and waits for the
     rest."""
 
-    def __init__(self, arrays: list[np.ndarray], deadline: float, *, complete: bool = True):
+    def __init__(self, arrays: list[np.ndarray], deadline: float, *, complete: bool = True,
+                 slab: Slab | None = None):
         """`complete`: the arrays hold their bytes already (the trainer's offer, pulled any
         number of times until its deadline); else a relay's, which fills as its pull receives
-        and is sent once (`done` is set then, or when its pull fails)."""
+        and is sent once (`done` is set then, or when its pull fails). `slab`: the memfd slab
+        the arrays are views of, which a puller on this host may map (`send_mapped`)."""
         self.arrays = arrays
+        self.slab = slab if slab is not None and slab.fd is not None else None
         self.single_use = not complete
         self.claimed = threading.Event()
         self.done = threading.Event()
@@ -60,7 +81,8 @@ class Offer:
         self.deadline = deadline
         self._arrived = self.total if complete else 0
         self._failed: str | None = None
-        self.sends = 0              # pulls it has been sent to whole
+        self.sends = 0              # pulls it has been sent to whole ...
+        self.mapped = 0             # ... of which by a mapping of its slab
         self._cond = threading.Condition()
 
     def arrived(self, n: int) -> None:
@@ -105,6 +127,37 @@ class Offer:
             if self.single_use:
                 self.done.set()
 
+    def _filled(self, past: int) -> int:
+        """How many bytes have arrived, once more than `past` have."""
+        self._wait(past + 1)
+        with self._cond:
+            return self._arrived
+
+    def send_mapped(self, sock: socket.socket) -> None:
+        """The slab's descriptor, the arrays' offsets in it, then how far it has filled until
+        it is whole; `done` once the puller says it has copied everything out."""
+        self.claimed.set()
+        try:
+            socket.send_fds(sock, [COUNT.pack(len(self.arrays))], [self.slab.fd])
+            base = self.slab.array.ctypes.data
+            sock.sendall(b"".join(COUNT.pack(a.ctypes.data - base) for a in self.arrays))
+            told = 0
+            while told < self.total:
+                try:
+                    told = self._filled(told)
+                except ConnectionError:
+                    sock.sendall(COUNT.pack(FAILED))
+                    raise
+                sock.sendall(COUNT.pack(told))
+            if recv_exactly(sock, 1) != STREAM:
+                raise ConnectionError("the puller did not confirm its copy")
+            with self._cond:
+                self.sends += 1
+                self.mapped += 1
+        finally:
+            if self.single_use:
+                self.done.set()
+
 
 class BulkServer:
     """This process's bulk server (one per bind host): a listening socket and a thread per
@@ -118,7 +171,16 @@ class BulkServer:
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._offers: dict[int, Offer] = {}
         self._cond = threading.Condition()
-        threading.Thread(target=self._accept, name=f"bulk-{self.address}", daemon=True).start()
+        threading.Thread(target=self._accept, args=(self._listener, False), daemon=True,
+                         name=f"bulk-{self.address}").start()
+        try:
+            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            local.bind(local_name(self.address))
+            local.listen()
+        except (OSError, AttributeError):     # no abstract Unix sockets here: TCP alone
+            return
+        threading.Thread(target=self._accept, args=(local, True), daemon=True,
+                         name=f"bulk-local-{self.address}").start()
 
     @classmethod
     def get(cls, host: str = "127.0.0.1") -> "BulkServer":
@@ -128,10 +190,10 @@ class BulkServer:
             return cls._started[host]
 
     def offer(self, arrays: list[np.ndarray], deadline_s: float, *, uuid: int | None = None,
-              complete: bool = True) -> tuple[int, Offer]:
+              complete: bool = True, slab: Slab | None = None) -> tuple[int, Offer]:
         """Offers `arrays` (in order) for pulls within `deadline_s`: (its id, the offer)."""
         uuid = secrets.randbits(63) if uuid is None else uuid
-        offer = Offer(arrays, time.monotonic() + deadline_s, complete=complete)
+        offer = Offer(arrays, time.monotonic() + deadline_s, complete=complete, slab=slab)
         with self._cond:
             now = time.monotonic()
             self._offers = {k: o for k, o in self._offers.items() if o.deadline > now}
@@ -143,13 +205,13 @@ class BulkServer:
         with self._cond:
             self._offers.pop(uuid, None)
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket, local: bool) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(sock,), daemon=True,
+            threading.Thread(target=self._serve, args=(sock, local), daemon=True,
                              name="bulk-send").start()
 
     def _find(self, uuid: int) -> Offer | None:
@@ -161,134 +223,35 @@ class BulkServer:
                 self._cond.wait(deadline - time.monotonic())
             return self._offers.get(uuid)
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, local: bool) -> None:
+        """One pull: the offer's bytes, or over the Unix socket a relay's slab to map."""
         with sock:
             try:
                 sock.settimeout(LATE_S)
-                uuid, size = _HEADER.unpack(_recv_exactly(sock, _HEADER.size))
+                uuid, size = HEADER.unpack(recv_exactly(sock, HEADER.size))
                 offer = self._find(uuid)
                 if offer is None or offer.total != size or offer.deadline < time.monotonic():
-                    sock.sendall(b"\0")
+                    sock.sendall(NONE)
                     return
                 sock.settimeout(max(offer.deadline - time.monotonic(), 1.0))
-                sock.sendall(b"\1")
+                mapped = local and offer.slab is not None
+                sock.sendall(MAPPED if mapped else STREAM)
                 if offer.single_use:        # one puller: nobody else is sent it
                     self.withdraw(uuid)
-                offer.send(sock)
+                offer.send_mapped(sock) if mapped else offer.send(sock)
             except (OSError, ConnectionError, TimeoutError):
                 return          # the puller sees the connection end short and says so
 
 
 def relay_offer(server: BulkServer, uuid: int, arrays: list[np.ndarray],
-                timeout_s: float | None) -> Offer:
-    """Offers `arrays`, which a pull is about to fill, under `uuid` on `server`, once."""
+                timeout_s: float | None, slab: Slab | None = None) -> Offer:
+    """Offers `arrays` (views of `slab`, if given), which a pull is about to fill, under `uuid`
+    on `server`, once."""
     return server.offer(arrays, 600.0 if timeout_s is None else timeout_s, uuid=uuid,
-                        complete=False)[1]
+                        complete=False, slab=slab)[1]
 
 
-ALIGN = 64                   # bytes: XLA:CPU takes a host array this aligned without a copy
-
-
-class ReceivePool:
-    """The memory tcp pulls receive into: one slab per pull, each tensor a 64-byte-aligned view
-    of it, and slabs reused once nothing holds a view of them any more.
-
-    On a CPU device `jax.device_put` takes an aligned numpy array as it is (no copy), so the
-    engine serves from the very slab its pull received into: an update then costs one copy of
-    the weights (the receive) and no fresh memory, whose first touch costs a page fault per page
-    (a 2-core VM here: 0.35 s per 512 MB, most of a pull). A slab is free again when the last
-    view of it is gone: the engine has retired those weights and every program that read them
-    has finished (jax holds the array until then), a relay has sent them, the pull has
-    returned. So at most two slabs live in steady state: the weights served and the ones
-    arriving. On an accelerator the device copy is the engine's own, and the slab is free at
-    once."""
-
-    def __init__(self, keep: int = 2):
-        self._lock = threading.Lock()
-        self._slabs: list[np.ndarray] = []
-        self._keep = keep
-
-    @staticmethod
-    def _layout(specs) -> tuple[list[tuple[int, tuple, np.dtype]], int]:
-        """(offset, shape, dtype) of each tensor in a slab, and the slab's size."""
-        out, at = [], 0
-        for _, shape, dtype in specs:
-            dtype = np.dtype(WIRE_DTYPES[dtype])
-            out.append((at, tuple(shape), dtype))
-            at += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // ALIGN) * ALIGN
-        return out, max(at, ALIGN)
-
-    def _slab(self, size: int) -> np.ndarray:
-        """A free slab of `size` bytes (64-byte aligned), reused when one is."""
-        with self._lock:
-            # A slab's memory is in use while a view of it lives: numpy gives every view the
-            # array that owns the memory as its base, so the owner's references count them
-            # (beyond this list's tuple, the loop's name and getrefcount's argument).
-            for raw, start in self._slabs:
-                if sys.getrefcount(raw) <= 3 and raw.nbytes == size + ALIGN:
-                    return raw[start: start + size]
-            raw = np.empty(size + ALIGN, np.uint8)
-            start = (-raw.ctypes.data) % ALIGN
-            busy = [(r, at) for r, at in self._slabs if sys.getrefcount(r) > 3]
-            self._slabs = (busy + [(raw, start)])[-max(self._keep, len(busy) + 1):]
-            return raw[start: start + size]
-
-    def take(self, specs: list[tuple[str, tuple, str]]) -> list[np.ndarray]:
-        """Arrays for `specs` (name, shape, wire dtype), views of one slab."""
-        layout, size = self._layout(specs)
-        slab = self._slab(size)
-        return [slab[at: at + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize]
-                .view(dtype).reshape(shape) for at, shape, dtype in layout]
-
-
-def pull(address: str, uuid: int, specs: list[tuple[str, tuple, str]],
-         timeout_s: float | None, into: list[np.ndarray] | None = None,
-         relay: Offer | None = None) -> dict[str, np.ndarray]:
-    """The offer `uuid` of the bulk server at `address`, as {name: array} in `specs`' order
-    (name, shape, wire dtype: checked by the caller first), received `into` those arrays
-    (default: new ones). `relay`: an offer made over these same arrays (`relay_offer`), told
-    of each chunk as it arrives."""
-    arrays = into or [np.empty(shape, WIRE_DTYPES[dtype]) for _, shape, dtype in specs]
-    total = sum(a.nbytes for a in arrays)
-    host, port = address.rsplit(":", 1)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        with socket.create_connection((host, int(port)), timeout=_left(deadline)) as sock:
-            sock.sendall(_HEADER.pack(uuid, total))
-            if _recv_exactly(sock, 1) != b"\1":
-                raise ConnectionError(f"{address} has no offer {uuid} of {total} bytes (expired, "
-                                      f"pulled from elsewhere, or of another model)")
-            for a in arrays:
-                view = _bytes(a)
-                got = 0
-                while got < len(view):
-                    sock.settimeout(_left(deadline))
-                    n = sock.recv_into(view[got: got + CHUNK])
-                    if n == 0:
-                        raise ConnectionError(f"{address} ended the offer after "
-                                              f"{got} of {len(view)} bytes of a tensor")
-                    got += n
-                    if relay is not None:
-                        relay.arrived(n)
-    except BaseException as e:
-        if relay is not None:
-            relay.fail(str(e))
-        if isinstance(e, socket.timeout):
-            raise TimeoutError(f"weight pull from {address}: not done in time") from None
-        raise
-    return {name: a for (name, _, _), a in zip(specs, arrays)}
-
-
-def _left(deadline: float | None) -> float | None:
-    if deadline is None:
-        return None
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the weight pull's deadline passed")
-    return left
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
     data = bytearray()
     while len(data) < n:
         part = sock.recv(n - len(data))

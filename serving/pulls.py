@@ -1,12 +1,14 @@
 """The server's side of the pull paths of a weight update (`PullWeights`): where the bytes
 come from (serving/transfer.py: device to device; serving/bulk.py: plain TCP, relayed on when
-asked) and the memory a tcp pull receives into (`bulk.ReceivePool`: reused once nothing holds
-it, which on a CPU device includes the engine serving straight from it).
+asked) and the memory a tcp pull receives into (serving/slabs.py: reused once nothing holds it,
+which on a CPU device includes the engine serving straight from it).
 """
 
 from __future__ import annotations
 
 from serving import bulk
+from serving.bulk_pull import pull
+from serving.slabs import ReceivePool
 
 
 class Pulls:
@@ -15,7 +17,7 @@ class Pulls:
 
     def __init__(self, host: str, device_of):
         self.host, self._device_of = host, device_of
-        self._pool = bulk.ReceivePool()
+        self._pool = ReceivePool()
 
     def bulk_server(self) -> bulk.BulkServer:
         return bulk.BulkServer.get(self.host)
@@ -27,8 +29,9 @@ class Pulls:
 
             endpoint = Endpoint.get(self._device_of(), host=self.host)
             return apply(endpoint.pull(request.address, request.uuid, specs, timeout_s))
-        into = self._pool.take(specs)
+        into, slab = self._pool.take(specs)
         relay = None
         if request.relay_uuid:
-            relay = bulk.relay_offer(self.bulk_server(), request.relay_uuid, into, timeout_s)
-        return apply(bulk.pull(request.address, request.uuid, specs, timeout_s, into, relay))
+            relay = bulk.relay_offer(self.bulk_server(), request.relay_uuid, into, timeout_s,
+                                     slab)
+        return apply(pull(request.address, request.uuid, specs, timeout_s, into, relay))

@@ -1,11 +1,13 @@
-"""The bulk TCP path of weight updates (serving/bulk.py) on its own: bytes that arrive equal
-what was offered, in every wire dtype; a wrong id or size is refused before any byte moves; a
-relay passes on what it receives while it receives, and a relay whose own pull stops short
-stops its puller short too (a ConnectionError, never a partial array handed on). The receive
-pool hands out aligned views of a slab and reuses a slab only once nothing holds a view of it,
-jax arrays that alias it included."""
+"""The bulk path of weight updates (serving/bulk.py, bulk_pull.py) on its own, over TCP and over
+the Unix socket a puller on the same host uses: bytes that arrive equal what was offered, in
+every wire dtype; a wrong id or size is refused before any byte moves; a relay passes on what
+it receives while it receives (on one host by handing over its memfd slab, copied out as it
+fills), and a relay whose own pull stops short stops its puller short too (a ConnectionError,
+never a partial array handed on). The receive pool hands out aligned views of a slab and
+reuses a slab only once nothing holds a view of it, jax arrays that alias it included."""
 
 import gc
+import os
 import socket
 import threading
 
@@ -15,7 +17,19 @@ import numpy as np
 import pytest
 
 from serving import bulk as bulk_module
-from serving.bulk import BulkServer, ReceivePool, pull, relay_offer
+from serving import bulk_pull
+from serving.bulk import BulkServer, relay_offer
+from serving.bulk_pull import pull
+from serving.slabs import ALIGN, ReceivePool
+
+
+@pytest.fixture(params=["local", "tcp"])
+def path(request, monkeypatch):
+    """Each test over the Unix socket (this host) and over TCP (the socket's name made one
+    nobody listens on, as for a server on another host)."""
+    if request.param == "tcp":
+        monkeypatch.setattr(bulk_pull, "local_name", lambda address: "\0jaxrl-nobody-here")
+    return request.param
 
 
 def _arrays():
@@ -35,7 +49,7 @@ def bulk():
     return BulkServer("127.0.0.1")
 
 
-def test_what_arrives_is_what_was_offered(bulk):
+def test_what_arrives_is_what_was_offered(bulk, path):
     arrays = _arrays()
     uuid, offer = bulk.offer(list(arrays.values()), 30)
     for _ in range(2):                      # an offer serves every pull until its deadline
@@ -46,7 +60,7 @@ def test_what_arrives_is_what_was_offered(bulk):
     assert offer.sends == 2
 
 
-def test_a_wrong_id_or_size_is_refused_before_any_byte_moves(bulk, monkeypatch):
+def test_a_wrong_id_or_size_is_refused_before_any_byte_moves(bulk, path, monkeypatch):
     monkeypatch.setattr(bulk_module, "LATE_S", 0.5)     # an unknown id: waited for this long
     arrays = _arrays()
     uuid, offer = bulk.offer(list(arrays.values()), 30)
@@ -59,7 +73,7 @@ def test_a_wrong_id_or_size_is_refused_before_any_byte_moves(bulk, monkeypatch):
     assert offer.sends == 0
 
 
-def test_a_relay_passes_on_what_it_receives(bulk, monkeypatch):
+def test_a_relay_passes_on_what_it_receives(bulk, path, monkeypatch):
     arrays = _arrays()
     relay = BulkServer("127.0.0.1")             # the first server's own bulk server
     uuid, _ = bulk.offer(list(arrays.values()), 30)
@@ -70,19 +84,21 @@ def test_a_relay_passes_on_what_it_receives(bulk, monkeypatch):
     downstream = threading.Thread(target=lambda: second.update(
         pull(relay.address, relay_id, _specs(arrays), 30)))
     downstream.start()
-    into = ReceivePool().take(_specs(arrays))
-    offer = relay_offer(relay, relay_id, into, 30)
+    into, slab = ReceivePool().take(_specs(arrays))
+    offer = relay_offer(relay, relay_id, into, 30, slab)
     first = pull(bulk.address, uuid, _specs(arrays), 30, into, offer)
     downstream.join(30)
     for name, a in arrays.items():
         assert np.array_equal(first[name], a) and np.array_equal(second[name], a)
     assert offer.done.is_set() and offer.sends == 1
+    # On this host the relay's slab was mapped, not sent through a socket.
+    assert offer.mapped == (1 if path == "local" and slab.fd is not None else 0)
     monkeypatch.setattr(bulk_module, "LATE_S", 0.2)
     with pytest.raises(ConnectionError, match="has no offer"):     # a relay is sent once
         pull(relay.address, relay_id, _specs(arrays), 30)
 
 
-def test_a_relay_cut_short_cuts_its_puller_short(bulk):
+def test_a_relay_cut_short_cuts_its_puller_short(bulk, path):
     arrays = _arrays()
     specs = _specs(arrays)
     total = sum(a.nbytes for a in arrays.values())
@@ -106,23 +122,30 @@ def test_a_relay_cut_short_cuts_its_puller_short(bulk):
 
     thread = threading.Thread(target=downstream)
     thread.start()
-    offer = relay_offer(relay, 777, ReceivePool().take(specs), 30)
+    into, slab = ReceivePool().take(specs)
+    offer = relay_offer(relay, 777, into, 30, slab)
     with pytest.raises(ConnectionError, match="ended the offer"):
         pull(f"127.0.0.1:{listener.getsockname()[1]}", 1, specs, 30, offer.arrays, offer)
     thread.join(30)
-    assert errors and "ended the offer" in errors[0]
+    # Streamed: the bytes stop short; mapped: the relay says its pull failed.
+    assert errors and ("ended the offer" in errors[0] or "relayed pull" in errors[0]), errors
     assert offer.done.is_set()
     listener.close()
 
 
-def test_the_receive_pool_reuses_a_slab_only_once_nothing_holds_it():
+@pytest.mark.parametrize("memfd", [True, False], ids=["memfd", "anonymous"])
+def test_the_receive_pool_reuses_a_slab_only_once_nothing_holds_it(memfd, monkeypatch):
+    if not memfd:                   # a host without memfds: anonymous memory, same rules
+        monkeypatch.delattr("os.memfd_create", raising=False)
     arrays = _arrays()
     specs = _specs(arrays)
     pool = ReceivePool()
-    first = pool.take(specs)
+    first, made = pool.take(specs)
+    assert (made.fd is not None) == (memfd and hasattr(os, "memfd_create"))
+    del made
     assert [(a.shape, a.dtype) for a in first] == [(a.shape, a.dtype) for a in arrays.values()]
     held = [a for a in first if a.size]
-    assert all(a.ctypes.data % bulk_module.ALIGN == 0 for a in held)
+    assert all(a.ctypes.data % ALIGN == 0 for a in held)
     for a, b in zip(held, held[1:]):            # disjoint, in order
         assert a.ctypes.data + a.nbytes <= b.ctypes.data
     slab = id(first[0].base)        # its id: a reference here would keep it in use
@@ -132,10 +155,10 @@ def test_the_receive_pool_reuses_a_slab_only_once_nothing_holds_it():
     first[0][0, 0] = 7.0
     assert float(served[0][0, 0]) == 7.0        # aliased: no copy was made
     del first, held, a, b
-    second = pool.take(specs)
+    second, _ = pool.take(specs)
     assert id(second[0].base) != slab
     del served, second
     gc.collect()
-    third = pool.take(specs)
+    third, _ = pool.take(specs)
     assert id(third[0].base) == slab            # free again: reused, no fresh pages
     assert len(pool._slabs) == 2

@@ -1,0 +1,99 @@
+"""Host memory that tcp weight pulls receive into (serving/bulk.py): one slab per pull, each
+tensor a 64-byte-aligned view of it, reused once nothing holds a view any more.
+
+On a CPU device `jax.device_put` takes an aligned numpy array as it is (no copy), so the
+engine serves from the very slab its pull received into: an update then costs one copy of the
+weights (the receive) and no fresh memory, whose first touch costs a page fault per page (a
+2-core VM here: 0.35 s per 512 MB, most of a pull). A slab is free again when the last view of
+it is gone: the engine has retired those weights and every program that read them has finished
+(jax holds the array until then), a relay has sent them, the pull has returned. So at most two
+slabs live in steady state: the weights served and the ones arriving. On an accelerator the
+device copy is the engine's own, and the slab is free at once.
+
+A slab lives in a memfd where the OS has them (Linux): another process on this host that is
+handed its file descriptor (over a Unix socket) maps the same memory, which is how a relay
+passes weights to a server beside it without the kernel copying them through a socket.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import threading
+import weakref
+
+import numpy as np
+
+from serving.weight_stream import WIRE_DTYPES
+
+ALIGN = 64                   # bytes: XLA:CPU takes a host array this aligned without a copy
+
+
+def layout(specs) -> tuple[list[tuple[int, tuple, np.dtype]], int]:
+    """(offset, shape, dtype) of each tensor of `specs` (name, shape, wire dtype) in a slab, and
+    the slab's size: the tensors in order, each at a 64-byte-aligned offset."""
+    out, at = [], 0
+    for _, shape, dtype in specs:
+        dtype = np.dtype(WIRE_DTYPES[dtype])
+        out.append((at, tuple(shape), dtype))
+        at += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // ALIGN) * ALIGN
+    return out, max(at, ALIGN)
+
+
+class Slab:
+    """`size` bytes of page-aligned host memory (`array`, uint8), in a memfd (`fd`) where the
+    OS has them, else anonymous (`fd` None)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.fd = None
+        if hasattr(os, "memfd_create"):
+            try:
+                self.fd = os.memfd_create("jaxrl-weights", os.MFD_CLOEXEC)
+                os.ftruncate(self.fd, size)
+                self.array = np.frombuffer(mmap.mmap(self.fd, size), np.uint8)
+                weakref.finalize(self, os.close, self.fd)
+                return
+            except OSError:         # no memfds here (a sandbox): anonymous memory
+                if self.fd is not None:
+                    os.close(self.fd)
+                self.fd = None
+        raw = np.empty(size + ALIGN, np.uint8)
+        start = (-raw.ctypes.data) % ALIGN
+        self.array = raw[start: start + size]
+
+    def views(self, specs) -> list[np.ndarray]:
+        """The arrays of `specs` in this slab (`layout`)."""
+        places, _ = layout(specs)
+        return [self.array[at: at + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize]
+                .view(dtype).reshape(shape) for at, shape, dtype in places]
+
+    def in_use(self) -> bool:
+        """Whether a view of it lives: numpy gives every view the array it was cut from as its
+        base (`array`, or what `array` was cut from), whose references then count them: beyond
+        ours (`array` itself, or its base attribute), `owner` here and getrefcount's argument."""
+        owner = self.array if self.fd is not None else self.array.base
+        return sys.getrefcount(owner) > 3
+
+
+class ReceivePool:
+    """Slabs for pulls, reused once free (`Slab.in_use`): `keep` of them kept, and every one in
+    use."""
+
+    def __init__(self, keep: int = 2):
+        self._lock = threading.Lock()
+        self._slabs: list[Slab] = []
+        self._keep = keep
+
+    def take(self, specs: list[tuple[str, tuple, str]]) -> tuple[list[np.ndarray], Slab]:
+        """Arrays for `specs` (name, shape, wire dtype), views of one free slab, and the slab."""
+        _, size = layout(specs)
+        with self._lock:
+            for slab in self._slabs:
+                if slab.size == size and not slab.in_use():
+                    return slab.views(specs), slab
+            slab = Slab(size)
+            busy = [s for s in self._slabs if s.in_use()]
+            self._slabs = (busy + [slab])[-max(self._keep, len(busy) + 1):]
+        return slab.views(specs), slab
