@@ -33,6 +33,7 @@ belongs on a trusted network.
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
 import struct
@@ -138,7 +139,13 @@ class Offer:
         it is whole; `done` once the puller says it has copied everything out."""
         self.claimed.set()
         try:
-            socket.send_fds(sock, [COUNT.pack(len(self.arrays))], [self.slab.fd])
+            # A read-only descriptor of the same memory: the puller cannot write into the
+            # weights this server serves from.
+            readonly = os.open(f"/proc/self/fd/{self.slab.fd}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                socket.send_fds(sock, [COUNT.pack(len(self.arrays))], [readonly])
+            finally:
+                os.close(readonly)
             base = self.slab.array.ctypes.data
             sock.sendall(b"".join(COUNT.pack(a.ctypes.data - base) for a in self.arrays))
             told = 0
