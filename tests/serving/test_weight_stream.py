@@ -7,7 +7,8 @@ import pytest
 
 from serving.client import weight_pieces
 from serving.proto import generation_pb2 as gen
-from serving.weight_stream import StaleVersion, WeightAssembler, assemble_weights, tensor_names
+from serving.weight_stream import (WIRE_DTYPES, StaleVersion, WeightAssembler, assemble_weights,
+                                    tensor_names)
 from sharding.reshard import WeightUpdateError
 
 PARAMS = {"embed": np.arange(32, dtype=np.float32).reshape(8, 4),
@@ -88,21 +89,27 @@ def test_a_wrong_declared_shape_is_refused_before_any_allocation(shape):
 def test_unknown_tensors_bad_dtypes_and_changing_declarations_are_refused():
     _refused([piece(name="lm_head")], "'lm_head' is not a parameter of the served model")
     _refused([piece(dtype="int8")], "embed: dtype 'int8' is not one of float32, bfloat16")
+    _refused([piece(dtype="float8_e4m3fn")], "embed: dtype 'float8_e4m3fn' is not one of "
+                                             "float32, bfloat16")
     _refused([piece(), piece(offset=4, dtype="bfloat16", data=b"\0\0")],
              r"embed: a piece declares \(8, 4\) bfloat16, an earlier one \(8, 4\) float32")
     _refused([], "carried no tensors")
 
 
-def test_an_int8_weight_comes_as_int8_and_a_float_one_as_a_float():
-    """A quantized model's int8 projections (model.quantize) are sent as int8; a float sent
-    for one, or int8 for a float weight, is refused before anything is allocated."""
-    assembler = WeightAssembler(SHAPES, current_version=4, quantized=frozenset({"embed"}))
-    with pytest.raises(WeightUpdateError, match=r"embed: dtype 'float32'; the served model "
-                                                r"holds it as int8"):
-        assembler.add(piece())
+@pytest.mark.parametrize("held", ["int8", "float8_e4m3fn"])
+def test_an_8_bit_weight_comes_in_its_dtype_and_a_float_one_as_a_float(held):
+    """A quantized model's 8-bit projections (model.quantize) are sent in their own dtype; a
+    float sent for one, the other 8-bit dtype, or an 8-bit one for a float weight, is refused
+    before anything is allocated."""
+    assembler = WeightAssembler(SHAPES, current_version=4, quantized={"embed": held})
+    other = "int8" if held != "int8" else "float8_e4m3fn"
+    for dtype in ("float32", other):
+        with pytest.raises(WeightUpdateError, match=rf"embed: dtype '{dtype}'; the served "
+                                                    rf"model holds it as {held}"):
+            assembler.add(piece(dtype=dtype, data=b"\1" * 32))
     assert assembler.tensors == {}
-    assembler.add(piece(dtype="int8", data=b"\1" * 32))       # 8 x 4 int8: the whole tensor
-    assert assembler.tensors["embed"].dtype == np.int8
+    assembler.add(piece(dtype=held, data=b"\1" * 32))         # 8 x 4 bytes: the whole tensor
+    assert assembler.tensors["embed"].dtype == WIRE_DTYPES[held]
 
 
 def test_versions_must_be_one_per_update_and_newer_than_the_served_one():
