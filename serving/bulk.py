@@ -178,6 +178,7 @@ class BulkServer:
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._offers: dict[int, Offer] = {}
         self._cond = threading.Condition()
+        self.stats = {"bulk_sends": 0, "bulk_mapped_sends": 0}   # offers sent whole, by kind
         threading.Thread(target=self._accept, args=(self._listener, False), daemon=True,
                          name=f"bulk-{self.address}").start()
         try:
@@ -246,6 +247,9 @@ class BulkServer:
                 if offer.single_use:        # one puller: nobody else is sent it
                     self.withdraw(uuid)
                 offer.send_mapped(sock) if mapped else offer.send(sock)
+                with self._cond:
+                    self.stats["bulk_sends"] += 1
+                    self.stats["bulk_mapped_sends"] += mapped
             except (OSError, ConnectionError, TimeoutError):
                 return          # the puller sees the connection end short and says so
 

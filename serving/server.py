@@ -265,7 +265,8 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     def GetMetrics(self, request, context):
         return gen_pb2.MetricsResponse(json=json.dumps(
-            {**self.orchestrator.metrics(), "bulk_address": self.bulk_server().address}))
+            {**self.orchestrator.metrics(), "bulk_address": self.bulk_server().address,
+             **self.bulk_server().stats}))
 
     def EndSession(self, request, context):
         self.orchestrator.end_session(request.session)
