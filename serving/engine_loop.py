@@ -8,17 +8,20 @@ Each iteration it
    n samples, whose first tokens are drawn and which take their slots,
 3. has the scheduler give every running sequence the pages of the next `steps_per_dispatch`
    tokens (preempting the youngest when the pool runs dry) and dispatches the decode steps;
-   while the device runs them, it reads back the previous dispatch's tokens, appends each to
-   its sequence and applies the stop rules (EOS, stop tokens, max_tokens, max_len, client
-   gone); each request's stream gets the read-back's events at once (`Outbox`). Step t+1 is
-   dispatched before step t's tokens are read (they stay in the decode state the next step
-   feeds: vLLM's and SGLang's overlapped scheduling), so a sequence is decoded once past an
-   end the host learns one step late (EOS, a stop token, its grammar complete): that token
-   is dropped.
+   while the device runs them, it reads back the previous dispatch's tokens and appends each
+   to its sequence and its request's stream, applying the stop rules (EOS, stop tokens,
+   max_tokens, max_len, client gone). A finished sequence's pages and slot are free for the
+   next iteration. Step t+1 is dispatched before step t's tokens are read (they stay in the
+   device's decode state, which the next step feeds: vLLM's and SGLang's overlapped
+   scheduling), so a sequence is decoded once past an end the host learns one step late (EOS,
+   a stop token, its grammar complete), and that token is dropped.
 
-A decode step reads through four files: this loop, serving/scheduler.py (pages, batches),
-serving/engine.py (padding, the program) and serving/steps.py (what it computes). Other threads
-reach it only through its methods, each of which wakes it (`notify`, `post_update`, ...).
+One decode step reads through four files: this loop, serving/scheduler.py (pages, batches),
+serving/engine.py (padding, the program called) and serving/steps.py (what it computes).
+
+Other threads reach it only through its methods, each of which wakes it: `notify` (new work
+in the scheduler), `post_update` (weights to swap in), `post_score` (tokens to score),
+`end_session` (pages to forget), `request_stop`, and `hold` / `release` (partial rollouts).
 """
 
 from __future__ import annotations
@@ -38,13 +41,14 @@ from serving.inbox import Score, Update
 from serving.length_predictor import LengthPredictor
 from serving.scheduler import Scheduler
 from serving.sequence import Prefill, Request, Sequence, stop_reason
-from serving.stream import FINISHED, DoneEvent, Outbox, TokenEvent
+from serving.stream import FINISHED, DoneEvent, TokenEvent
 
 
 @dataclasses.dataclass
 class InFlight:
-    """Decode batches dispatched, not read back: each batch's (slot, sequence) rows and device
-    outputs, the steps each ran, their weights' version, the tokens attended (k x cached)."""
+    """Decode batches dispatched and not yet read back: each batch's (slot, sequence) rows and
+    its outputs on the device, the steps each ran, the weights version that ran them, and the
+    tokens their rows attended over (k x the sum of their cached lengths)."""
     batches: list[tuple[list[tuple[int, Sequence]], Decoded]]
     steps: int
     version: int
@@ -74,7 +78,6 @@ class EngineLoop:
         self._stats = collections.Counter()
         self._stats_lock = threading.Lock()
         self._inflight: InFlight | None = None     # the decode dispatch not read back yet
-        self._outbox = Outbox()     # the streams' events, sent a request at a time
         # closing: the loop's end takes every request queued before it, refuses later ones
         self.admit_lock = threading.Lock()
         self.closed = False
@@ -147,13 +150,11 @@ class EngineLoop:
                 for request in self.scheduler.take_cancelled():
                     self._finish_request(request, "cancelled")
                 if self._holding():
-                    self._outbox.flush()
                     self.wake.wait(0.05)
                     continue
                 self._score()
                 state, prefilled = self._prefill(state)
                 state, decoded = self._decode(state)
-                self._outbox.flush()
                 self.scheduler.publish_load()
                 if not (prefilled or decoded):
                     self.wake.wait(0.05)
@@ -347,7 +348,7 @@ class EngineLoop:
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(version)
-        self._outbox.put(req.stream, TokenEvent(seq.index, token, logprob, version))
+        req.stream.put(TokenEvent(seq.index, token, logprob, version))
         reason = self.stop_reason(seq)
         if seq.matcher is not None and reason is None and (
                 not seq.matcher.consume_token(token) or seq.matcher.is_stopped()):
@@ -370,7 +371,7 @@ class EngineLoop:
         if req.done[index]:
             return
         req.done[index] = True
-        self._outbox.put(req.stream, DoneEvent(index, reason, routes))
+        req.stream.put(DoneEvent(index, reason, routes))
         if all(req.done):
             self._count(requests_done=1)
             if self.length_predictor is not None and reason in ("eos", "stop", "length"):
@@ -393,7 +394,6 @@ class EngineLoop:
             self._finish_request(p.request, reason)
         for seq in list(sched.resumes) + list(sched.running.values()):
             self._done(seq.request, seq.index, reason)
-        self._outbox.flush()
         while not self._scores.empty():
             job = self._scores.get()
             job.error = RuntimeError(f"the engine loop ended ({reason})")

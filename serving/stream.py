@@ -57,20 +57,14 @@ class RequestStream:
 
     def put(self, event: TokenEvent | DoneEvent) -> None:
         """The engine's side: one more event for the reader."""
-        self.put_many((event,))
-
-    def put_many(self, events) -> None:
-        """The engine's side: more events for the reader, in order, under one lock (a decode
-        step's tokens of every sample of the request at once)."""
         with self._lock:
-            for event in events:
-                sample = self._so_far[event.sample_index]
-                if isinstance(event, DoneEvent) and sample.finish_reason is None:
-                    self._open -= 1
-                    if not self._open:
-                        self._all_done.set()
-                _apply(sample, event)
-                self._events.put(event)
+            sample = self._so_far[event.sample_index]
+            if isinstance(event, DoneEvent) and sample.finish_reason is None:
+                self._open -= 1
+                if not self._open:
+                    self._all_done.set()
+            _apply(sample, event)
+            self._events.put(event)
 
     def end(self, reason: str) -> None:
         """Ends every sample not done yet with `reason` (the engine behind it is gone)."""
@@ -131,22 +125,6 @@ class RequestStream:
         with self._lock:
             return [dataclasses.replace(s, tokens=list(s.tokens), logprobs=list(s.logprobs),
                                         versions=list(s.versions)) for s in self._so_far]
-
-
-class Outbox:
-    """Events for many streams, kept and sent a stream at a time (`flush`): a read-back's tokens
-    of all n samples of a request under one lock, not one lock and wake-up per token."""
-
-    def __init__(self):
-        self._events: dict[RequestStream, list] = {}
-
-    def put(self, stream: RequestStream, event: TokenEvent | DoneEvent) -> None:
-        self._events.setdefault(stream, []).append(event)
-
-    def flush(self) -> None:
-        events, self._events = self._events, {}
-        for stream, batch in events.items():
-            stream.put_many(batch)
 
 
 def _apply(sample: Sample, event: TokenEvent | DoneEvent) -> None:
