@@ -57,9 +57,9 @@ def local_name(address: str) -> str:
     return "\0jaxrl-bulk-" + address
 
 
-def _bytes(a: np.ndarray) -> memoryview:
-    """The array's memory as bytes (any dtype, bfloat16 included), without a copy."""
-    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+def byte_view(a: np.ndarray) -> np.ndarray:
+    """The array's memory as uint8 (any dtype, bfloat16 included), without a copy."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
 class Offer:
@@ -76,7 +76,6 @@ class Offer:
         self.arrays = arrays
         self.slab = slab if slab is not None and slab.fd is not None else None
         self.single_use = not complete
-        self.claimed = threading.Event()
         self.done = threading.Event()
         self.total = sum(a.nbytes for a in arrays)
         self.deadline = deadline
@@ -110,13 +109,12 @@ class Offer:
                 self._cond.wait(left)
 
     def send(self, sock: socket.socket) -> None:
-        """Every array's bytes, in order, as they are there. A single-use offer is `claimed`
-        from the first byte and `done` when its one send ends, whole or not."""
+        """Every array's bytes, in order, as they are there. A single-use offer is `done`
+        when its one send ends, whole or not."""
         sent = 0
-        self.claimed.set()
         try:
             for a in self.arrays:
-                view = _bytes(a)
+                view = memoryview(byte_view(a))
                 for start in range(0, len(view), CHUNK):
                     piece = view[start: start + CHUNK]
                     self._wait(sent + len(piece))
@@ -137,7 +135,6 @@ class Offer:
     def send_mapped(self, sock: socket.socket) -> None:
         """The slab's descriptor, the arrays' offsets in it, then how far it has filled until
         it is whole; `done` once the puller says it has copied everything out."""
-        self.claimed.set()
         try:
             # A read-only descriptor of the same memory: the puller cannot write into the
             # weights this server serves from.

@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from serving.bulk import (CHUNK, COUNT, FAILED, HEADER, MAPPED, STREAM, Offer, local_name,
-                          recv_exactly)
+from serving.bulk import (CHUNK, COUNT, FAILED, HEADER, MAPPED, STREAM, Offer, byte_view,
+                          local_name, recv_exactly)
 from serving.weight_stream import WIRE_DTYPES
 
 
@@ -66,15 +66,10 @@ def _connect(address: str, deadline: float | None) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=_left(deadline))
 
 
-def _bytes(a: np.ndarray) -> np.ndarray:
-    """The array's memory as uint8 (any dtype, bfloat16 included), without a copy."""
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-
-
 def _receive(sock, arrays, deadline, relay, address) -> None:
     """Every array's bytes, in order, straight off the socket."""
     for a in arrays:
-        view = memoryview(_bytes(a))
+        view = memoryview(byte_view(a))
         got = 0
         while got < len(view):
             sock.settimeout(_left(deadline))
@@ -101,7 +96,7 @@ def _copy_mapped(sock, arrays, deadline, relay, address) -> None:
     (count,) = COUNT.unpack(message)
     table = recv_exactly(sock, COUNT.size * count) if count else b""
     offsets = [COUNT.unpack_from(table, COUNT.size * i)[0] for i in range(count)]
-    targets = [_bytes(a) for a in arrays]
+    targets = [byte_view(a) for a in arrays]
     if count != len(arrays) or any(o + t.size > len(mapping) for o, t in zip(offsets, targets)):
         raise ConnectionError(f"{address} offered a slab of another layout")
     source = np.frombuffer(mapping, np.uint8)
