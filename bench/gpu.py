@@ -279,8 +279,8 @@ def main(argv=None) -> None:
                    help="causal section: sequence length (xla dense holds T x T per layer)")
     p.add_argument("--slots", type=int, default=64, help="decode batch")
     p.add_argument("--held", type=int, default=1024, help="tokens each slot holds")
-    p.add_argument("--decode-attention", nargs="+", default=["reference", "loop"],
-                   choices=["reference", "loop"],
+    p.add_argument("--decode-attention", nargs="+", default=["reference", "triton", "loop"],
+                   choices=["reference", "triton", "loop"],
                    help="the engine's paged attention(s) to decode with (update: the first)")
     p.add_argument("--admit-tokens", type=int, default=6,
                    help="tokens each sample of the admit section generates")
@@ -336,8 +336,13 @@ def main(argv=None) -> None:
             for impl in args.decode_attention:
                 engine, params = engine_for(cfg, args.slots, args.held + 128, impl)
                 if "decode" in sections:
-                    d = row["decode"][impl] = decode(engine, params, args.held, 16,
-                                                     out["copy_bytes_per_s"])
+                    try:
+                        d = row["decode"][impl] = decode(engine, params, args.held, 16,
+                                                         out["copy_bytes_per_s"])
+                    except Exception as e:      # a kernel that fails to compile: noted
+                        row["decode"][impl] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                        save(f"{name} decode ({impl}) failed: {row['decode'][impl]['error']}")
+                        continue
                     save(f"{name} decode ({impl}): {d['step_ms']:.2f} ms/step, "
                          f"{d['tokens_per_s']:.0f} tok/s = {d['fraction_of_roofline']:.1%} of "
                          f"roofline")

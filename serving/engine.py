@@ -48,7 +48,12 @@ _log = logging.getLogger(__name__)
 
 
 def _attention(asked: str, platform: str) -> str:
-    """The paged attention an engine on `platform` runs for `asked` (EngineConfig.attention)."""
+    """The paged attention an engine on `platform` runs for `asked` (EngineConfig.attention).
+    The Pallas kernels run where they were written for, and on CPU (as plain XLA) to check them."""
+    for kernel, home, other in (("pallas", "tpu", "triton"), ("triton", "gpu", "pallas")):
+        if asked == kernel and platform not in (home, "cpu"):
+            raise ValueError(f"attention='{kernel}' is a {home.upper()} kernel; on {platform} "
+                             f"use attention='{other}' or 'reference'")
     if asked == "native" and platform != "cpu":
         raise ValueError(f"attention='native' is a CPU kernel; on {platform} use "
                          f"attention='reference'")
@@ -78,9 +83,6 @@ class Engine:
         if cfg.record_routes and not model_cfg.num_experts:
             raise ValueError(f"record_routes needs a mixture-of-experts model; "
                              f"model.family={model_cfg.family} has no experts")
-        if cfg.attention == "pallas" and platform not in ("tpu", "cpu"):
-            raise ValueError(f"attention='pallas' is a TPU (Mosaic) kernel; on {platform} use "
-                             f"attention='reference'")
         self.num_pages = cfg.num_pages or (
             self._pages_from_memory() if cfg.memory_fraction else
             cfg.max_concurrent_decodes * cfg.pages_per_sequence + 1)

@@ -50,7 +50,9 @@ class EngineConfig:
     # for every width (fewer programs to compile, and faster on CPU); pallas: decode through
     # the Pallas paged-attention kernel (serving/paged_attention.py), compiled by Mosaic on
     # TPU, run in Pallas's interpreter on CPU (to check it: far too slow to serve with),
-    # refused on GPU; native: as loop, in a C++ kernel through XLA's FFI (serving/native),
+    # refused on GPU; triton: decode through the Pallas GPU kernel (serving/
+    # paged_attention_gpu.py, flash decoding), lowered by Triton on GPU, plain XLA on CPU,
+    # refused on TPU; native: as loop, in a C++ kernel through XLA's FFI (serving/native),
     # CPU only, the fastest there.
     # auto: native on CPU (loop where no C++ compiler is found), reference on GPU and TPU.
     attention: str = "auto"

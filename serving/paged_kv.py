@@ -28,6 +28,9 @@ Attention implementations (`impl`):
   `shard_map` over the kv-head axis. Prefill chunks (compute-bound) keep the reference path.
   Compiled by Mosaic on TPU; elsewhere it runs in Pallas's TPU interpreter (`interpret`), which
   is how it is checked against the reference on CPU, and is far too slow to serve with.
+- triton: the same for GPUs, through serving/paged_attention_gpu.py, a Pallas kernel lowered by
+  Triton (flash decoding: each row's table split over programs); off GPU it runs as plain XLA
+  (`interpret`), which is how it is checked on CPU.
 
 Shape letters as in jaxrl/models; P pool pages, W table width (pages per row), K page size.
 """
@@ -45,9 +48,11 @@ from jaxrl.models import layers as ops
 from jaxrl.models.block_attention import work_items
 from serving import native
 from serving.paged_attention import paged_decode_attention
+from serving.paged_attention_gpu import paged_decode_attention_gpu
 
 NULL_PAGE = 0
-IMPLEMENTATIONS = ("reference", "loop", "native", "pallas")
+IMPLEMENTATIONS = ("reference", "loop", "native", "pallas", "triton")
+KERNELS = {"pallas": paged_decode_attention, "triton": paged_decode_attention_gpu}
 # Keys the loop implementation reads per iteration (decode steps and prefill chunks).
 LOOP_TOKENS = 32
 # The loop's products are elementwise for at most this many queries per kv head and call row (t x
@@ -70,9 +75,9 @@ class PagedKV:
     kv: jax.Array       # [L, P, K, 2G, H]
     table: jax.Array    # int32 [B, W]
     impl: str = _static("reference")
-    mesh: Mesh | None = _static()          # pallas under a mesh: the pool's mesh ...
+    mesh: Mesh | None = _static()          # a kernel under a mesh: the pool's mesh ...
     head_axis: str | None = _static()      # ... and the axis its kv heads are sharded over
-    interpret: bool = _static(False)       # pallas off TPU: Pallas's TPU interpreter
+    interpret: bool = _static(False)       # a kernel off its platform: run as plain XLA
 
     @property
     def page_size(self) -> int:
@@ -96,13 +101,13 @@ class PagedKV:
 
     def attend(self, layer, q_BTNH, positions_BT, *, window=None, scale=None, softcap=None):
         """The protocol's attend; `window`, `scale` and `softcap` as in ContiguousKV.attend.
-        loop and native: every call; pallas: the kernel runs decode steps of
+        loop and native: every call; pallas and triton: the kernel runs decode steps of
         models without windows or soft-caps, the reference path everything else."""
         if self.impl == "loop":
             return self._attend_loop(layer, q_BTNH, positions_BT, window, scale, softcap)
         if self.impl == "native":
             return self._attend_native(layer, q_BTNH, positions_BT, window, scale, softcap)
-        if (self.impl == "pallas" and q_BTNH.shape[1] == 1 and window is None
+        if (self.impl in KERNELS and q_BTNH.shape[1] == 1 and window is None
                 and softcap is None):
             return self._attend_kernel(layer, q_BTNH, positions_BT, scale)
         return self._attend_reference(layer, q_BTNH, positions_BT, window, scale, softcap)
@@ -204,13 +209,13 @@ class PagedKV:
                              in_specs=tuple(map(spec, head_dims)), out_specs=spec(out_head_dim))
 
     def _attend_kernel(self, layer, q_B1NH, positions_B1, scale=None):
-        """One query per row through the Pallas kernel: row b attends to its first
+        """One query per row through the impl's Pallas kernel: row b attends to its first
         positions_B1[b] + 1 tokens, read page by page from the pool."""
         lengths_B = positions_B1[:, 0] + 1
 
         def kernel(q_BNH, kv, layer, lengths_B, table_BW):
-            return paged_decode_attention(q_BNH, kv, layer, lengths_B, table_BW,
-                                          interpret=self.interpret, scale=scale)
+            return KERNELS[self.impl](q_BNH, kv, layer, lengths_B, table_BW,
+                                      interpret=self.interpret, scale=scale)
 
         out = self._per_head_shard(kernel, (1, 3, None, None, None), 1)(
             q_B1NH[:, 0].astype(self.kv.dtype), self.kv, jnp.asarray(layer, jnp.int32),

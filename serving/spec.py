@@ -103,8 +103,9 @@ class Spec:
 
     def cache(self, kv, table) -> PagedKV:
         head_axis = (tuple(self.pool_sharding().spec) + (None,) * 5)[3]
+        home = {"pallas": "tpu", "triton": "gpu"}.get(self.cfg.attention)
         return PagedKV(kv, table, self.cfg.attention, self.mesh, head_axis,
-                       interpret=self.mesh.devices.flat[0].platform != "tpu")
+                       interpret=self.mesh.devices.flat[0].platform != home)
 
 
 def empty_state(spec: Spec) -> DecodeState:

@@ -166,11 +166,12 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU/TPU: size the KV pool to this fraction of the device memory free "
                         "after the weights are loaded")
     p.add_argument("--attention", default="auto",
-                   choices=["auto", "reference", "loop", "native", "pallas"],
+                   choices=["auto", "reference", "loop", "native", "pallas", "triton"],
                    help="decode attention over the KV pages: reference (gather + XLA, one "
                         "program per table width), loop (pages read in a loop up to the "
                         "longest row, one program), native (the same in a C++ kernel: CPU), "
-                        "pallas (the Pallas paged-attention kernel: TPU); auto: native on CPU "
+                        "pallas (the Pallas paged-attention kernel: TPU), triton (the Pallas "
+                        "GPU kernel, flash decoding: GPU); auto: native on CPU "
                         "(loop without a C++ compiler), reference on GPU and TPU")
     p.add_argument("--score", action="store_true",
                    help="compile the score programs (one per power-of-two length up to "

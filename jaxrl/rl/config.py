@@ -154,9 +154,10 @@ class RLConfig:
     # The engine's attention over its KV pages (serving/paged_kv.py): reference (gather + XLA,
     # everywhere), loop (decode reads pages in a loop: one program for every table width),
     # native (the same in a C++ kernel through XLA's FFI: CPU), pallas (the Pallas
-    # paged-attention kernel for decode: TPU); auto: native on CPU (loop without a C++
-    # compiler), reference on GPU and TPU.
-    engine_attention: Literal["auto", "reference", "loop", "native", "pallas"] = "auto"
+    # paged-attention kernel for decode: TPU), triton (the Pallas GPU kernel for decode:
+    # GPU); auto: native on CPU (loop without a C++ compiler), reference on GPU and TPU.
+    engine_attention: Literal["auto", "reference", "loop", "native", "pallas",
+                              "triton"] = "auto"
     # Policy loss: tis = truncated importance sampling REINFORCE (PipelineRL's default),
     # ppo = PPO-clip, gspo = GSPO (sequence-level ratio).
     loss: Literal["tis", "ppo", "gspo"] = "tis"

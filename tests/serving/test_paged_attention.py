@@ -1,8 +1,8 @@
 """The engine's decode-attention implementations over the KV pages (serving/paged_kv.py): the
 Pallas kernel (serving/paged_attention.py), run on CPU in Pallas's TPU interpreter, the loop
 over pages and the native CPU kernel (serving/native), each against attention computed in
-numpy float64 from the pool; then the engine decoding through each (pallas, loop, native,
-reference), on one device and tensor-parallel, against the references of test_paged.py. That
+numpy float64 from the pool; then the engine decoding through each (pallas, triton, loop,
+native, reference), on one device and tensor-parallel, against the references of test_paged.py. That
 the Pallas kernel compiles for TPU is in tests/sharding/test_tpu_aot.py."""
 
 import dataclasses
@@ -171,13 +171,15 @@ def test_heads_that_do_not_divide_are_refused():
 
 # The kernel in interpret mode costs about 20 s of CPU per engine run, so it runs once, sharded
 # (shard_map over the kv heads); its unsharded call is checked against the references above.
-@pytest.mark.parametrize("attention,tensor", [("pallas", 2), ("loop", 1), ("loop", 2),
+@pytest.mark.parametrize("attention,tensor", [("pallas", 2), ("triton", 2), ("triton", 1),
+                                              ("loop", 1), ("loop", 2),
                                               ("native", 2), ("reference", 1),
                                               ("reference", 2)])
 def test_engine_decoding_through_each_attention_equals_the_references(params, model, attention,
                                                                       tensor):
-    """Continuous batching, staggered arrivals, groups, pages reused; tensor=2 runs the kernel
-    and the native kernel in shard_map over the kv heads, and the loop and reference paths on
+    """Continuous batching, staggered arrivals, groups, pages reused; tensor=2 runs the kernels
+    (pallas: the TPU one, triton: the GPU one, as plain XLA) and the native kernel in
+    shard_map over the kv heads, and the loop and reference paths on
     head-sharded pages. Tokens equal, log-probs within 1e-5. (On one device every other
     serving test decodes through the native kernel, the CPU default.)"""
     mesh = make_mesh(MeshConfig(fsdp=1, tensor=tensor), jax.devices()[4:4 + tensor])
