@@ -15,7 +15,10 @@ weights), each figure against a ceiling measured in the same run:
   through the orchestrator: the engine loop's host work per request and per decode step,
   against `decode`'s device time;
 - rl: async against sync RL steps/s on this one device (colocated), the demo task at the
-  0.5B shape.
+  0.5B shape;
+- long_tail: the long-tail task (answers of 8 to 1,619 tokens) at each model shape, sync,
+  partial and async colocated, with bench/simulate.py's prediction beside each
+  (bench/_gpu_long_tail.py).
 
     jaxrl bench gpu --out gpu_campaign.json            (about 8 minutes on one H100)
     jaxrl bench gpu --smoke                            (tiny shapes: the script itself, on CPU)
@@ -264,7 +267,8 @@ def step_breakdown(row: dict) -> dict:
     return {k: row[k] for k in BREAKDOWN if k in row}
 
 
-SECTIONS = ("train", "decode", "update", "causal", "admit", "rl")
+SECTIONS = ("train", "decode", "update", "causal", "admit", "rl", "long_tail")
+RL_SECTIONS = ("rl", "long_tail")     # the RL stack: gRPC and Grain
 
 
 def main(argv=None) -> None:
@@ -285,12 +289,15 @@ def main(argv=None) -> None:
     p.add_argument("--admit-tokens", type=int, default=6,
                    help="tokens each sample of the admit section generates")
     p.add_argument("--rl-steps", type=int, default=4)
+    p.add_argument("--long-tail-steps", type=int, default=5,
+                   help="RL steps of each long_tail run")
     p.add_argument("--attention", choices=["xla", "cudnn"], default=None,
                    help="the train step's attention (default: cudnn on a GPU, else xla; xla "
                         "holds every layer's T x T scores: 60 GiB at 0.5B and 4,096 tokens)")
     p.add_argument("--out", default="gpu_campaign.json",
                    help="written after every section, so a run cut short keeps what it measured")
-    p.add_argument("--no-rl", action="store_true", help="leave out the RL modes section")
+    p.add_argument("--no-rl", action="store_true",
+                   help="leave out the RL sections (rl, long_tail)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes and sizes: checks the script, anywhere")
     args = p.parse_args(argv)
@@ -298,7 +305,7 @@ def main(argv=None) -> None:
         args.models, args.tokens, args.seq, args.causal_seq, args.slots, args.held = (
             ["smoke"], 256, 128, 256, 4, 64)
         args.rl_steps = 3
-    sections = [s for s in args.sections if not (args.no_rl and s == "rl")]
+    sections = [s for s in args.sections if not (args.no_rl and s in RL_SECTIONS)]
     device = jax.devices()[0]
     out = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
            "models": {}}
@@ -362,6 +369,14 @@ def main(argv=None) -> None:
                  f"({a['samples_per_s']:.0f} samples/s), {a['decode_steps']:.0f} decode steps "
                  f"of {a['ms_per_decode_step']:.2f} ms, {a['slots_busy_fraction']:.0%} full")
             del engine
+        if "long_tail" in sections:
+            from _gpu_long_tail import SMOKE, long_tail
+            t = row["long_tail"] = long_tail(cfg, args.long_tail_steps,
+                                             SMOKE if args.smoke else [])
+            save(f"{name} long_tail: " + ", ".join(
+                f"{m} {r['vs_sync']:.2f}x sync (simulated "
+                f"{'-'.join(f'{x:.2f}' for x in sorted(set(r['predicted_vs_sync'])))}x)"
+                for m, r in t.items()))
     if "rl" in sections:
         out["rl"] = rl_modes(args.models[0], args.rl_steps)
         save(f"RL on one device: async {out['rl']['async_vs_sync']:.2f}x sync steps/s")

@@ -4,7 +4,8 @@
 # campaign's JSON files (written after each section) land in $OUT.
 #
 #   OUT=gpu_out bash tests/gpu/campaign.sh                 # PYTHON=.venv/bin/python to choose
-#   SUITE_S=240 CAMPAIGN_S=600 RL_S=300 CAMPAIGN_ARGS="--models 0.5b" bash tests/gpu/campaign.sh
+#   SUITE_S=240 CAMPAIGN_S=600 RL_S=300 LONG_TAIL_S=420 CAMPAIGN_ARGS="--models 0.5b" \
+#       bash tests/gpu/campaign.sh
 set -u
 OUT=${OUT:-gpu_out}
 PY=${PYTHON:-python3}
@@ -20,6 +21,8 @@ timeout "${SUITE_S:-240}" $PY -m pytest tests/gpu -m gpu -p no:cacheprovider -rA
     --durations=10 --junitxml="$OUT/gpu_suite.xml" 2>&1 | tee "$OUT/gpu_suite.log"
 timeout "${CAMPAIGN_S:-600}" $PY -m jaxrl.cli bench gpu --out "$OUT/gpu_campaign.json" \
     --no-rl ${CAMPAIGN_ARGS:-} 2>&1 | tee "$OUT/gpu_campaign.log"
-# The RL section (gRPC, Grain: the image lacks grain; see docs/testing.md for the wheels).
+# The RL sections (gRPC, Grain: the image lacks grain; see docs/testing.md for the wheels).
 timeout "${RL_S:-300}" $PY -m jaxrl.cli bench gpu --out "$OUT/gpu_rl.json" --sections rl \
     ${CAMPAIGN_ARGS:-} ${RL_ARGS:-} 2>&1 | tee "$OUT/gpu_rl.log"
+timeout "${LONG_TAIL_S:-420}" $PY -m jaxrl.cli bench gpu --out "$OUT/gpu_long_tail.json" \
+    --sections long_tail ${LONG_TAIL_ARGS:---models 0.5b} 2>&1 | tee "$OUT/gpu_long_tail.log"
