@@ -46,6 +46,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.models import layers as ops
 from jaxrl.models.block_attention import work_items
+from jaxrl.models.kv_cache import scatter_set
 from serving import native
 from serving.paged_attention import paged_decode_attention
 from serving.paged_attention_gpu import paged_decode_attention_gpu
@@ -97,7 +98,8 @@ class PagedKV:
     def write(self, layer, positions_BT, k_BTGH, v_BTGH, valid_BT=None) -> "PagedKV":
         page_BT, offset_BT = self.slots(positions_BT, valid_BT)
         kv_BTCH = interleave(k_BTGH, v_BTGH).astype(self.kv.dtype)
-        return dataclasses.replace(self, kv=self.kv.at[layer, page_BT, offset_BT].set(kv_BTCH))
+        return dataclasses.replace(self, kv=scatter_set(self.kv, (layer, page_BT, offset_BT),
+                                                        kv_BTCH))
 
     def attend(self, layer, q_BTNH, positions_BT, *, window=None, scale=None, softcap=None):
         """The protocol's attend; `window`, `scale` and `softcap` as in ContiguousKV.attend.

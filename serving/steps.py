@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models import merge_params
+from jaxrl.models.kv_cache import scatter_set
 from serving.sampling import Draws, sample, slot_keys, with_bias, with_penalties
 from serving.spec import PER_SLOT, DecodeState, Spec, empty_state, pinned
 from sharding import mesh as shd
@@ -82,7 +83,7 @@ def _insert(spec: Spec, state: DecodeState, slots_K, rows_K: dict, history_KC, r
 
 def _copy_pages(spec: Spec, state: DecodeState, src_K, dst_K):
     return pinned(spec, dataclasses.replace(
-        state, kv=state.kv.at[:, dst_K].set(state.kv[:, src_K])))[0]
+        state, kv=scatter_set(state.kv, (slice(None), dst_K), state.kv[:, src_K])))[0]
 
 
 def _forward_rows(spec: Spec, params, kv, tokens_R, lengths_R, table_RW):

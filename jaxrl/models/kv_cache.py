@@ -46,8 +46,9 @@ class ContiguousKV:
             positions_BT = jnp.where(valid_BT, positions_BT, m)   # out of range: dropped
         # Scatter only the new positions: the cache is carried through the scan and updated
         # in place (per-layer slices as scan inputs and outputs copy the whole cache per call).
-        k = self.k.at[layer, rows_BT, positions_BT].set(k_BTGH.astype(self.k.dtype), mode="drop")
-        v = self.v.at[layer, rows_BT, positions_BT].set(v_BTGH.astype(self.v.dtype), mode="drop")
+        index = (layer, rows_BT, positions_BT)
+        k = scatter_set(self.k, index, k_BTGH.astype(self.k.dtype), mode="drop")
+        v = scatter_set(self.v, index, v_BTGH.astype(self.v.dtype), mode="drop")
         return ContiguousKV(k, v)
 
     def attend(self, layer, q_BTNH, positions_BT, *, window=None, scale=None, softcap=None):
@@ -58,3 +59,16 @@ class ContiguousKV:
         return ops.attention(q_BTNH, self.k[layer].astype(q_BTNH.dtype),
                              self.v[layer].astype(q_BTNH.dtype), mask_BTM, "xla",
                              scoring=ops.Scoring(scale, softcap))
+
+
+def scatter_set(pool, index, values, mode=None):
+    """pool.at[index].set(values, mode=mode), in place. A 16-bit float cache is scattered
+    through its bits as uint16: XLA:CPU runs a bf16 or f16 scatter by converting the whole
+    operand to float32 and back, three times the cache's bytes moved per write (a decode step
+    of 64 slots over a 16.8 MB paged pool: 27 -> 10 ms); the bitcasts are free and an integer
+    scatter is in place. Other backends scatter 16-bit floats natively and lose nothing."""
+    if pool.dtype.itemsize != 2 or not jnp.issubdtype(pool.dtype, jnp.floating):
+        return pool.at[index].set(values, mode=mode)
+    bits = jax.lax.bitcast_convert_type(pool, jnp.uint16)
+    bits = bits.at[index].set(jax.lax.bitcast_convert_type(values, jnp.uint16), mode=mode)
+    return jax.lax.bitcast_convert_type(bits, pool.dtype)
