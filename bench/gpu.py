@@ -8,6 +8,8 @@ weights), each figure against a ceiling measured in the same run:
   remat=offload: step time and the compiled program's device temp bytes;
 - decode: tokens/s of the engine's decode step at `--slots` slots holding `--held` tokens each,
   against the roofline = slots / (bytes of the weights + the KV held, over the copy bandwidth);
+  and an engine step as the orchestrator runs it, every slot decoding, against the one-step
+  decode program at the same held length (bench/_gpu_loop.py);
 - update: the in-flight weight swap's decode pause against one device copy of the weights;
 - causal: the train step at `--causal-seq` tokens a row with XLA attention dense, XLA attention
   in causal query blocks (jaxrl/models/layers.py, the CPU/TPU default), and cuDNN;
@@ -46,6 +48,7 @@ from jaxrl.optim_config import OptimConfig
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import init_state, state_shardings
 from jaxrl.train.step import Layout, jit_train_step
+from _gpu_loop import admit, loop_step
 from serving.engine import Engine, EngineConfig, SlotBatch
 from serving.orchestrator import Orchestrator
 from serving.sampling import SamplingParams
@@ -150,8 +153,11 @@ def engine_for(cfg: ModelConfig, slots: int, max_len: int,
     return engine, engine.prepare_params(split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
 
 
-def decode(engine: Engine, params, held: int, steps: int, bandwidth: float) -> dict:
-    """Per-step time of `steps` decode steps with every slot at `held` tokens."""
+def decode(engine: Engine, params, held: int, steps: int, bandwidth: float,
+           one_by_one: bool = False) -> dict:
+    """Per-step time of `steps` decode steps with every slot at `held` tokens: one program of
+    `steps` steps, or (`one_by_one`) `steps` one-step programs, each read back before the next
+    as the engine loop runs them."""
     cfg, s = engine.model_cfg, engine.cfg.max_concurrent_decodes
     width = engine.cfg.table_width(held + steps)
     table = 1 + np.arange(s * width, dtype=np.int32).reshape(s, width) % (engine.num_pages - 1)
@@ -164,7 +170,11 @@ def decode(engine: Engine, params, held: int, steps: int, bandwidth: float) -> d
 
     def run():
         rewind()
-        state[0], tokens, _ = engine.generate_steps(params, state[0], table, steps)
+        for _ in range(steps if one_by_one else 1):
+            state[0], tokens, _ = engine.generate_steps(params, state[0], table,
+                                                         1 if one_by_one else steps)
+            if one_by_one:
+                np.asarray(tokens)
         return tokens
     per_step = timed(run, 5) / steps      # the rewind is a few scatters: counted, small
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -194,34 +204,6 @@ def update_pause(engine: Engine, params, prompt_len: int) -> dict:
     pause = float(np.median(pauses))
     return {"update_pause_ms": pause, "update_pause_ms_max": max(pauses),
             "one_copy_ms": one_copy * 1e3, "pause_vs_copy": pause / (one_copy * 1e3)}
-
-
-def admit(engine: Engine, params, waves: int = 3, prompts: int = 32, n: int = 8,
-          prompt_len: int = 8, max_tokens: int = 6) -> dict:
-    """An RL step's requests through the orchestrator: `prompts` requests of `n` samples of
-    `max_tokens` tokens (no EOS), all submitted at once, as the actor does; per wave: its time,
-    the engine's decode steps and how full they ran. Against `decode`'s device step time, the
-    difference is the engine loop's host work per request and per step."""
-    rng = np.random.default_rng(0)
-    sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n, seed=0)
-    with Orchestrator(engine, params) as o:
-        def wave():
-            streams = [o.submit(rng.integers(3, 200, size=prompt_len).tolist(), sampling)
-                       for _ in range(prompts)]
-            for stream in streams:
-                stream.result()
-        wave()                                   # every program ran once
-        before, t0 = o.metrics(), time.perf_counter()
-        for _ in range(waves):
-            wave()
-        seconds, after = (time.perf_counter() - t0) / waves, o.metrics()
-    steps = (after["steps"] - before["steps"]) / waves
-    busy = (after["busy_slot_steps"] - before["busy_slot_steps"]) / waves
-    slots = engine.cfg.max_concurrent_decodes
-    return {"wave_ms": seconds * 1e3, "samples_per_s": prompts * n / seconds,
-            "tokens_per_s": prompts * n * max_tokens / seconds, "decode_steps": steps,
-            "ms_per_decode_step": seconds * 1e3 / max(steps, 1),
-            "slots_busy_fraction": busy / max(steps * slots, 1)}
 
 
 def rl_modes(shape: str, steps: int) -> dict:
@@ -353,6 +335,14 @@ def main(argv=None) -> None:
                     save(f"{name} decode ({impl}): {d['step_ms']:.2f} ms/step, "
                          f"{d['tokens_per_s']:.0f} tok/s = {d['fraction_of_roofline']:.1%} of "
                          f"roofline")
+                    loop = loop_step(engine, params, min(args.held, 64),
+                                     window_s=0.02 if args.smoke else 0.1)
+                    program = decode(engine, params, round(loop["held_mean"]), 16,
+                                     out["copy_bytes_per_s"], one_by_one=True)["step_ms"]
+                    d.update(loop, program_step_ms=program,
+                             engine_vs_program=loop["engine_step_ms"] / program)
+                    save(f"{name} engine loop ({impl}): {loop['engine_step_ms']:.2f} ms/step "
+                         f"= {d['engine_vs_program']:.2f}x the one-step program")
                 if "update" in sections and impl == args.decode_attention[0]:
                     u = row["update"] = update_pause(engine, params, 16)
                     save(f"{name} update pause {u['update_pause_ms']:.3f} ms = "
