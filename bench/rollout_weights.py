@@ -5,7 +5,8 @@ The demo recipe's RL from the same warm-up checkpoint, once with the engine hold
 trainer's weights as they are and once holding them int8 (`rl.generation.weights=int8`: each
 layer projection with a scale per output channel, quantized by the trainer at every publish),
 with the same seeds and sample budget, one after the other in one process
-(bench/_rl_compare.py). Add `int8-rollouts+icepop` to mask the tokens whose ratio strays.
+(bench/_rl_compare.py). Add `int8-rollouts+icepop` to mask the tokens whose ratio strays, or
+`fp8-kv` for the engine's KV cache in float8 e4m3 (`rl.engine_kv_cache_dtype=fp8`).
 
     jaxrl bench rollout_weights [--rl-steps 400] [--seeds 1]
     (or: .venv/bin/python bench/rollout_weights.py ...)

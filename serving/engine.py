@@ -28,7 +28,6 @@ import math
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -108,7 +107,7 @@ class Engine:
         c = self.model_cfg
         page = (c.num_layers, 1, self.cfg.page_size, 2 * c.num_kv_heads, c.head_dim)
         one_page = Spec(self.model_cfg, self.cfg, self.mesh, 1).pool_sharding(1)
-        share = math.prod(one_page.shard_shape(page)) * jnp.dtype(c.compute_dtype).itemsize
+        share = math.prod(one_page.shard_shape(page)) * self.cfg.pool_dtype.itemsize
         return max(int(self.cfg.memory_fraction * free) // share, 2)
 
     def compile(self, largest_only: bool = False) -> int:

@@ -60,8 +60,9 @@ def _kernel(layer_ref, length_ref, table_ref, q_ref, kv_ref, o_ref, l_ref, m_ref
         index = first + i * pages_per_block + jnp.arange(pages_per_block)
         pages = jnp.where(index < held, table_ref[pl.ds(first + i * pages_per_block,
                                                          pages_per_block)], table_ref[0])
-        k = kv_ref[layer, pages, :, 2 * g, :].reshape(block, head_dim)
-        v = kv_ref[layer, pages, :, 2 * g + 1, :].reshape(block, head_dim)
+        # an 8-bit pool is widened to the queries' dtype here (no-op otherwise)
+        k = kv_ref[layer, pages, :, 2 * g, :].reshape(block, head_dim).astype(q.dtype)
+        v = kv_ref[layer, pages, :, 2 * g + 1, :].reshape(block, head_dim).astype(q.dtype)
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)            # [rows, block]
         position = (first + i * pages_per_block) * page + jnp.arange(block)
         s = jnp.where((position < length)[None, :], s, NEG_INF)
@@ -129,7 +130,8 @@ def paged_decode_attention_gpu(q_BNH, kv_LPKCH, layer, lengths_B, table_BW, *,
     r = n // g
     rows = max(MIN_DOT, _pow2(r))
     scale = 1 / math.sqrt(h) if scale is None else scale
-    q_BGRH = (q_BNH.reshape(b, g, r, h).astype(jnp.float32) * scale).astype(kv_LPKCH.dtype)
+    compute = q_BNH.dtype if kv_LPKCH.dtype.itemsize == 1 else kv_LPKCH.dtype
+    q_BGRH = (q_BNH.reshape(b, g, r, h).astype(jnp.float32) * scale).astype(compute)
     q_BGRH = jnp.pad(q_BGRH, ((0, 0), (0, 0), (0, rows - r), (0, 0)))
     table = jnp.pad(table_BW.astype(jnp.int32),
                     ((0, 0), (0, splits * per_split - table_BW.shape[1])))

@@ -54,6 +54,8 @@ from serving.paged_attention_gpu import paged_decode_attention_gpu
 NULL_PAGE = 0
 IMPLEMENTATIONS = ("reference", "loop", "native", "pallas", "triton")
 KERNELS = {"pallas": paged_decode_attention, "triton": paged_decode_attention_gpu}
+# EngineConfig.kv_cache_dtype: the pool's element type (None: the engine's dtype).
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn}
 # Keys the loop implementation reads per iteration (decode steps and prefill chunks).
 LOOP_TOKENS = 32
 # The loop's products are elementwise for at most this many queries per kv head and call row (t x
@@ -97,7 +99,7 @@ class PagedKV:
 
     def write(self, layer, positions_BT, k_BTGH, v_BTGH, valid_BT=None) -> "PagedKV":
         page_BT, offset_BT = self.slots(positions_BT, valid_BT)
-        kv_BTCH = interleave(k_BTGH, v_BTGH).astype(self.kv.dtype)
+        kv_BTCH = to_pool(interleave(k_BTGH, v_BTGH), self.kv.dtype)
         return dataclasses.replace(self, kv=scatter_set(self.kv, (layer, page_BT, offset_BT),
                                                         kv_BTCH))
 
@@ -220,9 +222,16 @@ class PagedKV:
                                       interpret=self.interpret, scale=scale)
 
         out = self._per_head_shard(kernel, (1, 3, None, None, None), 1)(
-            q_B1NH[:, 0].astype(self.kv.dtype), self.kv, jnp.asarray(layer, jnp.int32),
+            q_B1NH[:, 0].astype(_compute(self.kv.dtype, q_B1NH.dtype)), self.kv,
+            jnp.asarray(layer, jnp.int32),
             lengths_B.astype(jnp.int32), self.table.astype(jnp.int32))
         return out.astype(q_B1NH.dtype)[:, None]
+
+
+def _compute(pool_dtype, q_dtype):
+    """The dtype a kernel's queries go in: the pool's, or the queries' own over an 8-bit pool
+    (the kernels widen its keys and values)."""
+    return q_dtype if jnp.dtype(pool_dtype).itemsize == 1 else pool_dtype
 
 
 def _scores_by_dots(q_RTGRH, k_RSGH):
@@ -245,6 +254,15 @@ def _scores_by_sums(q_RTGRH, k_RSGH):
 def _weigh_by_sums(p_RTGRS, v_RSGH):
     """The same weighted values as multiplies summed over S."""
     return (jnp.moveaxis(p_RTGRS, -1, 1)[..., None] * v_RSGH[:, :, None, :, None, :]).sum(1)
+
+
+def to_pool(x, dtype):
+    """`x` in the pool's dtype; into an 8-bit float, clipped to its finite range first (e4m3
+    has no infinity: a value past +-448 would become NaN)."""
+    if jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -top, top)
+    return x.astype(dtype)
 
 
 def interleave(k_BTGH, v_BTGH):

@@ -111,7 +111,7 @@ class Spec:
 def empty_state(spec: Spec) -> DecodeState:
     s = spec.cfg.max_concurrent_decodes
     zeros = lambda d: jnp.zeros((s,), d)  # noqa: E731
-    return pinned(spec, DecodeState(kv=jnp.zeros(spec.pool_shape, spec.model_cfg.compute_dtype),
+    return pinned(spec, DecodeState(kv=jnp.zeros(spec.pool_shape, spec.cfg.pool_dtype),
                        lengths=zeros(jnp.int32), tokens=zeros(jnp.int32),
                        counts=zeros(jnp.int32), temperature=zeros(jnp.float32),
                        top_k=zeros(jnp.int32), top_p=zeros(jnp.float32),

@@ -43,7 +43,8 @@ def run(args) -> None:
                                 max_prefill_length=(args.max_prefill_length or
                                                     (args.max_len or context) - 1),
                                 prefill_chunk=args.prefill_chunk, dtype=args.dtype,
-                                page_size=args.page_size, num_pages=args.num_pages,
+                                kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
+                                num_pages=args.num_pages,
                                 memory_fraction=args.memory_fraction,
                                 attention=args.attention, score=args.score,
                                 record_routes=args.record_routes)
@@ -187,6 +188,10 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill chunk size")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="serving dtype of weights and KV cache")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the KV cache's storage: auto (--dtype) or fp8 (float8 e4m3, no scale: "
+                        "twice the pages in the same memory, half the bytes a decode step "
+                        "reads; attention computes in --dtype), as vLLM's --kv-cache-dtype")
     p.add_argument("--http-port", type=int_at_least(0), default=None,
                    help="also serve the OpenAI-compatible API (/v1/completions, "
                         "/v1/chat/completions) on this port, 0 for any free one (default: "

@@ -158,6 +158,11 @@ class RLConfig:
     # GPU); auto: native on CPU (loop without a C++ compiler), reference on GPU and TPU.
     engine_attention: Literal["auto", "reference", "loop", "native", "pallas",
                               "triton"] = "auto"
+    # The engine's KV cache storage: auto (the model's dtype) or fp8 (float8 e4m3, no scale:
+    # twice the pages in the same memory, half the bytes a decode step reads; the sampler's
+    # log-probs move a little from the trainer's, which the loss's ratio corrects for, and
+    # each step logs the gap, logprob_abs_diff_*).
+    engine_kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     # Policy loss: tis = truncated importance sampling REINFORCE (PipelineRL's default),
     # ppo = PPO-clip, gspo = GSPO (sequence-level ratio).
     loss: Literal["tis", "ppo", "gspo"] = "tis"

@@ -58,6 +58,7 @@ def engine_config(cfg: RunConfig, model_cfg: ModelConfig) -> EngineConfig:
                         max_prefill_length=rl.prefill_len, prefill_chunk=chunk,
                         min_bucket=max(8, chunk // 2), prefill_budget=max(64, 4 * chunk),
                         dtype=model_cfg.dtype, attention=rl.engine_attention,
+                        kv_cache_dtype=rl.engine_kv_cache_dtype,
                         record_routes=bool(model_cfg.num_experts), sampling_features=features)
 
 

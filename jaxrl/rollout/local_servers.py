@@ -137,6 +137,8 @@ class LocalServers:
                        "--max-prefill-length", str(engine.max_prefill_length),
                        "--prefill-chunk", str(engine.prefill_chunk),
                        "--page-size", str(engine.page_size), "--dtype", dtype,
+                       "--kv-cache-dtype", engine.kv_cache_dtype,
+                       "--attention", engine.attention,
                        "--update-token-file", str(self.token_file)]
                 if engine.record_routes:
                     cmd += ["--record-routes"]

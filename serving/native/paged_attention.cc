@@ -16,7 +16,8 @@
 // Shapes (row-major): q [B, T, N, H]; positions int32 [B, T]; kv [L, P, K, 2G, H] with head g's
 // keys at 2g and its values at 2g + 1; table int32 [B, W]; layer int32 []; window int32 []
 // (0: none; a buffer, since a model's layers may differ in it inside one scan); out [B, T, N, H].
-// Query head n uses kv head n / (N / G). Float32 or bfloat16 for q / out and for kv.
+// Query head n uses kv head n / (N / G). Float32 or bfloat16 for q / out; float32, bfloat16 or
+// float8 e4m3 (EngineConfig.kv_cache_dtype=fp8) for kv.
 
 #include <algorithm>
 #include <atomic>
@@ -44,6 +45,26 @@ inline float Widen(uint16_t bf16) {
   std::memcpy(&out, &bits, sizeof(out));
   return out;
 }
+// float8 e4m3 (OCP's e4m3fn: bias 7, no infinities, S.1111.111 is NaN), widened by a table of
+// its 256 values.
+struct E4M3 {
+  uint8_t bits;
+};
+struct E4M3Table {
+  float value[256];
+  E4M3Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int exponent = (b >> 3) & 15, mantissa = b & 7;
+      float x = exponent == 0 ? std::ldexp(mantissa / 8.0f, -6)
+                              : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+      if ((b & 127) == 127) x = std::numeric_limits<float>::quiet_NaN();
+      value[b] = (b & 128) ? -x : x;
+    }
+  }
+};
+const E4M3Table kE4M3;
+inline float Widen(E4M3 x) { return kE4M3.value[x.bits]; }
+
 inline void Narrow(float x, float* out) { *out = x; }
 inline void Narrow(float x, uint16_t* out) {  // round to nearest even, as XLA converts
   uint32_t bits;
@@ -203,8 +224,12 @@ ffi::Error WithKV(ffi::ThreadPool pool, const Shape& s, const void* q, const int
     case ffi::DataType::BF16:
       return Attend(pool, s, query, positions, static_cast<const uint16_t*>(kv.untyped_data()),
                     table, layer, result);
+    case ffi::DataType::F8E4M3FN:
+      return Attend(pool, s, query, positions, static_cast<const E4M3*>(kv.untyped_data()),
+                    table, layer, result);
     default:
-      return ffi::Error::InvalidArgument("paged attention: a float32 or bfloat16 pool only");
+      return ffi::Error::InvalidArgument("paged attention: a float32, bfloat16 or float8 e4m3 "
+                                         "pool only");
   }
 }
 

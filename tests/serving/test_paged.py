@@ -233,3 +233,30 @@ def test_pool_writes_are_scatters_in_place(dtype):
     if dtype == "bfloat16":      # the check can fail: a plain bf16 scatter is widened here
         plain = jax.jit(lambda p, i, v: p.at[i].set(v)).lower(pool, index, values)
         assert widened in plain.compile().as_text()
+
+
+def test_an_fp8_kv_cache_holds_a_byte_a_value_and_follows_float32(engine, params):
+    """kv_cache_dtype=fp8: the pool is float8 e4m3 (a quarter of float32's bytes) and greedy
+    decoding follows the float32 cache's: the same first tokens, log-probs within e4m3's
+    rounding (one part in 16 of each key and value)."""
+    import jax.numpy as jnp
+
+    fp8 = Engine(CFG, dataclasses.replace(ENGINE, kv_cache_dtype="fp8"))
+    assert fp8.init_decode_state().kv.dtype == jnp.float8_e4m3fn
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    results = {}
+    for name, e in (("float32", engine), ("fp8", fp8)):
+        with Orchestrator(e, params) as o:
+            results[name] = [o.submit(p, greedy).result()[0] for p in prompts(5, 21, 9, 37)]
+    for want, got in zip(results["float32"], results["fp8"]):
+        assert got.tokens[0] == want.tokens[0]
+        assert abs(got.logprobs[0] - want.logprobs[0]) < 0.05
+    gaps = [abs(a - b) for w, g in zip(results["float32"], results["fp8"])
+            for a, b, x, y in zip(w.logprobs, g.logprobs, w.tokens, g.tokens) if x == y]
+    assert 0 < max(gaps) < 0.02, gaps      # e4m3 moves them, a little
+
+
+def test_a_bad_kv_cache_dtype_is_refused():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int4' is not one of \('auto', "
+                                         r"'fp8'\)"):
+        dataclasses.replace(ENGINE, kv_cache_dtype="int4")

@@ -190,3 +190,24 @@ def test_engine_decoding_through_each_attention_equals_the_references(params, mo
         results = run_staggered(o, requests)
         assert o.scheduler.pool.free == o.scheduler.pool.capacity
     _check_against_references(engine, {0: params}, requests, results, model)
+
+
+@pytest.mark.parametrize("impl", ["reference", "loop", "native", "pallas", "triton"])
+def test_every_attention_reads_an_fp8_pool(impl):
+    """kv_cache_dtype=fp8: a float8 e4m3 pool (no scale) read by each implementation (the
+    kernels in interpret mode) equals float64 attention over the pool's e4m3 values; writes
+    clip to e4m3's range instead of making NaN."""
+    layers, pages, page, kv_heads, q_heads, head_dim, width = 2, 64, 8, 2, 4, 16, 5
+    rng = np.random.default_rng(8)
+    lengths = np.asarray([1, 9, 16, 40, 7, 25])
+    table = rng.permutation(np.arange(1, pages))[:len(lengths) * width].reshape(-1, width)
+    kv = paged_kv.to_pool(jnp.asarray(3 * rng.standard_normal(
+        (layers, pages, page, 2 * kv_heads, head_dim)), jnp.float32), jnp.float8_e4m3fn)
+    q = rng.standard_normal((len(lengths), q_heads, head_dim)).astype(np.float32)
+    cache = paged_kv.PagedKV(kv, jnp.asarray(table, jnp.int32), impl, interpret=True)
+    got = jax.jit(lambda c, q, p: c.attend(1, q, p))(
+        cache, jnp.asarray(q)[:, None], jnp.asarray(lengths - 1, jnp.int32)[:, None])
+    want = _reference(q, np.asarray(kv.astype(jnp.float32)), 1, lengths, table)
+    np.testing.assert_allclose(np.asarray(got[:, 0]), want, atol=1e-5, rtol=1e-5)
+    big = paged_kv.to_pool(jnp.asarray([1e4, -1e4, 0.1]), jnp.float8_e4m3fn)
+    assert np.asarray(big.astype(jnp.float32)).tolist() == [448.0, -448.0, 0.1015625]
