@@ -319,7 +319,8 @@ def elastic_run(warmed, tmp_path_factory):
 
 def test_servers_join_and_leave_mid_run_and_nothing_is_lost_or_repeated(elastic_run):
     lines = elastic_run["lines"]
-    assert sum("joined" in line for line in lines) == 3
+    # three joins; a member set aside under load and back says "rejoined at version", not this
+    assert sum(" joined (" in line for line in lines) == 3, lines
     assert sum(" left (" in line for line in lines) == 2
     rows = {r["step"]: r for r in rl_rows(elastic_run["run_dir"])}
     assert sorted(rows) == list(range(WARMUP + 1, WARMUP + ELASTIC_STEPS + 1))
