@@ -7,7 +7,8 @@ weights), each figure against a ceiling measured in the same run:
   parameters x tokens + causal attention, 6 x L x T x N x H per token), with remat=none and
   remat=offload: step time and the compiled program's device temp bytes;
 - decode: tokens/s of the engine's decode step at `--slots` slots holding `--held` tokens each,
-  against the roofline = slots / (bytes of the weights + the KV held, over the copy bandwidth);
+  against the roofline = slots / (bytes of the weights + the KV held, over the copy bandwidth),
+  for each `--decode-attention` (reference, triton, loop; "+fp8": the KV cache in float8);
   and an engine step as the orchestrator runs it, every slot decoding, against the one-step
   decode program at the same held length (bench/_gpu_loop.py);
 - update: the in-flight weight swap's decode pause against one device copy of the weights;
@@ -147,9 +148,12 @@ def causal(cfg: ModelConfig, tokens: int, seq: int, peak: float) -> dict:
 
 def engine_for(cfg: ModelConfig, slots: int, max_len: int,
                attention: str = "auto") -> tuple[Engine, dict]:
+    """A bf16 engine with `attention` ("IMPL" or "IMPL+fp8": the KV cache in float8 e4m3)."""
+    attention, _, kv = attention.partition("+")
     engine = Engine(cfg, EngineConfig(max_concurrent_decodes=slots, max_len=max_len,
                                       max_prefill_length=64, prefill_chunk=64, page_size=16,
-                                      dtype="bfloat16", attention=attention))
+                                      dtype="bfloat16", attention=attention,
+                                      kv_cache_dtype=kv or "auto"))
     return engine, engine.prepare_params(split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
 
 
@@ -178,7 +182,8 @@ def decode(engine: Engine, params, held: int, steps: int, bandwidth: float,
         return tokens
     per_step = timed(run, 5) / steps      # the rewind is a few scatters: counted, small
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    kv = s * (held + steps / 2) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    kv = (s * (held + steps / 2) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+          * engine.cfg.pool_dtype.itemsize)
     roofline = s / ((weights + kv) / bandwidth)
     return {"slots": s, "held": held, "step_ms": per_step * 1e3, "tokens_per_s": s / per_step,
             "roofline_tokens_per_s": roofline, "fraction_of_roofline": s / per_step / roofline,
@@ -266,8 +271,10 @@ def main(argv=None) -> None:
     p.add_argument("--slots", type=int, default=64, help="decode batch")
     p.add_argument("--held", type=int, default=1024, help="tokens each slot holds")
     p.add_argument("--decode-attention", nargs="+", default=["reference", "triton", "loop"],
-                   choices=["reference", "triton", "loop"],
-                   help="the engine's paged attention(s) to decode with (update: the first)")
+                   choices=[f"{a}{kv}" for kv in ("", "+fp8")
+                            for a in ("reference", "triton", "loop")],
+                   help="the engine's paged attention(s) to decode with (update: the first); "
+                        "+fp8: with the KV cache in float8 e4m3")
     p.add_argument("--admit-tokens", type=int, default=6,
                    help="tokens each sample of the admit section generates")
     p.add_argument("--rl-steps", type=int, default=4)
