@@ -35,6 +35,7 @@ from jaxrl.models import ModelConfig, lora
 from serving import native
 from serving.constraints import mask_words
 from serving.engine_config import EngineConfig
+from serving.paged_kv import KERNEL_PLATFORMS
 from serving.programs import Programs, programs_for
 from serving.slot_batch import SlotBatch, padded, sampling_rows
 from serving.spec import DecodeState, Spec
@@ -49,10 +50,11 @@ _log = logging.getLogger(__name__)
 def _attention(asked: str, platform: str) -> str:
     """The paged attention an engine on `platform` runs for `asked` (EngineConfig.attention).
     The Pallas kernels run where they were written for, and on CPU (as plain XLA) to check them."""
-    for kernel, home, other in (("pallas", "tpu", "triton"), ("triton", "gpu", "pallas")):
-        if asked == kernel and platform not in (home, "cpu"):
-            raise ValueError(f"attention='{kernel}' is a {home.upper()} kernel; on {platform} "
-                             f"use attention='{other}' or 'reference'")
+    home = KERNEL_PLATFORMS.get(asked)
+    if home is not None and platform not in (home, "cpu"):
+        other = [k for k, p in KERNEL_PLATFORMS.items() if p == platform] + ["reference"]
+        raise ValueError(f"attention='{asked}' is a {home.upper()} kernel; on {platform} "
+                         f"use " + " or ".join(f"attention='{k}'" for k in other))
     if asked == "native" and platform != "cpu":
         raise ValueError(f"attention='native' is a CPU kernel; on {platform} use "
                          f"attention='reference'")

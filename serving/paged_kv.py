@@ -54,6 +54,7 @@ from serving.paged_attention_gpu import paged_decode_attention_gpu
 NULL_PAGE = 0
 IMPLEMENTATIONS = ("reference", "loop", "native", "pallas", "triton")
 KERNELS = {"pallas": paged_decode_attention, "triton": paged_decode_attention_gpu}
+KERNEL_PLATFORMS = {"pallas": "tpu", "triton": "gpu"}    # where each kernel compiles
 # EngineConfig.kv_cache_dtype: the pool's element type (None: the engine's dtype).
 KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn}
 # Keys the loop implementation reads per iteration (decode steps and prefill chunks).

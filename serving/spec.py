@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl.models import ModelConfig, abstract_model, param_axes, split_params
-from serving.paged_kv import PagedKV
+from serving.paged_kv import KERNEL_PLATFORMS, PagedKV
 from serving.sampling import MAX_LOGIT_BIAS
 from sharding import mesh as shd
 
@@ -103,7 +103,7 @@ class Spec:
 
     def cache(self, kv, table) -> PagedKV:
         head_axis = (tuple(self.pool_sharding().spec) + (None,) * 5)[3]
-        home = {"pallas": "tpu", "triton": "gpu"}.get(self.cfg.attention)
+        home = KERNEL_PLATFORMS.get(self.cfg.attention)
         return PagedKV(kv, table, self.cfg.attention, self.mesh, head_axis,
                        interpret=self.mesh.devices.flat[0].platform != home)
 

@@ -101,22 +101,29 @@ def test_cudnn_attention_equals_xla_on_packed_rows(dtype):
                                    atol=10 * tol, rtol=10 * tol)
 
 
-def test_engine_greedy_tokens_in_bfloat16_follow_float32():
-    from serving.engine import Engine, EngineConfig
+def _greedy_tokens(params, configs: dict, max_tokens: int) -> dict:
+    """Greedy tokens of 8 random 12-token prompts through an engine of each EngineConfig."""
+    from serving.engine import Engine
     from serving.orchestrator import Orchestrator
     from serving.sampling import SamplingParams
 
-    graphdef, params = model_on(gpu())
     prompts = [np.random.default_rng(i).integers(3, CFG.vocab_size, 12).tolist()
                for i in range(8)]
     tokens = {}
-    for dtype in ("float32", "bfloat16"):
-        engine = Engine(CFG, EngineConfig(max_concurrent_decodes=8, max_len=64,
-                                          max_prefill_length=16, prefill_chunk=16,
-                                          dtype=dtype))
-        with Orchestrator(engine, params, eos_id=None) as o:
-            tokens[dtype] = [o.submit(p, SamplingParams(max_tokens=16, temperature=0.0))
-                             .result()[0].tokens for p in prompts]
+    for name, engine_cfg in configs.items():
+        with Orchestrator(Engine(CFG, engine_cfg), params, eos_id=None) as o:
+            tokens[name] = [o.submit(p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+                            .result()[0].tokens for p in prompts]
+    return tokens
+
+
+def test_engine_greedy_tokens_in_bfloat16_follow_float32():
+    from serving.engine import EngineConfig
+
+    graphdef, params = model_on(gpu())
+    tokens = _greedy_tokens(params, {dtype: EngineConfig(
+        max_concurrent_decodes=8, max_len=64, max_prefill_length=16, prefill_chunk=16,
+        dtype=dtype) for dtype in ("float32", "bfloat16")}, 16)
     # A random model's logits are nearly flat, so bf16 may flip a near tie and then diverge:
     # the first token agrees for at least 7 prompts of 8 (on CPU, as a check of this test: 8).
     agree = sum(a[0] == b[0] for a, b in zip(tokens["float32"], tokens["bfloat16"]))
@@ -150,21 +157,12 @@ def test_triton_paged_attention_equals_the_gather_reference(q_heads, head_dim):
 def test_engine_decoding_through_the_triton_kernel_follows_the_reference():
     """Greedy tokens of an engine decoding through the Triton kernel against one decoding
     through the gather reference, both in float32 on the GPU (head_dim 32)."""
-    from serving.engine import Engine, EngineConfig
-    from serving.orchestrator import Orchestrator
-    from serving.sampling import SamplingParams
+    from serving.engine import EngineConfig
 
     graphdef, params = model_on(gpu())
-    prompts = [np.random.default_rng(i).integers(3, CFG.vocab_size, 12).tolist()
-               for i in range(8)]
-    tokens = {}
-    for attention in ("reference", "triton"):
-        engine = Engine(CFG, EngineConfig(max_concurrent_decodes=8, max_len=128,
-                                          max_prefill_length=16, prefill_chunk=16,
-                                          page_size=16, attention=attention))
-        with Orchestrator(engine, params, eos_id=None) as o:
-            tokens[attention] = [o.submit(p, SamplingParams(max_tokens=64, temperature=0.0))
-                                 .result()[0].tokens for p in prompts]
+    tokens = _greedy_tokens(params, {attention: EngineConfig(
+        max_concurrent_decodes=8, max_len=128, max_prefill_length=16, prefill_chunk=16,
+        page_size=16, attention=attention) for attention in ("reference", "triton")}, 64)
     # Near ties may flip (TF32 dots): the first 8 tokens agree for at least 7 prompts of 8.
     agree = sum(a[:8] == b[:8] for a, b in zip(tokens["reference"], tokens["triton"]))
     assert agree >= 7, tokens

@@ -46,6 +46,23 @@ def _reference(q_BNH, kv_LPKCH, layer, lengths_B, table_BW, window=None, scale=N
     return out
 
 
+def held_pages_case(kv_heads, q_heads, head_dim, page, dtype, seed=0, width=5, layers=3,
+                    pages=40):
+    """(q, kv, lengths, table), q and kv rounded to `dtype` once: rows of one token, a partial
+    page, exactly full pages, the whole table; pages no row holds are NaN."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray([1, page + 3, 2 * page, width * page, page - 1, 3 * page + 1])
+    rows = len(lengths)
+    table = rng.permutation(np.arange(1, pages))[:rows * width].reshape(rows, width)
+    kv = rng.standard_normal((layers, pages, page, 2 * kv_heads, head_dim)).astype(np.float32)
+    held = {int(p) for r in range(rows) for p in table[r, :-(-lengths[r] // page)]}
+    kv[:, [p for p in range(pages) if p not in held]] = np.nan
+    kv = np.asarray(jnp.asarray(kv, dtype).astype(jnp.float32))
+    q = np.asarray(jnp.asarray(rng.standard_normal((rows, q_heads, head_dim)), dtype)
+                   .astype(jnp.float32))
+    return q, kv, lengths, table
+
+
 @pytest.mark.parametrize("dtype,atol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 @pytest.mark.parametrize("kv_heads,q_heads,head_dim,page", [(2, 4, 8, 4), (1, 3, 16, 8),
                                                             (4, 4, 32, 16)])
@@ -53,17 +70,8 @@ def test_kernel_equals_attention_over_the_held_tokens(dtype, atol, kv_heads, q_h
                                                       page):
     """Lengths of one token, a partial page, exactly full pages and the whole table. Pages a
     row does not hold are NaN: a kernel that read one would return NaN."""
-    layers, pages, width = 3, 40, 5
-    rng = np.random.default_rng(kv_heads * 100 + head_dim)
-    lengths = np.asarray([1, page + 3, 2 * page, width * page, page - 1, 3 * page + 1])
-    rows = len(lengths)
-    table = rng.permutation(np.arange(1, pages))[:rows * width].reshape(rows, width)
-    kv = rng.standard_normal((layers, pages, page, 2 * kv_heads, head_dim)).astype(np.float32)
-    held = {int(p) for r in range(rows) for p in table[r, :-(-lengths[r] // page)]}
-    kv[:, [p for p in range(pages) if p not in held]] = np.nan
-    kv = np.asarray(jnp.asarray(kv, dtype).astype(jnp.float32))      # round to dtype once
-    q = np.asarray(jnp.asarray(rng.standard_normal((rows, q_heads, head_dim)), dtype)
-                   .astype(jnp.float32))
+    q, kv, lengths, table = held_pages_case(kv_heads, q_heads, head_dim, page, dtype,
+                                            seed=kv_heads * 100 + head_dim)
     got = paged_decode_attention(jnp.asarray(q, dtype), jnp.asarray(kv, dtype), 1,
                                  jnp.asarray(lengths, jnp.int32), jnp.asarray(table, jnp.int32),
                                  interpret=pltpu.InterpretParams())

@@ -16,23 +16,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 from serving.engine import _attention
 from serving.paged_attention_gpu import Tuning, paged_decode_attention_gpu, plan
-from tests.serving.test_paged_attention import _reference
-
-
-def _case(kv_heads, q_heads, head_dim, page, dtype, seed=0, width=5, layers=3, pages=40):
-    """Rows of one token, a partial page, full pages, the whole table; pages no row holds are
-    NaN (a kernel that read one would return NaN)."""
-    rng = np.random.default_rng(seed)
-    lengths = np.asarray([1, page + 3, 2 * page, width * page, page - 1, 3 * page + 1])
-    rows = len(lengths)
-    table = rng.permutation(np.arange(1, pages))[:rows * width].reshape(rows, width)
-    kv = rng.standard_normal((layers, pages, page, 2 * kv_heads, head_dim)).astype(np.float32)
-    held = {int(p) for r in range(rows) for p in table[r, :-(-lengths[r] // page)]}
-    kv[:, [p for p in range(pages) if p not in held]] = np.nan
-    kv = np.asarray(jnp.asarray(kv, dtype).astype(jnp.float32))      # round to dtype once
-    q = np.asarray(jnp.asarray(rng.standard_normal((rows, q_heads, head_dim)), dtype)
-                   .astype(jnp.float32))
-    return q, kv, lengths, table
+from tests.serving.test_paged_attention import _reference, held_pages_case
 
 
 def _kernel(q, kv, layer, lengths, table, dtype, **kw):
@@ -50,7 +34,7 @@ def test_kernel_equals_attention_over_the_held_tokens(dtype, atol, kv_heads, q_h
                                                       head_dim, page, splits, block_keys):
     """Query heads per kv head from 1 to 40 (padded to Triton's 16 rows, or past them); one
     split or several, blocks of one page or several."""
-    q, kv, lengths, table = _case(kv_heads, q_heads, head_dim, page, dtype, seed=head_dim)
+    q, kv, lengths, table = held_pages_case(kv_heads, q_heads, head_dim, page, dtype, seed=head_dim)
     got = _kernel(q, kv, 2, lengths, table, dtype,
                   tuning=Tuning(splits=splits, block_keys=block_keys))
     assert got.dtype == jnp.dtype(dtype) and got.shape == q.shape
@@ -62,7 +46,7 @@ def test_kernel_equals_jax_pallas_gpu_paged_attention():
     """The same attention through JAX's op, its pages laid out as it takes them ([G, P, K, H]
     keys and values of one layer; its own padding and splits), unheld pages zeroed for it. JAX's
     op does not scale q.k: scale 1 here."""
-    q, kv, lengths, table = _case(2, 8, 32, 8, "float32", seed=5, width=8, pages=64)
+    q, kv, lengths, table = held_pages_case(2, 8, 32, 8, "float32", seed=5, width=8, pages=64)
     layer = kv[1].copy()
     layer[np.isnan(layer)] = 0.0
     k_pages = np.moveaxis(layer[:, :, 0::2], 2, 0)      # [G, P, K, H]
