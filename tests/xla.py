@@ -10,14 +10,22 @@ Two presets, since a test's time goes either to compiling or to running:
   requests) 124 -> 69 s. The other end-to-end runs are shorter and got slower at -O1 (the
   multi-host, warm-up stop, tool and notebook runs: 0-11 s more each), so they keep
   `COMPILING`.
+Both compile each program's LLVM module in one piece (`--xla_cpu_parallel_codegen_split_count=1`):
+XLA:CPU splits it into parts compiled on several threads, which saves wall time on an idle
+machine but costs CPU, and the suite's two workers already keep both cores busy. Measured on the
+2-core machine: a tiny model's value-and-grad step 450-500 -> 340-370 ms of CPU to compile, a
+one-op program 20 -> 17.5 ms; the unit tests of tests/train and tests/models (two workers) 126
+-> 116 s of CPU.
 JAXRL_TEST_RUNNING_XLA_FLAGS replaces `RUNNING` (to compare presets)."""
 
 import os
 
 _DEVICES = "--xla_force_host_platform_device_count="
-COMPILING = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-RUNNING = os.environ.get("JAXRL_TEST_RUNNING_XLA_FLAGS",
-                         "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false")
+_ONE_PIECE = "--xla_cpu_parallel_codegen_split_count=1"
+COMPILING = f"--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false {_ONE_PIECE}"
+RUNNING = os.environ.get(
+    "JAXRL_TEST_RUNNING_XLA_FLAGS",
+    f"--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false {_ONE_PIECE}")
 
 
 def xla_flags(devices: int, running: bool = False) -> str:

@@ -61,11 +61,12 @@ def test_chunked_loss_and_gradients_equal_unchunked(model, objective):
         loss_sum, weight, _ = obj(merge_params(graphdef, params), mb)
         return loss_sum / weight
 
-    whole, g_whole = jax.value_and_grad(loss)(params, 0)
-    chunked, g_chunked = jax.value_and_grad(loss)(params, 4)
-    np.testing.assert_allclose(chunked, whole, rtol=1e-5)
+    grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    whole, g_whole = grads(params, 0)
+    chunked, g_chunked = grads(params, 4)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-7)   # float32 rounding
     for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_whole)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7 * float(jnp.abs(b).max()))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()))
 
 
 def test_logprob_parity_counts_only_lag_zero_tokens():
@@ -109,9 +110,10 @@ def test_trainer_behaviour_logprobs_replace_the_engines_on_lag_zero_tokens(model
         loss_sum, weight, stats = obj(merge_params(graphdef, params), batch)
         return loss_sum / weight, stats
 
-    (got, stats), g_got = jax.value_and_grad(loss, has_aux=True)(params, mb, "trainer")
-    (want, _), g_want = jax.value_and_grad(loss, has_aux=True)(params, faithful, "engine")
-    (engine, _), _ = jax.value_and_grad(loss, has_aux=True)(params, mb, "engine")
+    grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=2)
+    (got, stats), g_got = grads(params, mb, "trainer")
+    (want, _), g_want = grads(params, faithful, "engine")
+    (engine, _), _ = grads(params, mb, "engine")
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert abs(float(engine) - float(got)) > 1e-3      # the engine's mu did matter
     for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
@@ -152,7 +154,7 @@ def _pg_loss_and_grads(model, mb):
     def loss(params):
         loss_sum, _, _ = PolicyGradientLoss(kind="tis")(merge_params(graphdef, params), mb)
         return loss_sum
-    return jax.value_and_grad(loss)(params)
+    return jax.jit(jax.value_and_grad(loss))(params)
 
 
 def test_an_episode_of_environment_tokens_only_has_no_loss_and_no_gradient(model):
