@@ -48,6 +48,16 @@ BASE = ["model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192", "model.
         "rl.optim.lr=2e-3", "rl.optim.warmup_steps=0", "rl.optim.min_lr_ratio=1.0"]
 
 
+def rl_steps(request, learning_steps: int, short_steps: int) -> int:
+    """How many RL steps a module's run takes: `learning_steps` when one of the module's
+    learning thresholds runs in this session (`make test-learning`), which need that many for
+    the climb to show; else (`make test`, where they are deselected) `short_steps`, enough
+    for the other checks the run feeds."""
+    return learning_steps if any(
+        item.module is request.module and item.get_closest_marker("learning")
+        for item in request.session.items) else short_steps
+
+
 def config(run_dir, *overrides):
     keys = {o.split("=")[0] for o in overrides}
     return load_run_config(None, [o for o in BASE if o.split("=")[0] not in keys]
@@ -81,9 +91,11 @@ def rl_rows(run_dir):
 
 
 @pytest.fixture(scope="module")
-def partial_run(warm, tmp_path_factory):
-    """Sync with partial rollouts, colocated. Records the engine's generated-token count when
-    each pause returned and when the matching resume was called, and what every step trained."""
+def partial_run(warm, tmp_path_factory, request):
+    """Sync with partial rollouts, colocated, for PARTIAL_STEPS (12 when its learning threshold
+    is not run). Records the engine's generated-token count when each pause returned and when
+    the matching resume was called, and what every step trained."""
+    steps = rl_steps(request, PARTIAL_STEPS, 12)
     holds, trained = [], {}
     pause, resume, batch_stats = Orchestrator.pause, Orchestrator.resume, rl_metrics.batch_stats
 
@@ -104,8 +116,8 @@ def partial_run(warm, tmp_path_factory):
         mp.setattr(Orchestrator, "pause", record_pause)
         mp.setattr(Orchestrator, "resume", record_resume)
         mp.setattr(rl_metrics, "batch_stats", record_batch)
-        job.run(config(run_dir, "rl.mode=partial", f"rl.steps={PARTIAL_STEPS}"), log=quiet)
-    return {"run_dir": run_dir, "holds": holds, "trained": trained}
+        job.run(config(run_dir, "rl.mode=partial", f"rl.steps={steps}"), log=quiet)
+    return {"run_dir": run_dir, "holds": holds, "trained": trained, "steps": steps}
 
 
 # -- learning ----------------------------------------------------------------------------------
@@ -133,7 +145,8 @@ def assert_reward_rises(run: str, run_dir, steps: int, report_table):
 @pytest.mark.learning     # partial rollouts' carried samples depend on the threads' timing
 @pytest.mark.parametrize("run", ["partial_run"])
 def test_reward_rises(request, run, report_table):
-    assert_reward_rises(run, request.getfixturevalue(run)["run_dir"], PARTIAL_STEPS, report_table)
+    partial = request.getfixturevalue(run)
+    assert_reward_rises(run, partial["run_dir"], partial["steps"], report_table)
 
 
 # -- partial rollouts --------------------------------------------------------------------------
@@ -142,7 +155,7 @@ def test_partial_rollouts_pause_the_engine_and_carry_unfinished_samples(partial_
     """The engine generates nothing while the trainer steps, and samples unfinished at a step
     boundary are not waited for: they continue under the next weights and are trained later."""
     holds, trained = partial_run["holds"], partial_run["trained"]
-    assert len(holds) == PARTIAL_STEPS
+    assert len(holds) == partial_run["steps"]
     assert all(at_pause == at_resume for at_pause, at_resume in holds), holds
     carried = [r for step in trained.values() for r in step if len(set(r.versions)) > 1]
     assert carried, "no sample spanned a step boundary"

@@ -28,6 +28,7 @@ from tests.run.test_rl import (
     quiet,
     rl_rows,
     rl_run_dir,
+    rl_steps,
     warm_up,
 )
 
@@ -47,14 +48,16 @@ SAVED = WARMUP + 10   # the async run's checkpoint it resumes from
 
 
 @pytest.fixture(scope="module")
-def async_run(warm, tmp_path_factory):
-    """Async, colocated, checkpoints every 10 steps. The first run is interrupted after training
+def async_run(warm, tmp_path_factory, request):
+    """Async, colocated, checkpoints every 10 steps, for RL_STEPS (14 when its learning
+    threshold is not run: 4 after the resume). The first run is interrupted after training
     step SAVED + 1 (before its metrics and before any checkpoint of it); the second continues
     from the checkpoint at SAVED to the end. Records what each run trained at every step and
     which problems its actor submitted."""
+    steps = rl_steps(request, RL_STEPS, 14)
     run_dir = rl_run_dir(warm, tmp_path_factory.mktemp("async"))
-    cfg = config(run_dir, "rl.mode=async", "checkpoint.every=10")
-    out = {"cfg": cfg, "run_dir": run_dir, "trained": {"a": {}, "b": {}},
+    cfg = config(run_dir, "rl.mode=async", "checkpoint.every=10", f"rl.steps={steps}")
+    out = {"cfg": cfg, "run_dir": run_dir, "steps": steps, "trained": {"a": {}, "b": {}},
            "submitted": {"a": [], "b": []}, "lines": []}
     current = ["a"]
     batch_stats, problem = rl_metrics.batch_stats, Actor.problem
@@ -81,7 +84,7 @@ def async_run(warm, tmp_path_factory):
         current[0] = "b"
         job.run(cfg, log=out["lines"].append)
     ckpt = Checkpointer(run_dir / "checkpoints")
-    out["final"] = ckpt.saved_data(WARMUP + RL_STEPS)
+    out["final"] = ckpt.saved_data(WARMUP + steps)
     ckpt.close()
     return out
 
@@ -114,7 +117,8 @@ def sync_split_run(warm, tmp_path_factory):
 @pytest.mark.parametrize("run", [pytest.param("async_run", marks=pytest.mark.learning),
                                  "sync_split_run"])
 def test_reward_rises(request, run, report_table):
-    assert_reward_rises(run, request.getfixturevalue(run)["run_dir"], RL_STEPS, report_table)
+    fixture = request.getfixturevalue(run)
+    assert_reward_rises(run, fixture["run_dir"], fixture.get("steps", RL_STEPS), report_table)
 
 
 # -- placement ---------------------------------------------------------------------------------
@@ -138,12 +142,13 @@ def test_resume_mid_run_continues_the_stream(async_run):
     saved, group_size = async_run["saved"], async_run["cfg"].rl.group_size
     assert async_run["latest_after_interrupt"] == SAVED
     assert f"resumed RL from {run_dir.absolute() / 'checkpoints'}/{SAVED}" in async_run["lines"]
-    assert sorted(trained["b"]) == list(range(SAVED + 1, WARMUP + RL_STEPS + 1))
+    end = WARMUP + async_run["steps"]
+    assert sorted(trained["b"]) == list(range(SAVED + 1, end + 1))
 
     # metrics.jsonl continues: the first run's steps up to the checkpoint, then the second's;
     # the resumed clock continues from the saved one.
     rows = rl_rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(WARMUP + 1, WARMUP + RL_STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(WARMUP + 1, end + 1))
     assert rows[SAVED - WARMUP]["time_s"] >= rows[SAVED - WARMUP - 1]["time_s"]
 
     # The resumed run first trains the rollouts the checkpoint kept (generated, not yet trained) ...
