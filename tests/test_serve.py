@@ -74,7 +74,7 @@ def test_serves_a_peft_adapter_trained_elsewhere_merged_into_its_base(tmp_path):
     """`jaxrl serve --model BASE --lora ADAPTER`: an adapter made by the `peft` package itself
     (random A and B on q, v and down projections) is merged into the base; the served model's
     logits are PEFT's on transformers."""
-    peft = pytest.importorskip("peft")
+    import peft
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(_TINY_QWEN2)
     base.save_pretrained(tmp_path / "base")

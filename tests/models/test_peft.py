@@ -17,7 +17,6 @@ from jaxrl.models.lora import LoraConfig
 from jaxrl.models.peft_io import merged, read_adapter, read_config, write_adapter
 from jaxrl.models.transformer import split_params
 
-peft = pytest.importorskip("peft")
 
 IDS = np.random.default_rng(0).integers(0, 64, (2, 12)).astype(np.int32)
 
@@ -54,6 +53,8 @@ def test_peft_loads_the_adapter_onto_transformers_with_jaxrls_logits(tmp_path, f
     base_graph, _ = split_params(Transformer(base, rngs=nnx.Rngs(0)))
     to_hf(merge_params(base_graph, lora.frozen(params)), tmp_path / "base")
     write_adapter(params, cfg, tmp_path / "adapter", str(tmp_path / "base"))
+    import peft     # here, not at collection: its import takes 3-4 s in every pytest worker
+
     with_adapter = peft.PeftModel.from_pretrained(_hf(tmp_path / "base"), tmp_path / "adapter")
     np.testing.assert_allclose(_logits(with_adapter), ours, rtol=1e-5, atol=1e-5)
     to_hf(merge_params(base_graph, merged(params, cfg)), tmp_path / "merged")

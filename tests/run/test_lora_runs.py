@@ -24,7 +24,6 @@ from tests.tiny_hf import tiny_qwen
 
 pytestmark = pytest.mark.slow
 
-peft = pytest.importorskip("peft")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_reward"
 RUN = ["model.dtype=float32", "log.progress=false", "train.eval_problems=0", "rl.steps=3",
        "rl.mode=sync", "rl.prompts_per_step=2", "rl.group_size=4", "rl.slots=8",
@@ -32,6 +31,13 @@ RUN = ["model.dtype=float32", "log.progress=false", "train.eval_problems=0", "rl
        "rl.filter_zero_advantage=false", "rl.filter_overlong=false", "rl.optim.lr=0.05",
        "task.reward=[examples/custom_reward/rewards.py:short]", "task.reward_weights=[1.0]",
        "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=q_proj,v_proj,down_proj"]
+
+
+def _peft():
+    """The peft package, imported by the tests that use it: its import takes 3-4 s, which every
+    pytest worker would otherwise spend collecting this file."""
+    import peft
+    return peft
 
 
 def _train(tmp, run_dir, *overrides):
@@ -119,7 +125,7 @@ def test_export_merged_and_peft_give_the_checkpoints_logits(run, tmp_path):
     config = json.loads((tmp_path / "p" / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(run / "qwen")
     assert (config["r"], config["lora_alpha"]) == (4, 8.0)
-    adapted = peft.PeftModel.from_pretrained(_hf(tmp_path / "p" / "base"),
+    adapted = _peft().PeftModel.from_pretrained(_hf(tmp_path / "p" / "base"),
                                              tmp_path / "p" / "adapter")
     np.testing.assert_allclose(_logits(adapted, ids), want, rtol=1e-5, atol=1e-5)
 
@@ -148,6 +154,6 @@ def test_an_int8_base_trains_its_adapters_serves_them_and_exports(run, tmp_path)
                      "--format", "peft"]) == 0
     config = json.loads((tmp_path / "p" / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str((tmp_path / "p" / "base").resolve())
-    adapted = peft.PeftModel.from_pretrained(_hf(tmp_path / "p" / "base"),
+    adapted = _peft().PeftModel.from_pretrained(_hf(tmp_path / "p" / "base"),
                                              tmp_path / "p" / "adapter")
     np.testing.assert_allclose(_logits(adapted, ids), want, rtol=1e-5, atol=1e-5)
