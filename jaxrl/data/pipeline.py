@@ -135,12 +135,16 @@ def pack(rollouts: list[Rollout], cfg: RLConfig) -> dict[str, Any]:
     carry a mixture-of-experts engine's routing, `arrays["routes"]` is [M, R, T, L, K] (-1
     where unknown)."""
     rows_total = cfg.max_microbatches * cfg.microbatch_rows
-    # `sample`: which rollout (1-based; 0 is padding) each packed token came from.
+    # Packed in an order fixed by the samples themselves, not the order they finished in (which
+    # follows the threads' timing): the same samples (a sync step's, for a seed) give the same
+    # rows, so the same float sums in the step, from run to run.
+    ordered = sorted(rollouts, key=_canonical)
+    # `sample`: which rollout of `ordered` (1-based; 0 is padding) each packed token came from.
     packed_features = FEATURES + ("sample",)
     source = grain.MapDataset.source([
         {**features(r), "sample": np.full(len(r.prompt) + len(r.completion) - 1, i + 1,
                                           np.int32)}
-        for i, r in enumerate(rollouts)]).to_iter_dataset()
+        for i, r in enumerate(ordered)]).to_iter_dataset()
     packed = grain.experimental.FirstFitPackIterDataset(
         source, length_struct={k: cfg.pack_len for k in packed_features},
         num_packing_bins=rows_total, shuffle_bins=False, meta_features=packed_features[1:],
@@ -159,13 +163,18 @@ def pack(rollouts: list[Rollout], cfg: RLConfig) -> dict[str, Any]:
             arrays[k][i] = row[k]
         arrays["segment_ids"][i] = row["input_ids_segment_ids"]
         arrays["positions"][i] = row["input_ids_positions"]
-    routes = _packed_routes(rollouts, rows, rows_total, cfg.pack_len)
+    routes = _packed_routes(ordered, rows, rows_total, cfg.pack_len)
     if routes is not None:
         arrays["routes"] = routes
     shape = (cfg.max_microbatches, cfg.microbatch_rows, cfg.pack_len)
     return {"arrays": {k: v.reshape(shape + v.shape[2:]) for k, v in arrays.items()},
             "microbatches": -(-len(rows) // cfg.microbatch_rows),
             "rollouts": rollouts}
+
+
+def _canonical(rollout: Rollout) -> tuple:
+    return (rollout.group, rollout.prompt, rollout.completion, rollout.logprobs,
+            rollout.versions, rollout.advantage)
 
 
 def _packed_routes(rollouts: list[Rollout], rows: list[dict], rows_total: int, pack_len: int

@@ -129,6 +129,20 @@ def test_pack_shortest_samples():
     assert batch["microbatches"] == 1
 
 
+def test_pack_gives_the_same_rows_whatever_order_the_samples_finished_in():
+    """The threads' timing orders the log; the packed rows (and so the step's float sums) must
+    not follow it, or a sync run would not repeat for its seed. The batch's rollouts keep the
+    log's order (the metrics and the resume read it)."""
+    rollouts = random_rollouts(CFG.batch_size, CFG, seed=3)
+    want = pack(rollouts, CFG)
+    for seed in range(3):
+        arrived = [rollouts[i] for i in np.random.default_rng(seed).permutation(len(rollouts))]
+        got = pack(arrived, CFG)
+        assert got["rollouts"] == arrived and got["microbatches"] == want["microbatches"]
+        for k, v in want["arrays"].items():
+            np.testing.assert_array_equal(got["arrays"][k], v, err_msg=k)
+
+
 def test_pack_lays_routing_out_with_the_tokens():
     """A MoE engine's routing ([tokens - 1, L, K] per rollout) lands at the packed position of
     the token it routed: every value names its rollout and position, and the input token there
