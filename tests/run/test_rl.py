@@ -163,6 +163,20 @@ def test_partial_rollouts_pause_the_engine_and_carry_unfinished_samples(partial_
         assert all(b - a in (0, 1) for a, b in zip(r.versions, r.versions[1:]))
 
 
+def test_a_sync_run_repeats_for_its_seed(warm, tmp_path):
+    """Sync generates the same samples in every run of a seed, whatever order the threads
+    finish them in, and each step packs them in an order they fix themselves: two runs log the
+    same rewards, losses and log-prob gaps, bit for bit."""
+    runs = []
+    for name in ("a", "b"):
+        run_dir = rl_run_dir(warm, tmp_path / name)
+        job.run(config(run_dir, "rl.mode=sync", "rl.steps=6"), log=quiet)
+        runs.append([{k: r[k] for k in ("step", "reward", "loss", "grad_norm", "entropy",
+                                        "logprob_diff_mean", "trained_tokens")}
+                     for r in rl_rows(run_dir)])
+    assert len(runs[0]) == 6 and runs[0] == runs[1]
+
+
 def test_pack_len_must_hold_one_sample(tmp_path):
     with pytest.raises(ConfigError, match=r"rl.pack_len=32 cannot hold one sample of "
                                           r"rl.max_prompt_len \+ rl.max_new_tokens = 40 tokens"):
