@@ -107,6 +107,12 @@ def plan(rows: int, kv_heads: int, width: int, page: int, splits: int | None = N
     return per_block, per_split, -(-width // per_split)
 
 
+def query_dtype(pool_dtype, q_dtype):
+    """The dtype a paged-attention kernel's queries go in: the pool's, or the queries' own over
+    an 8-bit pool (the kernels widen its keys and values)."""
+    return q_dtype if jnp.dtype(pool_dtype).itemsize == 1 else pool_dtype
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "scale", "tuning"))
 def paged_decode_attention_gpu(q_BNH, kv_LPKCH, layer, lengths_B, table_BW, *,
                                interpret: bool = False, scale: float | None = None,
@@ -130,7 +136,7 @@ def paged_decode_attention_gpu(q_BNH, kv_LPKCH, layer, lengths_B, table_BW, *,
     r = n // g
     rows = max(MIN_DOT, _pow2(r))
     scale = 1 / math.sqrt(h) if scale is None else scale
-    compute = q_BNH.dtype if kv_LPKCH.dtype.itemsize == 1 else kv_LPKCH.dtype
+    compute = query_dtype(kv_LPKCH.dtype, q_BNH.dtype)
     q_BGRH = (q_BNH.reshape(b, g, r, h).astype(jnp.float32) * scale).astype(compute)
     q_BGRH = jnp.pad(q_BGRH, ((0, 0), (0, 0), (0, rows - r), (0, 0)))
     table = jnp.pad(table_BW.astype(jnp.int32),

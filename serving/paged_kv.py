@@ -49,7 +49,7 @@ from jaxrl.models.block_attention import work_items
 from jaxrl.models.kv_cache import scatter_set
 from serving import native
 from serving.paged_attention import paged_decode_attention
-from serving.paged_attention_gpu import paged_decode_attention_gpu
+from serving.paged_attention_gpu import paged_decode_attention_gpu, query_dtype
 
 NULL_PAGE = 0
 IMPLEMENTATIONS = ("reference", "loop", "native", "pallas", "triton")
@@ -223,16 +223,10 @@ class PagedKV:
                                       interpret=self.interpret, scale=scale)
 
         out = self._per_head_shard(kernel, (1, 3, None, None, None), 1)(
-            q_B1NH[:, 0].astype(_compute(self.kv.dtype, q_B1NH.dtype)), self.kv,
+            q_B1NH[:, 0].astype(query_dtype(self.kv.dtype, q_B1NH.dtype)), self.kv,
             jnp.asarray(layer, jnp.int32),
             lengths_B.astype(jnp.int32), self.table.astype(jnp.int32))
         return out.astype(q_B1NH.dtype)[:, None]
-
-
-def _compute(pool_dtype, q_dtype):
-    """The dtype a kernel's queries go in: the pool's, or the queries' own over an 8-bit pool
-    (the kernels widen its keys and values)."""
-    return q_dtype if jnp.dtype(pool_dtype).itemsize == 1 else pool_dtype
 
 
 def _scores_by_dots(q_RTGRH, k_RSGH):

@@ -111,14 +111,15 @@ def sync_split_run(warm, tmp_path_factory):
         mp.setattr(trainer_module, "Checkpointer", RecordingCheckpointer)
         summary = job.run(config(run_dir, "rl.mode=sync", "rl.placement=split",
                                  "rl.engine_devices=4"), log=quiet)
-    return {"run_dir": run_dir, "summary": summary, "served": served, "saved": saved}
+    return {"run_dir": run_dir, "steps": RL_STEPS, "summary": summary, "served": served,
+            "saved": saved}
 
 
 @pytest.mark.parametrize("run", [pytest.param("async_run", marks=pytest.mark.learning),
                                  "sync_split_run"])
 def test_reward_rises(request, run, report_table):
     fixture = request.getfixturevalue(run)
-    assert_reward_rises(run, fixture["run_dir"], fixture.get("steps", RL_STEPS), report_table)
+    assert_reward_rises(run, fixture["run_dir"], fixture["steps"], report_table)
 
 
 # -- placement ---------------------------------------------------------------------------------

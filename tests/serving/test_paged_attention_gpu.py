@@ -34,7 +34,8 @@ def test_kernel_equals_attention_over_the_held_tokens(dtype, atol, kv_heads, q_h
                                                       head_dim, page, splits, block_keys):
     """Query heads per kv head from 1 to 40 (padded to Triton's 16 rows, or past them); one
     split or several, blocks of one page or several."""
-    q, kv, lengths, table = held_pages_case(kv_heads, q_heads, head_dim, page, dtype, seed=head_dim)
+    q, kv, lengths, table = held_pages_case(kv_heads, q_heads, head_dim, page, dtype,
+                                            seed=head_dim)
     got = _kernel(q, kv, 2, lengths, table, dtype,
                   tuning=Tuning(splits=splits, block_keys=block_keys))
     assert got.dtype == jnp.dtype(dtype) and got.shape == q.shape
