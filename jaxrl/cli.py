@@ -226,8 +226,10 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from jaxrl.heap import collect_less
     from jaxrl.platform import choose_platforms
 
+    collect_less()          # before the imports' churn (jaxrl/heap.py)
     choose_platforms()      # before JAX is imported: no TPU backend on a machine without TPU
     args = parse(argv)
     try:

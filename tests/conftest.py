@@ -2,7 +2,10 @@ import os
 import threading
 import time
 
+from jaxrl.heap import collect_less
 from tests.xla import COMPILING
+
+collect_less()      # as every jaxrl process: most of a test's objects are made by tracing
 
 # One CPU device, or eight for the multi-device tier (JAXRL_TEST_DEVICES=8, `make test-multi`),
 # compiled at -O0 and without XLA:CPU's MLIR fusion emitters (see the Makefile); set before jax

@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
-    ("jaxrl.errors", "jaxrl.platform", "jaxrl.optim_config",     # no jaxrl imports
+    ("jaxrl.errors", "jaxrl.platform", "jaxrl.heap", "jaxrl.optim_config",   # no jaxrl imports
      "jaxrl.executables"),
     ("jaxrl.models",),                       # the transformer, HF loading and export
     ("sharding",),                           # meshes, pipelines, offload, resharding, AOT

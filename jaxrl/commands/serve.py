@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxrl.config import RunConfig
 from jaxrl.errors import UserError
+from jaxrl.heap import frozen_heap
 from jaxrl.models import (Transformer, abstract_model, from_hf, load_hf_config, lora, quant,
                           merge_params, split_params)
 from jaxrl.models.lora import LoraConfig
@@ -230,6 +231,11 @@ def serve(opts: ServeOptions, engine_config: Callable[[int], EngineConfig],
         raise UserError("--join needs the update token (--update-token-file or "
                         "$JAXRL_UPDATE_TOKEN): the trainer checks it, and pushes weights with it")
     server, http = _start(opts, engine_config, log)
+    with frozen_heap():     # the model, the engine's programs, the server: alive until the end
+        _serve_until_stopped(opts, server, http, log, ready)
+
+
+def _serve_until_stopped(opts: ServeOptions, server, http, log, ready) -> None:
     joiner = None
     if opts.join:
         from serving.join import Joiner

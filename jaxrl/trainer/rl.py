@@ -27,6 +27,7 @@ import jax
 
 from jaxrl.config import ConfigError, RunConfig, to_dict
 from jaxrl.data.pipeline import pack
+from jaxrl.heap import frozen_heap
 from jaxrl.recipe import model_config
 from jaxrl.rl.tasks.base import Task
 from jaxrl.rollout import generation, local_servers
@@ -107,6 +108,7 @@ class RLRun:
                 engine_devices=self.engine_devices, processes=self.lockstep.processes,
                 stack=self._stack, log=log)
             self.first_weights = None    # served now (leader): not kept for the whole run
+            self._stack.enter_context(frozen_heap())     # the first to end (jaxrl/heap.py)
         except BaseException:
             self.__exit__(*sys.exc_info())
             raise

@@ -17,6 +17,7 @@ import numpy as np
 from jaxrl.config import ConfigError, RunConfig, from_dict, to_dict
 from jaxrl.data.sft import sft_dataset
 from jaxrl.eval.evaluate import evaluate_model
+from jaxrl.heap import frozen_heap
 from jaxrl.models import (
     ModelConfig,
     abstract_model,
@@ -95,7 +96,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print, *,
         return global_batch(local, batch_shard, dict.fromkeys(local, shape))
 
     try:
-        return _train(cfg, trainer, (task, tokenizer), batch, log, evaluate_at_end)
+        with frozen_heap():     # the trainer and the data: alive until the end (jaxrl/heap.py)
+            return _train(cfg, trainer, (task, tokenizer), batch, log, evaluate_at_end)
     finally:
         trainer.close()
 
