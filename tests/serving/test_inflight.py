@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.heap import frozen_heap
 from jaxrl.models import merge_params
 from jaxrl.models.generate import greedy_generate
 from jaxrl.models.kv_cache import ContiguousKV
@@ -164,3 +165,17 @@ def test_pause_holds_the_engine_and_resume_continues_under_new_weights(engine, p
     graphdef = engine.graphdef
     assert [t.token for t in tokens] == _cached_reference(
         merge_params(graphdef, params), merge_params(graphdef, noisy), prompt, k, N)
+
+
+def test_weights_an_update_replaces_are_freed_in_a_frozen_heap(engine, params):
+    """`jaxrl serve` serves inside `frozen_heap()` (jaxrl/heap.py), which keeps the weights it
+    started with out of the collector's passes: they must still go when an update replaces
+    them (reference counting), or every server would hold a second copy of the model."""
+    first = jax.tree.map(lambda x: x + 1, params)        # arrays only the server will hold
+    with Orchestrator(engine, first) as o:
+        del first
+        with frozen_heap():
+            served = len(jax.live_arrays())
+            for version in (1, 2):
+                o.update_params(jax.tree.map(lambda x: x + version, params), version)
+                assert len(jax.live_arrays()) == served
