@@ -14,19 +14,24 @@ bulk server of its own; the next server of a chain pulls from it while it is sti
 The trainer then sends each byte once, and pushing to a chain of servers costs about one push
 (the fan-out of checkpoint-engine and Marin).
 
-On one host the socket copies are the cost of a chain (each hop through the kernel twice), so a
-bulk server also listens on a Unix socket named after its address (Linux's abstract namespace:
-only processes on this host, in this network namespace, reach it), which a puller tries first.
-There a relay whose arrays lie in a memfd slab (serving/slabs.py) hands the puller the slab's
-file descriptor instead of the bytes, then says how far the slab has filled, and the puller
-copies out of the shared mapping as it fills: one memory copy per hop.
+On one host the copies are the cost of a chain (each socket hop through the kernel twice, on
+cores the servers share), so a bulk server also listens on a Unix socket named after its
+address (Linux's abstract namespace: only processes on this host, in this network namespace,
+reach it), which a puller tries first. There a relay whose arrays lie in a memfd slab
+(serving/slabs.py) hands the puller the slab's file descriptor instead of the bytes, then says
+how far the slab has filled, and the puller serves from the shared mapping itself once it is
+whole and the relay has found no NaN or Inf in it (the relay's check stands for the puller's:
+the same bytes, which the puller cannot write): every server after the first on a host costs
+no copy, no memory and no check of its own. The puller's shared lock on the memfd keeps the
+slab from being refilled while it serves from it.
 
 Per connection, the puller sends the offer's id and the bytes it expects (8 bytes each,
 little-endian); the offer's server answers one status byte (0: no such offer, or another size;
 1: every tensor's bytes follow in order; 2, over the Unix socket only: the slab's descriptor
 with the number of tensors, their offsets in it, then counts of the bytes arrived, the last the
-whole size or 2^64-1 if the relay's own pull failed, after which the puller sends one byte when
-it has copied everything). The id is the only secret of this path, as the jax transfer path's
+whole size or 2^64-1 if the relay's own pull failed; then one byte, 1 once the relay has
+checked every tensor finite, 0 if its pull or check failed; after which the puller sends one
+byte once it holds the slab). The id is the only secret of this path, as the jax transfer path's
 is (serving/transfer.py): it travels over the authenticated gRPC call, and the bulk port
 belongs on a trusted network.
 """
@@ -67,35 +72,71 @@ class Offer:
     its own pull receives (`arrived`); a pull of it sends what has arrived and waits for the
     rest."""
 
-    def __init__(self, arrays: list[np.ndarray], deadline: float, *, complete: bool = True,
-                 slab: Slab | None = None):
-        """`complete`: the arrays hold their bytes already (the trainer's offer, pulled any
-        number of times until its deadline); else a relay's, which fills as its pull receives
-        and is sent once (`done` is set then, or when its pull fails). `slab`: the memfd slab
-        the arrays are views of, which a puller on this host may map (`send_mapped`)."""
-        self.arrays = arrays
-        self.slab = slab if slab is not None and slab.fd is not None else None
-        self.single_use = not complete
+    def __init__(self, arrays: list[np.ndarray] | None, deadline: float, *,
+                 slab: Slab | None = None, total: int = 0):
+        """`arrays`: bytes there already (the trainer's offer, pulled any number of times
+        until its deadline), views of `slab` if given. None: a relay's offer of `total` bytes,
+        placed over what its own pull receives into once that pull knows its source (`place`),
+        filled as that pull receives, and sent once (`done` is set then, or when its pull
+        fails)."""
+        self.single_use = arrays is None
+        self.total = total if arrays is None else sum(a.nbytes for a in arrays)
+        self.arrays: list[np.ndarray] | None = None
+        self.slab = None
+        self.placed = threading.Event()
         self.done = threading.Event()
-        self.total = sum(a.nbytes for a in arrays)
         self.deadline = deadline
-        self._arrived = self.total if complete else 0
+        self._arrived = 0 if arrays is None else self.total
+        self._needed = float("inf")  # the fewest bytes a waiting send waits for
         self._failed: str | None = None
+        self._vouched = False       # its pull ended and found every tensor finite
         self.sends = 0              # pulls it has been sent to whole ...
         self.mapped = 0             # ... of which by a mapping of its slab
         self._cond = threading.Condition()
+        if arrays is not None:
+            self.place(arrays, slab)
+
+    def place(self, arrays: list[np.ndarray], slab=None) -> None:
+        """The arrays the offer's bytes are (or arrive) in: views of `slab` (serving/slabs.py:
+        a `Slab`, or a `MappedSlab` of the relay's own source) if given, which a puller on this
+        host maps if it has a memfd (`send_mapped`)."""
+        self.arrays = arrays
+        self.slab = slab if slab is not None and slab.fd is not None else None
+        self.placed.set()
 
     def arrived(self, n: int) -> None:
-        """`n` more bytes have arrived (in order)."""
+        """`n` more bytes have arrived (in order). A waiting send is woken only once what it
+        waits for is there: a receive moves ~150 KB at a time, a send a chunk."""
         with self._cond:
             self._arrived += n
+            if self._arrived >= self._needed:
+                self._needed = float("inf")
+                self._cond.notify_all()
+
+    def vouch(self) -> None:
+        """The relay's pull has ended and its server found every tensor finite: a puller that
+        maps its slab serves the same bytes without checking them again."""
+        with self._cond:
+            self._vouched = True
             self._cond.notify_all()
+
+    def _verdict(self) -> bool:
+        """Whether it is vouched for, once it is or its pull or check has failed."""
+        with self._cond:
+            while not self._vouched and self._failed is None:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the relay's check did not end before its deadline")
+                self._cond.wait(left)
+            return self._vouched
 
     def fail(self, why: str) -> None:
         """The relay's own pull failed: its pullers stop at what they have."""
         with self._cond:
             self._failed = why
+            self._needed = float("inf")
             self._cond.notify_all()
+        self.placed.set()
         self.done.set()
 
     def _wait(self, n: int) -> None:
@@ -106,6 +147,7 @@ class Offer:
                 left = self.deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError("the relayed offer did not fill before its deadline")
+                self._needed = min(self._needed, n)
                 self._cond.wait(left)
 
     def send(self, sock: socket.socket) -> None:
@@ -113,6 +155,8 @@ class Offer:
         when its one send ends, whole or not."""
         sent = 0
         try:
+            if self.arrays is None:             # its pull failed before it was placed
+                raise ConnectionError(f"the relayed pull failed: {self._failed}")
             for a in self.arrays:
                 view = memoryview(byte_view(a))
                 for start in range(0, len(view), CHUNK):
@@ -127,14 +171,16 @@ class Offer:
                 self.done.set()
 
     def _filled(self, past: int) -> int:
-        """How many bytes have arrived, once more than `past` have."""
-        self._wait(past + 1)
+        """How many bytes have arrived, once a chunk more than `past` has (or the rest)."""
+        self._wait(min(past + CHUNK, self.total))
         with self._cond:
             return self._arrived
 
     def send_mapped(self, sock: socket.socket) -> None:
-        """The slab's descriptor, the arrays' offsets in it, then how far it has filled until
-        it is whole; `done` once the puller says it has copied everything out."""
+        """The slab's descriptor, the arrays' offsets in it, how far it has filled until it is
+        whole, then whether the relay vouches for it (`vouch`); `done` once the puller says it
+        holds the slab (its mapping, and the lock that keeps the slab's owner from refilling
+        it: serving/slabs.py)."""
         try:
             # A read-only descriptor of the same memory: the puller cannot write into the
             # weights this server serves from.
@@ -153,8 +199,12 @@ class Offer:
                     sock.sendall(COUNT.pack(FAILED))
                     raise
                 sock.sendall(COUNT.pack(told))
+            if not self._verdict():
+                sock.sendall(NONE)
+                raise ConnectionError(f"the relayed update was refused: {self._failed}")
+            sock.sendall(STREAM)
             if recv_exactly(sock, 1) != STREAM:
-                raise ConnectionError("the puller did not confirm its copy")
+                raise ConnectionError("the puller did not confirm its mapping")
             with self._cond:
                 self.sends += 1
                 self.mapped += 1
@@ -194,17 +244,21 @@ class BulkServer:
                 cls._started[host] = cls(host)
             return cls._started[host]
 
-    def offer(self, arrays: list[np.ndarray], deadline_s: float, *, uuid: int | None = None,
-              complete: bool = True, slab: Slab | None = None) -> tuple[int, Offer]:
-        """Offers `arrays` (in order) for pulls within `deadline_s`: (its id, the offer)."""
-        uuid = secrets.randbits(63) if uuid is None else uuid
-        offer = Offer(arrays, time.monotonic() + deadline_s, complete=complete, slab=slab)
+    def offer(self, arrays: list[np.ndarray], deadline_s: float, *,
+              slab: Slab | None = None) -> tuple[int, Offer]:
+        """Offers `arrays` (in order; views of `slab` if given) for pulls within `deadline_s`:
+        (its id, the offer)."""
+        uuid = secrets.randbits(63)
+        return uuid, self.add(uuid, Offer(arrays, time.monotonic() + deadline_s, slab=slab))
+
+    def add(self, uuid: int, offer: Offer) -> Offer:
+        """Offers `offer` under `uuid` (expired offers are dropped)."""
         with self._cond:
             now = time.monotonic()
             self._offers = {k: o for k, o in self._offers.items() if o.deadline > now}
             self._offers[uuid] = offer
             self._cond.notify_all()
-        return uuid, offer
+        return offer
 
     def withdraw(self, uuid: int) -> None:
         with self._cond:
@@ -239,7 +293,9 @@ class BulkServer:
                     sock.sendall(NONE)
                     return
                 sock.settimeout(max(offer.deadline - time.monotonic(), 1.0))
-                mapped = local and offer.slab is not None
+                # A relay's arrays are known once its own pull has heard from its source.
+                offer.placed.wait(max(offer.deadline - time.monotonic(), 0.0))
+                mapped = local and offer.slab is not None and offer.single_use
                 sock.sendall(MAPPED if mapped else STREAM)
                 if offer.single_use:        # one puller: nobody else is sent it
                     self.withdraw(uuid)
@@ -251,12 +307,11 @@ class BulkServer:
                 return          # the puller sees the connection end short and says so
 
 
-def relay_offer(server: BulkServer, uuid: int, arrays: list[np.ndarray],
-                timeout_s: float | None, slab: Slab | None = None) -> Offer:
-    """Offers `arrays` (views of `slab`, if given), which a pull is about to fill, under `uuid`
-    on `server`, once."""
-    return server.offer(arrays, 600.0 if timeout_s is None else timeout_s, uuid=uuid,
-                        complete=False, slab=slab)[1]
+def relay_offer(server: BulkServer, uuid: int, total: int, timeout_s: float | None) -> Offer:
+    """Offers the `total` bytes a pull is about to receive under `uuid` on `server`, once (the
+    pull places the offer over its arrays: serving/bulk_pull.py)."""
+    deadline = time.monotonic() + (600.0 if timeout_s is None else timeout_s)
+    return server.add(uuid, Offer(None, deadline, total=total))
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:

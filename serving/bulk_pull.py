@@ -1,12 +1,11 @@
 """The puller's side of the bulk path (serving/bulk.py): an offer's bytes received straight into
 arrays, over the offer server's Unix socket when it is on this host (tried first), else over
-TCP; from a relay on this host whose arrays lie in a memfd slab, copied out of the shared
-mapping as it fills.
+TCP; from a relay on this host whose arrays lie in a memfd slab, that slab itself, mapped
+read-only and served from without a copy (serving/slabs.py: `MappedSlab`).
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import socket
 import time
@@ -15,37 +14,47 @@ import numpy as np
 
 from serving.bulk import (CHUNK, COUNT, FAILED, HEADER, MAPPED, STREAM, Offer, byte_view,
                           local_name, recv_exactly)
+from serving.slabs import MappedSlab, nbytes
 from serving.weight_stream import WIRE_DTYPES
 
 
 def pull(address: str, uuid: int, specs: list[tuple[str, tuple, str]],
-         timeout_s: float | None, into: list[np.ndarray] | None = None,
-         relay: Offer | None = None) -> dict[str, np.ndarray]:
+         timeout_s: float | None, receive=None, relay: Offer | None = None
+         ) -> tuple[dict[str, np.ndarray], bool]:
     """The offer `uuid` of the bulk server at `address`, as {name: array} in `specs`' order
-    (name, shape, wire dtype: checked by the caller first), received `into` those arrays
-    (default: new ones). `relay`: an offer made over these same arrays (`relay_offer`), told
-    of each chunk as it arrives."""
-    arrays = into or [np.empty(shape, WIRE_DTYPES[dtype]) for _, shape, dtype in specs]
-    total = sum(a.nbytes for a in arrays)
+    (name, shape, wire dtype: checked by the caller first), and whether a relay beside this
+    server vouched for it (checked every tensor finite; else the caller checks). Bytes that
+    come over a socket are received into the arrays `receive()` returns with the slab they are
+    views of (default: new arrays, no slab); a slab mapped from a relay on this host is
+    returned as it is. `relay`: an offer of these bytes (`relay_offer`), placed over whichever
+    it is and told of each chunk as it arrives."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         with _connect(address, deadline) as sock:
-            sock.sendall(HEADER.pack(uuid, total))
+            sock.sendall(HEADER.pack(uuid, nbytes(specs)))
             status = recv_exactly(sock, 1)
             if status == STREAM:
+                arrays, slab = receive() if receive is not None else (_new(specs), None)
+                if relay is not None:
+                    relay.place(arrays, slab)
                 _receive(sock, arrays, deadline, relay, address)
+                vouched = False
             elif status == MAPPED:
-                _copy_mapped(sock, arrays, deadline, relay, address)
+                arrays, vouched = _map(sock, specs, deadline, relay, address), True
             else:
-                raise ConnectionError(f"{address} has no offer {uuid} of {total} bytes (expired, "
-                                      f"pulled from elsewhere, or of another model)")
+                raise ConnectionError(f"{address} has no offer {uuid} of {nbytes(specs)} bytes "
+                                      f"(expired, pulled from elsewhere, or of another model)")
     except BaseException as e:
         if relay is not None:
             relay.fail(str(e))
         if isinstance(e, socket.timeout):
             raise TimeoutError(f"weight pull from {address}: not done in time") from None
         raise
-    return {name: a for (name, _, _), a in zip(specs, arrays)}
+    return {name: a for (name, _, _), a in zip(specs, arrays)}, vouched
+
+
+def _new(specs) -> list[np.ndarray]:
+    return [np.empty(shape, WIRE_DTYPES[dtype]) for _, shape, dtype in specs]
 
 
 def _connect(address: str, deadline: float | None) -> socket.socket:
@@ -82,26 +91,28 @@ def _receive(sock, arrays, deadline, relay, address) -> None:
                 relay.arrived(n)
 
 
-def _copy_mapped(sock, arrays, deadline, relay, address) -> None:
-    """A relay's slab mapped from the descriptor it sends, copied out as it says it fills."""
+def _map(sock, specs, deadline, relay, address) -> list[np.ndarray]:
+    """A relay's slab, mapped from the descriptor it sends, returned once it says the slab is
+    whole and vouches for it (and relayed on meanwhile as it says it fills)."""
     sock.settimeout(_left(deadline))
     message, fds, _, _ = socket.recv_fds(sock, COUNT.size, 1)
     if len(fds) != 1 or len(message) != COUNT.size:
         for fd in fds:
             os.close(fd)
         raise ConnectionError(f"{address} sent no slab to map")
-    # Unmapped once the last array over it is gone (an error's traceback may hold one).
-    mapping = mmap.mmap(fds[0], 0, prot=mmap.PROT_READ)
-    os.close(fds[0])
+    slab = MappedSlab(fds[0])
     (count,) = COUNT.unpack(message)
     table = recv_exactly(sock, COUNT.size * count) if count else b""
     offsets = [COUNT.unpack_from(table, COUNT.size * i)[0] for i in range(count)]
-    targets = [byte_view(a) for a in arrays]
-    if count != len(arrays) or any(o + t.size > len(mapping) for o, t in zip(offsets, targets)):
-        raise ConnectionError(f"{address} offered a slab of another layout")
-    source = np.frombuffer(mapping, np.uint8)
-    starts = np.cumsum([0] + [t.size for t in targets]).tolist()
-    got, total = 0, starts[-1]
+    if count != len(specs):
+        raise ConnectionError(f"{address} offered a slab of {count} tensors, not {len(specs)}")
+    try:
+        arrays = slab.views(offsets, specs)
+    except ValueError as e:
+        raise ConnectionError(f"{address} offered a slab of another layout: {e}") from None
+    if relay is not None:
+        relay.place(arrays, slab)
+    got, total = 0, nbytes(specs)
     while got < total:
         sock.settimeout(_left(deadline))
         (told,) = COUNT.unpack(recv_exactly(sock, COUNT.size))
@@ -109,14 +120,14 @@ def _copy_mapped(sock, arrays, deadline, relay, address) -> None:
             raise ConnectionError(f"the relayed pull at {address} failed")
         if not got < told <= total:
             raise ConnectionError(f"{address} said {told} of {total} bytes after {got}")
-        for target, start, offset in zip(targets, starts, offsets):
-            lo, hi = max(got, start), min(told, start + target.size)
-            if lo < hi:
-                target[lo - start: hi - start] = source[offset + lo - start: offset + hi - start]
         if relay is not None:
             relay.arrived(told - got)
         got = told
+    if recv_exactly(sock, 1) != STREAM:
+        raise ConnectionError(f"the relay at {address} refused the update (its own pull or "
+                              f"its check for NaN/Inf failed)")
     sock.sendall(STREAM)
+    return arrays
 
 
 def _left(deadline: float | None) -> float | None:

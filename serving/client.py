@@ -179,10 +179,14 @@ class RemoteGeneration:
                     weight_pieces(params, version, resume=resume), timeout=timeout,
                     metadata=metadata)
             else:
-                reply = self._stub.PullWeights(
-                    self._offer(params, version, resume, timeout, pull_from, relay_as),
-                    timeout=timeout,
-                    metadata=metadata)
+                request = self._offer(params, version, resume, timeout, pull_from, relay_as)
+                try:
+                    reply = self._stub.PullWeights(request, timeout=timeout, metadata=metadata)
+                finally:        # pulled, or failed: a retry makes an offer of its own
+                    if self.transfer == "tcp" and pull_from is None:
+                        from serving.bulk import BulkServer
+
+                        BulkServer.get(self.transfer_host).withdraw(request.uuid)
         except grpc.RpcError as e:
             code, details = e.code(), e.details()
             where = f"weights version {version} to {self.address}"

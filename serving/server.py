@@ -236,9 +236,10 @@ class GenerationService(gen_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except WeightUpdateError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        def apply(named):
+        def apply(named, finite_checked):
             return self.orchestrator.update_params(as_tree(named), request.version,
-                                                   resume=request.resume)
+                                                   resume=request.resume,
+                                                   finite_checked=finite_checked)
 
         try:
             result = self._pulls.pull(request, specs, context.time_remaining(), apply)

@@ -80,9 +80,11 @@ def adapter_hint(names) -> str:
             "with the trainer's model.lora as --lora-rank, --lora-alpha and --lora-targets")
 
 
-def check_weights(params, target) -> list[tuple[str, object, jax.ShapeDtypeStruct]]:
+def check_weights(params, target, *, finite_checked: bool = False
+                  ) -> list[tuple[str, object, jax.ShapeDtypeStruct]]:
     """Validates `params` against `target` (ShapeDtypeStructs with shardings); returns
-    (name, array, target) triples in tree order."""
+    (name, array, target) triples in tree order. `finite_checked`: the caller has run
+    `require_finite` on these very arrays already (a pull: serving/pulls.py)."""
     got = dict((_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0])
     want = [(_name(p), t) for p, t in jax.tree_util.tree_flatten_with_path(target)[0]]
     missing = [n for n, _ in want if n not in got]
@@ -107,18 +109,25 @@ def check_weights(params, target) -> list[tuple[str, object, jax.ShapeDtypeStruc
             raise WeightUpdateError(f"weight update: {name} has dtype {x.dtype}; a floating "
                                     f"dtype of 16 or 32 bits is required")
         out.append((name, x, t))
-    ok = finite([x for _, x, _ in out])
-    if not ok.all():
-        bad = [name for (name, _, _), good in zip(out, ok) if not good]
-        raise WeightUpdateError(f"weight update rejected: {bad[0]} contains NaN or Inf"
-                                + (f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""))
+    if not finite_checked:
+        require_finite([(name, x) for name, x, _ in out])
     return out
 
 
-def reshard(params, target, *, chunk_bytes: int = 256 * 2**20):
-    """`params` placed and cast like `target`. At most about `chunk_bytes` of new weights are in
-    flight at a time, which bounds the extra device memory an update needs."""
-    checked = check_weights(params, target)
+def require_finite(named: list[tuple[str, object]]) -> None:
+    """WeightUpdateError naming the first tensor of `named` (name, array) with a NaN or Inf."""
+    ok = finite([x for _, x in named])
+    if not ok.all():
+        bad = [name for (name, _), good in zip(named, ok) if not good]
+        raise WeightUpdateError(f"weight update rejected: {bad[0]} contains NaN or Inf"
+                                + (f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""))
+
+
+def reshard(params, target, *, chunk_bytes: int = 256 * 2**20, finite_checked: bool = False):
+    """`params` placed and cast like `target` (checked first: `check_weights`). At most about
+    `chunk_bytes` of new weights are in flight at a time, which bounds the extra device memory
+    an update needs."""
+    checked = check_weights(params, target, finite_checked=finite_checked)
     placed, in_flight, size = [], [], 0
     for _, x, t in checked:
         if np.dtype(t.dtype).itemsize < np.dtype(x.dtype).itemsize and isinstance(x, jax.Array):

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -205,8 +206,9 @@ def test_the_killed_server_s_work_moved_and_it_rejoined(fleet_run):
 
 def test_two_jaxrl_serve_processes_relay_a_tcp_push_by_memfd(warmed):
     """A push over tcp to two `jaxrl serve` processes on this host forms a chain: the second
-    pulls the weights from the first, mapping its memfd (a descriptor passed between the two
-    processes) rather than reading them through a socket; both then serve the version."""
+    pulls the weights from the first by mapping its memfd (a descriptor passed between the two
+    processes) rather than reading them through a socket, and serves from that mapping,
+    read-only; both then serve the version."""
     from jaxrl.models import split_params
     from jaxrl.rollout.fleet import Member
     from jaxrl.rollout.publisher import WeightPublisher
@@ -224,6 +226,7 @@ def test_two_jaxrl_serve_processes_relay_a_tcp_push_by_memfd(warmed):
         publisher.close()
         fleet.close()
         served = [r.metrics() for r in remotes]
+        maps = [Path(f"/proc/{proc.pid}/maps").read_text() for proc, _ in servers]
     finally:
         for r in remotes:
             r.close()
@@ -232,6 +235,12 @@ def test_two_jaxrl_serve_processes_relay_a_tcp_push_by_memfd(warmed):
             proc.wait(60)
     assert [m["version"] for m in served] == [100, 100]
     assert sorted((m["bulk_sends"], m["bulk_mapped_sends"]) for m in served) == [(0, 0), (1, 1)]
+    # The server downstream maps the relay's weights read-only and shared ("r--s"); the relay
+    # maps its own slab writable.
+    weights = [{line.split()[1] for line in m.splitlines() if "memfd:jaxrl-weights" in line}
+               for m in maps]
+    relay = [m["bulk_sends"] for m in served].index(1)
+    assert "rw-s" in weights[relay] and "r--s" in weights[1 - relay], weights
 
 
 def test_every_trained_token_has_the_trainer_s_log_prob_and_version(fleet_run):

@@ -20,7 +20,7 @@ from serving import bulk as bulk_module
 from serving import bulk_pull
 from serving.bulk import BulkServer, relay_offer
 from serving.bulk_pull import pull
-from serving.slabs import ALIGN, ReceivePool
+from serving.slabs import ALIGN, ReceivePool, nbytes
 from tests.serving.common import until
 
 
@@ -54,8 +54,8 @@ def test_what_arrives_is_what_was_offered(bulk, path):
     arrays = _arrays()
     uuid, offer = bulk.offer(list(arrays.values()), 30)
     for _ in range(2):                      # an offer serves every pull until its deadline
-        got = pull(bulk.address, uuid, _specs(arrays), 30)
-        assert list(got) == list(arrays)
+        got, vouched = pull(bulk.address, uuid, _specs(arrays), 30)
+        assert list(got) == list(arrays) and not vouched     # the trainer checks nothing
         for name, a in arrays.items():
             assert got[name].dtype == a.dtype and np.array_equal(got[name], a)
     until(lambda: offer.sends == 2, what="both sends counted")   # the sender counts after
@@ -79,21 +79,25 @@ def test_a_relay_passes_on_what_it_receives(bulk, path, monkeypatch):
     relay = BulkServer("127.0.0.1")             # the first server's own bulk server
     uuid, _ = bulk.offer(list(arrays.values()), 30)
     relay_id = 12345
-    second = {}
+    second = []
     # The second server asks first: its source's relay offer does not exist yet (the late
     # registration is waited for).
-    downstream = threading.Thread(target=lambda: second.update(
+    downstream = threading.Thread(target=lambda: second.extend(
         pull(relay.address, relay_id, _specs(arrays), 30)))
     downstream.start()
-    into, slab = ReceivePool().take(_specs(arrays))
-    offer = relay_offer(relay, relay_id, into, 30, slab)
-    first = pull(bulk.address, uuid, _specs(arrays), 30, into, offer)
+    pool = ReceivePool()
+    offer = relay_offer(relay, relay_id, nbytes(_specs(arrays)), 30)
+    first, _ = pull(bulk.address, uuid, _specs(arrays), 30, lambda: pool.take(_specs(arrays)),
+                    offer)
+    offer.vouch()                               # the relay's server found it finite
     downstream.join(30)
     for name, a in arrays.items():
-        assert np.array_equal(first[name], a) and np.array_equal(second[name], a)
+        assert np.array_equal(first[name], a) and np.array_equal(second[0][name], a)
     assert offer.done.wait(30) and offer.sends == 1
-    # On this host the relay's slab was mapped, not sent through a socket.
-    assert offer.mapped == (1 if path == "local" and slab.fd is not None else 0)
+    # On this host the relay's slab was mapped, not sent through a socket, and its check
+    # stands for the second server's; through a socket the second checks for itself.
+    mapped = path == "local" and offer.slab is not None
+    assert offer.mapped == int(mapped) and second[1] == mapped
     monkeypatch.setattr(bulk_module, "LATE_S", 0.2)
     with pytest.raises(ConnectionError, match="has no offer"):     # a relay is sent once
         pull(relay.address, relay_id, _specs(arrays), 30)
@@ -123,10 +127,10 @@ def test_a_relay_cut_short_cuts_its_puller_short(bulk, path):
 
     thread = threading.Thread(target=downstream)
     thread.start()
-    into, slab = ReceivePool().take(specs)
-    offer = relay_offer(relay, 777, into, 30, slab)
+    offer = relay_offer(relay, 777, total, 30)
     with pytest.raises(ConnectionError, match="ended the offer"):
-        pull(f"127.0.0.1:{listener.getsockname()[1]}", 1, specs, 30, offer.arrays, offer)
+        pull(f"127.0.0.1:{listener.getsockname()[1]}", 1, specs, 30,
+             lambda: ReceivePool().take(specs), offer)
     thread.join(30)
     # Streamed: the bytes stop short; mapped: the relay says its pull failed.
     assert errors and ("ended the offer" in errors[0] or "relayed pull" in errors[0]), errors
@@ -174,7 +178,8 @@ def test_a_mapped_relay_hands_over_a_descriptor_that_cannot_write(bulk):
     into, slab = ReceivePool().take(_specs(arrays))
     assert slab.fd is not None      # Linux: slabs are memfds
     relay = BulkServer("127.0.0.1")
-    offer = relay_offer(relay, 4242, into, 30, slab)
+    offer = relay_offer(relay, 4242, nbytes(_specs(arrays)), 30)
+    offer.place(into, slab)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(bulk_module.local_name(relay.address))
     sock.sendall(bulk_module.HEADER.pack(4242, offer.total))
@@ -186,3 +191,103 @@ def test_a_mapped_relay_hands_over_a_descriptor_that_cannot_write(bulk):
         os.write(fds[0], b"x")
     os.close(fds[0])
     sock.close()
+
+
+def test_a_relay_whose_pull_fails_before_it_starts_fails_its_puller(bulk, path, monkeypatch):
+    """The relay's own source has no such offer: its puller, waiting for the relay to learn
+    where its bytes come from, fails too instead of waiting out the deadline."""
+    monkeypatch.setattr(bulk_module, "LATE_S", 0.5)
+    arrays = _arrays()
+    specs = _specs(arrays)
+    relay = BulkServer("127.0.0.1")
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(
+        pytest.raises(ConnectionError, pull, relay.address, 99, specs, 30)))
+    thread.start()
+    offer = relay_offer(relay, 99, nbytes(specs), 30)
+    with pytest.raises(ConnectionError, match="has no offer"):
+        pull(bulk.address, 123456, specs, 30, lambda: ReceivePool().take(specs), offer)
+    thread.join(30)
+    assert not thread.is_alive() and "ended the offer after 0" in str(errors[0].value)
+
+
+_HOLDER = """
+import hashlib, json, sys
+from serving.bulk_pull import pull
+address, uuid, specs = json.loads(sys.argv[1])
+got, vouched = pull(address, uuid, [(n, tuple(s), d) for n, s, d in specs], 30)
+assert vouched
+assert not any(a.flags.writeable for a in got.values())       # the relay's memory, read-only
+print(hashlib.sha256(b"".join(a.tobytes() for a in got.values())).hexdigest(), flush=True)
+sys.stdin.read()                                                # serve until killed
+"""
+
+
+def test_a_server_beside_a_relay_serves_from_its_slab_which_waits_for_it(bulk):
+    """Another process on this host pulls a relay's update and serves from the relay's own slab
+    (the same bytes, read-only, no copy): the relay does not refill that slab while the process
+    holds it, and can once the process is SIGKILLed (the kernel drops its lock)."""
+    import hashlib
+    import json
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    arrays = _arrays()
+    specs = _specs(arrays)
+    uuid, _ = bulk.offer(list(arrays.values()), 30)
+    relay = BulkServer("127.0.0.1")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, json.dumps([relay.address, 5150, specs])],
+        cwd=Path(__file__).resolve().parents[2], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        pool = ReceivePool()
+        offer = relay_offer(relay, 5150, nbytes(specs), 30)
+        first, _ = pull(bulk.address, uuid, specs, 30, lambda: pool.take(specs), offer)
+        offer.vouch()
+        served = id(first["a/w"].base)
+        digest = hashlib.sha256(b"".join(a.tobytes() for a in first.values())).hexdigest()
+        assert holder.stdout.readline().strip() == digest
+        assert offer.mapped == 1
+        del first, offer
+        gc.collect()
+        again, _ = pool.take(specs)
+        assert id(again[0].base) != served          # still mapped by the other process
+        del again
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+        gc.collect()
+        third, _ = pool.take(specs)
+        assert id(third[0].base) == served          # its lock died with it: reused
+    finally:
+        holder.kill()
+        holder.wait(30)
+
+
+def test_a_relay_that_refuses_the_update_stops_a_puller_beside_it(bulk, path):
+    """The relay's server found a NaN in what it pulled: a server mapping its slab does not
+    serve it (a ConnectionError); one it streamed to has the bytes, unvouched, to check."""
+    arrays = _arrays()
+    specs = _specs(arrays)
+    uuid, _ = bulk.offer(list(arrays.values()), 30)
+    relay = BulkServer("127.0.0.1")
+    outcome = []
+
+    def downstream():
+        try:
+            outcome.append(pull(relay.address, 31337, specs, 30)[1])
+        except ConnectionError as e:
+            outcome.append(str(e))
+
+    thread = threading.Thread(target=downstream)
+    thread.start()
+    offer = relay_offer(relay, 31337, nbytes(specs), 30)
+    pull(bulk.address, uuid, specs, 30, lambda: ReceivePool().take(specs), offer)
+    offer.fail("weight update rejected: a/w contains NaN or Inf")
+    thread.join(30)
+    if path == "local":
+        assert "refused the update" in outcome[0], outcome
+    else:
+        assert outcome == [False]

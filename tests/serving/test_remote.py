@@ -231,7 +231,7 @@ def test_pulled_weights_are_served(server, params, transfer):
 
 
 @pytest.mark.parametrize("transfer", ["jax", "tcp"])
-def test_a_pull_that_does_not_fit_is_refused_before_anything_moves(server, params, transfer):
+def test_a_pull_that_does_not_fit_or_holds_a_nan_is_refused(server, params, transfer):
     import jax
     puller = RemoteGeneration(server.address, token=TOKEN, transfer=transfer)
     version = puller.newest_version
@@ -241,6 +241,13 @@ def test_a_pull_that_does_not_fit_is_refused_before_anything_moves(server, param
                                          [first[..., :1]] + [x for _, x in flat[1:]])
     with pytest.raises(WeightUpdateError, match=r"has shape .* the served model needs"):
         puller.update_params(wrong, version + 1, timeout=30)
+    poisoned = np.array(first, copy=True)
+    poisoned.flat[3] = np.nan
+    nan = jax.tree_util.tree_unflatten(jax.tree.structure(params),
+                                       [poisoned] + [x for _, x in flat[1:]])
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    with pytest.raises(WeightUpdateError, match=f"{name} contains NaN or Inf"):
+        puller.update_params(nan, version + 1, timeout=30)
     with pytest.raises(StaleVersion, match="not newer"):
         puller.update_params(params, version, timeout=30)
     stranger = RemoteGeneration(server.address, token="not-it", transfer=transfer)
