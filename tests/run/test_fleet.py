@@ -348,10 +348,11 @@ def test_a_resumed_trainer_brings_a_server_back_to_its_version():
 def test_tcp_pushes_travel_a_relay_chain():
     """rl.generation.transfer=tcp with three servers: the first pulls the update from the
     trainer, each of the others from the server before it (which relays what it receives), and
-    every one then serves the new weights, generating what an engine holding them generates."""
+    every one then serves the new weights, generating what an engine holding them generates.
+    On this host the second and third serve from the first's slab itself; three updates in a
+    row show no server's weights change under it as the slabs are refilled."""
     import jax
     params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
-    other = jax.tree.map(lambda x: x * 1.5 + 0.01, params)
     servers = [Server(Orchestrator(Engine(CFG, ENGINE), params, version=-1, eos_id=1).start(),
                       port=0, update_token="t").start() for _ in range(3)]
     remotes = [RemoteGeneration(s.address, token="t", transfer="tcp") for s in servers]
@@ -367,18 +368,22 @@ def test_tcp_pushes_travel_a_relay_chain():
     members = [Member(r.address, r, 4, remote=True, last_metrics=r.metrics()) for r in remotes]
     fleet = Fleet(members, eos_id=1, heartbeat_s=60, warn=lambda _: None)
     publisher = WeightPublisher(fleet, deadline_s=60, warn=lambda _: None)
-    publisher.publish(other, 3)
-    assert sorted(m.name for m in publisher.wait(3)) == sorted(r.address for r in remotes)
-    sources = [source for _, source in routes]
-    assert sources.count(None) == 1            # the trainer sent the update once
     relays = {m.last_metrics["bulk_address"] for m in members}
-    assert all(source[0] in relays for source in sources if source is not None)
     sampling = SamplingParams(max_tokens=6, temperature=0.0, stop_at_eos=False)
-    with Orchestrator(Engine(CFG, ENGINE), other, version=3, eos_id=1) as want:
-        expected = want.submit([3, 4, 5], sampling).result()[0].tokens
-    for r in remotes:
-        [sample] = r.submit([3, 4, 5], sampling).result()
-        assert sample.tokens == expected and set(sample.versions) == {3}
+    for version in (3, 4, 5):
+        weights = jax.tree.map(lambda x, v=version: x * (1.0 + v / 10) + 0.01, params)
+        routes.clear()
+        publisher.publish(weights, version)
+        assert sorted(m.name for m in publisher.wait(version)) == \
+            sorted(r.address for r in remotes)
+        sources = [source for _, source in routes]
+        assert sources.count(None) == 1            # the trainer sent the update once
+        assert all(source[0] in relays for source in sources if source is not None)
+        with Orchestrator(Engine(CFG, ENGINE), weights, version=version, eos_id=1) as want:
+            expected = want.submit([3, 4, 5], sampling).result()[0].tokens
+        for r in remotes:
+            [sample] = r.submit([3, 4, 5], sampling).result()
+            assert sample.tokens == expected and set(sample.versions) == {version}
     publisher.close()
     fleet.close()
     for r, s in zip(remotes, servers):
