@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxrl.models import lora, quant
 from jaxrl.rollout.fleet import Fleet, Member
-from jaxrl.rollout.relay_chain import RelayChains
+from jaxrl.rollout.relay_chain import Link, RelayChains
 from serving import threads
 from serving.weight_stream import StaleVersion
 from sharding.reshard import WeightUpdateError
@@ -73,7 +73,7 @@ class WeightPublisher:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self.stats = {"pushes": 0, "push_failures": 0, "push_timeouts": 0, "push_bytes": 0,
-                      "push_s": 0.0, "update_pause_ms_max": 0.0}
+                      "push_s": 0.0, "update_pause_ms_max": 0.0, "push_relay_retries": 0}
         self.errors: dict[str, str] = {}
         self._chains = RelayChains(deadline_s)
         self._threads: list[threading.Thread] = []
@@ -195,19 +195,32 @@ class WeightPublisher:
         transfer = getattr(m.generation, "transfer", "grpc")
         if transfer != "jax":
             payload = self._host_copy(version, payload, adapters)
-        route, link = {}, None
+        link = None
         if transfer == "tcp":
             link = self._chains.join((version, adapters), m.last_metrics.get("bulk_address"))
-            route = link.route()
         t0 = time.perf_counter()
         try:
-            result = m.generation.update_params(payload, version, timeout=self.deadline_s,
-                                                resume=resume, **route)
+            result = self._update(m, payload, version, resume, (version, adapters), link)
+        except ConnectionError:
+            if link is None or link.pull_from is None:
+                raise
+            # The server before it in the chain may have failed rather than it (a relay that
+            # dies mid-push cuts off every server after it): once more, from the trainer.
+            self._count("push_relay_retries")
+            result = self._update(m, payload, version, resume, (version, adapters),
+                                  Link(None, 0))
+        return payload, result, time.perf_counter() - t0
+
+    def _update(self, m: Member, payload, version: int, resume: bool, update: tuple,
+                link: Link | None):
+        """`m`'s update call, along `link` of the update's relay chain if it has one."""
+        try:
+            return m.generation.update_params(payload, version, timeout=self.deadline_s,
+                                              resume=resume, **(link.route() if link else {}))
         except BaseException:
             if link is not None:
-                self._chains.failed((version, adapters), link)
+                self._chains.failed(update, link)
             raise
-        return payload, result, time.perf_counter() - t0
 
     def _due(self, m: Member) -> bool:
         """Whether `m` should be pushed the latest weights now (under the fleet's lock)."""

@@ -116,8 +116,8 @@ class StepMetrics:
             row.update({k: engine[k] for k in ("members_ready", "slots_ready", "groups_moved",
                                                "members_set_aside")},
                        **{k: push[k] for k in ("pushes", "push_timeouts", "push_failures",
-                                               "push_bytes", "push_bytes_per_s",
-                                               "update_pause_ms_max")})
+                                               "push_relay_retries", "push_bytes",
+                                               "push_bytes_per_s", "update_pause_ms_max")})
         row.update(episode_stats(actor_now, self._actor))
         lengths = self.actor.take_lengths()
         row.update(length_quantiles(lengths))

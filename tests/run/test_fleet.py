@@ -391,6 +391,46 @@ def test_tcp_pushes_travel_a_relay_chain():
         s.stop(0)
 
 
+def test_a_relay_dying_mid_push_sends_its_chain_back_to_the_trainer():
+    """A tcp push whose upstream relay fails (here: every pull from a relay fails, as when the
+    relay's process dies mid-push) is pushed again at once straight from the trainer: the
+    servers after it are not set aside, every one serves the version, and the retries are
+    counted."""
+    params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
+    servers = [Server(Orchestrator(Engine(CFG, ENGINE), params, version=-1, eos_id=1).start(),
+                      port=0, update_token="t").start() for _ in range(3)]
+    remotes = [RemoteGeneration(s.address, token="t", transfer="tcp") for s in servers]
+    cut_off = []
+    for r in remotes:
+        push = r.update_params
+
+        def cut(*args, push=push, **kwargs):
+            if kwargs.get("pull_from") is not None:
+                cut_off.append(kwargs["pull_from"])
+                raise ConnectionError(f"weight pull from {kwargs['pull_from'][0]} failed: "
+                                      "[Errno 104] Connection reset by peer")
+            return push(*args, **kwargs)
+
+        r.update_params = cut
+    members = [Member(r.address, r, 4, remote=True, last_metrics=r.metrics()) for r in remotes]
+    fleet = Fleet(members, eos_id=1, heartbeat_s=60, warn=lambda _: None)
+    publisher = WeightPublisher(fleet, deadline_s=60, warn=lambda _: None)
+    try:
+        publisher.publish(params, 3)
+        assert len(publisher.wait(3)) == 3
+        # At least the second server pulled from a relay (the third may have joined after
+        # that link was cut, and pulled from the trainer itself).
+        assert cut_off and publisher.metrics()["push_relay_retries"] == len(cut_off)
+        assert fleet.stats["members_set_aside"] == 0
+        assert publisher.metrics()["push_failures"] == 0
+    finally:
+        publisher.close()
+        fleet.close()
+        for r, s in zip(remotes, servers):
+            r.close()
+            s.stop(0)
+
+
 def test_servers_join_and_leave_a_running_fleet():
     """rl.generation.join: a fleet that starts with no member takes the servers that offer
     themselves (serving/join.py) once they have the newest weights, logs each join and leave,

@@ -93,7 +93,7 @@ def fleet_run(warmed, tmp_path_factory):
             restarting.start()
         if step + 1 == REJOINED_BY:
             deadline = time.monotonic() + 300
-            while not any("rejoined" in line for line in lines):
+            while not any(f"{addresses[1]} rejoined" in line for line in lines):
                 assert time.monotonic() < deadline, "the restarted server did not rejoin"
                 time.sleep(0.2)
         return batch_stats(rollouts, step)
@@ -198,7 +198,7 @@ def test_the_killed_server_s_work_moved_and_it_rejoined(fleet_run):
     assert rows[WARMUP + RL_STEPS]["members_set_aside"] >= 1
     assert rows[WARMUP + RL_STEPS]["groups_moved"] >= 1
     assert any("set aside" in line for line in fleet_run["lines"])
-    assert any("rejoined" in line for line in fleet_run["lines"])
+    assert any(f"{fleet_run['addresses'][1]} rejoined" in line for line in fleet_run["lines"])
     restarted = fleet_run["after"][fleet_run["addresses"][1]]
     assert fleet_run["events"]["restarted"]
     assert restarted["version"] >= REJOINED_BY and restarted["requests_done"] > 0
