@@ -4,7 +4,7 @@
    budget, one after the other: the trainer with its engine in-process, then the trainer and two
    `jaxrl serve` processes on this machine (rl.generation.servers), each server with half the
    slots, first streaming the weights over gRPC, then with the servers pulling them
-   (rl.generation.transfer=jax). Prints samples/s as a ratio, the weight pushes' bytes/s and each server's decode pause
+   (rl.generation.transfer=jax, then tcp). Prints samples/s as a ratio, the weight pushes' bytes/s and each server's decode pause
    per update (its engine loop held to swap the weights in).
 2. Weight pushes to a server that is decoding, over loopback, for models of growing size, by
    each path in turn: the gRPC stream (the default), the server pulling them over
@@ -82,6 +82,8 @@ def fleet_vs_local(args, work: Path) -> dict:
         # The same servers again (the run's first push says `resume`), pulling the weights.
         results["2 servers, pulled"] = compare.run_variant(
             base, work, "2 servers, pulled", args, extra=(*fleet, "rl.generation.transfer=jax"))
+        results["2 servers, tcp"] = compare.run_variant(
+            base, work, "2 servers, tcp", args, extra=(*fleet, "rl.generation.transfer=tcp"))
         pauses = []
         for _, address in servers:
             remote = RemoteGeneration(address)
@@ -96,10 +98,14 @@ def fleet_vs_local(args, work: Path) -> dict:
     rows = results["2 servers"]["rows"]
     local_rows = results["in-process"]["rows"]
     pulled = results["2 servers, pulled"]["rows"]
+    tcp = results["2 servers, tcp"]["rows"]
     out = {"samples_per_s_ratio": results["2 servers"]["samples_per_s"]
            / results["in-process"]["samples_per_s"],
            "pulled_samples_per_s_ratio": results["2 servers, pulled"]["samples_per_s"]
            / results["in-process"]["samples_per_s"],
+           "tcp_samples_per_s_ratio": results["2 servers, tcp"]["samples_per_s"]
+           / results["in-process"]["samples_per_s"],
+           "tcp_bytes_per_s": tcp[-1]["push_bytes_per_s"],
            "push_bytes_per_s": rows[-1]["push_bytes_per_s"],
            "pull_bytes_per_s": pulled[-1]["push_bytes_per_s"],
            "pushes": rows[-1]["pushes"], "push_timeouts": rows[-1]["push_timeouts"],
@@ -107,9 +113,11 @@ def fleet_vs_local(args, work: Path) -> dict:
            "in_process_pause_ms_mean": float(np.mean([r["update_pause_ms"]
                                                       for r in local_rows]))}
     print(f"2 jaxrl serve processes vs in-process: samples/s {out['samples_per_s_ratio']:.2f}x "
-          f"(weights pulled: {out['pulled_samples_per_s_ratio']:.2f}x); "
+          f"(weights pulled: {out['pulled_samples_per_s_ratio']:.2f}x, over tcp: "
+          f"{out['tcp_samples_per_s_ratio']:.2f}x); "
           f"weight pushes {out['pushes']:.0f} at {out['push_bytes_per_s'] / 1e6:.1f} MB/s "
-          f"(pulled: {out['pull_bytes_per_s'] / 1e6:.1f} MB/s) "
+          f"(pulled: {out['pull_bytes_per_s'] / 1e6:.1f} MB/s, tcp: "
+          f"{out['tcp_bytes_per_s'] / 1e6:.1f} MB/s) "
           f"({out['push_timeouts']:.0f} timed out); decode pause per update "
           + ", ".join(f"server {i}: mean {p['mean']:.2f} ms, max {p['max']:.2f} ms over "
                       f"{p['updates']} updates" for i, p in enumerate(out["server_pause_ms"]))
