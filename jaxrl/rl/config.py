@@ -27,14 +27,16 @@ class GenerationConfig:
     heartbeat_s: float = 5.0         # how often each server is asked for its counters ...
     heartbeat_timeout_s: float = 10.0  # ... and how long it may take to answer
     wait_s: float = 600.0            # the run fails if no server can take work for this long
-    # How weights reach the servers: grpc (streamed in pieces over their gRPC port: the portable
-    # default), jax (each server pulls them device to device from a jax.experimental.transfer
-    # server of the trainer's process 0: serving/transfer.py) or tcp (each pulls them over a
-    # plain TCP connection into its host memory, the servers relaying them along a chain so the
-    # trainer sends each byte once: serving/bulk.py). The pull paths bind transfer_host, which
+    # How weights reach the servers: grpc (streamed in pieces over their gRPC port: portable),
+    # jax (each server pulls them device to device from a jax.experimental.transfer server of
+    # the trainer's process 0: serving/transfer.py) or tcp (each pulls them over a plain TCP
+    # connection into its host memory, the servers relaying them along a chain so the trainer
+    # sends each byte once, and servers on one host sharing one copy: serving/bulk.py); auto:
+    # tcp for a server at a loopback address (those `launch` starts included), which reaches
+    # the trainer on this host, grpc for any other. The pull paths bind transfer_host, which
     # the servers must reach, and have no authentication of their own beyond the offer's
     # random id: a trusted network only.
-    transfer: Literal["grpc", "jax", "tcp"] = "grpc"
+    transfer: Literal["auto", "grpc", "jax", "tcp"] = "auto"
     transfer_host: str = "127.0.0.1"
     # A server gathers each sample's tokens for up to this long and sends them in one message
     # (0: every token as it is drawn): the trainer's process reads a message per 50 ms per

@@ -25,6 +25,7 @@ from serving.constraints import Grammars
 from serving.engine import Engine, EngineConfig
 from serving.orchestrator import Orchestrator
 from serving.sampling import FEATURES
+from serving.server import is_loopback
 from sharding import mesh as shd
 
 
@@ -126,6 +127,16 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
     return _remote(cfg, model_cfg, tokenizer, params, version, log)
 
 
+def transfer_for(transfer: str, address: str) -> str:
+    """The weight transfer of the server at `address` (rl.generation.transfer): `auto` is tcp
+    for a server at a loopback address, on this host (its pulls reach the trainer's bulk server
+    and share memory with the servers beside it), and the gRPC stream for any other (which may
+    not reach the trainer's bulk port)."""
+    if transfer != "auto":
+        return transfer
+    return "tcp" if is_loopback(address.rsplit(":", 1)[0]) else "grpc"
+
+
 def _remote(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, version: int,
             log: Callable[[str], None]) -> Generators:
     """The fleet of `jaxrl serve` processes: those listed (one that does not answer yet joins
@@ -135,7 +146,8 @@ def _remote(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params
 
     def reach(address: str) -> RemoteGeneration:
         return RemoteGeneration(address, token=token, tls_ca=tls_ca,
-                                rpc_timeout_s=g.heartbeat_timeout_s, transfer=g.transfer,
+                                rpc_timeout_s=g.heartbeat_timeout_s,
+                                transfer=transfer_for(g.transfer, address),
                                 transfer_host=g.transfer_host,
                                 stream_interval_ms=g.stream_interval_ms)
 

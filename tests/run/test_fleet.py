@@ -529,3 +529,18 @@ def test_a_group_placed_on_a_member_that_leaves_meanwhile_goes_elsewhere():
     assert stream.member.name == "other" and len(other.submitted) == 1
     assert [m.name for m in fleet.members] == ["other"]
     fleet.close()
+
+
+def test_auto_transfer_is_tcp_on_this_host_and_the_grpc_stream_elsewhere():
+    """rl.generation.transfer=auto (the default): a server at a loopback address pulls over
+    tcp (it reaches the trainer's bulk server, and shares memory with servers beside it); any
+    other gets the gRPC stream, whose port it already has. An explicit choice stands."""
+    from jaxrl.rollout.generation import transfer_for
+
+    for address in ("127.0.0.1:9000", "localhost:9000", "[::1]:9000", "127.0.0.2:1"):
+        assert transfer_for("auto", address) == "tcp", address
+    for address in ("10.1.2.3:9000", "gen-7.cluster:9000", "[2001:db8::1]:9000"):
+        assert transfer_for("auto", address) == "grpc", address
+    for transfer in ("grpc", "jax", "tcp"):
+        assert transfer_for(transfer, "127.0.0.1:9000") == transfer
+        assert transfer_for(transfer, "10.1.2.3:9000") == transfer

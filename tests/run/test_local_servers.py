@@ -67,7 +67,8 @@ def test_train_launches_a_pinned_server_and_trains_on_it(tmp_path, mode):
     assert [r["step"] for r in rows] == list(range(WARMUP + 1, WARMUP + 5))
     assert [r["samples_trained"] for r in rows] == [16 * 8 * k for k in range(1, 5)]
     assert all(r["members_ready"] == 1 for r in rows)
-    assert f"weights version {WARMUP + 3} streamed" in server_log   # it served every version
+    # It served every version, pulled over tcp (rl.generation.transfer=auto, on this host).
+    assert f"weights version {WARMUP + 3} pulled" in server_log
     paused = [int(n) for n in re.findall(r"paused \(lease 600 s\) at (\d+) tokens", server_log)]
     resumed = [int(n) for n in re.findall(r"resumed at (\d+) tokens", server_log)]
     if mode == "sync":
