@@ -94,8 +94,8 @@ def test_a_lora_run_pushes_its_launched_server_the_adapters_alone(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     server_log = (tmp_path / "launched_server_0.log").read_text()
     assert "holding LoRA adapters of rank 4 on q_proj,v_proj,up_proj" in server_log
-    updates = re.findall(r"weights version (\d+) streamed( \(LoRA adapters alone\))?",
-                         server_log)
+    updates = re.findall(r"weights version (\d+) pulled( \(LoRA adapters alone\))?",
+                         server_log)        # over tcp: rl.generation.transfer=auto
     assert [bool(alone) for _, alone in updates] == [False] + [True] * (len(updates) - 1)
     assert len(updates) >= 3, updates
     cfg = load_run_config(None, overrides)
