@@ -182,8 +182,9 @@ class Offer:
         holds the slab (its mapping, and the lock that keeps the slab's owner from refilling
         it: serving/slabs.py)."""
         try:
-            # A read-only descriptor of the same memory: the puller cannot write into the
-            # weights this server serves from.
+            # A read-only descriptor of the same memory, sealed against any writer but our own
+            # mapping (serving/slabs.py): the puller cannot write into the weights this server
+            # serves from.
             readonly = os.open(f"/proc/self/fd/{self.slab.fd}", os.O_RDONLY | os.O_CLOEXEC)
             try:
                 socket.send_fds(sock, [COUNT.pack(len(self.arrays))], [readonly])

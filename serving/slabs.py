@@ -51,6 +51,20 @@ def layout(specs) -> tuple[list[tuple[int, tuple, np.dtype]], int]:
     return out, max(at, ALIGN)
 
 
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)    # Linux 5.1
+
+
+def _seal(fd: int) -> None:
+    """From now on only the mapping made already writes the memfd: no process handed it (even
+    one reopening it through /proc) can map it writable, write or resize it. Where the kernel
+    lacks the seal, the read-only descriptors a relay hands out are the guard."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE)
+    except OSError:
+        pass
+
+
 class Slab:
     """`size` bytes of page-aligned host memory (`array`, uint8), in a memfd (`fd`) where the
     OS has them, else anonymous (`fd` None)."""
@@ -60,10 +74,11 @@ class Slab:
         self.fd = None
         if hasattr(os, "memfd_create"):
             try:
-                self.fd = os.memfd_create("jaxrl-weights", os.MFD_CLOEXEC)
+                self.fd = os.memfd_create("jaxrl-weights", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 os.ftruncate(self.fd, size)
                 self.array = np.frombuffer(mmap.mmap(self.fd, size), np.uint8)
                 weakref.finalize(self, os.close, self.fd)
+                _seal(self.fd)
                 return
             except OSError:         # no memfds here (a sandbox): anonymous memory
                 if self.fd is not None:

@@ -189,7 +189,17 @@ def test_a_mapped_relay_hands_over_a_descriptor_that_cannot_write(bulk):
         mmap.mmap(fds[0], 0, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     with pytest.raises(OSError):
         os.write(fds[0], b"x")
+    # Nor can a process reopen it writable: the memfd is sealed against writes but through the
+    # relay's own mapping (Linux 5.1's F_SEAL_FUTURE_WRITE).
+    again = os.open(f"/proc/self/fd/{fds[0]}", os.O_RDWR)
+    with pytest.raises(PermissionError):
+        mmap.mmap(again, 0, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    with pytest.raises(PermissionError):
+        os.write(again, b"x")
+    os.close(again)
     os.close(fds[0])
+    into[0][0, 0] = 3.0                     # the relay's own mapping still writes
+    assert into[0][0, 0] == 3.0
     sock.close()
 
 
