@@ -83,6 +83,7 @@ class Offer:
         self.total = total if arrays is None else sum(a.nbytes for a in arrays)
         self.arrays: list[np.ndarray] | None = None
         self.slab = None
+        self.stage = None           # a relay's pieces, when its pull stages them
         self.placed = threading.Event()
         self.done = threading.Event()
         self.deadline = deadline
@@ -102,6 +103,12 @@ class Offer:
         host maps if it has a memfd (`send_mapped`)."""
         self.arrays = arrays
         self.slab = slab if slab is not None and slab.fd is not None else None
+        self.placed.set()
+
+    def place_stage(self, stage) -> None:
+        """The relay's pull passes its bytes through `stage` (serving/staging.py), which the
+        offer sends from, piece by piece, as they come."""
+        self.stage = stage
         self.placed.set()
 
     def arrived(self, n: int) -> None:
@@ -155,6 +162,8 @@ class Offer:
         when its one send ends, whole or not."""
         sent = 0
         try:
+            if self.stage is not None:
+                return self._send_staged(sock)
             if self.arrays is None:             # its pull failed before it was placed
                 raise ConnectionError(f"the relayed pull failed: {self._failed}")
             for a in self.arrays:
@@ -169,6 +178,19 @@ class Offer:
         finally:
             if self.single_use:
                 self.done.set()
+
+    def _send_staged(self, sock: socket.socket) -> None:
+        """Every piece from the relay's stage as it comes, each slot let go once sent."""
+        stage = self.stage
+        try:
+            for k in range(len(stage.pieces)):
+                sock.sendall(stage.read(k, self.deadline))
+                stage.done("relay", k)
+        except BaseException:
+            stage.dropped("relay")
+            raise
+        with self._cond:
+            self.sends += 1
 
     def _filled(self, past: int) -> int:
         """How many bytes have arrived, once a chunk more than `past` has (or the rest)."""

@@ -15,11 +15,12 @@ import numpy as np
 from serving.bulk import (CHUNK, COUNT, FAILED, HEADER, MAPPED, STREAM, Offer, byte_view,
                           local_name, recv_exactly)
 from serving.slabs import MappedSlab, nbytes
+from serving.staging import DeviceTensor, Stage
 from serving.weight_stream import WIRE_DTYPES
 
 
 def pull(address: str, uuid: int, specs: list[tuple[str, tuple, str]],
-         timeout_s: float | None, receive=None, relay: Offer | None = None
+         timeout_s: float | None, receive=None, relay: Offer | None = None, onto=None
          ) -> tuple[dict[str, np.ndarray], bool]:
     """The offer `uuid` of the bulk server at `address`, as {name: array} in `specs`' order
     (name, shape, wire dtype: checked by the caller first), and whether a relay beside this
@@ -27,13 +28,18 @@ def pull(address: str, uuid: int, specs: list[tuple[str, tuple, str]],
     come over a socket are received into the arrays `receive()` returns with the slab they are
     views of (default: new arrays, no slab); a slab mapped from a relay on this host is
     returned as it is. `relay`: an offer of these bytes (`relay_offer`), placed over whichever
-    it is and told of each chunk as it arrives."""
+    it is and told of each chunk as it arrives. `onto`: a device that socket bytes go to
+    through a few chunks of host memory instead (serving/staging.py: the arrays returned are
+    on it)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         with _connect(address, deadline) as sock:
             sock.sendall(HEADER.pack(uuid, nbytes(specs)))
             status = recv_exactly(sock, 1)
-            if status == STREAM:
+            if status == STREAM and onto is not None:
+                arrays = _receive_staged(sock, specs, onto, deadline, relay, address)
+                vouched = False
+            elif status == STREAM:
                 arrays, slab = receive() if receive is not None else (_new(specs), None)
                 if relay is not None:
                     relay.place(arrays, slab)
@@ -89,6 +95,35 @@ def _receive(sock, arrays, deadline, relay, address) -> None:
             got += n
             if relay is not None:
                 relay.arrived(n)
+
+
+def _receive_staged(sock, specs, device, deadline, relay, address) -> list:
+    """Every tensor's bytes through a `Stage` onto `device`, relayed from the stage as they
+    come."""
+    stage = Stage(specs)
+    if relay is not None:
+        stage.relaying()
+        relay.place_stage(stage)
+    tensors = [DeviceTensor(shape, dtype, device) for _, shape, dtype in specs]
+    give_up = (lambda: relay.fail("no server pulled the relay in time")) if relay else None
+    try:
+        for k, (i, row, _, n) in enumerate(stage.pieces):
+            view = memoryview(stage.writable(k, give_up))
+            got = 0
+            while got < n:
+                sock.settimeout(_left(deadline))
+                got_now = sock.recv_into(view[got:])
+                if got_now == 0:
+                    raise ConnectionError(f"{address} ended the offer after {got} of {n} "
+                                          f"bytes of a piece of {specs[i][0]}")
+                got += got_now
+            stage.written(k)
+            tensors[i].write(stage.slot(k), row)
+            stage.done("device", k)
+    except BaseException as e:
+        stage.fail(str(e))
+        raise
+    return [t.array for t in tensors]
 
 
 def _map(sock, specs, deadline, relay, address) -> list[np.ndarray]:

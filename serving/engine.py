@@ -133,16 +133,16 @@ class Engine:
     def max_prefill_length(self) -> int:
         return self.cfg.max_prefill_length
 
-    def prepare_params(self, params, *, finite_checked: bool = False):
+    def prepare_params(self, params, *, pulled: bool = False):
         """`params` (a pure dict, any placement) checked, placed on the serving mesh and cast
         to the serving dtype: what every call takes. Safe in any thread; a bad tree, shape,
-        dtype or a NaN raises WeightUpdateError before anything is copied (the NaN check
-        skipped if `finite_checked`: sharding/reshard.py). A model with LoRA adapters also
+        dtype or a NaN raises WeightUpdateError before anything is copied (`pulled`: a pull's
+        arrays, checked for NaN already and placed without a copy: sharding/reshard.py). A model with LoRA adapters also
         takes exactly its adapters (`adapters_only`): an update of those alone, the base
         kept."""
         target = lora.trainable(self.param_target) if self.adapters_only(params) else \
             self.param_target
-        return reshard(params, target, finite_checked=finite_checked)
+        return reshard(params, target, pulled=pulled)
 
     def adapters_only(self, params) -> bool:
         """Whether `params` names this model's adapters and nothing else: an update that

@@ -279,13 +279,14 @@ class Orchestrator:
 
     # -- weights -------------------------------------------------------------------------------
     def update_params(self, params, version: int, timeout: float | None = None, *,
-                      resume: bool = False, finite_checked: bool = False) -> UpdateResult:
+                      resume: bool = False, pulled: bool = False) -> UpdateResult:
         """Checks and moves `params` to the engine (in this thread, beside decoding), then has
         the loop swap them in between two decode steps. Raises WeightUpdateError, leaving the
         old weights serving, if the update is bad, and StaleVersion if `version` is not newer
         than every version served or accepted before it (versions never go back), unless
         `resume`: a trainer resumed from a checkpoint restarts the sequence at its version.
-        `finite_checked`: the caller has checked these arrays for NaN/Inf (a pull)."""
+        `pulled`: the arrays a pull made for this server, checked for NaN/Inf already and
+        nobody else's (serving/pulls.py)."""
         if self._thread is None:
             raise RuntimeError("the orchestrator is not running: call start() first")
         if not self._thread.is_alive():
@@ -295,7 +296,7 @@ class Orchestrator:
                 raise StaleVersion(f"weight update version {version} is not newer than the "
                                    f"served version {self.newest_version}")
             t0 = time.perf_counter()
-            prepared = self.engine.prepare_params(params, finite_checked=finite_checked)
+            prepared = self.engine.prepare_params(params, pulled=pulled)
             transfer = time.perf_counter() - t0
             update = Update(prepared, version, adapters=self.engine.adapters_only(params))
             self._accepted_version = version

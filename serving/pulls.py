@@ -13,9 +13,16 @@ from serving.slabs import ReceivePool, nbytes
 from sharding.reshard import WeightUpdateError, require_finite
 
 
+def stages(device) -> bool:
+    """Whether a tcp pull onto `device` goes through a few chunks of host memory
+    (serving/staging.py) rather than a slab the size of the model: on any device but a CPU,
+    whose engine serves from the slab itself."""
+    return device.platform != "cpu"
+
+
 class Pulls:
     """`host`: where this server's transfer and bulk servers bind; `device_of()`: the device a
-    jax transfer pull lands on."""
+    jax transfer pull, and a staged tcp pull, lands on."""
 
     def __init__(self, host: str, device_of):
         self.host, self._device_of = host, device_of
@@ -25,20 +32,24 @@ class Pulls:
         return bulk.BulkServer.get(self.host)
 
     def pull(self, request, specs, timeout_s, apply):
-        """Pulls the update `request` names, then `apply(named, finite_checked)`s it; what
-        `apply` returns. A tcp pull is checked for NaN/Inf here (or vouched for by the relay
-        it mapped), before the relay it makes vouches for it in turn."""
+        """Pulls the update `request` names, checks it for NaN/Inf (unless a relay it mapped
+        vouches for it), then `apply(named)`s it; what `apply` returns. The relay a tcp pull
+        makes vouches for it in turn once checked."""
         if request.transport != "tcp":
             from serving.transfer import Endpoint
 
             endpoint = Endpoint.get(self._device_of(), host=self.host)
-            return apply(endpoint.pull(request.address, request.uuid, specs, timeout_s), False)
+            named = endpoint.pull(request.address, request.uuid, specs, timeout_s)
+            require_finite(list(named.items()))
+            return apply(named)
         relay = None
         if request.relay_uuid:
             relay = bulk.relay_offer(self.bulk_server(), request.relay_uuid, nbytes(specs),
                                      timeout_s)
+        device = self._device_of()
         named, vouched = pull(request.address, request.uuid, specs, timeout_s,
-                              lambda: self._pool.take(specs), relay)
+                              lambda: self._pool.take(specs), relay,
+                              onto=device if stages(device) else None)
         try:
             if not vouched:
                 require_finite(list(named.items()))
@@ -48,4 +59,4 @@ class Pulls:
             raise
         if relay is not None:
             relay.vouch()
-        return apply(named, True)
+        return apply(named)

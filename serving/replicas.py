@@ -90,16 +90,15 @@ class Replicas:
             home.end_session(key)
 
     def update_params(self, params, version: int, timeout: float | None = None, *,
-                      resume: bool = False, finite_checked: bool = False) -> UpdateResult:
+                      resume: bool = False, pulled: bool = False) -> UpdateResult:
         """Every replica gets `params` as `version`. The checks (version, shapes, dtypes,
         finite) run on the first replica before any other is touched, so a refused update
         leaves every replica as it was."""
         with self._update_lock:
             first = self.replicas[0].update_params(params, version, timeout, resume=resume,
-                                                   finite_checked=finite_checked)
-            # The first checked them for NaN/Inf: the others take the same arrays unchecked.
+                                                   pulled=pulled)
             rest = [self._pool.submit(o.update_params, params, version, timeout, resume=resume,
-                                      finite_checked=True)
+                                      pulled=pulled)
                     for o in self.replicas[1:]]
             results = [first] + [f.result() for f in rest]
         return UpdateResult(version, max(r.transfer_s for r in results),

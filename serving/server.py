@@ -236,10 +236,9 @@ class GenerationService(gen_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except WeightUpdateError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        def apply(named, finite_checked):
+        def apply(named):
             return self.orchestrator.update_params(as_tree(named), request.version,
-                                                   resume=request.resume,
-                                                   finite_checked=finite_checked)
+                                                   resume=request.resume, pulled=True)
 
         try:
             result = self._pulls.pull(request, specs, context.time_remaining(), apply)

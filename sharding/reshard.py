@@ -80,11 +80,11 @@ def adapter_hint(names) -> str:
             "with the trainer's model.lora as --lora-rank, --lora-alpha and --lora-targets")
 
 
-def check_weights(params, target, *, finite_checked: bool = False
+def check_weights(params, target, *, pulled: bool = False
                   ) -> list[tuple[str, object, jax.ShapeDtypeStruct]]:
     """Validates `params` against `target` (ShapeDtypeStructs with shardings); returns
-    (name, array, target) triples in tree order. `finite_checked`: the caller has run
-    `require_finite` on these very arrays already (a pull: serving/pulls.py)."""
+    (name, array, target) triples in tree order. `pulled`: a pull's arrays, which it has run
+    `require_finite` on already (serving/pulls.py)."""
     got = dict((_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0])
     want = [(_name(p), t) for p, t in jax.tree_util.tree_flatten_with_path(target)[0]]
     missing = [n for n, _ in want if n not in got]
@@ -109,7 +109,7 @@ def check_weights(params, target, *, finite_checked: bool = False
             raise WeightUpdateError(f"weight update: {name} has dtype {x.dtype}; a floating "
                                     f"dtype of 16 or 32 bits is required")
         out.append((name, x, t))
-    if not finite_checked:
+    if not pulled:
         require_finite([(name, x) for name, x, _ in out])
     return out
 
@@ -123,11 +123,13 @@ def require_finite(named: list[tuple[str, object]]) -> None:
                                 + (f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""))
 
 
-def reshard(params, target, *, chunk_bytes: int = 256 * 2**20, finite_checked: bool = False):
+def reshard(params, target, *, chunk_bytes: int = 256 * 2**20, pulled: bool = False):
     """`params` placed and cast like `target` (checked first: `check_weights`). At most about
     `chunk_bytes` of new weights are in flight at a time, which bounds the extra device memory
-    an update needs."""
-    checked = check_weights(params, target, finite_checked=finite_checked)
+    an update needs. `pulled`: the arrays a pull made for the caller (serving/pulls.py), checked
+    for NaN/Inf already and nobody else's, so placed where they lie when they already lie
+    right, not copied."""
+    checked = check_weights(params, target, pulled=pulled)
     placed, in_flight, size = [], [], 0
     for _, x, t in checked:
         if np.dtype(t.dtype).itemsize < np.dtype(x.dtype).itemsize and isinstance(x, jax.Array):
@@ -136,7 +138,7 @@ def reshard(params, target, *, chunk_bytes: int = 256 * 2**20, finite_checked: b
         # array XLA:CPU may take as it is, 64-byte aligned (whatever may_alias says, on the
         # pinned jax): its owner must not write into it while these weights serve, as the tcp
         # pull's receive pool does not (serving/bulk.py).
-        y = jax.device_put(x, t.sharding, may_alias=False).astype(t.dtype)
+        y = jax.device_put(x, t.sharding, may_alias=None if pulled else False).astype(t.dtype)
         placed.append(y)
         in_flight.append(y)
         size += y.nbytes
