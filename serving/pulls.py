@@ -13,19 +13,20 @@ from serving.slabs import ReceivePool, nbytes
 from sharding.reshard import WeightUpdateError, require_finite
 
 
-def stages(device) -> bool:
-    """Whether a tcp pull onto `device` goes through a few chunks of host memory
-    (serving/staging.py) rather than a slab the size of the model: on any device but a CPU,
-    whose engine serves from the slab itself."""
-    return device.platform != "cpu"
+def stages(devices: list) -> bool:
+    """Whether a tcp pull for weights on `devices` goes through a few chunks of host memory onto
+    the device (serving/staging.py) rather than a slab the size of the model: on one GPU or
+    TPU. A CPU engine serves from the slab itself; weights sharded over several devices are
+    placed from the slab, shard by shard (staged whole onto one device, they might not fit)."""
+    return len(devices) == 1 and devices[0].platform != "cpu"
 
 
 class Pulls:
-    """`host`: where this server's transfer and bulk servers bind; `device_of()`: the device a
-    jax transfer pull, and a staged tcp pull, lands on."""
+    """`host`: where this server's transfer and bulk servers bind; `devices_of()`: the devices
+    the engine's weights live on (a jax transfer pull lands on the first)."""
 
-    def __init__(self, host: str, device_of):
-        self.host, self._device_of = host, device_of
+    def __init__(self, host: str, devices_of):
+        self.host, self._devices_of = host, devices_of
         self._pool = ReceivePool.shared()
 
     def bulk_server(self) -> bulk.BulkServer:
@@ -38,7 +39,7 @@ class Pulls:
         if request.transport != "tcp":
             from serving.transfer import Endpoint
 
-            endpoint = Endpoint.get(self._device_of(), host=self.host)
+            endpoint = Endpoint.get(self._devices_of()[0], host=self.host)
             named = endpoint.pull(request.address, request.uuid, specs, timeout_s)
             require_finite(list(named.items()))
             return apply(named)
@@ -46,10 +47,10 @@ class Pulls:
         if request.relay_uuid:
             relay = bulk.relay_offer(self.bulk_server(), request.relay_uuid, nbytes(specs),
                                      timeout_s)
-        device = self._device_of()
+        devices = self._devices_of()
         named, vouched = pull(request.address, request.uuid, specs, timeout_s,
                               lambda: self._pool.take(specs), relay,
-                              onto=device if stages(device) else None)
+                              onto=devices[0] if stages(devices) else None)
         try:
             if not vouched:
                 require_finite(list(named.items()))

@@ -167,14 +167,15 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.update_token = update_token
         self.transfer_host = transfer_host     # where weight pulls leave from
-        self._pulls = Pulls(transfer_host, self._first_device)
+        self._pulls = Pulls(transfer_host, self._devices)
         self._shapes = tensor_names(orchestrator.engine.param_target)
         self._quantized = quantized_names(orchestrator.engine.param_target)
 
-    def _first_device(self):
-        """The engine's first device: where device-to-device pulls land."""
+    def _devices(self) -> list:
+        """The devices the engine's weights live on, by id (device-to-device pulls land on the
+        first)."""
         sharding = jax.tree.leaves(self.orchestrator.engine.param_target)[0].sharding
-        return sorted(sharding.device_set, key=lambda d: d.id)[0]
+        return sorted(sharding.device_set, key=lambda d: d.id)
 
     def Generate(self, request, context):
         kind = request.WhichOneof("prompt")

@@ -125,7 +125,7 @@ def test_a_server_that_stages_its_pulls_serves_what_it_pulled(monkeypatch):
     from serving.server import Server
     from tests.serving.common import CFG, ENGINE
 
-    monkeypatch.setattr(pulls, "stages", lambda device: True)
+    monkeypatch.setattr(pulls, "stages", lambda devices: True)
     params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
     other = jax.tree.map(lambda x: x * 1.5 + 0.01, params)
     server = Server(Orchestrator(Engine(CFG, ENGINE), params, version=0, eos_id=1).start(),
@@ -141,3 +141,15 @@ def test_a_server_that_stages_its_pulls_serves_what_it_pulled(monkeypatch):
     finally:
         remote.close()
         server.stop(0)
+
+
+def test_only_a_server_on_one_accelerator_stages():
+    """A CPU engine serves from the slab itself; weights sharded over several devices are placed
+    from the slab shard by shard (staged whole onto one device, they might not fit)."""
+    from types import SimpleNamespace
+
+    from serving.pulls import stages
+
+    gpu, tpu, cpu = (SimpleNamespace(platform=p) for p in ("gpu", "tpu", "cpu"))
+    assert stages([gpu]) and stages([tpu])
+    assert not stages([cpu]) and not stages([gpu, gpu]) and not stages([tpu] * 4)
