@@ -7,7 +7,8 @@ against a CPU float32 reference or against another GPU path: the model's logits;
 against XLA attention on packed rows (values and gradients); the engine's greedy tokens in
 bf16 against float32; every remat policy's gradients against `none`; `offload` lowering the
 peak device memory (`memory_stats`); an in-flight weight update during generation; the Pallas
-GPU paged-attention kernel (Triton) against the gather reference, alone and in the engine.
+GPU paged-attention kernel (Triton) against the gather reference, alone and in the engine; a
+tcp weight pull staged onto the GPU through a few host buffers.
 
 `tests/gpu/campaign.sh` runs it and then the GPU campaign; docs/benchmarks.md has its last
 results."""
@@ -220,3 +221,57 @@ def test_in_flight_update_during_generation_on_gpu():
         [sample] = stream.result()
     assert result.version == 1 and sample.versions[0] == 0 and sample.versions[-1] == 1
     assert sample.versions == sorted(sample.versions)
+
+
+def test_a_tcp_pull_onto_the_gpu_is_staged_and_serves_what_it_pulled():
+    """A server on one GPU pulls tcp weights through a few host buffers into their places on the
+    device (serving/staging.py): the pull's host memory stays far below the model's bytes, the
+    tensors arrive equal to what was offered, and a server serving them generates what an
+    engine holding them generates."""
+    import tracemalloc
+
+    from serving import staging
+    from serving.bulk import BulkServer
+    from serving.bulk_pull import pull
+    from serving.client import RemoteGeneration
+    from serving.engine import Engine, EngineConfig
+    from serving.orchestrator import Orchestrator
+    from serving.sampling import SamplingParams
+    from serving.server import Server
+
+    _, params = model_on(gpu())
+    flat = {"/".join(str(k.key) for k in path): np.asarray(x)
+            for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    specs = [(n, a.shape, a.dtype.name) for n, a in flat.items()]
+    bulk = BulkServer.get()
+    uuid, _ = bulk.offer(list(flat.values()), 120)
+    old = staging.CHUNK
+    staging.CHUNK = 64 << 10                    # many pieces for this small model
+    try:
+        pull(bulk.address, uuid, specs, 120, onto=gpu())      # compiles the block writes
+        tracemalloc.start()
+        got, _ = pull(bulk.address, uuid, specs, 120, onto=gpu())
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    finally:
+        staging.CHUNK = old
+    for name, a in flat.items():
+        assert got[name].devices() == {gpu()} and np.array_equal(np.asarray(got[name]), a)
+    assert peak < sum(a.nbytes for a in flat.values()) / 4, peak
+
+    other = jax.tree.map(lambda x: x * 1.5 + 0.01, params)
+    engine_cfg = EngineConfig(max_concurrent_decodes=4, max_len=256, max_prefill_length=16,
+                              prefill_chunk=16)
+    server = Server(Orchestrator(Engine(CFG, engine_cfg), params, version=0,
+                                 eos_id=None).start(), port=0, update_token="t").start()
+    remote = RemoteGeneration(server.address, token="t", transfer="tcp")
+    sampling = SamplingParams(max_tokens=8, temperature=0.0)
+    try:
+        assert remote.update_params(other, 1, timeout=120).version == 1
+        with Orchestrator(Engine(CFG, engine_cfg), other, version=1, eos_id=None) as want:
+            expected = want.submit([5, 6, 7], sampling).result()[0].tokens
+        [sample] = remote.submit([5, 6, 7], sampling).result()
+        assert sample.tokens == expected and set(sample.versions) == {1}
+    finally:
+        remote.close()
+        server.stop(0)
