@@ -108,7 +108,7 @@ def _receive_staged(sock, specs, device, deadline, relay, address) -> list:
     give_up = (lambda: relay.fail("no server pulled the relay in time")) if relay else None
     try:
         for k, (i, row, _, n) in enumerate(stage.pieces):
-            view = memoryview(stage.writable(k, give_up))
+            view = memoryview(stage.writable(k, give_up, deadline))
             got = 0
             while got < n:
                 sock.settimeout(_left(deadline))

@@ -75,13 +75,16 @@ class Stage:
         with self._cond:
             self._done["relay"] = 0
 
-    def writable(self, k: int, give_up) -> np.ndarray:
+    def writable(self, k: int, give_up, deadline: float | None) -> np.ndarray:
         """Piece k's slot once every consumer is done with the piece before it there. A relay
         that nobody has begun to pull `RELAY_GRACE_S` after it began holding this back is
-        dropped (`give_up()` is called)."""
+        dropped (`give_up()` is called); TimeoutError past `deadline` (time.monotonic)."""
         held = None
         with self._cond:
             while min(self._done.values()) <= k - len(self._slots):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError("the relay's downstream held the pull back past its "
+                                       "deadline")
                 if "relay" in self._done and not self._relay_started:
                     held = held or time.monotonic()
                     if time.monotonic() - held >= RELAY_GRACE_S:
