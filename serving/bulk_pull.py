@@ -84,17 +84,23 @@ def _connect(address: str, deadline: float | None) -> socket.socket:
 def _receive(sock, arrays, deadline, relay, address) -> None:
     """Every array's bytes, in order, straight off the socket."""
     for a in arrays:
-        view = memoryview(byte_view(a))
-        got = 0
-        while got < len(view):
-            sock.settimeout(_left(deadline))
-            n = sock.recv_into(view[got: got + CHUNK])
-            if n == 0:
-                raise ConnectionError(f"{address} ended the offer after "
-                                      f"{got} of {len(view)} bytes of a tensor")
-            got += n
-            if relay is not None:
-                relay.arrived(n)
+        _fill(sock, memoryview(byte_view(a)), deadline, address, "a tensor",
+              relay.arrived if relay is not None else None)
+
+
+def _fill(sock, view: memoryview, deadline, address: str, what: str, arrived=None) -> None:
+    """`view` filled straight off the socket, a chunk at a time at most (`arrived(n)` told of
+    each); ConnectionError naming `what` if the offer ends first."""
+    got = 0
+    while got < len(view):
+        sock.settimeout(_left(deadline))
+        n = sock.recv_into(view[got: got + CHUNK])
+        if n == 0:
+            raise ConnectionError(f"{address} ended the offer after {got} of {len(view)} "
+                                  f"bytes of {what}")
+        got += n
+        if arrived is not None:
+            arrived(n)
 
 
 def _receive_staged(sock, specs, device, deadline, relay, address) -> list:
@@ -107,16 +113,9 @@ def _receive_staged(sock, specs, device, deadline, relay, address) -> list:
     tensors = [DeviceTensor(shape, dtype, device) for _, shape, dtype in specs]
     give_up = (lambda: relay.fail("no server pulled the relay in time")) if relay else None
     try:
-        for k, (i, row, _, n) in enumerate(stage.pieces):
-            view = memoryview(stage.writable(k, give_up, deadline))
-            got = 0
-            while got < n:
-                sock.settimeout(_left(deadline))
-                got_now = sock.recv_into(view[got:])
-                if got_now == 0:
-                    raise ConnectionError(f"{address} ended the offer after {got} of {n} "
-                                          f"bytes of a piece of {specs[i][0]}")
-                got += got_now
+        for k, (i, row, _, _) in enumerate(stage.pieces):
+            _fill(sock, memoryview(stage.writable(k, give_up, deadline)), deadline, address,
+                  f"a piece of {specs[i][0]}")
             stage.written(k)
             tensors[i].write(stage.slot(k), row)
             stage.done("device", k)

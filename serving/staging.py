@@ -3,18 +3,18 @@
 On a CPU device the engine serves straight from the host slab a pull receives into
 (serving/slabs.py). On a GPU or TPU the weights live in device memory, and a slab the size of
 the model would be host memory held for nothing but the copy. Instead the bytes pass through a
-`Stage`: `slots` buffers of `chunk` bytes, each holding one piece of one tensor: a block of its rows
-(along its first axis) of at most `chunk` bytes, or one row where a row is larger. A piece is
-received into a free slot, copied into the tensor's place on the device, in place
-(`DeviceTensor`: the tensor is allocated there whole, in its dtype, and each block written
-into it), and, when this server relays the update, sent on to the next server from the same
-slot; the slot is free again once both are
-done. A server's host memory for a pull is then `slots * chunk`, whatever the model's size.
+`Stage`: `slots` buffers of `chunk` bytes, each holding one piece of one tensor, a block of its
+rows (along its first axis) of at most `chunk` bytes, or one row where a row is larger. A
+piece is received into a free slot, written into the tensor's place on the device
+(`DeviceTensor`: the tensor is allocated there whole, in its dtype, and each block written in
+place), and, when this server relays the update, sent on to the next server from the same
+slot; the slot is free again once both are done. A server's host memory for a pull is then
+`slots * chunk`, whatever the model's size.
 
 The relay is the one consumer that can hold the pull back (its downstream reads slower than
-this server receives). A relay that no server has come to pull by the time the stage is full
-is given up (`Offer.fail`): the pull goes on, and the server that would have pulled from it is
-pushed from the trainer instead (jaxrl/rollout/publisher.py).
+this server receives). A relay that no server has begun to pull `RELAY_GRACE_S` after the
+stage filled up is given up (`Offer.fail`): the pull goes on, and the server that would have
+pulled from it is pushed from the trainer instead (jaxrl/rollout/publisher.py).
 """
 
 from __future__ import annotations

@@ -345,6 +345,23 @@ def test_a_resumed_trainer_brings_a_server_back_to_its_version():
     server.stop(0)
 
 
+def _tcp_servers(params, before, n: int = 3):
+    """`n` in-process servers and tcp clients of them, each push to one preceded by
+    `before(its address, the push's keyword arguments)` (which may raise, as the push would)."""
+    servers = [Server(Orchestrator(Engine(CFG, ENGINE), params, version=-1, eos_id=1).start(),
+                      port=0, update_token="t").start() for _ in range(n)]
+    remotes = [RemoteGeneration(s.address, token="t", transfer="tcp") for s in servers]
+    for r in remotes:
+        push = r.update_params
+
+        def watched(*args, push=push, address=r.address, **kwargs):
+            before(address, kwargs)
+            return push(*args, **kwargs)
+
+        r.update_params = watched
+    return servers, remotes
+
+
 def test_tcp_pushes_travel_a_relay_chain():
     """rl.generation.transfer=tcp with three servers: the first pulls the update from the
     trainer, each of the others from the server before it (which relays what it receives), and
@@ -353,18 +370,9 @@ def test_tcp_pushes_travel_a_relay_chain():
     row show no server's weights change under it as the slabs are refilled."""
     import jax
     params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
-    servers = [Server(Orchestrator(Engine(CFG, ENGINE), params, version=-1, eos_id=1).start(),
-                      port=0, update_token="t").start() for _ in range(3)]
-    remotes = [RemoteGeneration(s.address, token="t", transfer="tcp") for s in servers]
     routes = []
-    for r in remotes:
-        push = r.update_params
-
-        def recorded(*args, push=push, name=r.address, **kwargs):
-            routes.append((name, kwargs.get("pull_from")))
-            return push(*args, **kwargs)
-
-        r.update_params = recorded
+    servers, remotes = _tcp_servers(params, lambda address, route: routes.append(
+        (address, route.get("pull_from"))))
     members = [Member(r.address, r, 4, remote=True, last_metrics=r.metrics()) for r in remotes]
     fleet = Fleet(members, eos_id=1, heartbeat_s=60, warn=lambda _: None)
     publisher = WeightPublisher(fleet, deadline_s=60, warn=lambda _: None)
@@ -397,21 +405,15 @@ def test_a_relay_dying_mid_push_sends_its_chain_back_to_the_trainer():
     servers after it are not set aside, every one serves the version, and the retries are
     counted."""
     params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
-    servers = [Server(Orchestrator(Engine(CFG, ENGINE), params, version=-1, eos_id=1).start(),
-                      port=0, update_token="t").start() for _ in range(3)]
-    remotes = [RemoteGeneration(s.address, token="t", transfer="tcp") for s in servers]
     cut_off = []
-    for r in remotes:
-        push = r.update_params
 
-        def cut(*args, push=push, **kwargs):
-            if kwargs.get("pull_from") is not None:
-                cut_off.append(kwargs["pull_from"])
-                raise ConnectionError(f"weight pull from {kwargs['pull_from'][0]} failed: "
-                                      "[Errno 104] Connection reset by peer")
-            return push(*args, **kwargs)
+    def cut(address, route):
+        if route.get("pull_from") is not None:
+            cut_off.append(route["pull_from"])
+            raise ConnectionError(f"weight pull from {route['pull_from'][0]} failed: "
+                                  "[Errno 104] Connection reset by peer")
 
-        r.update_params = cut
+    servers, remotes = _tcp_servers(params, cut)
     members = [Member(r.address, r, 4, remote=True, last_metrics=r.metrics()) for r in remotes]
     fleet = Fleet(members, eos_id=1, heartbeat_s=60, warn=lambda _: None)
     publisher = WeightPublisher(fleet, deadline_s=60, warn=lambda _: None)
