@@ -301,3 +301,39 @@ def test_a_relay_that_refuses_the_update_stops_a_puller_beside_it(bulk, path):
         assert "refused the update" in outcome[0], outcome
     else:
         assert outcome == [False]
+
+
+def test_every_server_of_a_relay_chain_refuses_a_non_finite_update(bulk, path):
+    """A trainer's offer with a NaN, pulled by two servers' `Pulls` as a relay chain (the second
+    pulls from the first while it receives): neither applies it. Over the Unix socket the second
+    maps the relay's slab and trusts its verdict, so this holds only if the relay checks before
+    it vouches (serving/pulls.py)."""
+    import types
+
+    from serving.pulls import Pulls
+    from sharding.reshard import WeightUpdateError
+
+    arrays = _arrays()
+    arrays["a/w"][5, 17] = np.nan
+    specs = _specs(arrays)
+    uuid, _ = bulk.offer(list(arrays.values()), 30)
+    applied, refused = [], []
+
+    def serve(request):
+        try:
+            Pulls("127.0.0.1", lambda: jax.devices()[:1]).pull(request, specs, 30,
+                                                               applied.append)
+        except (WeightUpdateError, ConnectionError) as e:
+            refused.append(str(e))
+
+    relay_uuid = 4242 if path == "local" else 4243
+    relay_at = BulkServer.get("127.0.0.1").address
+    downstream = threading.Thread(target=serve, args=(types.SimpleNamespace(
+        transport="tcp", address=relay_at, uuid=relay_uuid, relay_uuid=0),))
+    downstream.start()
+    serve(types.SimpleNamespace(transport="tcp", address=bulk.address, uuid=uuid,
+                                relay_uuid=relay_uuid))
+    downstream.join(30)
+    assert not downstream.is_alive()
+    assert applied == [] and len(refused) == 2, (applied, refused)
+    assert "a/w contains NaN or Inf" in refused[0]

@@ -51,7 +51,7 @@ def test_the_server_answers_grpc_health_checks_and_tells_watchers_it_stops(engin
 
 def test_a_failed_engine_is_not_serving():
     """`serving()` turning false (the engine loop's error set) reaches Check at once and a
-    watcher within the poll."""
+    watcher within the poll: the watcher's stream, read on a thread, records each status."""
     ok = threading.Event()
     ok.set()
     health = Health(ok.is_set, ["svc"], poll_s=0.01)
@@ -59,15 +59,33 @@ def test_a_failed_engine_is_not_serving():
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    seen, changed = [], threading.Condition()
+
+    def watch(channel):
+        try:
+            for reply in health_pb2_grpc.HealthStub(channel).Watch(
+                    health_pb2.HealthCheckRequest(service="svc"), timeout=30):
+                with changed:
+                    seen.append(reply.status)
+                    changed.notify_all()
+        except grpc.RpcError:       # cancelled when the server stops
+            pass
+
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            watcher = threading.Thread(target=watch, args=(channel,))
+            watcher.start()
+            with changed:
+                assert changed.wait_for(lambda: seen, 10) and seen == [SERVING]
             assert _check(channel, "svc") == SERVING
-            watch = health_pb2_grpc.HealthStub(channel).Watch(
-                health_pb2.HealthCheckRequest(service="svc"), timeout=60)
-            assert next(watch).status == SERVING
             ok.clear()
-            assert next(watch).status == NOT_SERVING
-            assert _check(channel) == NOT_SERVING
+            assert _check(channel) == NOT_SERVING          # Check reads the engine at once
+            with changed:
+                assert changed.wait_for(lambda: len(seen) > 1, 10)
+            assert seen == [SERVING, NOT_SERVING]
+            server.stop(0)
+            watcher.join(10)
+            assert not watcher.is_alive()
     finally:
         health.stop()
         server.stop(0)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from jax import monitoring
 
 from jaxrl import executables
@@ -27,6 +28,8 @@ from serving.orchestrator import EngineStopped, Orchestrator
 from serving.programs import ROWS_FIRST, Programs
 from serving.proto import generation_pb2 as gen
 from serving.proto import generation_pb2_grpc as gen_grpc
+from serving.proto import jetstream_pb2 as js_pb2
+from serving.proto import jetstream_pb2_grpc as js_grpc
 from serving.sampling import SamplingParams
 from serving.server import Server
 from serving.stream import DoneEvent, Sample
@@ -301,6 +304,16 @@ def test_a_dead_engine_loop_fails_every_client(engine, params):
                                                    sampling=gen.SamplingOptions(max_tokens=2)),
                                timeout=5))
         assert rpc.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        # Probes see it at once: gRPC's health service and JetStream's HealthCheck.
+        channel = grpc.insecure_channel(server.address)
+        for service in ("", "jetstream_proto.Orchestrator", "jaxrl.serving.Generation"):
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING, service
+        live = js_grpc.OrchestratorStub(channel).HealthCheck(js_pb2.HealthCheckRequest(),
+                                                               timeout=5)
+        assert not live.is_live
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=5,
                            json={"model": "tiny", "prompt": "1+1=", "max_tokens": 2})
         assert reply.status_code == 503 and "engine loop has stopped" in reply.text
