@@ -25,11 +25,29 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+# JSON as `json.dumps(separators=(",", ":"))` writes it: no whitespace between tokens. With
+# JSON's free whitespace a weak or early-RL model can write newlines after `{` until it runs
+# out of tokens (vLLM's `disable-any-whitespace`, llguidance's `whitespace_flexible: false`).
+# A schema's own "x-guidance" options still apply over these.
+COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
 def json_schema_grammar(schema: dict | bool) -> str:
-    """The grammar of JSON text matching `schema` (ValueError: not a schema llguidance takes)."""
+    """The grammar of compact JSON text matching `schema` (ValueError: not a schema llguidance
+    takes)."""
     from llguidance import LLMatcher
 
-    return LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=COMPACT)
+
+
+def compact_json(schema: dict | bool) -> str:
+    """`schema` as the argument of a Lark `%json` rule, compact as `json_schema_grammar`'s."""
+    if schema is True:
+        schema = {}
+    if schema is False:
+        schema = {"not": {}}
+    options = {**COMPACT, **schema.get("x-guidance", {})}
+    return json.dumps({**schema, "x-guidance": options}, separators=(",", ":"))
 
 
 def lark_grammar(text: str) -> str:

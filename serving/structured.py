@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from serving.constraints import json_schema_grammar, lark_grammar
+from serving.constraints import compact_json, json_schema_grammar, lark_grammar
 from serving.openai_schema import OpenAIError
 from serving.tool_calls import Hermes, Llama3Json, Parser
 
@@ -48,7 +48,7 @@ def tool_call_grammar(parser: Parser, tools: list[dict], name: str | None,
         raise OpenAIError(400, f"tool_choice: no grammar for {parser.name} tool calls",
                           "tool_choice")
     if name is not None:
-        rules = [f"start: args {_lark(close)}", f"args: %json {_json(by_name[name])}"]
+        rules = [f"start: args {_lark(close)}", f"args: %json {compact_json(by_name[name])}"]
     else:
         call = {"anyOf": [{"type": "object",
                            "properties": {"name": {"const": n}, args_key: schema},
@@ -57,7 +57,7 @@ def tool_call_grammar(parser: Parser, tools: list[dict], name: str | None,
         end, between = more
         repeat = f" ({_lark(between)} call{f' {_lark(end)}' if end else ''})*" if parallel else ""
         rules = [f"start: call{f' {_lark(end)}' if end else ''}{repeat}",
-                 f"call: %json {_json(call)}"]
+                 f"call: %json {compact_json(call)}"]
     return lark_grammar("\n".join(rules))
 
 
@@ -68,10 +68,6 @@ def _schema_grammar(schema, field: str) -> str:
         return json_schema_grammar(schema)
     except ValueError as e:
         raise OpenAIError(400, f"{field}: the schema cannot be followed ({e})", field) from None
-
-
-def _json(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"))
 
 
 def _lark(text: str) -> str:

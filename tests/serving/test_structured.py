@@ -28,13 +28,18 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": ADD}},
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def tokenizer(tmp_path_factory):
     texts = [json.dumps({"name": n, "age": a, "ok": o}) for n in ("ann", "bob")
              for a in (7, 30, 61) for o in (True, False)]
     texts += ['<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 4}}\n</tool_call>',
               "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"] * 10
     tokenizer = byte_bpe_tokenizer(tmp_path_factory.mktemp("tokenizer"), texts * 5)
     tokenizer.chat_template = HERMES
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def client(tokenizer):
     cfg = ModelConfig(vocab_size=tokenizer.vocab_size, embed_dim=32, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=512)
     engine = Engine(cfg, EngineConfig(max_concurrent_decodes=8, max_len=512,
@@ -102,3 +107,43 @@ def test_formats_that_cannot_be_followed_are_400s(client):
                                        response_format={"type": "json_object"})
     ok = client.completions.create(model="tiny", prompt="x", max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")          # still serving
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}]
+
+
+def _whitespace_bias(tokenizer) -> dict[str, int]:
+    """A model that would rather write whitespace than anything else (a weak or early-RL
+    model's newlines after `{`): +100 on every token of spaces, tabs or newlines."""
+    blank = [t for t in range(tokenizer.vocab_size)
+             if tokenizer.decode([t]) and not tokenizer.decode([t]).strip()]
+    return {str(t): 100 for t in blank}
+
+
+def test_forced_tool_calls_are_compact_json_that_finish(client, tokenizer):
+    """Named, required, n=4 sampled and streamed: each ends with its call well within 96 tokens
+    though the model prefers whitespace to every other token (no free whitespace in JSON). One
+    call each: with parallel calls such a model would go on to the next "\n<tool_call>"."""
+    messages = [{"role": "user", "content": "weather in oslo?"}]
+    bias = _whitespace_bias(tokenizer)
+    assert bias
+    for choice_of in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        out = client.chat.completions.create(
+            model="tiny", messages=messages, tools=WEATHER, tool_choice=choice_of, n=4,
+            temperature=1.0, max_tokens=96, seed=4, logit_bias=bias, parallel_tool_calls=False)
+        for choice in out.choices:
+            assert choice.finish_reason == "tool_calls", (choice_of, choice.message.content)
+            [call] = choice.message.tool_calls
+            args = json.loads(call.function.arguments)
+            assert call.function.name == "get_weather" and 1 <= args["days"] <= 7
+            assert len(args["city"]) <= 12
+        assert out.usage.completion_tokens < 4 * 96
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, tools=WEATHER, tool_choice="required", temperature=1.0,
+        max_tokens=96, seed=5, logit_bias=bias, parallel_tool_calls=False, stream=True)
+    finish = [c.choices[0].finish_reason for c in stream if c.choices and
+              c.choices[0].finish_reason]
+    assert finish == ["tool_calls"]
