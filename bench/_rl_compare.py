@@ -137,8 +137,10 @@ def run_variant(base: Path, work: Path, name: str, args, seed: int = 0,
                                args.config, *overrides], capture_output=True, text=True,
                               env={**os.environ, "JAX_PLATFORMS": "cpu"})
         if done.returncode:
-            raise SystemExit(f"{name} (seed {seed}) failed:\n{done.stdout[-2000:]}"
-                             f"{done.stderr[-2000:]}")
+            print(f"{name} (seed {seed}) failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}",
+                  file=sys.stderr)
+            last = [line for line in done.stderr.splitlines() if line.strip()]
+            raise VariantFailed(last[-1] if last else f"exit status {done.returncode}")
     else:
         from jaxrl.trainer import rl as rl_run
 
@@ -169,15 +171,25 @@ def summarise(name: str, seed: int, rows: list[dict], args) -> dict:
             "rows": rows}
 
 
-def run_all(base: Path, work: Path, args) -> dict[str, list[dict]]:
+class VariantFailed(RuntimeError):
+    """A pinned run's `jaxrl train` exited with an error (its last line)."""
+
+
+def run_all(base: Path, work: Path, args) -> dict[str, list[dict] | str]:
     """Every variant with every seed, seed-major (so the machine's drift touches every variant
-    alike), each run after a check that the machine is quiet."""
+    alike), each run after a check that the machine is quiet. A variant whose run fails is
+    reported by its error (a string in place of its runs) and not run again; the others go on."""
     names = list(args.variants)
-    results: dict[str, list[dict]] = {n: [] for n in names}
+    results: dict[str, list[dict] | str] = {n: [] for n in names}
     for seed in range(args.seeds):
-        for name in names:
+        for name in (n for n in names if not isinstance(results[n], str)):
             wait_until_quiet(args.busy_limit, "bench")
-            r = run_variant(base, work, name, args, seed)
+            try:
+                r = run_variant(base, work, name, args, seed)
+            except Exception as e:       # noqa: BLE001 (reported, and the others still run)
+                results[name] = f"{type(e).__name__}: {e}"
+                print(f"  {name} seed {seed}: failed ({results[name]})", flush=True)
+                continue
             results[name].append(r)
             print(f"  {name} seed {seed}: {r['samples_per_s']:.1f} samples/s, success "
                   f"{r['final_success']:.3f}", flush=True)
@@ -204,12 +216,16 @@ def aggregate(runs: list[dict]) -> dict:
     return out
 
 
-def report(results: dict[str, list[dict]], save: str | None = None) -> None:
+def report(results: dict[str, list[dict] | str], save: str | None = None) -> None:
     """The table (means ± standard deviations over the seeds), the realised lengths, then every
-    variant's ratios against the first; the last line is one JSON object keyed by variant."""
+    variant's ratios against the first; the last line is one JSON object keyed by variant. A
+    failed variant (its error in place of its runs) is a row saying so and `{"failed": error}`
+    in the JSON; the ratios are against the first variant that ran."""
     if save:
         Path(save).write_text(json.dumps(results))
-    agg = {name: aggregate(runs) for name, runs in results.items()}
+    failed = {name: why for name, why in results.items() if isinstance(why, str)}
+    agg = {name: aggregate(runs) for name, runs in results.items()
+           if name not in failed and runs}
     print(f"{'variant':<20} {'samples/s':>14} {'to target (s)':>16} {'reached':>8} "
           f"{'final success':>14} {'lag':>5} {'slots busy':>10} {'held tokens':>11}")
     for name, a in agg.items():
@@ -218,6 +234,11 @@ def report(results: dict[str, list[dict]], save: str | None = None) -> None:
         print(f"{name:<20} {a['samples_per_s']:>7.1f} ± {a['samples_per_s_sd']:<4.1f} "
               f"{ttt:>16} {a['reached']:>8} {a['final_success']:>14.3f} {a['lag_mean']:>5.2f} "
               f"{a['slots_busy']:>10.2f} {a['held_tokens_mean']:>11.0f}")
+    for name, why in failed.items():
+        print(f"{name:<20} failed: {why}")
+    if not agg:
+        print(json.dumps({name: {"failed": why} for name, why in failed.items()}))
+        return
     print("success over the first and last windows, the sampler/trainer log-prob gap (largest "
           "per step, mean; KL): " + "; ".join(
               f"{n} {a['first_success']:.3f} -> {a['final_success']:.3f}, gap "
@@ -239,4 +260,4 @@ def report(results: dict[str, list[dict]], save: str | None = None) -> None:
             line += f"; time to target {theirs / mine:.2f}x as fast ({mine:.1f} s against " \
                     f"{theirs:.1f} s)"
         print(line)
-    print(json.dumps(agg))
+    print(json.dumps({**agg, **{name: {"failed": why} for name, why in failed.items()}}))

@@ -174,7 +174,7 @@ def serve_overhead(cfg, engine, costs: dict, checkpoints: Path, core: int, load_
     sampling = SamplingParams(temperature=1.0, max_tokens=length, n=group, stop_at_eos=False)
     os.sched_setaffinity(0, {load_core})          # the client reads as the trainer would
     with tempfile.TemporaryDirectory() as tmp:
-        servers = LocalServers(checkpoints, engine.cfg, engine.model_cfg.dtype, [[core]],
+        servers = LocalServers(checkpoints, engine.cfg, engine.model_cfg, [[core]],
                                Path(tmp), log=lambda message: None)
         try:
             servers.wait_ready(600)

@@ -21,7 +21,7 @@ def main(job_json: str, model: str, work: str, mode: str, *overrides: str) -> No
     job = Job.from_json(job_json)
     rows = [{"prompt": p} for p in prompts(job)]
     task = CustomTask.from_rows(rows, lambda prompt, completion: reward(completion),
-                                held_out_percent=1)
+                                held_out=1)
     sample_len = job.prompt_words + 1 + job.max_new_tokens
     train(None, [
         f"hf_path={model}", f"run_dir={work}", "model.dtype=float32", "log.progress=false",

@@ -114,12 +114,13 @@ def free_port() -> int:
 
 class LocalServers:
     """`launch` `jaxrl serve` processes serving `checkpoint_dir` with `engine`'s sizes, each
-    pinned to its cores of `cores`, holding LoRA adapters shaped as `adapters` (a LoraConfig)
-    when the run trains adapters. Their addresses and update token are known at once; they
-    answer once they have compiled (the fleet connects them as they do)."""
+    pinned to its cores of `cores`, holding the model the run's engines hold (`served`, a
+    ModelConfig: its dtype, its projections quantized as rl.generation.weights asks, LoRA
+    adapters shaped as the run trains them). Their addresses and update token are known at
+    once; they answer once they have compiled (the fleet connects them as they do)."""
 
-    def __init__(self, checkpoint_dir: Path, engine, dtype: str, cores: list[list[int]],
-                 run_dir: Path, log=print, adapters=None):
+    def __init__(self, checkpoint_dir: Path, engine, served, cores: list[list[int]],
+                 run_dir: Path, log=print):
         self.token = secrets.token_hex(16)
         self.token_file = Path(run_dir) / "launched_servers.token"
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -136,13 +137,16 @@ class LocalServers:
                        "--max-len", str(engine.max_len),
                        "--max-prefill-length", str(engine.max_prefill_length),
                        "--prefill-chunk", str(engine.prefill_chunk),
-                       "--page-size", str(engine.page_size), "--dtype", dtype,
+                       "--page-size", str(engine.page_size), "--dtype", served.dtype,
                        "--kv-cache-dtype", engine.kv_cache_dtype,
                        "--attention", engine.attention,
                        "--update-token-file", str(self.token_file)]
                 if engine.record_routes:
                     cmd += ["--record-routes"]
-                if adapters is not None and adapters.enabled:
+                if served.quantize != "none":
+                    cmd += ["--quantize", served.quantize]
+                adapters = served.lora
+                if adapters.enabled:
                     cmd += ["--lora-rank", str(adapters.rank), "--lora-alpha",
                             str(adapters.alpha), "--lora-targets", ",".join(adapters.targets)]
                     cmd += ["--lora-rslora"] if adapters.use_rslora else []

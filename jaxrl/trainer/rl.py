@@ -138,10 +138,10 @@ class RLRun:
             self.log(f"warning: the trainer was pinned to cores {cores.trainer} after JAX had "
                      f"started: its thread pools were sized for more; run it with `jaxrl "
                      f"train`, which pins it first")
-        model_cfg = model_config(cfg)
+        served = generation.rollout_model(model_config(cfg), g.weights)
         servers = local_servers.LocalServers(
-            cfg.checkpoint_dir, generation.engine_config(cfg, model_cfg), model_cfg.dtype,
-            cores.servers, Path(cfg.run_dir), self.log, model_cfg.lora)
+            cfg.checkpoint_dir, generation.engine_config(cfg, served), served, cores.servers,
+            Path(cfg.run_dir), self.log)
         self._stack.callback(servers.close)
         self._servers = servers
         if cores.trainer:

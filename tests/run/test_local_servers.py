@@ -12,7 +12,7 @@ import pytest
 
 from jaxrl.config import load_run_config
 from jaxrl.errors import UserError
-from jaxrl.models import abstract_model, lora, split_params
+from jaxrl.models import ModelConfig, abstract_model, lora, split_params
 from jaxrl.rollout.local_servers import LocalServers, parse_cpus, plan
 from serving.engine import EngineConfig
 from jaxrl.telemetry.metrics import read_metrics
@@ -34,7 +34,7 @@ def test_core_plans():
 
 
 def test_a_server_that_cannot_start_fails_the_wait_with_its_log(tmp_path):
-    servers = LocalServers(tmp_path, EngineConfig(), "float32", [[4096]], tmp_path,
+    servers = LocalServers(tmp_path, EngineConfig(), ModelConfig(), [[4096]], tmp_path,
                            log=lambda _: None)
     try:
         with pytest.raises(UserError, match=r"(?s)exited with status 2; the end of its log .*"
@@ -47,14 +47,15 @@ def test_a_server_that_cannot_start_fails_the_wait_with_its_log(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
-@pytest.mark.parametrize("mode", ["sync", "partial"])
-def test_train_launches_a_pinned_server_and_trains_on_it(tmp_path, mode):
+@pytest.mark.parametrize("mode, weights", [("sync", "int8"), ("partial", "model")])
+def test_train_launches_a_pinned_server_and_trains_on_it(tmp_path, mode, weights):
     """Partial rollouts pause the server for each step (its Pause call): it generates nothing
-    between the pause and the resume, each logged with the server's token count."""
+    between the pause and the resume, each logged with the server's token count. A run with
+    int8 rollouts launches its server holding int8 projections."""
     cores = sorted(os.sched_getaffinity(0))
     overrides = [o for o in BASE if not o.startswith("rl.steps=")] + [
         f"run_dir={tmp_path}", "rl.steps=4", f"rl.mode={mode}", "rl.generation.launch=1",
-        f"rl.generation.cpus={cores[-1]}"]
+        f"rl.generation.cpus={cores[-1]}", f"rl.generation.weights={weights}"]
     done = subprocess.run([sys.executable, "-m", "jaxrl.cli", "train", *overrides],
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -63,6 +64,7 @@ def test_train_launches_a_pinned_server_and_trains_on_it(tmp_path, mode):
     server_log = (tmp_path / "launched_server_0.log").read_text()
     assert re.search(rf"ready on 127\.0\.0\.1:\d+: .*CPU cores \[{cores[-1]}\]", server_log)
     assert "shutting down" in server_log                      # stopped with the run
+    assert ("its layer projections int8" in server_log) == (weights == "int8")
     rows = [r for r in read_metrics(tmp_path) if "reward" in r]
     assert [r["step"] for r in rows] == list(range(WARMUP + 1, WARMUP + 5))
     assert [r["samples_trained"] for r in rows] == [16 * 8 * k for k in range(1, 5)]
