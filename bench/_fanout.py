@@ -14,10 +14,10 @@ from flax import nnx
 from jaxrl.models import ModelConfig, Transformer, split_params
 from jaxrl.rollout.fleet import Fleet, Member
 from jaxrl.rollout.publisher import WeightPublisher
-from serving.client import RemoteGeneration
-from serving.engine import Engine, EngineConfig
-from serving.orchestrator import Orchestrator
-from serving.server import Server
+from serving.core.orchestrator import Orchestrator
+from serving.fleet.client import RemoteGeneration
+from serving.frontends.server import Server
+from serving.runner.engine import Engine, EngineConfig
 
 TOKEN = "bench-fanout"
 
@@ -40,7 +40,7 @@ def fanout(embed: int, layers: int, counts: list[int], pushes: int) -> dict:
         # A block of pushes per transport, the counts of servers taking turns within it: the
         # gRPC path assembles fresh arrays on every server, whose freeing would otherwise land
         # in the next tcp push. Two rounds warm each block up; the second leaves the servers'
-        # receive slabs at their steady count (serving/slabs.py: the head of a chain changes
+        # receive slabs at their steady count (serving/weights/slabs.py: the head of a chain changes
         # from push to push).
         for transfer, per in seconds.items():
             for round_ in range(pushes + 2):

@@ -39,7 +39,7 @@ def shape_overrides(cfg) -> list[str]:
 
 def long_tail(model_cfg, steps: int, extra: list[str] = ()) -> dict:
     """Measured samples/s of each mode and the simulator's prediction; `extra`: overrides."""
-    import _rl_compare as compare     # the RL stack (gRPC, Grain): only for this section
+    import _rl_compare as compare  # the RL stack (gRPC, Grain): only for this section
 
     args = argparse.Namespace(config=str(LONG_TAIL_CONFIG), rl_steps=steps, target=1.0,
                               window=2, warmup_dir=None,
@@ -82,7 +82,7 @@ def predict(args, sync_runs: list[Path], steps: int) -> dict:
     from jaxrl.recipe import model_config
     from jaxrl.rollout.actor import ahead_bound
     from jaxrl.rollout.generation import engine_config
-    from serving.engine import Engine
+    from serving.runner.engine import Engine
 
     cfg = load_run_config(args.config, args.overrides)
     model_cfg = model_config(cfg)

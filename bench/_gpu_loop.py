@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
+from serving.core.orchestrator import Orchestrator
+from serving.runner.sampling import SamplingParams
 
 
 def loop_step(engine, params, prompt_len: int, seconds: float = 2.0, window_s: float = 0.1,

@@ -57,8 +57,8 @@ def decode_step_s(engine, params, rows: int, held: int, steps: int = 8) -> float
     """Median seconds of a decode step of `rows` busy slots holding `held` tokens each."""
     import numpy as np
 
-    from serving.engine import SlotBatch
-    from serving.sampling import SamplingParams
+    from serving.runner.engine import SlotBatch
+    from serving.runner.sampling import SamplingParams
 
     s = engine.cfg.max_concurrent_decodes
     sampling = [SamplingParams(temperature=1.0)] * s
@@ -166,8 +166,8 @@ def serve_overhead(cfg, engine, costs: dict, checkpoints: Path, core: int, load_
     import tempfile
 
     from jaxrl.rollout.local_servers import LocalServers
-    from serving.client import RemoteGeneration
-    from serving.sampling import SamplingParams
+    from serving.fleet.client import RemoteGeneration
+    from serving.runner.sampling import SamplingParams
 
     s, group = engine.cfg.max_concurrent_decodes, cfg.rl.group_size
     prompt = [3] * round(costs["prompt_len"])
@@ -271,10 +271,10 @@ def main(argv=None) -> None:
     from jaxrl.recipe import model_config
     from jaxrl.rollout.actor import ahead_bound
     from jaxrl.rollout.generation import engine_config
-    from serving.engine import Engine
+    from serving.runner.engine import Engine
 
     # The engine compiles what it runs as it goes (a few programs, not every shape it could).
-    logging.getLogger("serving.programs").setLevel(logging.ERROR)
+    logging.getLogger("serving.runner.programs").setLevel(logging.ERROR)
     cfg = load_run_config(args.config, args.overrides)
     model_cfg = model_config(cfg)
     engine = Engine(model_cfg, engine_config(cfg, model_cfg))

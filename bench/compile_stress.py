@@ -29,9 +29,9 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxrl.models import ModelConfig, Transformer, split_params  # noqa: E402
-from serving.engine import Engine, EngineConfig  # noqa: E402
-from serving.orchestrator import Orchestrator  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
+from serving.core.orchestrator import Orchestrator  # noqa: E402
+from serving.runner.engine import Engine, EngineConfig  # noqa: E402
+from serving.runner.sampling import SamplingParams  # noqa: E402
 
 CFG = ModelConfig(vocab_size=64, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16, mlp_dim=128, max_seq_len=256)

@@ -28,10 +28,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 
 from jaxrl.models import ModelConfig, Transformer, split_params  # noqa: E402
 from jaxrl.models.tokenizer import HFTokenizer  # noqa: E402
-from serving.constraints import Grammars, json_schema_grammar  # noqa: E402
-from serving.engine import Engine, EngineConfig  # noqa: E402
-from serving.orchestrator import Orchestrator  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
+from serving.core.orchestrator import Orchestrator  # noqa: E402
+from serving.runner.constraints import Grammars, json_schema_grammar  # noqa: E402
+from serving.runner.engine import Engine, EngineConfig  # noqa: E402
+from serving.runner.sampling import SamplingParams  # noqa: E402
 
 # Bounded, so that a random model's samples end (an unbounded integer or free whitespace
 # would let them run to max_tokens): llguidance's own option for compact JSON.

@@ -26,9 +26,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from jaxrl.models import from_hf, split_params  # noqa: E402
-from serving.engine import Engine, EngineConfig, SlotBatch  # noqa: E402
-from serving.orchestrator import Orchestrator  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
+from serving.core.orchestrator import Orchestrator  # noqa: E402
+from serving.runner.engine import Engine, EngineConfig, SlotBatch  # noqa: E402
+from serving.runner.sampling import SamplingParams  # noqa: E402
 
 
 def hf_model(path, args):

@@ -34,17 +34,17 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import _rl_compare as compare  # noqa: E402
-from _fanout import fanout  # noqa: E402
 import numpy as np  # noqa: E402
+from _fanout import fanout  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxrl.config import load_run_config  # noqa: E402
 from jaxrl.models import ModelConfig, Transformer, split_params  # noqa: E402
-from serving.client import RemoteGeneration  # noqa: E402
-from serving.engine import Engine, EngineConfig  # noqa: E402
-from serving.orchestrator import Orchestrator  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
-from serving.server import Server  # noqa: E402
+from serving.core.orchestrator import Orchestrator  # noqa: E402
+from serving.fleet.client import RemoteGeneration  # noqa: E402
+from serving.frontends.server import Server  # noqa: E402
+from serving.runner.engine import Engine, EngineConfig  # noqa: E402
+from serving.runner.sampling import SamplingParams  # noqa: E402
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
 TOKEN = "bench-fleet"
@@ -128,7 +128,7 @@ def fleet_vs_local(args, work: Path) -> dict:
 def push_rate(embed: int, layers: int, pushes: int) -> dict:
     """Pushes `pushes` updates of a model of this size to an in-process server over loopback
     while it decodes greedy requests, by each path: streamed over gRPC, pulled by the server
-    over jax.experimental.transfer (serving/transfer.py) and over plain TCP (serving/bulk.py).
+    over jax.experimental.transfer (serving/weights/transfer.py) and over plain TCP (serving/weights/bulk.py).
     Bytes/s and the decode pause of each, the paths taking turns so that all see the same
     machine."""
     cfg = ModelConfig(vocab_size=1024, embed_dim=embed, num_layers=layers, num_heads=8,

@@ -41,7 +41,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-
+from _gpu_loop import admit, loop_step
 from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer, abstract_model, layers, split_params
@@ -49,10 +49,9 @@ from jaxrl.optim_config import OptimConfig
 from jaxrl.train.optim import make_optimizer
 from jaxrl.train.state import init_state, state_shardings
 from jaxrl.train.step import Layout, jit_train_step
-from _gpu_loop import admit, loop_step
-from serving.engine import Engine, EngineConfig, SlotBatch
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
+from serving.core.orchestrator import Orchestrator
+from serving.runner.engine import Engine, EngineConfig, SlotBatch
+from serving.runner.sampling import SamplingParams
 from sharding import mesh as shd
 
 QWEN = dict(vocab_size=151936, num_kv_heads=2, qkv_bias=True, tie_embeddings=True,
@@ -213,7 +212,7 @@ def update_pause(engine: Engine, params, prompt_len: int) -> dict:
 
 def rl_modes(shape: str, steps: int) -> dict:
     """Async against sync RL steps/s, colocated on this device, from one short warm-up."""
-    import _rl_compare as compare     # the RL stack (gRPC, Grain): only for this section
+    import _rl_compare as compare  # the RL stack (gRPC, Grain): only for this section
 
     cfg = SHAPES[shape]
     model = [f"model.embed_dim={cfg.embed_dim}", f"model.num_layers={cfg.num_layers}",

@@ -29,8 +29,8 @@ import numpy as np  # noqa: E402
 from jaxrl.models import ModelConfig, abstract_model, lora, split_params  # noqa: E402
 from jaxrl.models.lora import LoraConfig  # noqa: E402
 from jaxrl.models.peft_io import merged  # noqa: E402
-from serving.engine import Engine, EngineConfig, SlotBatch  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
+from serving.runner.engine import Engine, EngineConfig, SlotBatch  # noqa: E402
+from serving.runner.sampling import SamplingParams  # noqa: E402
 
 
 def _random_params(cfg: ModelConfig, seed: int) -> dict:

@@ -2,7 +2,7 @@
 
 Four layers' attention over a page pool (`PagedKV.attend` in one jitted program, pages of 16
 scattered over the pool as a running server leaves them) through `reference`, `loop` and
-`native` (serving/paged_kv.py), against PyTorch's `scaled_dot_product_attention` over a
+`native` (serving/runner/paged_kv.py), against PyTorch's `scaled_dot_product_attention` over a
 contiguous cache holding the same tokens (what Hugging Face `generate` attends with). Every
 implementation runs at every held length in one process, in alternating rounds; the script
 prints milliseconds (medians) and each one's ratio to `native`, and checks that all agree.
@@ -23,9 +23,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from _machine import best_seconds  # noqa: E402
-from serving.paged_kv import PagedKV  # noqa: E402
+
+from serving.runner.paged_kv import PagedKV  # noqa: E402
 
 IMPLEMENTATIONS = ("reference", "loop", "native")
 PAGE = 16

@@ -28,8 +28,8 @@ from flax import nnx  # noqa: E402
 
 from jaxrl.models import ModelConfig, Transformer, merge_params, split_params  # noqa: E402
 from jaxrl.models.kv_cache import ContiguousKV  # noqa: E402
-from serving.engine import Engine, EngineConfig, SlotBatch  # noqa: E402
-from serving.sampling import Draws, SamplingParams, sample, slot_keys  # noqa: E402
+from serving.runner.engine import Engine, EngineConfig, SlotBatch  # noqa: E402
+from serving.runner.sampling import Draws, SamplingParams, sample, slot_keys  # noqa: E402
 
 
 @partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)

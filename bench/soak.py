@@ -30,7 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import grpc  # noqa: E402
 import httpx  # noqa: E402
 
-from serving.client import open_channel, push_weights  # noqa: E402
+from serving.fleet.client import open_channel, push_weights  # noqa: E402
 from serving.proto import generation_pb2 as gen  # noqa: E402
 from serving.proto import generation_pb2_grpc as gen_grpc  # noqa: E402
 

@@ -50,7 +50,7 @@ def _eval_sampled(args, model, task, tokenizer, step, cfg) -> None:
     from jaxrl.eval.evaluate import task_engine
     from jaxrl.eval.sampled import sampled_eval
     from jaxrl.rl.env import is_multi_turn
-    from serving.sampling import SamplingParams
+    from serving.runner.sampling import SamplingParams
 
     if is_multi_turn(task):
         raise UserError(f"--samples: task {task.name!r} runs multi-turn episodes; sampled "

@@ -64,7 +64,7 @@ def _host_finite(x: np.ndarray, out: np.ndarray) -> bool:
 def missing_names(names, offered) -> list[str]:
     """The parameters of a model whose parameters are `names` that an update offering
     `offered` lacks. An update is every parameter, or exactly a LoRA model's adapters (names
-    with `_lora_`: an adapter update, the base kept, serving/engine.py `adapters_only`)."""
+    with `_lora_`: an adapter update, the base kept, serving/runner/engine.py `adapters_only`)."""
     offered = set(offered)
     adapters = [n for n in names if "_lora_" in n]
     whole = adapters if adapters and offered and offered <= set(adapters) else names
@@ -84,7 +84,7 @@ def check_weights(params, target, *, pulled: bool = False
                   ) -> list[tuple[str, object, jax.ShapeDtypeStruct]]:
     """Validates `params` against `target` (ShapeDtypeStructs with shardings); returns
     (name, array, target) triples in tree order. `pulled`: a pull's arrays, which it has run
-    `require_finite` on already (serving/pulls.py)."""
+    `require_finite` on already (serving/weights/pulls.py)."""
     got = dict((_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0])
     want = [(_name(p), t) for p, t in jax.tree_util.tree_flatten_with_path(target)[0]]
     missing = [n for n, _ in want if n not in got]
@@ -126,7 +126,7 @@ def require_finite(named: list[tuple[str, object]]) -> None:
 def reshard(params, target, *, chunk_bytes: int = 256 * 2**20, pulled: bool = False):
     """`params` placed and cast like `target` (checked first: `check_weights`). At most about
     `chunk_bytes` of new weights are in flight at a time, which bounds the extra device memory
-    an update needs. `pulled`: the arrays a pull made for the caller (serving/pulls.py), checked
+    an update needs. `pulled`: the arrays a pull made for the caller (serving/weights/pulls.py), checked
     for NaN/Inf already and nobody else's, so placed where they lie when they already lie
     right, not copied."""
     checked = check_weights(params, target, pulled=pulled)
@@ -137,7 +137,7 @@ def reshard(params, target, *, chunk_bytes: int = 256 * 2**20, pulled: bool = Fa
         # A jax array is copied (the trainer donates its parameters to the next step). A numpy
         # array XLA:CPU may take as it is, 64-byte aligned (whatever may_alias says, on the
         # pinned jax): its owner must not write into it while these weights serve, as the tcp
-        # pull's receive pool does not (serving/bulk.py).
+        # pull's receive pool does not (serving/weights/bulk.py).
         y = jax.device_put(x, t.sharding, may_alias=None if pulled else False).astype(t.dtype)
         placed.append(y)
         in_flight.append(y)

@@ -122,8 +122,8 @@ def test_the_engines_keys_are_the_same_in_another_process():
     programs (an NNX parameter tree, its configs) get the same keys in a second process."""
     script = """
 import dataclasses
-from serving.engine import Engine
-from serving.engine_config import EngineConfig
+from serving.runner.engine import Engine
+from serving.runner.engine_config import EngineConfig
 from jaxrl import executables
 from jaxrl.models import ModelConfig
 e = Engine(ModelConfig(vocab_size=32, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,

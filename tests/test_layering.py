@@ -9,10 +9,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
     ("jaxrl.errors", "jaxrl.platform", "jaxrl.heap", "jaxrl.optim_config",   # no jaxrl imports
-     "jaxrl.executables"),
+     "jaxrl.executables", "jaxrl.deprecation"),
     ("jaxrl.models",),                       # the transformer, HF loading and export
     ("sharding",),                           # meshes, pipelines, offload, resharding, AOT
-    ("serving",),                            # the engine, its orchestrator, servers, clients
+    # serving/, room by room (serving/__init__.py says what each holds):
+    ("serving.proto",),                      # the wire formats, generated
+    ("serving.runner",),                     # the Engine: programs, sampling, paged KV, kernels
+    ("serving.core",),                       # sequences, scheduler, pages, loop, orchestrator
+    ("serving.weights",),                    # weight updates: stream, tcp bulk, jax transfer
+    ("serving.frontends",),                  # JetStream gRPC, OpenAI HTTP, health, metrics
+    ("serving.fleet",),                      # the Generation interface, client, replicas, join
     ("jaxrl.data", "jaxrl.rl"),              # batches and rollouts; tasks, rewards, losses
     ("jaxrl.train",),                        # one train step, optimizer, checkpoints
     ("jaxrl.config",),                       # the run's configuration, every key
@@ -58,8 +64,14 @@ def imported(path: Path) -> list[tuple[int, str]]:
 
 
 def test_every_module_belongs_to_a_listed_part():
-    unlisted = [name for name, _ in modules() if part_of(name) is None and name != "jaxrl"]
+    unlisted = [name for name, _ in modules()
+                if part_of(name) is None and name not in ("jaxrl", "serving")]
     assert unlisted == [], f"add these to LAYERS: {unlisted}"
+
+
+def test_serving_holds_no_module_outside_its_rooms():
+    loose = sorted(p.name for p in (ROOT / "serving").glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"put these in a subpackage of serving/: {loose}"
 
 
 def test_no_module_imports_a_part_above_its_own():
@@ -80,5 +92,5 @@ def test_the_check_finds_an_upward_import(tmp_path):
     """The checker itself: serving importing the trainer is caught."""
     bad = tmp_path / "bad.py"
     bad.write_text("from jaxrl.trainer import rl\nimport jaxrl.models\n")
-    found = [t for _, t in imported(bad) if RANK[part_of(t)] > RANK["serving"]]
+    found = [t for _, t in imported(bad) if RANK[part_of(t)] > RANK["serving.fleet"]]
     assert found == ["jaxrl.trainer.rl"]

@@ -25,11 +25,11 @@ from jaxrl.commands.serve import load_model
 from jaxrl.models import split_params
 from jaxrl.models.generate import greedy_generate
 from jaxrl.models.tokenizer import HFTokenizer
-from serving.engine import Engine, EngineConfig
-from serving.orchestrator import Orchestrator
+from serving.core.orchestrator import Orchestrator
 from serving.proto import generation_pb2 as gen
 from serving.proto import generation_pb2_grpc as gen_grpc
-from serving.sampling import SamplingParams
+from serving.runner.engine import Engine, EngineConfig
+from serving.runner.sampling import SamplingParams
 from tests.xla import xla_flags
 
 pytestmark = pytest.mark.slow
@@ -105,8 +105,8 @@ def test_a_server_holding_adapters_takes_a_trainers_adapters_alone(tmp_path, cap
     from jaxrl.errors import UserError
     from jaxrl.models import lora, merge_params
     from jaxrl.models.lora import LoraConfig
-    from serving.client import RemoteGeneration
-    from serving.server import Server
+    from serving.fleet.client import RemoteGeneration
+    from serving.frontends.server import Server
     from sharding.reshard import WeightUpdateError
 
     _tiny_qwen2(tmp_path)

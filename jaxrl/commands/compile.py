@@ -36,7 +36,7 @@ def compile_generate_step(cfg: RunConfig, topology: str) -> dict:
     rl.max_new_tokens), its weights over all the slice's chips (tensor axis), and every slot's
     page table as wide as the longest sequence (the step's worst case)."""
     from jaxrl.rollout.generation import engine_config
-    from serving.engine import Engine
+    from serving.runner.engine import Engine
 
     devices = tpu_devices(topology)
     model_cfg = model_config(cfg)

@@ -19,18 +19,26 @@ from flax import nnx
 from jaxrl.config import RunConfig
 from jaxrl.errors import UserError
 from jaxrl.heap import frozen_heap
-from jaxrl.models import (Transformer, abstract_model, from_hf, load_hf_config, lora, quant,
-                          merge_params, split_params)
+from jaxrl.models import (
+    Transformer,
+    abstract_model,
+    from_hf,
+    load_hf_config,
+    lora,
+    merge_params,
+    quant,
+    split_params,
+)
 from jaxrl.models.lora import LoraConfig
 from jaxrl.models.peft_io import with_adapter
 from jaxrl.models.tokenizer import CharTokenizer, HFTokenizer
 from jaxrl.rl.tasks.arithmetic import ArithmeticTask
 from jaxrl.train.checkpoint import has_checkpoint
-from serving.constraints import Grammars
-from serving.engine import Engine, EngineConfig
-from serving.orchestrator import Orchestrator
-from serving.replicas import Replicas
-from serving.server import Server, is_loopback
+from serving.core.orchestrator import Orchestrator
+from serving.fleet.replicas import Replicas
+from serving.frontends.server import Server, is_loopback
+from serving.runner.constraints import Grammars
+from serving.runner.engine import Engine, EngineConfig
 from sharding.mesh import MeshConfig, make_mesh
 
 SHUTDOWN_DEADLINE_S = 45.0   # from SIGTERM to exit, RPCs' grace and the engine's stop included
@@ -176,8 +184,8 @@ def _load_engines(opts: "ServeOptions", engine_config: Callable[[int], EngineCon
 def _open_http(orchestrator, tokenizer, model_dir: str | None, max_len: int, host: str,
                http_port: int, server: Server, log: Callable[[str], None]):
     """The OpenAI-compatible HTTP API beside the gRPC server; both stop if it cannot listen."""
-    from serving import prometheus
-    from serving.openai_api import OpenAIApp, start_http
+    from serving.frontends import prometheus
+    from serving.frontends.openai_api import OpenAIApp, start_http
 
     name = Path(model_dir).name if model_dir else "jaxrl-demo"
     app = OpenAIApp(orchestrator, tokenizer, name, max_len).app
@@ -201,8 +209,8 @@ class ServeOptions:
     weights, for a trainer's adapter-only updates. `tls`: (certificate chain, private key) PEM.
     `max_queued`: requests waiting for a slot; more get RESOURCE_EXHAUSTED. `tensor`,
     `replicas`: `replicas` engines, each tensor-parallel over `tensor` devices. `http_port`:
-    also the OpenAI-compatible HTTP API (serving/openai_api.py) and /metrics there. `join`: a
-    trainer's address to offer this server to (serving/join.py), as `advertise`."""
+    also the OpenAI-compatible HTTP API (serving/frontends/openai_api.py) and /metrics there. `join`: a
+    trainer's address to offer this server to (serving/fleet/join.py), as `advertise`."""
 
     model_dir: str | None = None
     checkpoint_dir: str = "runs/demo/checkpoints"
@@ -238,7 +246,7 @@ def serve(opts: ServeOptions, engine_config: Callable[[int], EngineConfig],
 def _serve_until_stopped(opts: ServeOptions, server, http, log, ready) -> None:
     joiner = None
     if opts.join:
-        from serving.join import Joiner
+        from serving.fleet.join import Joiner
 
         joiner = Joiner(opts.join, opts.advertise or server.address, opts.update_token).start()
         log(f"jaxrl serve: joining the run at {opts.join} as {opts.advertise or server.address}")
@@ -259,7 +267,7 @@ def _serve_until_stopped(opts: ServeOptions, server, http, log, ready) -> None:
     if joiner is not None:
         joiner.stop(leave=True)         # the trainer moves this server's groups elsewhere
     if http is not None:
-        from serving.openai_api import stop_http
+        from serving.frontends.openai_api import stop_http
 
         stop_http(http)
     server.stop(grace=5.0)

@@ -31,7 +31,7 @@ def run(args) -> None:
         pin(parse_cpus(args.cpus, "--cpus"), "--cpus")   # before JAX sizes its thread pools
     from jaxrl.commands.serve import ServeOptions, read_tls, read_update_token, serve
     from jaxrl.platform import use_compilation_cache
-    from serving.engine import EngineConfig
+    from serving.runner.engine import EngineConfig
 
     use_compilation_cache()       # a restart of the same engine loads its programs
 

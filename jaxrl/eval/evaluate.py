@@ -17,9 +17,9 @@ from jaxrl.rl.rewards import Scorer
 from jaxrl.rl.tasks.base import Problem, Task
 from jaxrl.rollout.episodes import EpisodeGroup
 from jaxrl.rollout.group import Group
-from serving.engine import Engine, EngineConfig
-from serving.orchestrator import InvalidRequest, Orchestrator, QueueFull
-from serving.sampling import SamplingParams
+from serving.core.orchestrator import InvalidRequest, Orchestrator, QueueFull
+from serving.runner.engine import Engine, EngineConfig
+from serving.runner.sampling import SamplingParams
 
 
 def evaluate(orchestrator: Orchestrator, task: Task, tokenizer: Tokenizer, num_problems: int,

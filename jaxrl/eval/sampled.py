@@ -23,8 +23,8 @@ from jaxrl.models.tokenizer import Tokenizer, prompt_ids
 from jaxrl.rl.config import RLConfig
 from jaxrl.rl.rewards import Scorer
 from jaxrl.rl.tasks.base import Problem, Task
-from serving.orchestrator import InvalidRequest, QueueFull
-from serving.sampling import SamplingParams
+from serving.core.orchestrator import InvalidRequest, QueueFull
+from serving.runner.sampling import SamplingParams
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

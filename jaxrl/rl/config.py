@@ -29,9 +29,9 @@ class GenerationConfig:
     wait_s: float = 600.0            # the run fails if no server can take work for this long
     # How weights reach the servers: grpc (streamed in pieces over their gRPC port: portable),
     # jax (each server pulls them device to device from a jax.experimental.transfer server of
-    # the trainer's process 0: serving/transfer.py) or tcp (each pulls them over a plain TCP
+    # the trainer's process 0: serving/weights/transfer.py) or tcp (each pulls them over a plain TCP
     # connection into its host memory, the servers relaying them along a chain so the trainer
-    # sends each byte once, and servers on one host sharing one copy: serving/bulk.py); auto:
+    # sends each byte once, and servers on one host sharing one copy: serving/weights/bulk.py); auto:
     # tcp for a server at a loopback address (those `launch` starts included), which reaches
     # the trainer on this host, grpc for any other. The pull paths bind transfer_host, which
     # the servers must reach, and have no authentication of their own beyond the offer's
@@ -52,7 +52,7 @@ class GenerationConfig:
     # This process's engine: as_needed compiles the programs of its largest batches and prefill
     # chunks before the first step and those of smaller ones beside generation once calls ask
     # for them (padded to a compiled size meanwhile: the soonest first step); all compiles
-    # every program before it generates, as `jaxrl serve` does (serving/programs.py).
+    # every program before it generates, as `jaxrl serve` does (serving/runner/programs.py).
     compile: Literal["as_needed", "all"] = "as_needed"
     # The rollout engine's weights: as the model holds them, or int8 / fp8 (float8_e4m3fn): each
     # layer projection in 8 bits with a float32 scale per output channel, quantized by the
@@ -151,9 +151,9 @@ class RLConfig:
     slots: int = 32                 # engine slots (concurrent sequences)
     # Which waiting group the engine admits next: fifo, or longest_first (StreamRL's
     # skewness-aware dispatch: predicted-long groups first, so the tail starts early; the
-    # prediction is learned online from finished groups, serving/length_predictor.py).
+    # prediction is learned online from finished groups, serving/core/length_predictor.py).
     admission: Literal["fifo", "longest_first"] = "fifo"
-    # The engine's attention over its KV pages (serving/paged_kv.py): reference (gather + XLA,
+    # The engine's attention over its KV pages (serving/runner/paged_kv.py): reference (gather + XLA,
     # everywhere), loop (decode reads pages in a loop: one program for every table width),
     # native (the same in a C++ kernel through XLA's FFI: CPU), pallas (the Pallas
     # paged-attention kernel for decode: TPU), triton (the Pallas GPU kernel for decode:

@@ -1,7 +1,7 @@
 """The actor: turns problems into scored groups of rollouts on the rollout log. Its groups come
 from a `GroupSource` (jaxrl/rollout/sources.py: completions of a single-turn task, episodes
 against a multi-turn task's environment, or episodes run by external agents), through any
-Generation (serving/generation.py): this process's orchestrator or the rollout fleet.
+Generation (serving/fleet/generation.py): this process's orchestrator or the rollout fleet.
 
 A problem is a pure function of (seed, index), so the stream of problems is resumable by index
 alone. When a group finishes it is scored, given leave-one-out advantages, filtered, and
@@ -24,7 +24,7 @@ from jaxrl.rl.config import RLConfig
 from jaxrl.rollout.filters import FilterStall, describe_drops, filter_drops, generated_samples
 from jaxrl.rollout.group import Group
 from jaxrl.rollout.sources import GroupSource, ScoredGroup
-from serving import threads
+from serving.core import threads
 
 
 def ahead_bound(batch: int, slots: int) -> int:

@@ -2,7 +2,7 @@
 any program written against an OpenAI client, and trains on exactly the tokens it made the
 model produce.
 
-The run serves its own engine through the OpenAI-compatible endpoint (serving/openai_api.py)
+The run serves its own engine through the OpenAI-compatible endpoint (serving/frontends/openai_api.py)
 on 127.0.0.1 and starts `rl.agent.workers` processes of `rl.agent.command`, each with
 `OPENAI_BASE_URL` and `OPENAI_API_KEY` set, so `openai.OpenAI()` finds it unconfigured. The
 protocol is JSON lines:
@@ -136,7 +136,7 @@ def _count(report: dict, name: str) -> int:
 
 
 def trajectory_from_record(record: dict, decode) -> Trajectory:
-    """The endpoint's record of an episode (serving/trajectories.py) as a Trajectory: the
+    """The endpoint's record of an episode (serving/frontends/trajectories.py) as a Trajectory: the
     environment's tokens after the model's last turn are dropped (nothing learns from them);
     each run of model tokens is one turn."""
     trained = list(record["trained"])
@@ -160,7 +160,7 @@ class Agents:
 
     def __init__(self, cfg: RLConfig, orchestrator, tokenizer, model_name: str,
                  run_dir: Path, warn: Callable[[str], None] = print):
-        from serving.openai_api import OpenAIApp, start_http
+        from serving.frontends.openai_api import OpenAIApp, start_http
 
         self.warn, self._lost = warn, 0
         self.app = OpenAIApp(orchestrator, tokenizer, model_name, cfg.sample_len,

@@ -3,7 +3,7 @@ turn by turn on any Generation, keeping each episode's whole token history.
 
 - The group's first turn is one request with n samples (one prefill of the prompt), each
   sample opening its episode's session; every later turn is a request of its own whose prompt
-  is the episode's history, continued from the KV pages the session kept (serving/sessions.py):
+  is the episode's history, continued from the KV pages the session kept (serving/core/sessions.py):
   earlier turns are never prefilled again.
 - Weight updates land between and inside turns as they land inside sequences; each token keeps
   the version that drew it.
@@ -26,9 +26,9 @@ from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.rl.config import RLConfig
 from jaxrl.rl.env import MultiTurnTask, Trajectory
 from jaxrl.rollout.group import Group
-from serving.generation import Generation
-from serving.sampling import SamplingParams
-from serving.stream import FINISHED, Sample
+from serving.core.stream import FINISHED, Sample
+from serving.fleet.generation import Generation
+from serving.runner.sampling import SamplingParams
 
 _keys = itertools.count()
 

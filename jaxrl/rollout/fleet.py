@@ -1,4 +1,4 @@
-"""The rollout fleet: any number of generation engines (serving/generation.py: this process's
+"""The rollout fleet: any number of generation engines (serving/fleet/generation.py: this process's
 orchestrator, `jaxrl serve` processes) behind one `submit`, so the actor neither knows nor cares
 where a group is generated.
 
@@ -27,11 +27,11 @@ from typing import Callable, Sequence
 
 from jaxrl.errors import UserError
 from jaxrl.rollout.member import Member, MemberState
-from serving import threads
-from serving.orchestrator import QueueFull
-from serving.router import Router, session_keys
-from serving.sampling import SamplingParams
-from serving.stream import FINISHED, RequestStream, Sample
+from serving.core import threads
+from serving.core.orchestrator import QueueFull
+from serving.core.stream import FINISHED, RequestStream, Sample
+from serving.fleet.router import Router, session_keys
+from serving.runner.sampling import SamplingParams
 
 __all__ = ["Fleet", "FleetStream", "Member", "MemberState", "NoGeneration"]
 

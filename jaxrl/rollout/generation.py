@@ -20,12 +20,12 @@ from jaxrl.models.tokenizer import Tokenizer
 from jaxrl.rollout.fleet import Fleet, Member, MemberState
 from jaxrl.rollout.publisher import WeightPublisher
 from jaxrl.rollout.registry import Registry
-from serving.client import RemoteGeneration
-from serving.constraints import Grammars
-from serving.engine import Engine, EngineConfig
-from serving.orchestrator import Orchestrator
-from serving.sampling import FEATURES
-from serving.server import is_loopback
+from serving.core.orchestrator import Orchestrator
+from serving.fleet.client import RemoteGeneration
+from serving.frontends.server import is_loopback
+from serving.runner.constraints import Grammars
+from serving.runner.engine import Engine, EngineConfig
+from serving.runner.sampling import FEATURES
 from sharding import mesh as shd
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from serving.generation import Generation
+from serving.fleet.generation import Generation
 
 
 class MemberState(enum.Enum):

@@ -5,8 +5,8 @@ trainer's newest weights, without letting a slow or dead member hold the trainer
   between two decode steps); `publish` returns when they serve it, as before the fleet existed.
 - Remote members get it from a thread each, streamed in pieces with a deadline
   (`deadline_s`), or pulled by the server: with rl.generation.transfer=jax from the device
-  copy (serving/transfer.py), with tcp from a host copy over a plain TCP connection, each
-  server relaying it to the next along a chain (serving/bulk.py, relay_chain.py). `publish`
+  copy (serving/weights/transfer.py), with tcp from a host copy over a plain TCP connection, each
+  server relaying it to the next along a chain (serving/weights/bulk.py, relay_chain.py). `publish`
   itself only starts a device-side copy in the serving dtype (the trainer's buffers are
   donated to its next step) and returns: the trainer never waits for a remote push. A member still pushing when newer weights arrive gets the newest next (versions
   in between are skipped, never sent out of order).
@@ -32,8 +32,8 @@ import numpy as np
 from jaxrl.models import lora, quant
 from jaxrl.rollout.fleet import Fleet, Member
 from jaxrl.rollout.relay_chain import Link, RelayChains
-from serving import threads
-from serving.weight_stream import StaleVersion
+from serving.core import threads
+from serving.core.requests import StaleVersion
 from sharding.reshard import WeightUpdateError
 
 

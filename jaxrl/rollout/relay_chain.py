@@ -1,4 +1,4 @@
-"""Fan-out along a chain: which server each tcp weight push pulls from (serving/bulk.py).
+"""Fan-out along a chain: which server each tcp weight push pulls from (serving/weights/bulk.py).
 
 The first server pushed an update pulls it from the trainer and offers what arrives, as it
 arrives, under a relay id of its own; the next pulls from it and relays in turn, and so on. The

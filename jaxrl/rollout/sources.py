@@ -31,9 +31,9 @@ from jaxrl.rl.rewards import Scorer
 from jaxrl.rl.tasks.base import Problem, Task
 from jaxrl.rollout.episodes import EpisodeGroup
 from jaxrl.rollout.group import Group
-from serving.generation import Generation
-from serving.sampling import SamplingParams
-from serving.stream import FINISHED, Sample
+from serving.core.stream import FINISHED, Sample
+from serving.fleet.generation import Generation
+from serving.runner.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

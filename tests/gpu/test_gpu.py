@@ -104,9 +104,9 @@ def test_cudnn_attention_equals_xla_on_packed_rows(dtype):
 
 def _greedy_tokens(params, configs: dict, max_tokens: int) -> dict:
     """Greedy tokens of 8 random 12-token prompts through an engine of each EngineConfig."""
-    from serving.engine import Engine
-    from serving.orchestrator import Orchestrator
-    from serving.sampling import SamplingParams
+    from serving.core.orchestrator import Orchestrator
+    from serving.runner.engine import Engine
+    from serving.runner.sampling import SamplingParams
 
     prompts = [np.random.default_rng(i).integers(3, CFG.vocab_size, 12).tolist()
                for i in range(8)]
@@ -119,7 +119,7 @@ def _greedy_tokens(params, configs: dict, max_tokens: int) -> dict:
 
 
 def test_engine_greedy_tokens_in_bfloat16_follow_float32():
-    from serving.engine import EngineConfig
+    from serving.runner.engine import EngineConfig
 
     graphdef, params = model_on(gpu())
     tokens = _greedy_tokens(params, {dtype: EngineConfig(
@@ -135,8 +135,8 @@ def test_engine_greedy_tokens_in_bfloat16_follow_float32():
 def test_triton_paged_attention_equals_the_gather_reference(q_heads, head_dim):
     """The Pallas GPU kernel, compiled by Triton, against the pool gathered and attended with
     XLA in float32 on the CPU: rows of one token to the whole table, bf16 pool."""
-    from serving.paged_attention_gpu import paged_decode_attention_gpu
-    from serving.paged_kv import PagedKV
+    from serving.runner.paged_attention_gpu import paged_decode_attention_gpu
+    from serving.runner.paged_kv import PagedKV
 
     rng = np.random.default_rng(head_dim)
     page, width, pages, kv_heads = 16, 16, 200, 2
@@ -158,7 +158,7 @@ def test_triton_paged_attention_equals_the_gather_reference(q_heads, head_dim):
 def test_engine_decoding_through_the_triton_kernel_follows_the_reference():
     """Greedy tokens of an engine decoding through the Triton kernel against one decoding
     through the gather reference, both in float32 on the GPU (head_dim 32)."""
-    from serving.engine import EngineConfig
+    from serving.runner.engine import EngineConfig
 
     graphdef, params = model_on(gpu())
     tokens = _greedy_tokens(params, {attention: EngineConfig(
@@ -203,9 +203,9 @@ def test_offload_lowers_the_peak_device_memory():
 
 
 def test_in_flight_update_during_generation_on_gpu():
-    from serving.engine import Engine, EngineConfig
-    from serving.orchestrator import Orchestrator
-    from serving.sampling import SamplingParams
+    from serving.core.orchestrator import Orchestrator
+    from serving.runner.engine import Engine, EngineConfig
+    from serving.runner.sampling import SamplingParams
 
     graphdef, params = model_on(gpu())
     other = jax.tree.map(lambda x: x * 1.5, params)
@@ -225,19 +225,19 @@ def test_in_flight_update_during_generation_on_gpu():
 
 def test_a_tcp_pull_onto_the_gpu_is_staged_and_serves_what_it_pulled():
     """A server on one GPU pulls tcp weights through a few host buffers into their places on the
-    device (serving/staging.py): the pull's host memory stays far below the model's bytes, the
+    device (serving/weights/staging.py): the pull's host memory stays far below the model's bytes, the
     tensors arrive equal to what was offered, and a server serving them generates what an
     engine holding them generates."""
     import tracemalloc
 
-    from serving import staging
-    from serving.bulk import BulkServer
-    from serving.bulk_pull import pull
-    from serving.client import RemoteGeneration
-    from serving.engine import Engine, EngineConfig
-    from serving.orchestrator import Orchestrator
-    from serving.sampling import SamplingParams
-    from serving.server import Server
+    from serving.core.orchestrator import Orchestrator
+    from serving.fleet.client import RemoteGeneration
+    from serving.frontends.server import Server
+    from serving.runner.engine import Engine, EngineConfig
+    from serving.runner.sampling import SamplingParams
+    from serving.weights import staging
+    from serving.weights.bulk import BulkServer
+    from serving.weights.bulk_pull import pull
 
     _, params = model_on(gpu())
     flat = {"/".join(str(k.key) for k in path): np.asarray(x)

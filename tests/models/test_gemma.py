@@ -11,9 +11,9 @@ import transformers
 from jaxrl.models import from_hf, split_params
 from jaxrl.models.generate import greedy_generate
 from jaxrl.train.objectives import token_logp
-from serving.engine import Engine, EngineConfig
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
+from serving.core.orchestrator import Orchestrator
+from serving.runner.engine import Engine, EngineConfig
+from serving.runner.sampling import SamplingParams
 
 WINDOW = 5
 NEW_TOKENS = 24        # prompts of 3 to 11 tokens: every sequence ends well past the window

@@ -19,9 +19,9 @@ from jaxrl.models.lora import LoraConfig
 from jaxrl.models.transformer import split_params
 from jaxrl.train.state import init_state, state_shardings
 from jaxrl.train.step import make_train_step
-from serving.engine import Engine, EngineConfig
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
+from serving.core.orchestrator import Orchestrator
+from serving.runner.engine import Engine, EngineConfig
+from serving.runner.sampling import SamplingParams
 from sharding import mesh as shd
 from sharding.reshard import WeightUpdateError
 
@@ -139,8 +139,8 @@ def test_a_server_takes_8_bit_weights_over_the_wire(cfg, transfer):
     """The 8-bit projections and their scales cross the gRPC stream (or a tcp pull) as they
     are, and the server decodes as the trainer's quantized model; a float sent for an 8-bit
     weight is refused."""
-    from serving.client import RemoteGeneration
-    from serving.server import Server
+    from serving.fleet.client import RemoteGeneration
+    from serving.frontends.server import Server
 
     graphdef, params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))
     _, other = split_params(Transformer(cfg, rngs=nnx.Rngs(1)))

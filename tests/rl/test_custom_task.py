@@ -114,10 +114,13 @@ def test_held_out_is_a_percent_or_rows():
 
 def test_the_previous_release_s_held_out_percent_still_works_with_a_warning():
     rows = [{"prompt": f"p{i}"} for i in range(200)]
-    with pytest.warns(DeprecationWarning, match=r"held_out=\.\.\."):
+    with pytest.warns(DeprecationWarning, match=r"held_out_percent=\.\.\.\) is deprecated: "
+                                                r"pass held_out=\.\.\."):
         old = CustomTask.from_rows(rows, lambda p, c: 0.0, held_out_percent=20)
     new = CustomTask.from_rows(rows, lambda p, c: 0.0, held_out=20)
     assert [p.prompt for p in old.held_out(200)] == [p.prompt for p in new.held_out(200)]
+    with pytest.raises(TypeError, match="both held_out_percent= and held_out="):
+        CustomTask.from_rows(rows, lambda p, c: 0.0, held_out=5, held_out_percent=20)
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -14,7 +14,7 @@ from jaxrl.eval.sampled import majority_correct, pass_at_k, sampled_eval
 from jaxrl.models import Transformer
 from jaxrl.models.tokenizer import prompt_ids
 from jaxrl.recipe import build_task, model_config
-from serving.sampling import SamplingParams
+from serving.runner.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 6])

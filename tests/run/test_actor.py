@@ -14,10 +14,10 @@ from jaxrl.models import Transformer, split_params
 from jaxrl.recipe import build_task, model_config
 from jaxrl.rollout.actor import Actor
 from jaxrl.rollout.sources import group_source
-from serving.engine import Engine, EngineConfig
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
-from serving.stream import DoneEvent, RequestStream, TokenEvent
+from serving.core.orchestrator import Orchestrator
+from serving.core.stream import DoneEvent, RequestStream, TokenEvent
+from serving.runner.engine import Engine, EngineConfig
+from serving.runner.sampling import SamplingParams
 from tests.serving.common import until
 
 # An untrained model: samples of up to 24 tokens; no filter, so every sample reaches the log.

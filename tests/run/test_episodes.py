@@ -18,9 +18,9 @@ from jaxrl.rl.tasks.base import Problem
 from jaxrl.rl.tasks.toolcalc import ToolCalcTask
 from jaxrl.rollout.episodes import EpisodeGroup
 from jaxrl.rollout.group import Group
-from serving.engine import Engine
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
+from serving.core.orchestrator import Orchestrator
+from serving.runner.engine import Engine
+from serving.runner.sampling import SamplingParams
 from tests.serving.common import CFG, ENGINE
 
 pytestmark = pytest.mark.slow
@@ -144,7 +144,7 @@ def test_the_example_openai_agent_runs_episodes_through_the_endpoint(engine, par
     import httpx
     import openai
 
-    from serving.openai_api import OpenAIApp, start_http
+    from serving.frontends.openai_api import OpenAIApp, start_http
 
     spec = importlib.util.spec_from_file_location("agent", "examples/tool_calc_agent.py")
     agent = importlib.util.module_from_spec(spec)

@@ -13,12 +13,12 @@ from flax import nnx
 from jaxrl.models import Transformer, split_params
 from jaxrl.rollout.fleet import Fleet, Member, MemberState, NoGeneration
 from jaxrl.rollout.publisher import WeightPublisher
-from serving.client import RemoteGeneration
-from serving.engine import Engine
-from serving.orchestrator import Orchestrator, UpdateResult
-from serving.sampling import SamplingParams
-from serving.server import Server
-from serving.stream import RequestStream, Sample, TokenEvent
+from serving.core.orchestrator import Orchestrator, UpdateResult
+from serving.core.stream import RequestStream, Sample, TokenEvent
+from serving.fleet.client import RemoteGeneration
+from serving.frontends.server import Server
+from serving.runner.engine import Engine
+from serving.runner.sampling import SamplingParams
 from tests.serving.common import CFG, ENGINE, hung_generation_server, prompts
 
 pytestmark = pytest.mark.slow
@@ -435,11 +435,11 @@ def test_a_relay_dying_mid_push_sends_its_chain_back_to_the_trainer():
 
 def test_servers_join_and_leave_a_running_fleet():
     """rl.generation.join: a fleet that starts with no member takes the servers that offer
-    themselves (serving/join.py) once they have the newest weights, logs each join and leave,
+    themselves (serving/fleet/join.py) once they have the newest weights, logs each join and leave,
     moves a leaving server's group in flight to the other from its tokens, and refuses a
     server with the wrong token."""
     from jaxrl.rollout.registry import Registry
-    from serving.join import Joiner
+    from serving.fleet.join import Joiner
 
     params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
     servers = [Server(Orchestrator(Engine(CFG, ENGINE), params, version=-1, eos_id=1).start(),
@@ -489,7 +489,7 @@ def test_a_join_that_cannot_serve_the_run_is_refused_with_the_reason():
     left as it was, and the joiner says so."""
     from jaxrl.config import ConfigError
     from jaxrl.rollout.registry import Registry
-    from serving.join import Joiner
+    from serving.fleet.join import Joiner
 
     fleet = Fleet([], eos_id=1, heartbeat_s=3600, warn=lambda _: None)
     publisher = WeightPublisher(fleet, deadline_s=5, elastic=True, warn=lambda _: None)

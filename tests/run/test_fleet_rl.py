@@ -25,7 +25,7 @@ from jaxrl.commands import job
 from jaxrl.rollout.fleet import Fleet
 from jaxrl.telemetry import rl_metrics
 from jaxrl.train.checkpoint import Checkpointer
-from serving.client import RemoteGeneration
+from serving.fleet.client import RemoteGeneration
 from tests.run.test_rl import RL_STEPS, WARMUP, config, quiet, rl_rows, rl_run_dir
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ from jaxrl.config import load_run_config
 from jaxrl.errors import UserError
 from jaxrl.models import ModelConfig, abstract_model, lora, split_params
 from jaxrl.rollout.local_servers import LocalServers, parse_cpus, plan
-from serving.engine import EngineConfig
 from jaxrl.telemetry.metrics import read_metrics
+from serving.runner.engine import EngineConfig
 from tests.run.test_rl import BASE, WARMUP
 
 pytestmark = pytest.mark.slow

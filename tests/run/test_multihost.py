@@ -44,7 +44,7 @@ ARGS = ["--config", str(ROOT / "configs/demo_cpu.yaml"), "model.embed_dim=32",
 RL = ["rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=4", "rl.slots=16",
       "rl.microbatch_rows=8", "checkpoint.resume=true", "rl.generation.heartbeat_s=0.5",
       "rl.generation.heartbeat_timeout_s=5"]
-# The RL run sends its weights device to device (serving/transfer.py); the fleet test takes the
+# The RL run sends its weights device to device (serving/weights/transfer.py); the fleet test takes the
 # default (tcp, its servers being on this host).
 RL_TRANSFER = ["rl.generation.transfer=jax"]
 
@@ -203,7 +203,7 @@ def rl_run(runs, tmp_path_factory):
         killed_codes = [p.wait(60) for p in killed]
         killed_rows = [r["step"] for r in read_metrics(run_dir) if "reward" in r]
         outputs = [finish(p) for p in processes(run_dir, 4, *fleet)]
-        from serving.client import RemoteGeneration
+        from serving.fleet.client import RemoteGeneration
         remote = RemoteGeneration(addresses[0], rpc_timeout_s=30)
         served = remote.metrics()
         remote.close()

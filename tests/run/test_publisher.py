@@ -6,7 +6,6 @@ against the publisher's own filter."""
 import dataclasses
 
 import jax
-
 import numpy as np
 from flax import nnx
 
@@ -14,7 +13,7 @@ from jaxrl.models import Transformer, split_params
 from jaxrl.models.lora import LoraConfig
 from jaxrl.rollout.fleet import Fleet, Member, MemberState
 from jaxrl.rollout.publisher import WeightPublisher
-from serving.orchestrator import UpdateResult
+from serving.core.orchestrator import UpdateResult
 from tests.serving.common import CFG, until
 
 TARGETS = ("q_proj", "v_proj", "down_proj")

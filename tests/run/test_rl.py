@@ -20,7 +20,7 @@ from jaxrl.commands import job
 from jaxrl.config import ConfigError, load_run_config
 from jaxrl.telemetry import rl_metrics
 from jaxrl.telemetry.metrics import read_metrics
-from serving.orchestrator import Orchestrator
+from serving.core.orchestrator import Orchestrator
 
 pytestmark = pytest.mark.slow
 

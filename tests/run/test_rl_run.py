@@ -14,7 +14,7 @@ from jaxrl.rollout import generation
 from jaxrl.rollout.generation import engine_config
 from jaxrl.trainer import rl as rl_run
 from jaxrl.trainer import rl_leader
-from serving.engine import Engine
+from serving.runner.engine import Engine
 from tests.run.test_rl import config, quiet, rl_run_dir
 
 pytestmark = pytest.mark.slow
@@ -94,7 +94,7 @@ def test_a_loop_that_fails_leaves_nothing_running(warm, tmp_path, monkeypatch):
 @pytest.mark.parametrize("compile", ["as_needed", "all"])
 def test_the_engine_compiles_what_rl_generation_compile_says(warm, tmp_path, compile):
     """as_needed: the programs of the largest batches and chunks before the first step, the
-    rest only once calls ask (serving/programs.py); all: every program first, as `jaxrl
+    rest only once calls ask (serving/runner/programs.py); all: every program first, as `jaxrl
     serve` does. No thread of either outlives the run."""
     cfg = config(rl_run_dir(warm, tmp_path), "train.steps=2", "rl.steps=1", "rl.mode=sync",
                  "train.eval_problems=0", f"rl.generation.compile={compile}")

@@ -6,16 +6,15 @@ from concurrent import futures
 from functools import partial
 
 import grpc
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.models import ModelConfig, merge_params
 from jaxrl.models.kv_cache import ContiguousKV
-from serving.engine import EngineConfig
 from serving.proto import generation_pb2_grpc as gen_grpc
-from serving.sampling import Draws, sample, slot_keys
+from serving.runner.engine import EngineConfig
+from serving.runner.sampling import Draws, sample, slot_keys
 
 CFG = ModelConfig(vocab_size=32, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64, qkv_bias=True)

@@ -2,9 +2,8 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import Transformer, split_params
-from serving.engine import Engine
-from serving.orchestrator import Orchestrator
-
+from serving.core.orchestrator import Orchestrator
+from serving.runner.engine import Engine
 from tests.serving.common import CFG, ENGINE
 
 

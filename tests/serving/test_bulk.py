@@ -1,4 +1,4 @@
-"""The bulk path of weight updates (serving/bulk.py, bulk_pull.py) on its own, over TCP and over
+"""The bulk path of weight updates (serving/weights/bulk.py, bulk_pull.py) on its own, over TCP and over
 the Unix socket a puller on the same host uses: bytes that arrive equal what was offered, in
 every wire dtype; a wrong id or size is refused before any byte moves; a relay passes on what
 it receives while it receives (on one host by handing over its memfd slab, copied out as it
@@ -16,11 +16,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from serving import bulk as bulk_module
-from serving import bulk_pull
-from serving.bulk import BulkServer, relay_offer
-from serving.bulk_pull import pull
-from serving.slabs import ALIGN, ReceivePool, nbytes
+from serving.weights import bulk as bulk_module
+from serving.weights import bulk_pull
+from serving.weights.bulk import BulkServer, relay_offer
+from serving.weights.bulk_pull import pull
+from serving.weights.slabs import ALIGN, ReceivePool, nbytes
 from tests.serving.common import until
 
 
@@ -223,7 +223,7 @@ def test_a_relay_whose_pull_fails_before_it_starts_fails_its_puller(bulk, path, 
 
 _HOLDER = """
 import hashlib, json, sys
-from serving.bulk_pull import pull
+from serving.weights.bulk_pull import pull
 address, uuid, specs = json.loads(sys.argv[1])
 got, vouched = pull(address, uuid, [(n, tuple(s), d) for n, s, d in specs], 30)
 assert vouched
@@ -307,10 +307,10 @@ def test_every_server_of_a_relay_chain_refuses_a_non_finite_update(bulk, path):
     """A trainer's offer with a NaN, pulled by two servers' `Pulls` as a relay chain (the second
     pulls from the first while it receives): neither applies it. Over the Unix socket the second
     maps the relay's slab and trusts its verdict, so this holds only if the relay checks before
-    it vouches (serving/pulls.py)."""
+    it vouches (serving/weights/pulls.py)."""
     import types
 
-    from serving.pulls import Pulls
+    from serving.weights.pulls import Pulls
     from sharding.reshard import WeightUpdateError
 
     arrays = _arrays()

@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding (serving/constraints.py) in the engine: a random model's samples,
+"""Grammar-constrained decoding (serving/runner/constraints.py) in the engine: a random model's samples,
 drawn at temperature 1, parse as the grammar says (checked with `json` and `re`, not with
 llguidance), every log-prob is the model's own (a teacher-forced forward), and a request
 without a grammar decodes beside them exactly as it would alone."""
@@ -14,14 +14,14 @@ from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer, split_params
 from jaxrl.models.tokenizer import CharTokenizer
-from serving.client import RemoteGeneration
-from serving.constraints import Grammars, json_schema_grammar, regex_grammar
-from serving.engine import Engine, EngineConfig
-from serving.orchestrator import Orchestrator
-from serving.requests import InvalidRequest
-from serving.sampling import SamplingParams
-from serving.server import Server
-from serving.stream import Sample
+from serving.core.orchestrator import Orchestrator
+from serving.core.requests import InvalidRequest
+from serving.core.stream import Sample
+from serving.fleet.client import RemoteGeneration
+from serving.frontends.server import Server
+from serving.runner.constraints import Grammars, json_schema_grammar, regex_grammar
+from serving.runner.engine import Engine, EngineConfig
+from serving.runner.sampling import SamplingParams
 from tests.serving.common import byte_bpe_tokenizer
 
 SCHEMA = {"type": "object", "properties": {
@@ -110,7 +110,7 @@ def test_bad_grammars_and_engines_without_a_tokenizer_are_refused(served, engine
 
 
 def test_a_grammar_travels_over_grpc(served, tokenizer):
-    """RemoteGeneration carries the grammar to `jaxrl serve`'s Generate (serving/server.py):
+    """RemoteGeneration carries the grammar to `jaxrl serve`'s Generate (serving/frontends/server.py):
     the same samples as the orchestrator draws in this process, and a refusal named."""
     o, _ = served
     own = Orchestrator(o.engine, o.params, eos_id=o.eos_id, grammars=o.grammars).start()

@@ -1,4 +1,4 @@
-"""Busy slots decoded in two batches in one step (serving/scheduler.py: decode_groups) keep
+"""Busy slots decoded in two batches in one step (serving/core/scheduler.py: decode_groups) keep
 their own state: the smaller batch is padded with rows of other slots, which may be the other
 batch's busy slots. Every sample's log-probs equal a teacher-forced forward of the same weights
 over its prompt and tokens (an independent reference), with groups of 8 whose samples stop at
@@ -22,15 +22,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer, merge_params, split_params
-from serving import scheduler
-from serving.engine import Engine, EngineConfig
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
+from serving.core import scheduler
+from serving.core.orchestrator import Orchestrator
+from serving.runner.engine import Engine, EngineConfig
+from serving.runner.sampling import SamplingParams
 from tests.xla import xla_flags
-import pytest
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Incremental detokenization (serving/detokenize.py) against the one-shot decode of the whole
+"""Incremental detokenization (serving/frontends/detokenize.py) against the one-shot decode of the whole
 sequence, on a byte-level BPE tokenizer (multi-byte characters split across tokens) and a
 SentencePiece-style one (leading-space markers), for 8k-token outputs."""
 
@@ -7,8 +7,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxrl.models.tokenizer import HFTokenizer
-from serving.detokenize import IncrementalDecoder
-from serving.openai_choices import Choice
+from serving.frontends.detokenize import IncrementalDecoder
+from serving.frontends.openai_choices import Choice
 
 TEXT = ("Grüße aus Köln — naïve café, 日本語のテキスト, 中文字符, emoji 🙂🚀🧪, Ελληνικά, русский "
         "текст, and plain ASCII words with numbers 12345. ")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from jaxrl.models.generate import greedy_generate
-from serving.engine import Engine, EngineConfig, SlotBatch
-from serving.orchestrator import InvalidRequest, Orchestrator
-from serving.sampling import Draws, SamplingParams, sample
+from serving.core.orchestrator import InvalidRequest, Orchestrator
+from serving.runner.engine import Engine, EngineConfig, SlotBatch
+from serving.runner.sampling import Draws, SamplingParams, sample
 from tests.serving.common import CFG, ENGINE, prompts, run_staggered
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -183,7 +183,7 @@ def test_multi_step_dispatch_equals_single_steps(params):
 
 
 def test_backpressure_refuses_past_the_queue_limit(engine, params):
-    from serving.orchestrator import QueueFull
+    from serving.core.orchestrator import QueueFull
 
     o = Orchestrator(engine, params, max_queued=2)  # not started: nothing leaves the queue
     o.submit([3, 4], GREEDY)

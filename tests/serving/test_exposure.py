@@ -14,10 +14,10 @@ from cryptography.x509.oid import NameOID
 
 from jaxrl.commands.serve import read_tls
 from jaxrl.errors import UserError
-from serving.orchestrator import Orchestrator
+from serving.core.orchestrator import Orchestrator
+from serving.frontends.server import Server, is_loopback
 from serving.proto import generation_pb2 as gen
 from serving.proto import generation_pb2_grpc as gen_grpc
-from serving.server import Server, is_loopback
 from tests.serving.common import prompts
 
 

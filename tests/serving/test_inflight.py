@@ -10,11 +10,10 @@ from jaxrl.heap import frozen_heap
 from jaxrl.models import merge_params
 from jaxrl.models.generate import greedy_generate
 from jaxrl.models.kv_cache import ContiguousKV
-from serving.orchestrator import Orchestrator, TokenEvent
-from serving.sampling import SamplingParams
-from serving.weight_stream import StaleVersion
+from serving.core.orchestrator import Orchestrator, TokenEvent
+from serving.core.requests import StaleVersion
+from serving.runner.sampling import SamplingParams
 from sharding.reshard import WeightUpdateError
-
 from tests.serving.common import CFG, held_turns, prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=56)

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.requests import InvalidRequest
-from serving.sampling import MAX_LOGIT_BIAS, SamplingParams
+from serving.core.requests import InvalidRequest
+from serving.runner.sampling import MAX_LOGIT_BIAS, SamplingParams
 from tests.serving.common import CFG, prompts
 
 

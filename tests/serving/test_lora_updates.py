@@ -12,11 +12,11 @@ from flax import nnx
 from jaxrl.models import ModelConfig, Transformer, lora, merge_params, split_params
 from jaxrl.models.generate import greedy_generate
 from jaxrl.models.lora import LoraConfig
-from serving.engine import Engine, EngineConfig
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
-from serving.transfer import check_specs
-from serving.weight_stream import tensor_names
+from serving.core.orchestrator import Orchestrator
+from serving.runner.engine import Engine, EngineConfig
+from serving.runner.sampling import SamplingParams
+from serving.weights.transfer import check_specs
+from serving.weights.weight_stream import tensor_names
 from sharding.reshard import WeightUpdateError, missing_names
 
 CFG = ModelConfig(vocab_size=48, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,

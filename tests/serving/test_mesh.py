@@ -1,16 +1,15 @@
 """Serving on a tensor=2 mesh of CPU devices equals serving on one device."""
 
 import jax
-from jax.sharding import PartitionSpec as P
 import numpy as np
-
-from serving.engine import Engine
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
-from sharding.mesh import MeshConfig, make_mesh
-
-from tests.serving.common import CFG, ENGINE, prompts
 import pytest
+from jax.sharding import PartitionSpec as P
+
+from serving.core.orchestrator import Orchestrator
+from serving.runner.engine import Engine
+from serving.runner.sampling import SamplingParams
+from sharding.mesh import MeshConfig, make_mesh
+from tests.serving.common import CFG, ENGINE, prompts
 
 pytestmark = pytest.mark.multi_device
 
@@ -42,7 +41,7 @@ def test_replicas_serve_as_one_engine_and_update_together(params, orchestrator):
     import jax.numpy as jnp
     import pytest
 
-    from serving.replicas import Replicas
+    from serving.fleet.replicas import Replicas
     from sharding.reshard import WeightUpdateError
 
     engines = []

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP endpoint (serving/openai_api.py) driven by the real `openai`
+"""The OpenAI-compatible HTTP endpoint (serving/frontends/openai_api.py) driven by the real `openai`
 package over uvicorn on 127.0.0.1: completions and chat equal the engine's greedy tokens with
 the same log-probs, streaming gives the same text, stop strings cut, and bad requests get HTTP
 400 in OpenAI's error shape."""
@@ -12,10 +12,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jaxrl.models.tokenizer import HFTokenizer
-from serving.openai_api import OpenAIApp, start_http
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
-
+from serving.core.orchestrator import Orchestrator
+from serving.frontends.openai_api import OpenAIApp, start_http
+from serving.runner.sampling import SamplingParams
 from tests.serving.common import CFG, ENGINE
 
 TEMPLATE = ("{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}"

@@ -1,15 +1,14 @@
 """The engine loop dispatches a decode step before it reads back the one before
-(serving/engine_loop.py), so the host's work for one step runs while the device computes the
+(serving/core/engine_loop.py), so the host's work for one step runs while the device computes the
 next. Checked on what the loop did, not on timing: the order of its dispatches and read-backs,
 and the decode rows it ran, counted from what each sample's tokens and finish reason say they
 must have cost (an end by length is known ahead and costs nothing more; an end by a stop token
 is learnt one step late and costs exactly one dropped row). That the tokens themselves are
 unchanged is what the rest of tests/serving checks against its references."""
 
-from serving.engine import Decoded
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
-
+from serving.core.orchestrator import Orchestrator
+from serving.runner.engine import Decoded
+from serving.runner.sampling import SamplingParams
 from tests.serving.common import prompts
 
 

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from jaxrl.models.generate import greedy_generate
-from serving.engine import Engine
-from serving.orchestrator import InvalidRequest, Orchestrator, Sample, TokenEvent
-from serving.sampling import SamplingParams
-
+from serving.core.orchestrator import InvalidRequest, Orchestrator, Sample, TokenEvent
+from serving.runner.engine import Engine
+from serving.runner.sampling import SamplingParams
 from tests.serving.common import CFG, ENGINE, contiguous_decode, prompts, run_staggered
 
 

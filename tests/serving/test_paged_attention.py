@@ -1,25 +1,24 @@
-"""The engine's decode-attention implementations over the KV pages (serving/paged_kv.py): the
-Pallas kernel (serving/paged_attention.py), run on CPU in Pallas's TPU interpreter, the loop
-over pages and the native CPU kernel (serving/native), each against attention computed in
+"""The engine's decode-attention implementations over the KV pages (serving/runner/paged_kv.py): the
+Pallas kernel (serving/runner/paged_attention.py), run on CPU in Pallas's TPU interpreter, the loop
+over pages and the native CPU kernel (serving/runner/native), each against attention computed in
 numpy float64 from the pool; then the engine decoding through each (pallas, triton, loop,
 native, reference), on one device and tensor-parallel, against the references of test_paged.py. That
 the Pallas kernel compiles for TPU is in tests/sharding/test_tpu_aot.py."""
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from serving import paged_kv
-from serving.engine import Engine
-from serving.orchestrator import Orchestrator
-from serving.paged_attention import paged_decode_attention
+from serving.core.orchestrator import Orchestrator
+from serving.runner import paged_kv
+from serving.runner.engine import Engine
+from serving.runner.paged_attention import paged_decode_attention
 from sharding.mesh import MeshConfig, make_mesh
-
-from tests.serving.common import CFG, ENGINE
-from tests.serving.common import run_staggered
+from tests.serving.common import CFG, ENGINE, run_staggered
 from tests.serving.test_paged import _check_against_references, _requests
 
 pytestmark = pytest.mark.multi_device
@@ -152,8 +151,8 @@ def test_native_equals_attention_over_the_held_tokens(q_dtype, kv_dtype, atol, w
 def test_native_attention_is_refused_where_it_cannot_run(monkeypatch):
     """Asked for by name without a C++ compiler: an error that says why; `auto` falls back to
     the XLA loop."""
-    from serving import native
-    from serving.engine import _attention
+    from serving.runner import native
+    from serving.runner.engine import _attention
 
     native.available.cache_clear()
     monkeypatch.setattr(native, "_compiler", lambda: None)

@@ -1,4 +1,4 @@
-"""The Pallas GPU decode kernel (serving/paged_attention_gpu.py) on CPU: in interpret mode
+"""The Pallas GPU decode kernel (serving/runner/paged_attention_gpu.py) on CPU: in interpret mode
 against attention in numpy float64 and against JAX's own Pallas GPU paged-attention op (an
 independent, maintained kernel over another layout); lowered to Triton IR for CUDA, with the pool
 read by the kernel alone (no copy or gather of it in the program); the engine's refusals. The
@@ -14,8 +14,8 @@ import pytest
 from jax import export
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
-from serving.engine import _attention
-from serving.paged_attention_gpu import Tuning, paged_decode_attention_gpu, plan
+from serving.runner.engine import _attention
+from serving.runner.paged_attention_gpu import Tuning, paged_decode_attention_gpu, plan
 from tests.serving.test_paged_attention import _reference, held_pages_case
 
 

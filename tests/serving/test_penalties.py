@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from jaxrl.models import merge_params, split_params
-from serving.engine import SlotBatch
-from serving.steps import HISTORY_CHUNK
-from serving.sampling import Draws, SamplingParams, sample, slot_keys
-from serving.stream import Sample
+from serving.core.stream import Sample
+from serving.runner.engine import SlotBatch
+from serving.runner.sampling import Draws, SamplingParams, sample, slot_keys
+from serving.runner.steps import HISTORY_CHUNK
 from tests.serving.common import CFG, ENGINE, prompts
 
 

@@ -10,14 +10,13 @@ from concurrent import futures
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving import prometheus
-from serving.health import Health
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
-from serving.server import Server
+from serving.core.orchestrator import Orchestrator
+from serving.frontends import prometheus
+from serving.frontends.health import Health
+from serving.frontends.server import Server
+from serving.runner.sampling import SamplingParams
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

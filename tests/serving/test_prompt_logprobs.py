@@ -13,10 +13,9 @@ import numpy as np
 import openai
 import pytest
 
-from serving.engine import Engine
-from serving.openai_api import OpenAIApp, start_http
-from serving.orchestrator import Orchestrator
-
+from serving.core.orchestrator import Orchestrator
+from serving.frontends.openai_api import OpenAIApp, start_http
+from serving.runner.engine import Engine
 from tests.serving.common import CFG, ENGINE
 from tests.serving.test_openai_api import tokenizer  # noqa: F401 (the module's fixture)
 

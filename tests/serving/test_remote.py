@@ -1,4 +1,4 @@
-"""Generation over gRPC (serving/client.py's RemoteGeneration against serving/server.py) against
+"""Generation over gRPC (serving/fleet/client.py's RemoteGeneration against serving/frontends/server.py) against
 this process's orchestrator on the same weights: the same tokens, log-probs and versions; a
 group carried in continues exactly; refusals, stale versions, bad tokens and deadlines come back
 as the errors the Generation interface names."""
@@ -9,18 +9,16 @@ import time
 import numpy as np
 import pytest
 
-from serving.client import RemoteGeneration
-from serving.engine import Engine
-from serving.generation import Generation
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
-from serving.server import Server
-from serving.stream import Sample
-from serving.weight_stream import StaleVersion
+from serving.core.orchestrator import Orchestrator
+from serving.core.requests import StaleVersion
+from serving.core.stream import Sample
+from serving.fleet.client import RemoteGeneration
+from serving.fleet.generation import Generation
+from serving.frontends.server import Server
+from serving.runner.engine import Engine
+from serving.runner.sampling import SamplingParams
 from sharding.reshard import WeightUpdateError
-
-from tests.serving.common import (CFG, ENGINE, held_turns, hung_generation_server, prompts,
-                                  until)
+from tests.serving.common import CFG, ENGINE, held_turns, hung_generation_server, prompts, until
 
 TOKEN = "secret"
 
@@ -203,7 +201,7 @@ def test_an_unreachable_server_is_a_connection_error(params):
 
 @pytest.mark.parametrize("transfer", ["jax", "tcp"])
 def test_pulled_weights_are_served(server, params, transfer):
-    """The pull paths (jax: serving/transfer.py, device to device; tcp: serving/bulk.py):
+    """The pull paths (jax: serving/weights/transfer.py, device to device; tcp: serving/weights/bulk.py):
     other weights pulled by the server then generate exactly what a local engine holding them
     generates, at their version; the original weights pulled back (resume) serve as before."""
     import jax

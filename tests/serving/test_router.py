@@ -1,6 +1,6 @@
-"""The one router behind `jaxrl serve --replicas` and the RL fleet (serving/router.py)."""
+"""The one router behind `jaxrl serve --replicas` and the RL fleet (serving/fleet/router.py)."""
 
-from serving.router import Router, session_keys
+from serving.fleet.router import Router, session_keys
 
 
 def test_groups_go_to_the_least_loaded_and_ties_to_the_longest_waiting():

@@ -15,11 +15,11 @@ from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer, split_params
 from jaxrl.train.objectives import chunked_token_stats
-from serving.client import RemoteGeneration
-from serving.engine import Engine
-from serving.orchestrator import Orchestrator
-from serving.sampling import SamplingParams
-from serving.server import Server
+from serving.core.orchestrator import Orchestrator
+from serving.fleet.client import RemoteGeneration
+from serving.frontends.server import Server
+from serving.runner.engine import Engine
+from serving.runner.sampling import SamplingParams
 from tests.serving.common import ENGINE, prompts
 
 MOE = ModelConfig(family="qwen3_moe", vocab_size=32, embed_dim=32, num_layers=2, num_heads=4,

@@ -22,18 +22,17 @@ from jax import monitoring
 from jaxrl import executables
 from jaxrl.models import Transformer, split_params
 from jaxrl.models.tokenizer import CharTokenizer
-from serving.engine import Engine
-from serving.openai_api import OpenAIApp, start_http
-from serving.orchestrator import EngineStopped, Orchestrator
-from serving.programs import ROWS_FIRST, Programs
+from serving.core.orchestrator import EngineStopped, Orchestrator
+from serving.core.stream import DoneEvent, Sample
+from serving.frontends.openai_api import OpenAIApp, start_http
+from serving.frontends.server import Server
 from serving.proto import generation_pb2 as gen
 from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.proto import jetstream_pb2 as js_pb2
 from serving.proto import jetstream_pb2_grpc as js_grpc
-from serving.sampling import SamplingParams
-from serving.server import Server
-from serving.stream import DoneEvent, Sample
-
+from serving.runner.engine import Engine
+from serving.runner.programs import ROWS_FIRST, Programs
+from serving.runner.sampling import SamplingParams
 from tests.serving.common import CFG, ENGINE, contiguous_decode, prompts, until
 
 # 16 slots (decode batches of 1, 4 or 16 rows), two table widths per doubling.

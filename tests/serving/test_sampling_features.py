@@ -12,10 +12,9 @@ import pytest
 from jaxrl.config import load_run_config
 from jaxrl.models import ModelConfig
 from jaxrl.rollout.generation import engine_config
-from serving.engine import Engine, EngineConfig
-from serving.orchestrator import InvalidRequest, Orchestrator
-from serving.sampling import FEATURES, SamplingParams
-
+from serving.core.orchestrator import InvalidRequest, Orchestrator
+from serving.runner.engine import Engine, EngineConfig
+from serving.runner.sampling import FEATURES, SamplingParams
 from tests.serving.common import CFG, ENGINE, prompts
 
 

@@ -5,12 +5,12 @@ length predictor behind longest-first admission."""
 import numpy as np
 import pytest
 
-from serving.length_predictor import LengthPredictor
-from serving.page_pool import PagePool, PoolExhausted
-from serving.sampling import SamplingParams
-from serving.scheduler import Scheduler
-from serving.sequence import Request
-from serving.stream import RequestStream
+from serving.core.length_predictor import LengthPredictor
+from serving.core.page_pool import PagePool, PoolExhausted
+from serving.core.scheduler import Scheduler
+from serving.core.sequence import Request
+from serving.core.stream import RequestStream
+from serving.runner.sampling import SamplingParams
 
 
 def _scheduler(num_pages=17, slots=4, budget=64):
@@ -158,8 +158,8 @@ def test_a_long_tail_is_decoded_apart_from_the_short_rows():
     short rows at theirs; all rows of similar length stay in one batch."""
     from types import SimpleNamespace
 
-    from serving.engine import EngineConfig
-    from serving.scheduler import decode_groups
+    from serving.core.scheduler import decode_groups
+    from serving.runner.engine import EngineConfig
 
     cfg = EngineConfig(max_concurrent_decodes=64, max_len=2048, page_size=16)
 

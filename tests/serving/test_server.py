@@ -12,14 +12,13 @@ import pytest
 
 from jaxrl.models.generate import greedy_generate
 from jaxrl.models.tokenizer import CharTokenizer
-from serving.client import push_weights, weight_pieces
-from serving.orchestrator import Orchestrator
+from serving.core.orchestrator import Orchestrator
+from serving.fleet.client import push_weights, weight_pieces
+from serving.frontends.server import Server
 from serving.proto import generation_pb2 as gen
 from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.proto import jetstream_pb2 as js
 from serving.proto import jetstream_pb2_grpc as js_grpc
-from serving.server import Server
-
 from tests.serving.common import prompts
 
 TOKENIZER = CharTokenizer("0123456789+-*=")  # 17 ids, inside the model's 32

@@ -3,13 +3,13 @@ prefills only its new tokens, and every token still equals the contiguous refere
 the episode's whole history from scratch."""
 
 import dataclasses
+
 import numpy as np
 import pytest
 
-from serving.engine import Engine
-from serving.orchestrator import InvalidRequest, Orchestrator
-from serving.sampling import SamplingParams
-
+from serving.core.orchestrator import InvalidRequest, Orchestrator
+from serving.runner.engine import Engine
+from serving.runner.sampling import SamplingParams
 from tests.serving.common import CFG, ENGINE, contiguous_decode, prompts
 
 

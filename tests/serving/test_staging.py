@@ -1,4 +1,4 @@
-"""Staged tcp pulls (serving/staging.py), as a GPU or TPU server makes them, here onto a CPU
+"""Staged tcp pulls (serving/weights/staging.py), as a GPU or TPU server makes them, here onto a CPU
 device: every wire dtype lands on the device equal to what was offered, through a few chunks
 of host memory whatever the model's size; a relay sends on what passes through its stage and
 holds the pull back while its downstream reads; a relay nobody pulls is given up without
@@ -12,11 +12,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from serving import bulk as bulk_module
-from serving import staging
-from serving.bulk import BulkServer, relay_offer
-from serving.bulk_pull import pull
-from serving.slabs import nbytes
+from serving.weights import bulk as bulk_module
+from serving.weights import staging
+from serving.weights.bulk import BulkServer, relay_offer
+from serving.weights.bulk_pull import pull
+from serving.weights.slabs import nbytes
 
 
 @pytest.fixture(autouse=True)
@@ -112,17 +112,17 @@ def test_a_relay_nobody_pulls_is_given_up_and_the_pull_goes_on(monkeypatch):
 
 
 def test_a_server_that_stages_its_pulls_serves_what_it_pulled(monkeypatch):
-    """A CPU server made to stage as a GPU server does (serving/pulls.py `stages`): the weights
+    """A CPU server made to stage as a GPU server does (serving/weights/pulls.py `stages`): the weights
     it pulls over tcp generate what a local engine holding them generates."""
     from flax import nnx
 
     from jaxrl.models import Transformer, split_params
-    from serving import pulls
-    from serving.client import RemoteGeneration
-    from serving.engine import Engine
-    from serving.orchestrator import Orchestrator
-    from serving.sampling import SamplingParams
-    from serving.server import Server
+    from serving.core.orchestrator import Orchestrator
+    from serving.fleet.client import RemoteGeneration
+    from serving.frontends.server import Server
+    from serving.runner.engine import Engine
+    from serving.runner.sampling import SamplingParams
+    from serving.weights import pulls
     from tests.serving.common import CFG, ENGINE
 
     monkeypatch.setattr(pulls, "stages", lambda devices: True)
@@ -148,7 +148,7 @@ def test_only_a_server_on_one_accelerator_stages():
     from the slab shard by shard (staged whole onto one device, they might not fit)."""
     from types import SimpleNamespace
 
-    from serving.pulls import stages
+    from serving.weights.pulls import stages
 
     gpu, tpu, cpu = (SimpleNamespace(platform=p) for p in ("gpu", "tpu", "cpu"))
     assert stages([gpu]) and stages([tpu])

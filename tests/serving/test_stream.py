@@ -5,7 +5,7 @@ last list comes as soon as every sample is done, not at the interval's end."""
 import threading
 import time
 
-from serving.stream import DoneEvent, RequestStream, TokenEvent
+from serving.core.stream import DoneEvent, RequestStream, TokenEvent
 
 
 def _produce(stream: RequestStream, tokens: int, pause_s: float) -> threading.Thread:

@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer, split_params
-from serving.constraints import Grammars
-from serving.engine import Engine, EngineConfig
-from serving.openai_api import OpenAIApp, start_http
-from serving.orchestrator import Orchestrator
+from serving.core.orchestrator import Orchestrator
+from serving.frontends.openai_api import OpenAIApp, start_http
+from serving.runner.constraints import Grammars
+from serving.runner.engine import Engine, EngineConfig
 from tests.serving.common import byte_bpe_tokenizer
 from tests.serving.test_tool_calls import HERMES
 

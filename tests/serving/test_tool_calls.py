@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from jaxrl.models.tokenizer import CharTokenizer
-from serving.openai_api import OpenAIApp, start_http
-from serving.stream import DoneEvent, RequestStream, TokenEvent
-from serving.tool_calls import PARSERS, normalise_messages, parser_for
+from serving.core.stream import DoneEvent, RequestStream, TokenEvent
+from serving.frontends.openai_api import OpenAIApp, start_http
+from serving.frontends.tool_calls import PARSERS, normalise_messages, parser_for
 
 # Qwen2.5's tool section, shortened: the tools as JSON in <tools>, calls in <tool_call>.
 HERMES = (

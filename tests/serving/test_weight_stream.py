@@ -5,10 +5,15 @@ returned (so nothing is applied); a good stream in any piece order assembles exa
 import numpy as np
 import pytest
 
-from serving.client import weight_pieces
+from serving.fleet.client import weight_pieces
 from serving.proto import generation_pb2 as gen
-from serving.weight_stream import (WIRE_DTYPES, StaleVersion, WeightAssembler, assemble_weights,
-                                    tensor_names)
+from serving.weights.weight_stream import (
+    WIRE_DTYPES,
+    StaleVersion,
+    WeightAssembler,
+    assemble_weights,
+    tensor_names,
+)
 from sharding.reshard import WeightUpdateError
 
 PARAMS = {"embed": np.arange(32, dtype=np.float32).reshape(8, 4),

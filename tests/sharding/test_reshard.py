@@ -7,10 +7,10 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.models import ModelConfig, Transformer, abstract_model, param_axes, split_params
-from serving.engine import Engine, EngineConfig
-from sharding.mesh import MeshConfig, make_mesh, tree_shardings
 import sharding.reshard as reshard_module
+from jaxrl.models import ModelConfig, Transformer, abstract_model, param_axes, split_params
+from serving.runner.engine import Engine, EngineConfig
+from sharding.mesh import MeshConfig, make_mesh, tree_shardings
 from sharding.reshard import WeightUpdateError, reshard
 
 pytestmark = pytest.mark.multi_device

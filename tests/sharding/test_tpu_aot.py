@@ -16,7 +16,7 @@ import pytest
 from jaxrl.commands.compile import compile_generate_step, compile_train_step
 from jaxrl.config import load_run_config
 from jaxrl.models import ModelConfig, abstract_model, merge_params, split_params
-from serving.engine import Engine, EngineConfig
+from serving.runner.engine import Engine, EngineConfig
 from sharding import mesh as shd
 from sharding.aot import tpu_devices
 

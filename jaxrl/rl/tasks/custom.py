@@ -28,12 +28,12 @@ import importlib
 import importlib.util
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 
+from jaxrl.deprecation import renamed_arguments
 from jaxrl.errors import UserError
 from jaxrl.models.chat import render_chat
 from jaxrl.rl.tasks.base import Problem
@@ -143,21 +143,16 @@ class CustomTask:
 
     # -- building ------------------------------------------------------------------------------
     @classmethod
+    @renamed_arguments(held_out_percent="held_out")
     def from_rows(cls, rows: Iterable[Mapping], reward: Reward | Sequence[Reward], *,
                   held_out: int | Iterable[Mapping] = 5, weights: Sequence[float] = (),
                   batched: bool = False, prompt_key: str = "prompt", answer_key: str = "",
-                  tokenizer=None, held_out_percent: int | None = None) -> "CustomTask":
+                  tokenizer=None) -> "CustomTask":
         """The Python API: `rows` are mappings (a list, a Hugging Face `datasets.Dataset`, a
         Grain MapDataset), `reward` one callable or several. `held_out`: the problems held out
         for evaluation, a percent of `rows` (chosen by a hash of the prompt) or rows of their
         own (any of `rows` with the same prompt is then not trained on). `tokenizer` writes
-        chat-message prompts with its chat template. `held_out_percent`: the previous
-        release's name of a percent `held_out` (deprecated)."""
-        if held_out_percent is not None:
-            warnings.warn("CustomTask.from_rows(held_out_percent=...) is deprecated: pass "
-                          "held_out=... (a percent, or rows of their own)", DeprecationWarning,
-                          stacklevel=2)
-            held_out = held_out_percent
+        chat-message prompts with its chat template."""
         problems = [_problem(row, prompt_key, answer_key, tokenizer, f"row {n}")
                     for n, row in enumerate(rows, 1)]
         if isinstance(held_out, bool) or not isinstance(held_out, int):

@@ -1,0 +1,333 @@
+"""The model runner: JetStream's Engine API shape (prefill, insert, generate) over a paged KV
+cache, as compiled programs. It holds no bookkeeping of its own: which pages and slots a
+sequence has is the scheduler's (serving/core/scheduler.py), passed in as page tables.
+
+    state = engine.init_decode_state()                        # the page pool + per-slot state
+    state, logits = engine.prefill(params, state, tokens, starts, lengths, table)
+    tokens, logprobs = engine.sample_first(logits, rows, samplings, sample_indices)
+    state = engine.insert(state, SlotBatch(slots, lengths, next_tokens, counts, samplings,
+                                           indices))
+    state, tokens, logprobs = engine.generate_steps(params, state, table, steps)
+    state, decoded = engine.dispatch_steps(params, state, table, steps)   # read back later
+
+Prefill writes a chunk of each row's prompt straight into that row's pages and attends over
+the pages before it (Sarathi-Serve's chunked prefill); decode does the same with one token per
+slot. Both run `Transformer.extend` on a `PagedKV`, sized to the longest row they hold (a page
+table width from a few buckets per doubling), so a step's cost follows the tokens held, not
+`max_len`.
+The engine holds no weights: `prepare_params` places a set, every call takes one, and the
+orchestrator swaps them between two steps, keeping every page (PipelineRL). Its programs are
+compiled once per shape, before serving starts (serving/runner/programs.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxrl.models import ModelConfig, lora
+from serving.runner import native
+from serving.runner.constraints import mask_words
+from serving.runner.engine_config import EngineConfig
+from serving.runner.paged_kv import KERNEL_PLATFORMS
+from serving.runner.programs import Programs, programs_for
+from serving.runner.slot_batch import SlotBatch, padded, sampling_rows
+from serving.runner.spec import DecodeState, Spec
+from sharding import mesh as shd
+from sharding.reshard import reshard
+
+__all__ = ["DecodeState", "Decoded", "Engine", "EngineConfig", "SlotBatch"]
+
+_log = logging.getLogger(__name__)
+
+
+def _attention(asked: str, platform: str) -> str:
+    """The paged attention an engine on `platform` runs for `asked` (EngineConfig.attention).
+    The Pallas kernels run where they were written for, and on CPU (as plain XLA) to check them."""
+    home = KERNEL_PLATFORMS.get(asked)
+    if home is not None and platform not in (home, "cpu"):
+        other = [k for k, p in KERNEL_PLATFORMS.items() if p == platform] + ["reference"]
+        raise ValueError(f"attention='{asked}' is a {home.upper()} kernel; on {platform} "
+                         f"use " + " or ".join(f"attention='{k}'" for k in other))
+    if asked == "native" and platform != "cpu":
+        raise ValueError(f"attention='native' is a CPU kernel; on {platform} use "
+                         f"attention='reference'")
+    if asked in ("auto", "native") and platform == "cpu":
+        why = native.available()
+        if why is None:
+            return "native"
+        if asked == "native":
+            raise ValueError(f"attention='native' cannot run here: {why}")
+        _log.warning("paged attention: the XLA loop, not the native kernel (%s)", why)
+        return "loop"
+    return "reference" if asked == "auto" else asked
+
+
+class Engine:
+    """The programs of one model on one mesh, and the host-side padding of their arguments.
+    It holds no weights: the caller passes them to every call (the orchestrator owns them)."""
+
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig = EngineConfig(),
+                 mesh: Mesh | None = None):
+        self.model_cfg = dataclasses.replace(model_cfg, dtype=cfg.dtype, param_dtype=cfg.dtype,
+                                             attention="xla")
+        self.mesh = mesh or shd.make_mesh(shd.MeshConfig(fsdp=1), jax.devices()[:1])
+        platform = self.mesh.devices.flat[0].platform
+        cfg = dataclasses.replace(cfg, attention=_attention(cfg.attention, platform))
+        self.cfg = cfg
+        if cfg.record_routes and not model_cfg.num_experts:
+            raise ValueError(f"record_routes needs a mixture-of-experts model; "
+                             f"model.family={model_cfg.family} has no experts")
+        self.num_pages = cfg.num_pages or (
+            self._pages_from_memory() if cfg.memory_fraction else
+            cfg.max_concurrent_decodes * cfg.pages_per_sequence + 1)
+        self.spec = Spec(self.model_cfg, cfg, self.mesh, self.num_pages)
+        self.programs: Programs = programs_for(self.spec)
+        self.graphdef = self.spec.graphdef
+        self.param_target = self.spec.param_target
+        self.pool_shape = self.spec.pool_shape
+        self.pool_sharding = self.spec.pool_sharding()
+        self.buckets = cfg.buckets
+        self._all_allowed_masks: dict[int, jax.Array] = {}    # rows -> all-allowed masks
+
+    def _pages_from_memory(self) -> int:
+        """Pages that fit in `memory_fraction` of the free memory of the most loaded device
+        (the pool is sharded over kv heads where the tensor axis divides them, so a device
+        holds its shard of every page)."""
+        stats = [d.memory_stats() for d in self.mesh.devices.flat]
+        if any(s is None or "bytes_limit" not in s for s in stats):
+            raise ValueError(f"memory_fraction={self.cfg.memory_fraction}: the "
+                             f"{self.mesh.devices.flat[0].platform} backend reports no device "
+                             f"memory; set num_pages instead")
+        free = min(s["bytes_limit"] - s["bytes_in_use"] for s in stats)
+        c = self.model_cfg
+        page = (c.num_layers, 1, self.cfg.page_size, 2 * c.num_kv_heads, c.head_dim)
+        one_page = Spec(self.model_cfg, self.cfg, self.mesh, 1).pool_sharding(1)
+        share = math.prod(one_page.shard_shape(page)) * self.cfg.pool_dtype.itemsize
+        return max(int(self.cfg.memory_fraction * free) // share, 2)
+
+    def compile(self, largest_only: bool = False) -> int:
+        """Compiles every program the engine can run, on this thread (serving/runner/programs.py;
+        `largest_only`: those its largest batches and prefill chunks need, `compile_wanted`
+        the others as calls ask for them); returns how many were compiled now (0 when an
+        engine of the same spec did it)."""
+        return self.programs.compile_all(largest_only)
+
+    def compile_wanted(self, stop: threading.Event) -> int:
+        """Compiles, beside the running engine, the programs of smaller batches and chunks as
+        calls ask for them (serving/runner/programs.py); until they are, those calls run padded."""
+        return self.programs.compile_wanted(stop)
+
+    # -- JetStream Engine API ------------------------------------------------------------------
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.cfg.max_concurrent_decodes
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.cfg.max_prefill_length
+
+    def prepare_params(self, params, *, pulled: bool = False):
+        """`params` (a pure dict, any placement) checked, placed on the serving mesh and cast
+        to the serving dtype: what every call takes. Safe in any thread; a bad tree, shape,
+        dtype or a NaN raises WeightUpdateError before anything is copied (`pulled`: a pull's
+        arrays, checked for NaN already and placed without a copy: sharding/reshard.py). A model with LoRA adapters also
+        takes exactly its adapters (`adapters_only`): an update of those alone, the base
+        kept."""
+        target = lora.trainable(self.param_target) if self.adapters_only(params) else \
+            self.param_target
+        return reshard(params, target, pulled=pulled)
+
+    def adapters_only(self, params) -> bool:
+        """Whether `params` names this model's adapters and nothing else: an update that
+        replaces the adapters and keeps the base (`prepare_params` then checks it holds every
+        adapter)."""
+        if not self.model_cfg.lora.enabled or set(params) != {"layers"}:
+            return False
+        names = set(params["layers"])
+        return bool(names) and names <= set(lora.trainable(self.param_target)["layers"])
+
+    def init_decode_state(self) -> DecodeState:
+        return self.programs("init", ())
+
+    def abstract_decode_state(self) -> DecodeState:
+        """Shapes, dtypes and shardings of a decode state, no memory (ahead-of-time compiles)."""
+        return self.spec.abstract_state()
+
+    def bucket(self, length: int) -> int:
+        """The prefill chunk bucket a chunk of `length` tokens pads to (of those compiled)."""
+        return self.programs.bucket(length)
+
+    def prefill(self, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
+        """Writes the next chunk of P prompts into their pages: row i's `lengths_P[i]` tokens
+        sit at positions starts_P[i].. and go into the pages of `table_PW[i]`. Returns
+        (state, logits [P, V] after each row's last token; more rows may follow, padding).
+        Rows are padded to `cfg.prefill_rows` of their chunk bucket (padding rows write only to
+        the null page), tokens to the bucket, the table to a prefill width. With
+        `cfg.record_routes`: (state, logits, experts [P, T, L, K] of each row's tokens)."""
+        tokens_PT = np.asarray(tokens_PT, np.int32)
+        p, t = tokens_PT.shape
+        bucket = self.bucket(t)
+        rows = self.cfg.prefill_rows(bucket)
+        if p > rows:
+            raise ValueError(f"a prefill of {p} chunks of up to {bucket} tokens: at most {rows} "
+                             f"(EngineConfig.prefill_rows)")
+        table_PW = np.asarray(table_PW, np.int32)
+        width = self.cfg.prefill_width(table_PW.shape[1] * self.cfg.page_size)
+        grid = np.zeros((rows, bucket), np.int32)
+        grid[:p, :t] = tokens_PT
+        table = np.zeros((rows, width), np.int32)
+        table[:p, : table_PW.shape[1]] = table_PW[:, :width]
+        state, logits, *routes = self.programs("prefill", (rows, bucket, width), params, state,
+                                               grid, _rows(starts_P, rows),
+                                               _rows(lengths_P, rows), table)
+        # logits [max_prefill_rows, V]: rows past P are padding
+        return (state, logits, *(np.asarray(r)[:p, :t] for r in routes))
+
+    def score(self, params, tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Log-probs of `tokens` under the model, each given those before it: (logprobs [n-1],
+        top ids [n-1, 20], top log-probs [n-1, 20]); row i scores tokens[i + 1]. Needs
+        `EngineConfig.score`."""
+        n = len(tokens)
+        if not self.cfg.score:
+            raise ValueError("prompt log-probs need the engine's score programs "
+                             "(EngineConfig.score, `jaxrl serve --score`)")
+        if not 2 <= n <= self.cfg.max_len:
+            raise ValueError(f"a sequence of {n} tokens cannot be scored: from 2 to "
+                             f"max_len={self.cfg.max_len}")
+        bucket = next(b for b in self.cfg.score_buckets if b >= n)
+        grid = np.zeros(bucket, np.int32)
+        grid[:n] = tokens
+        out = self.programs("score", (bucket,), params, grid)
+        return tuple(np.asarray(a)[: n - 1] for a in out)
+
+    def sample_first(self, logits_PV, rows, samplings, sample_indices, eos_id=None,
+                     allowed=None):
+        """First tokens and logprobs for K samples: entry i is drawn from logits row `rows[i]`
+        with `samplings[i]` as sample `sample_indices[i]` of its request (`eos_id`: the token
+        a sampling's min_tokens bans; `allowed`: [K, mask words] token bitmasks, None for
+        none: serving/runner/constraints.py)."""
+        k = self.programs.row_bucket("sample_first", len(rows))
+        tokens, logprobs = self.programs(
+            "sample_first", (k,), logits_PV, padded(rows, k, np.int32),
+            padded(sample_indices, k, np.int32), sampling_rows(samplings, k, eos_id),
+            self._masks(allowed, k))
+        return np.asarray(tokens)[: len(rows)], np.asarray(logprobs)[: len(rows)]
+
+    def _masks(self, allowed, rows: int):
+        """Token bitmasks for `rows` rows: `allowed`'s, padded with all-allowed rows, or (None)
+        the all-allowed masks kept on the device, so that free text sends nothing."""
+        if allowed is None:
+            return self._all_allowed(rows)
+        out = np.full((rows, mask_words(self.model_cfg.vocab_size)), -1, np.int32)
+        out[: len(allowed)] = allowed
+        return out
+
+    def _all_allowed(self, rows: int):
+        mask = self._all_allowed_masks.get(rows)
+        if mask is None:
+            words = mask_words(self.model_cfg.vocab_size)
+            mask = self._all_allowed_masks[rows] = jax.device_put(
+                np.full((rows, words), -1, np.int32), shd.replicated(self.mesh))
+        return mask
+
+    def insert(self, state: DecodeState, batch: SlotBatch, eos_id=None) -> DecodeState:
+        """JetStream's insert for the K sequences of `batch`, whose pages are written. Nothing
+        is copied: each slot reaches its pages through the page table. A penalized sample's
+        token counts are rebuilt from its history, a chunk per call."""
+        k = self.programs.row_bucket("insert", len(batch.slots))
+        slots, rows = padded(batch.slots, k, np.int32), batch.rows(k, eos_id)
+        for chunk, first in batch.history_chunks(k):
+            state = self.programs("insert", (k,), state, slots, rows, chunk, np.bool_(first))
+        return state
+
+    def copy_pages(self, state: DecodeState, src, dst) -> DecodeState:
+        """Pool page src[i] copied to dst[i] in every layer (the partly filled last prompt page
+        of a group, once per sample beyond the first)."""
+        k = self.programs.row_bucket("copy_pages", len(src))
+        return self.programs("copy_pages", (k,), state, padded(src, k, np.int32),
+                             padded(dst, k, np.int32))
+
+    def generate(self, params, state: DecodeState, table_SW):
+        """One decode step for every slot: (state, tokens [S], logprobs [S])."""
+        state, tokens, logprobs, *routes = self.generate_steps(params, state, table_SW, 1)
+        return (state, tokens[0], logprobs[0], *(r[0] for r in routes))
+
+    def generate_steps(self, params, state: DecodeState, table_SW, steps: int, slots=None,
+                       allowed=None):
+        """`steps` decode steps, read back: (state, tokens [K, R], logprobs [K, R], ...) as
+        `dispatch_steps`'s `Decoded.fetch`."""
+        state, decoded = self.dispatch_steps(params, state, table_SW, steps, slots, allowed)
+        return (state, *decoded.fetch())
+
+    def dispatch_steps(self, params, state: DecodeState, table_SW, steps: int, slots=None,
+                       allowed=None) -> tuple[DecodeState, "Decoded"]:
+        """Dispatches `steps` decode steps and returns at once: (state, their outputs still on
+        the device). The sampled tokens stay in the state too, so the next dispatch can follow
+        before these are read back. The page table must already hold the pages the steps
+        write; `steps` is 1 or cfg.steps_per_dispatch. `allowed`: [R, mask words] token
+        bitmasks of the rows (serving/runner/constraints.py), one step only.
+
+        With `slots` (R of them, table_SW then [R, W] in the same order), only those slots are
+        decoded: their rows are gathered into a batch of S/16, S/4 or S rows (S slots; always S
+        when S <= 8), padded with rows of other slots that read and write only the null page and
+        whose state is left as it was (another batch of the same step may be decoding them). A
+        long tail with few busy slots then costs those rows, not every slot."""
+        s = self.cfg.max_concurrent_decodes
+        slots = list(range(s)) if slots is None else list(slots)
+        table = np.asarray(table_SW, np.int32)
+        rows = self.programs.row_bucket("decode", len(slots))
+        width = self.cfg.table_width(table.shape[1] * self.cfg.page_size)
+        taken = set(slots)
+        idle = [i for i in range(s) if i not in taken]
+        padded = np.asarray(slots + idle[: rows - len(slots)], np.int32)
+        grid = np.zeros((rows, width), np.int32)
+        grid[: len(slots), : table.shape[1]] = table[:, :width]
+        real = np.arange(rows) < len(slots)
+        if allowed is not None and steps != 1:
+            raise ValueError(f"token masks apply to one decode step at a time, not {steps}")
+        if steps == 1:
+            state, logits, *routes = self.programs("decode", (rows, width), params, state, grid,
+                                                   padded)
+            state, tokens, logprobs = self.programs("advance", (rows,), state, logits, padded,
+                                                    real, self._masks(allowed, rows))
+        else:
+            state, tokens, logprobs, *routes = self.programs(
+                "decode_steps", (rows, width, steps), params, state, grid, padded, real)
+        return state, Decoded(tokens, logprobs, routes, len(slots), one_step=steps == 1)
+
+
+@dataclasses.dataclass
+class Decoded:
+    """A decode dispatch's outputs while the device may still be computing them: `fetch` waits
+    and reads them back. Their copy to the host starts at once."""
+    tokens: jax.Array             # [K, R'] (or [R'] for one step), R' >= rows: padding rows
+    logprobs: jax.Array
+    routes: list                  # with record_routes: the experts each fed token went to
+    rows: int
+    one_step: bool
+
+    def __post_init__(self):
+        for a in (self.tokens, self.logprobs, *self.routes):
+            a.copy_to_host_async()
+
+    def fetch(self) -> tuple[np.ndarray, ...]:
+        """(tokens [K, rows], logprobs [K, rows], *routes [K, rows, L, K']) as host arrays."""
+        n = self.rows
+        out = [np.asarray(a) for a in (self.tokens, self.logprobs, *self.routes)]
+        if self.one_step:
+            out = [a[None] for a in out]
+        return tuple(a[:, :n] for a in out)    # host arrays: slicing them compiles nothing
+
+
+def _rows(values, rows: int) -> np.ndarray:
+    """`values` as int32 padded with zeros to `rows`."""
+    out = np.zeros((rows,), np.int32)
+    out[: len(values)] = values
+    return out
