@@ -16,6 +16,17 @@ from typing import Any, Literal, Mapping, Sequence
 import yaml
 
 from jaxrl.errors import UserError
+from jaxrl.models.config import ModelConfig
+from jaxrl.optim_config import OptimConfig
+from jaxrl.rl.config import RLConfig
+from jaxrl.rl.tasks.arithmetic import ArithmeticConfig
+from jaxrl.rl.tasks.countdown import CountdownConfig
+from jaxrl.rl.tasks.custom import CustomConfig
+from jaxrl.rl.tasks.math import MathConfig
+from jaxrl.rl.tasks.toolcalc import ToolCalcConfig
+from jaxrl.train.config import CheckpointConfig, TrainConfig
+from sharding.mesh import MeshConfig
+from sharding.pipeline import PipelineConfig
 
 
 class ConfigError(UserError):
@@ -168,17 +179,6 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # The run: every section of a `jaxrl train` config.
 
-from jaxrl.models.config import ModelConfig  # noqa: E402
-from jaxrl.rl.config import RLConfig  # noqa: E402
-from jaxrl.rl.tasks.arithmetic import ArithmeticConfig  # noqa: E402
-from jaxrl.rl.tasks.countdown import CountdownConfig  # noqa: E402
-from jaxrl.rl.tasks.custom import CustomConfig  # noqa: E402
-from jaxrl.rl.tasks.math import MathConfig  # noqa: E402
-from jaxrl.rl.tasks.toolcalc import ToolCalcConfig  # noqa: E402
-from jaxrl.optim_config import OptimConfig  # noqa: E402
-from jaxrl.train.config import CheckpointConfig, TrainConfig  # noqa: E402
-from sharding.mesh import MeshConfig  # noqa: E402
-from sharding.pipeline import PipelineConfig  # noqa: E402
 
 # Model fields that are runtime choices, allowed next to `hf_path` (the rest come from its
 # config.json).

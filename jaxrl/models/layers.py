@@ -16,6 +16,8 @@ import numpy as np
 
 from jaxrl.models import splash
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.cudnn_packed import packed_attention
+from jaxrl.models.grads import weight_grad
 
 
 def rms_norm(x, scale, eps: float, plus_one: bool = False):
@@ -161,8 +163,8 @@ def segment_layout(segment_ids_BT, max_segments: int):
     """Packed rows as cuDNN's ragged layout takes them: (lengths [B, M], offsets [B, M + 1]),
     segment s of a row being ids s + 1, contiguous and in order from position 0 (how the
     packers lay rows out; padding, id 0, at the end belongs to no segment). Offsets are the
-    segments' first positions; entries past a row's last segment are -1 (the layout of
-    jax._src.cudnn.fused_attention_stablehlo.dot_product_attention's q_offsets). Counted by a
+    segments' first positions; entries past a row's last segment are -1 (the layout of cuDNN's
+    q_offsets: jaxrl/models/cudnn_packed.py). Counted by a
     scatter, O(B x T), not by comparing ids pairwise."""
     b = segment_ids_BT.shape[0]
     counts_BM1 = jax.vmap(lambda row: jnp.zeros(max_segments + 1, jnp.int32)
@@ -184,13 +186,8 @@ def _attention_cudnn(q_BTNH, k_BSGH, v_BSGH, segment_ids_BT, max_segments: int, 
     if segment_ids_BT is None:
         return jax.nn.dot_product_attention(q_BTNH, k_BSGH, v_BSGH, is_causal=True,
                                             scale=scale, implementation="cudnn")
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
     lengths_BM, offsets_BM1 = segment_layout(segment_ids_BT, max_segments)
-    return cudnn.dot_product_attention(
-        q_BTNH, k_BSGH, v_BSGH, q_seqlen=lengths_BM, kv_seqlen=lengths_BM,
-        q_offsets=offsets_BM1, kv_offsets=offsets_BM1, scale=scale,
-        mask_type=cudnn.MaskType.PADDING_CAUSAL)
+    return packed_attention(q_BTNH, k_BSGH, v_BSGH, lengths_BM, offsets_BM1, scale)
 
 
 def gelu_tanh(x):
@@ -225,14 +222,6 @@ def _gated_mlp_bwd(act, res, dy_BTD):
     dx_BTD = dg_BTF @ gate_DF.T + du_BTF @ up_DF.T
     return (dx_BTD, weight_grad(x_BTD, dg_BTF), weight_grad(x_BTD, du_BTF),
             weight_grad(h_BTF, dy_BTD))
-
-
-def weight_grad(a_BTI, b_BTO):
-    """sum over tokens of a^T b, [I, O], contracted with the wider operand on the left."""
-    a, b = a_BTI.reshape(-1, a_BTI.shape[-1]), b_BTO.reshape(-1, b_BTO.shape[-1])
-    if a.shape[1] >= b.shape[1]:
-        return jnp.einsum("ti,to->io", a, b)
-    return jnp.einsum("to,ti->oi", b, a).T
 
 
 gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.models.grads import weight_grad
+
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 TARGETS = (*ATTENTION, *MLP)
@@ -166,8 +168,6 @@ def _low_rank_fwd(x_TI, a_IR, b_RO):
 
 
 def _low_rank_bwd(res, dy_TO):
-    from jaxrl.models.layers import weight_grad     # layers -> config -> this module
-
     x_TI, a_IR, b_RO, low_TR = res
     dlow_TR = dy_TO @ b_RO.T
     return (dlow_TR @ a_IR.T, weight_grad(x_TI, dlow_TR), weight_grad(low_TR, dy_TO))

@@ -4,7 +4,8 @@
 
 (JAX_PLATFORMS must be given: tests/conftest.py defaults it to cpu.) Each test checks the GPU
 against a CPU float32 reference or against another GPU path: the model's logits; cuDNN attention
-against XLA attention on packed rows (values and gradients); the engine's greedy tokens in
+against XLA attention on packed rows (values and gradients), and jaxrl's wrapper of cuDNN's
+packed layout against jax's public API; the engine's greedy tokens in
 bf16 against float32; every remat policy's gradients against `none`; `offload` lowering the
 peak device memory (`memory_stats`); an in-flight weight update during generation; the Pallas
 GPU paged-attention kernel (Triton) against the gather reference, alone and in the engine; a
@@ -100,6 +101,32 @@ def test_cudnn_attention_equals_xla_on_packed_rows(dtype):
     for got, want in zip(grads, ref_grads):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    atol=10 * tol, rtol=10 * tol)
+
+
+def test_the_packed_cudnn_wrapper_equals_the_public_api_on_rows_of_one_segment():
+    """jaxrl/models/cudnn_packed.py (jax's private ragged layout) against the public
+    `jax.nn.dot_product_attention(implementation="cudnn")` with one sequence length per row,
+    where both apply: each row one segment, shorter than the row."""
+    from jaxrl.models.cudnn_packed import packed_attention
+    from jaxrl.models.layers import segment_layout
+
+    rng = np.random.default_rng(3)
+    b, t, n, g, h = 2, 128, 8, 2, 64
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=(b, t, g, h)), jnp.bfloat16) for _ in range(2))
+    lengths = np.asarray([t, 77], np.int32)
+    seg = jnp.asarray((np.arange(t)[None, :] < lengths[:, None]).astype(np.int32))
+    q, k, v, seg, lens = jax.device_put((q, k, v, seg, jnp.asarray(lengths)), gpu())
+    scale = h ** -0.5
+    lengths_BM, offsets_BM1 = segment_layout(seg, 4)
+    got = jax.jit(packed_attention, static_argnums=5)(q, k, v, lengths_BM, offsets_BM1, scale)
+    want = jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=True, query_seq_lengths=n, key_value_seq_lengths=n,
+        implementation="cudnn"))(q, k, v, lens)
+    for row, length in enumerate(lengths):      # positions past a row's segment are padding
+        np.testing.assert_allclose(np.asarray(got[row, :length], np.float32),
+                                   np.asarray(want[row, :length], np.float32),
+                                   atol=2e-2, rtol=2e-2)
 
 
 def _greedy_tokens(params, configs: dict, max_tokens: int) -> dict:
@@ -225,8 +252,8 @@ def test_in_flight_update_during_generation_on_gpu():
 
 def test_a_tcp_pull_onto_the_gpu_is_staged_and_serves_what_it_pulled():
     """A server on one GPU pulls tcp weights through a few host buffers into their places on the
-    device (serving/weights/staging.py): the pull's host memory stays far below the model's bytes, the
-    tensors arrive equal to what was offered, and a server serving them generates what an
+    device (serving/weights/staging.py): the pull's host memory stays far below the model's bytes,
+    the tensors arrive equal to what was offered, and a server serving them generates what an
     engine holding them generates."""
     import tracemalloc
 
