@@ -1,13 +1,15 @@
-"""Modules a reader can hold: no file of jaxrl/, serving/ or sharding/ over 400 lines, no
+"""Modules a reader can hold: no file of jaxrl/, serving/ or sharding/ over 500 lines, no
 function over 60 and none with more than 8 parameters (shared/STYLE.md); generated gRPC stubs
-and a Pallas kernel's list of refs aside. Split along a concept a reader would name, or group
-parameters into the object they describe, rather than raise the limits."""
+and a Pallas kernel's list of refs aside. The file limit is a guide, not a squeeze: most files
+stay near 400 (STYLE.md), and one concept is not split in two, nor one file padded out with
+another's, to meet it. Group parameters into the object they describe rather than raise the
+parameter limit."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_FILE, MAX_FUNCTION, MAX_PARAMETERS = 400, 60, 8
+MAX_FILE, MAX_FUNCTION, MAX_PARAMETERS = 500, 60, 8
 
 
 def sources():

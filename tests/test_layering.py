@@ -94,3 +94,51 @@ def test_the_check_finds_an_upward_import(tmp_path):
     bad.write_text("from jaxrl.trainer import rl\nimport jaxrl.models\n")
     found = [t for _, t in imported(bad) if RANK[part_of(t)] > RANK["serving.fleet"]]
     assert found == ["jaxrl.trainer.rl"]
+
+
+def _module_of(target: str, known: set[str]) -> str | None:
+    """The project module an imported name is (`a.b.c` may name `c` in module `a.b`)."""
+    while target and target not in known:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def import_cycles() -> list[list[str]]:
+    """Modules that import each other, directly or around a loop (lazy imports included, since
+    a lazy import is how a cycle is held open): the strongly connected components of more than
+    one module, by Tarjan's algorithm."""
+    paths = dict(modules())
+    known = set(paths)
+    graph = {name: {m for _, t in imported(path)
+                    if (m := _module_of(t, known)) and m != name
+                    and not name.startswith(m + ".")}       # a package's own __init__
+             for name, path in paths.items()}
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                on.discard(w)
+                component.append(w)
+            on.discard(v)
+            if component:
+                out.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle():
+    assert import_cycles() == []
