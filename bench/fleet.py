@@ -4,8 +4,8 @@
    budget, one after the other: the trainer with its engine in-process, then the trainer and two
    `jaxrl serve` processes on this machine (rl.generation.servers), each server with half the
    slots, first streaming the weights over gRPC, then with the servers pulling them
-   (rl.generation.transfer=jax, then tcp). Prints samples/s as a ratio, the weight pushes' bytes/s and each server's decode pause
-   per update (its engine loop held to swap the weights in).
+   (rl.generation.transfer=jax, then tcp). Prints samples/s as a ratio, the weight pushes' bytes/s
+   and each server's decode pause per update (its engine loop held to swap the weights in).
 2. Weight pushes to a server that is decoding, over loopback, for models of growing size, by
    each path in turn: the gRPC stream (the default), the server pulling them over
    jax.experimental.transfer (rl.generation.transfer=jax) and over plain TCP (tcp). Bytes/s
@@ -128,9 +128,9 @@ def fleet_vs_local(args, work: Path) -> dict:
 def push_rate(embed: int, layers: int, pushes: int) -> dict:
     """Pushes `pushes` updates of a model of this size to an in-process server over loopback
     while it decodes greedy requests, by each path: streamed over gRPC, pulled by the server
-    over jax.experimental.transfer (serving/weights/transfer.py) and over plain TCP (serving/weights/bulk.py).
-    Bytes/s and the decode pause of each, the paths taking turns so that all see the same
-    machine."""
+    over jax.experimental.transfer (serving/weights/transfer.py) and over plain TCP
+    (serving/weights/bulk.py). Bytes/s and the decode pause of each, the paths taking turns so that
+    all see the same machine."""
     cfg = ModelConfig(vocab_size=1024, embed_dim=embed, num_layers=layers, num_heads=8,
                       num_kv_heads=4, head_dim=embed // 8, mlp_dim=4 * embed, max_seq_len=128)
     params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1]

@@ -126,8 +126,8 @@ def require_finite(named: list[tuple[str, object]]) -> None:
 def reshard(params, target, *, chunk_bytes: int = 256 * 2**20, pulled: bool = False):
     """`params` placed and cast like `target` (checked first: `check_weights`). At most about
     `chunk_bytes` of new weights are in flight at a time, which bounds the extra device memory
-    an update needs. `pulled`: the arrays a pull made for the caller (serving/weights/pulls.py), checked
-    for NaN/Inf already and nobody else's, so placed where they lie when they already lie
+    an update needs. `pulled`: the arrays a pull made for the caller (serving/weights/pulls.py),
+    checked for NaN/Inf already and nobody else's, so placed where they lie when they already lie
     right, not copied."""
     checked = check_weights(params, target, pulled=pulled)
     placed, in_flight, size = [], [], 0

@@ -209,8 +209,8 @@ class ServeOptions:
     weights, for a trainer's adapter-only updates. `tls`: (certificate chain, private key) PEM.
     `max_queued`: requests waiting for a slot; more get RESOURCE_EXHAUSTED. `tensor`,
     `replicas`: `replicas` engines, each tensor-parallel over `tensor` devices. `http_port`:
-    also the OpenAI-compatible HTTP API (serving/frontends/openai_api.py) and /metrics there. `join`: a
-    trainer's address to offer this server to (serving/fleet/join.py), as `advertise`."""
+    also the OpenAI-compatible HTTP API (serving/frontends/openai_api.py) and /metrics there.
+    `join`: a trainer's address to offer this server to (serving/fleet/join.py), as `advertise`."""
 
     model_dir: str | None = None
     checkpoint_dir: str = "runs/demo/checkpoints"

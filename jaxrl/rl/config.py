@@ -31,8 +31,8 @@ class GenerationConfig:
     # jax (each server pulls them device to device from a jax.experimental.transfer server of
     # the trainer's process 0: serving/weights/transfer.py) or tcp (each pulls them over a plain TCP
     # connection into its host memory, the servers relaying them along a chain so the trainer
-    # sends each byte once, and servers on one host sharing one copy: serving/weights/bulk.py); auto:
-    # tcp for a server at a loopback address (those `launch` starts included), which reaches
+    # sends each byte once, and servers on one host sharing one copy: serving/weights/bulk.py);
+    # auto: tcp for a server at a loopback address (those `launch` starts included), which reaches
     # the trainer on this host, grpc for any other. The pull paths bind transfer_host, which
     # the servers must reach, and have no authentication of their own beyond the offer's
     # random id: a trusted network only.
@@ -153,8 +153,8 @@ class RLConfig:
     # skewness-aware dispatch: predicted-long groups first, so the tail starts early; the
     # prediction is learned online from finished groups, serving/core/length_predictor.py).
     admission: Literal["fifo", "longest_first"] = "fifo"
-    # The engine's attention over its KV pages (serving/runner/paged_kv.py): reference (gather + XLA,
-    # everywhere), loop (decode reads pages in a loop: one program for every table width),
+    # The engine's attention over its KV pages (serving/runner/paged_kv.py): reference (gather +
+    # XLA, everywhere), loop (decode reads pages in a loop: one program for every table width),
     # native (the same in a C++ kernel through XLA's FFI: CPU), pallas (the Pallas
     # paged-attention kernel for decode: TPU), triton (the Pallas GPU kernel for decode:
     # GPU); auto: native on CPU (loop without a C++ compiler), reference on GPU and TPU.

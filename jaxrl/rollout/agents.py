@@ -2,21 +2,21 @@
 any program written against an OpenAI client, and trains on exactly the tokens it made the
 model produce.
 
-The run serves its own engine through the OpenAI-compatible endpoint (serving/frontends/openai_api.py)
-on 127.0.0.1 and starts `rl.agent.workers` processes of `rl.agent.command`, each with
-`OPENAI_BASE_URL` and `OPENAI_API_KEY` set, so `openai.OpenAI()` finds it unconfigured. The
-protocol is JSON lines:
+The run serves its own engine through the OpenAI-compatible endpoint
+(serving/frontends/openai_api.py) on 127.0.0.1 and starts `rl.agent.workers` processes of
+`rl.agent.command`, each with `OPENAI_BASE_URL` and `OPENAI_API_KEY` set, so `openai.OpenAI()` finds
+it unconfigured. The protocol is JSON lines:
 
 - on the agent's stdin, one line per episode to run:
   `{"id": ..., "problem": {"prompt": ..., "answer": ...}, "temperature": ..., "max_tokens": ...,
   "max_turns": ...}`; stdin closing means: finish up and exit;
 - the agent runs the episode, naming `id` as the trajectory of every request (the
-  `X-Trajectory-Id` header, or `trajectory_id` in the body: `extra_body` in the `openai` package) and sampling at `temperature` (the trained policy; other
-  sampling is refused with HTTP 400), and writes one line on its stdout:
-  `{"id": ..., "reward": r}` (or `"rewards": [per turn]`, summed), optionally with
-  `"finish"` (`done`, the default: the environment ended it; `turns` or `length`: a limit cut
-  it, as the built-in environments say; `rl.filter_overlong` drops `length`), `"tool_calls"`
-  and `"tool_errors"`; or `{"id": ..., "error": "..."}`.
+  `X-Trajectory-Id` header, or `trajectory_id` in the body: `extra_body` in the `openai` package)
+  and sampling at `temperature` (the trained policy; other sampling is refused with HTTP 400), and
+  writes one line on its stdout: `{"id": ..., "reward": r}` (or `"rewards": [per turn]`, summed),
+  optionally with `"finish"` (`done`, the default: the environment ended it; `turns` or `length`: a
+  limit cut it, as the built-in environments say; `rl.filter_overlong` drops `length`),
+  `"tool_calls"` and `"tool_errors"`; or `{"id": ..., "error": "..."}`.
 
 A request may not take an episode past `rl.max_prompt_len` plus its episode budget (the
 trainer's sample length): it gets HTTP 400, and the agent ends the episode there (`length`).

@@ -8,8 +8,9 @@ trainer's newest weights, without letting a slow or dead member hold the trainer
   copy (serving/weights/transfer.py), with tcp from a host copy over a plain TCP connection, each
   server relaying it to the next along a chain (serving/weights/bulk.py, relay_chain.py). `publish`
   itself only starts a device-side copy in the serving dtype (the trainer's buffers are
-  donated to its next step) and returns: the trainer never waits for a remote push. A member still pushing when newer weights arrive gets the newest next (versions
-  in between are skipped, never sent out of order).
+  donated to its next step) and returns: the trainer never waits for a remote push. A member still
+  pushing when newer weights arrive gets the newest next (versions in between are skipped, never
+  sent out of order).
 - A member's first push from this trainer says `resume`: it replaces whatever the server had,
   even a newer version left by this run before it crashed and resumed from an older checkpoint.
 - A push that fails or passes its deadline leaves that member on its old weights: it is set

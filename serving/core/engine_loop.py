@@ -16,8 +16,11 @@ Each iteration it
    scheduling), so a sequence is decoded once past an end the host learns one step late (EOS,
    a stop token, its grammar complete), and that token is dropped.
 
-One decode step reads through four files: this loop, serving/core/scheduler.py (pages, batches),
-serving/runner/engine.py (padding, the program called) and serving/runner/steps.py (what it computes).
+A decode step, in the order a reader follows it: this loop; serving/core/scheduler.py (the
+batch, its pages from serving/core/page_pool.py); then serving/runner/: engine.py (padding, the
+program called), programs.py (the compiled program), steps.py (what it computes, over the
+decode state of spec.py), sampling.py (the draw), and inside the model's forward paged_kv.py
+(the pages read and written, the attention kernel chosen).
 
 Other threads reach it only through its methods, each of which wakes it: `notify` (new work
 in the scheduler), `post_update` (weights to swap in), `post_score` (tokens to score),

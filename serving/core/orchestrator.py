@@ -122,8 +122,8 @@ class Orchestrator:
         of the same shapes did), then starts the loop: no request ever waits for a compile.
         `compile_later`: compile only what the largest batches and prefill chunks need here;
         a call for a smaller batch or chunk runs padded to a compiled size and asks for its
-        own, which a thread beside the loop compiles (serving/runner/programs.py). For a caller whose
-        first batch is due before everything could compile (an RL run's first step)."""
+        own, which a thread beside the loop compiles (serving/runner/programs.py). For a caller
+        whose first batch is due before everything could compile (an RL run's first step)."""
         if self._thread is not None:
             raise RuntimeError("this orchestrator was started already")
         t0 = time.perf_counter()

@@ -89,9 +89,9 @@ class RemoteGeneration:
     `rpc_timeout_s`: the deadline of metrics calls (a hung server fails them).
     `transfer`: how `update_params` sends weights: "grpc" streams them in pieces over the gRPC
     call; "jax" has the server pull them device to device from a jax.experimental.transfer
-    server of this process (serving/weights/transfer.py); "tcp" has it pull them from a bulk TCP server
-    of this process (serving/weights/bulk.py). Both pull paths bind `transfer_host`, which the server
-    must reach.
+    server of this process (serving/weights/transfer.py); "tcp" has it pull them from a bulk TCP
+    server of this process (serving/weights/bulk.py). Both pull paths bind `transfer_host`, which
+    the server must reach.
     `stream_interval_ms`: 0, each token as it is drawn; N, a sample's tokens gathered for up to
     N ms per message (an RL trainer's: fewer messages for its process to read)."""
 

@@ -7,8 +7,8 @@ Served by `jaxrl serve --http-port N` beside the gRPC services, on the same engi
 same weights (in-flight updates included). A request that names a trajectory (header
 `X-Trajectory-Id`, or the `trajectory_id` field: the `openai` package's `extra_body`) is
 recorded into it for training and continues from the
-KV pages of its previous turn (serving/frontends/trajectories.py); `GET /v1/trajectories/{id}` reads a
-trajectory back and `DELETE` ends it. Every sampled token's log-prob is the engine's own,
+KV pages of its previous turn (serving/frontends/trajectories.py); `GET /v1/trajectories/{id}` reads
+a trajectory back and `DELETE` ends it. Every sampled token's log-prob is the engine's own,
 the one RL trains with. Prompt log-probs (`echo` with `logprobs`, lm-evaluation-harness's
 loglikelihood requests, `max_tokens=0` included) and the alternatives of `logprobs` above 1
 (completions) or `top_logprobs` (chat) come from scoring the whole sequence once it is

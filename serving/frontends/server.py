@@ -65,8 +65,8 @@ def _submit(orchestrator: Orchestrator, context, prompt, sampling_fn, carry=None
 
 
 class _Detokenizer:
-    """Incremental text per sample (serving/frontends/detokenize.py): the text each token completes, and
-    what was held back when the sample ends."""
+    """Incremental text per sample (serving/frontends/detokenize.py): the text each token completes,
+    and what was held back when the sample ends."""
 
     def __init__(self, tokenizer: Tokenizer | None, n: int):
         self.decoders = [IncrementalDecoder(tokenizer) if tokenizer else None for _ in range(n)]
@@ -223,8 +223,8 @@ class GenerationService(gen_grpc.GenerationServicer):
         return self._updated(version, result, "streamed")
 
     def PullWeights(self, request, context):
-        """The pull paths (serving/weights/transfer.py, serving/weights/bulk.py): every check first, then the
-        pull, then the swap."""
+        """The pull paths (serving/weights/transfer.py, serving/weights/bulk.py): every check first,
+        then the pull, then the swap."""
         self._authorize(context)
         specs = [(t.name, tuple(t.shape), t.dtype) for t in request.tensors]
         try:
@@ -319,8 +319,8 @@ def is_loopback(host: str) -> bool:
 
 
 class Server:
-    """Both services, and gRPC's health service (serving/frontends/health.py), on one port. `port=0` picks
-    a free one (see `.port` after `start`).
+    """Both services, and gRPC's health service (serving/frontends/health.py), on one port. `port=0`
+    picks a free one (see `.port` after `start`).
 
     `tls`: (certificate chain, private key) as PEM bytes; without it the port is plaintext.
     `max_concurrent_rpcs`: RPCs in progress at once; more get RESOURCE_EXHAUSTED at once. Each

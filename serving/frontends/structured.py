@@ -1,8 +1,9 @@
 """OpenAI's structured outputs as grammars for constrained decoding (serving/runner/constraints.py):
 `response_format` (`json_object`, `json_schema`) and the tool call a `tool_choice` of
 "required" or a named function forces, in the format of the model's family
-(serving/frontends/tool_calls.py). What cannot be turned into a grammar is a 400 naming the field: here,
-or when the engine checks the grammar (serving/frontends/openai_api.py maps its error to the field)."""
+(serving/frontends/tool_calls.py). What cannot be turned into a grammar is a 400 naming the field:
+here, or when the engine checks the grammar (serving/frontends/openai_api.py maps its error to the
+field)."""
 
 from __future__ import annotations
 

@@ -137,9 +137,9 @@ class Engine:
         """`params` (a pure dict, any placement) checked, placed on the serving mesh and cast
         to the serving dtype: what every call takes. Safe in any thread; a bad tree, shape,
         dtype or a NaN raises WeightUpdateError before anything is copied (`pulled`: a pull's
-        arrays, checked for NaN already and placed without a copy: sharding/reshard.py). A model with LoRA adapters also
-        takes exactly its adapters (`adapters_only`): an update of those alone, the base
-        kept."""
+        arrays, checked for NaN already and placed without a copy: sharding/reshard.py). A model
+        with LoRA adapters also takes exactly its adapters (`adapters_only`): an update of those
+        alone, the base kept."""
         target = lora.trainable(self.param_target) if self.adapters_only(params) else \
             self.param_target
         return reshard(params, target, pulled=pulled)

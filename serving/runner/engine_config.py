@@ -1,6 +1,6 @@
 """The engine's sizes, all fixed at compile time: slots, lengths, prefill chunks and budget,
-pages, page-table widths, and the shapes of its calls that follow from them (serving/runner/programs.py
-compiles one program per shape)."""
+pages, page-table widths, and the shapes of its calls that follow from them
+(serving/runner/programs.py compiles one program per shape)."""
 
 from __future__ import annotations
 

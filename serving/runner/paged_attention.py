@@ -1,6 +1,6 @@
-"""A Pallas decode-attention kernel that reads the paged KV pool in place (serving/runner/paged_kv.py's
-layout, [L, P, K, 2G, H]): one query per row, each row's pages streamed through the page table
-up to its length, online softmax in VMEM.
+"""A Pallas decode-attention kernel that reads the paged KV pool in place
+(serving/runner/paged_kv.py's layout, [L, P, K, 2G, H]): one query per row, each row's pages
+streamed through the page table up to its length, online softmax in VMEM.
 
 Grid (row, page): row b's step j DMAs pool page table[b, j] of the layer into VMEM; pages at
 or past the row's length repeat the last page's block index (Pallas skips a copy whose block
@@ -72,10 +72,10 @@ def paged_decode_attention(q_BNH, kv_LPKCH, layer, lengths_B, table_BW, *, inter
     q_BNH: the rows' queries (N query heads, G = C / 2 kv heads, N a multiple of G);
     kv_LPKCH: the whole pool (keys at even, values at odd heads of C = 2G); layer: int32 scalar;
     lengths_B: int32, each >= 1 and <= W * K; table_BW: int32 pool pages of each row.
-    Returns [B, N, H] in q's dtype. `scale` multiplies q.k (default 1/sqrt(H)). `interpret`: False compiles with Mosaic (TPU); True runs the
-    kernel as plain XLA on any backend (fast enough for an engine on CPU); a
-    `pltpu.InterpretParams()` runs it in Pallas's TPU interpreter, which also simulates the DMAs
-    into VMEM and reads of memory never written (slow: for tests)."""
+    Returns [B, N, H] in q's dtype. `scale` multiplies q.k (default 1/sqrt(H)). `interpret`: False
+    compiles with Mosaic (TPU); True runs the kernel as plain XLA on any backend (fast enough for an
+    engine on CPU); a `pltpu.InterpretParams()` runs it in Pallas's TPU interpreter, which also
+    simulates the DMAs into VMEM and reads of memory never written (slow: for tests)."""
     b, n, h = q_BNH.shape
     _, _, page, c, _ = kv_LPKCH.shape
     w = table_BW.shape[1]

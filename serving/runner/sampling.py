@@ -106,10 +106,10 @@ class Draws(NamedTuple):
 
 def sample(logits_SV, draws: Draws, banned_S=None, allowed_SW=None, adjust=None,
            top_k_top_p: bool = True):
-    """(tokens [S], log-probs [S]), each slot's drawn as `draws` says. The log-prob is under softmax(logits / temperature) before
-    the top-k/top-p cut, the ban and the mask (temperature 1 for greedy slots): the
-    distribution the trainer recomputes. `banned_S`: a token id each slot may not draw
-    (min_tokens' EOS), -1 for none. `allowed_SW`: each slot's token bitmask (bit t of word
+    """(tokens [S], log-probs [S]), each slot's drawn as `draws` says. The log-prob is under
+    softmax(logits / temperature) before the top-k/top-p cut, the ban and the mask (temperature 1
+    for greedy slots): the distribution the trainer recomputes. `banned_S`: a token id each slot may
+    not draw (min_tokens' EOS), -1 for none. `allowed_SW`: each slot's token bitmask (bit t of word
     t // 32: token t may be drawn; serving/runner/constraints.py), all bits set for a slot without a
     grammar. `adjust`: a function of the logits [S, V] that changes them before the draw but
     not in the log-probs (`with_bias`, `with_penalties`). The sort that top-k/top-p need, and

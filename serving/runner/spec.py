@@ -45,8 +45,8 @@ class DecodeState:
 
 # What a decode batch gathers for its rows (`seen` is gathered only when a row is penalized).
 PER_SLOT = tuple(f.name for f in dataclasses.fields(DecodeState) if f.name not in ("kv", "seen"))
-# The per-slot fields a request's sampling parameters fill (serving.runner.engine's _sampling_arrays);
-# the first token is drawn with them alone.
+# The per-slot fields a request's sampling parameters fill (serving.runner.engine's
+# _sampling_arrays); the first token is drawn with them alone.
 SAMPLING = ("temperature", "top_k", "top_p", "seeds", "banned", "min_tokens", "bias_ids",
             "bias_values")
 # Each per-slot field's (dtype, shape after the slot axis): an insert's and a first draw's rows

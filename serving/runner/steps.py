@@ -96,8 +96,8 @@ def _forward_rows(spec: Spec, params, kv, tokens_R, lengths_R, table_RW):
 
 
 def _advance(spec: Spec, state: DecodeState, logits_RV, slots_R, real_R, allowed_RW=None):
-    """Samples each row's next token (within its token mask: serving/runner/constraints.py) and moves
-    its slot on by one; padding rows (real_R false) leave their slots as they were."""
+    """Samples each row's next token (within its token mask: serving/runner/constraints.py) and
+    moves its slot on by one; padding rows (real_R false) leave their slots as they were."""
     rows = {n: getattr(state, n)[slots_R] for n in PER_SLOT}
     keys = slot_keys(rows["seeds"], rows["sample_index"], rows["counts"])
     has = spec.cfg.sampling_features.__contains__

@@ -5,8 +5,8 @@ random 63-bit id, and calls the generation server's `PullWeights` RPC (transport
 that id, the bulk server's address and every tensor's name, shape and dtype. The generation
 server checks them exactly as it checks a streamed update (token, version, every tensor once,
 shapes, dtypes) before it connects, then reads the tensors' bytes straight into arrays it
-allocated for them (serving/weights/bulk_pull.py: `recv_into`, no Python per byte or per piece, the GIL
-released while the kernel copies). It swaps them in between two decode steps, as it swaps
+allocated for them (serving/weights/bulk_pull.py: `recv_into`, no Python per byte or per piece, the
+GIL released while the kernel copies). It swaps them in between two decode steps, as it swaps
 streamed weights.
 
 A server asked to relay (`relay_uuid`) offers what arrives, as it arrives, under that id on a
@@ -18,8 +18,8 @@ On one host the copies are the cost of a chain (each socket hop through the kern
 cores the servers share), so a bulk server also listens on a Unix socket named after its
 address (Linux's abstract namespace: only processes on this host, in this network namespace,
 reach it), which a puller tries first. There a relay whose arrays lie in a memfd slab
-(serving/weights/slabs.py) hands the puller the slab's file descriptor instead of the bytes, then says
-how far the slab has filled, and the puller serves from the shared mapping itself once it is
+(serving/weights/slabs.py) hands the puller the slab's file descriptor instead of the bytes, then
+says how far the slab has filled, and the puller serves from the shared mapping itself once it is
 whole and the relay has found no NaN or Inf in it (the relay's check stands for the puller's:
 the same bytes, which the puller cannot write): every server after the first on a host costs
 no copy, no memory and no check of its own. The puller's shared lock on the memfd keeps the
@@ -98,9 +98,9 @@ class Offer:
             self.place(arrays, slab)
 
     def place(self, arrays: list[np.ndarray], slab=None) -> None:
-        """The arrays the offer's bytes are (or arrive) in: views of `slab` (serving/weights/slabs.py:
-        a `Slab`, or a `MappedSlab` of the relay's own source) if given, which a puller on this
-        host maps if it has a memfd (`send_mapped`)."""
+        """The arrays the offer's bytes are (or arrive) in: views of `slab`
+        (serving/weights/slabs.py: a `Slab`, or a `MappedSlab` of the relay's own source) if given,
+        which a puller on this host maps if it has a memfd (`send_mapped`)."""
         self.arrays = arrays
         self.slab = slab if slab is not None and slab.fd is not None else None
         self.placed.set()
@@ -205,8 +205,8 @@ class Offer:
         it: serving/weights/slabs.py)."""
         try:
             # A read-only descriptor of the same memory, sealed against any writer but our own
-            # mapping (serving/weights/slabs.py): the puller cannot write into the weights this server
-            # serves from.
+            # mapping (serving/weights/slabs.py): the puller cannot write into the weights this
+            # server serves from.
             readonly = os.open(f"/proc/self/fd/{self.slab.fd}", os.O_RDONLY | os.O_CLOEXEC)
             try:
                 socket.send_fds(sock, [COUNT.pack(len(self.arrays))], [readonly])

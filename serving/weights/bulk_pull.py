@@ -1,5 +1,5 @@
-"""The puller's side of the bulk path (serving/weights/bulk.py): an offer's bytes received straight into
-arrays, over the offer server's Unix socket when it is on this host (tried first), else over
+"""The puller's side of the bulk path (serving/weights/bulk.py): an offer's bytes received straight
+into arrays, over the offer server's Unix socket when it is on this host (tried first), else over
 TCP; from a relay on this host whose arrays lie in a memfd slab, that slab itself, mapped
 read-only and served from without a copy (serving/weights/slabs.py: `MappedSlab`).
 """

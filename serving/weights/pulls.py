@@ -1,8 +1,8 @@
 """The server's side of the pull paths of a weight update (`PullWeights`): where the bytes
-come from (serving/weights/transfer.py: device to device; serving/weights/bulk.py: plain TCP, relayed on when
-asked) and the memory a tcp pull receives into (serving/weights/slabs.py: reused once nothing holds it,
-which on a CPU device includes the engine serving straight from it; none at all when a relay on
-this host hands over a slab of its own).
+come from (serving/weights/transfer.py: device to device; serving/weights/bulk.py: plain TCP,
+relayed on when asked) and the memory a tcp pull receives into (serving/weights/slabs.py: reused
+once nothing holds it, which on a CPU device includes the engine serving straight from it; none at
+all when a relay on this host hands over a slab of its own).
 """
 
 from __future__ import annotations

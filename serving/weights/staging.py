@@ -1,8 +1,8 @@
 """A tcp weight pull onto an accelerator through a few chunks of host memory (serving/weights/bulk.py).
 
 On a CPU device the engine serves straight from the host slab a pull receives into
-(serving/weights/slabs.py). On a GPU or TPU the weights live in device memory, and a slab the size of
-the model would be host memory held for nothing but the copy. Instead the bytes pass through a
+(serving/weights/slabs.py). On a GPU or TPU the weights live in device memory, and a slab the size
+of the model would be host memory held for nothing but the copy. Instead the bytes pass through a
 `Stage`: `slots` buffers of `chunk` bytes, each holding one piece of one tensor, a block of its
 rows (along its first axis) of at most `chunk` bytes, or one row where a row is larger. A
 piece is received into a free slot, written into the tensor's place on the device

@@ -8,9 +8,9 @@ tensor once, shapes, dtypes) before pulling anything, then pulls the tensors str
 device memory (on GPU and TPU without a trip through either host's Python) and swaps them in
 between two decode steps as it swaps streamed weights.
 
-The gRPC stream (serving/fleet/client.py: weight_pieces) stays the portable default: it needs nothing
-but the gRPC port. This path needs the servers to reach the trainer's transfer address, which
-has no authentication of its own: the offer's id is its only secret, so use it on a trusted
+The gRPC stream (serving/fleet/client.py: weight_pieces) stays the portable default: it needs
+nothing but the gRPC port. This path needs the servers to reach the trainer's transfer address,
+which has no authentication of its own: the offer's id is its only secret, so use it on a trusted
 network only. An offer nobody pulls is dropped at its deadline.
 """
 

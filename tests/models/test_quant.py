@@ -1,7 +1,8 @@
 """8-bit projections (model.quantize=int8|fp8, jaxrl/models/quant.py): per-channel symmetric
-int8 within half a step of the weights, fp8 (e4m3) within its rounding, a quantized model computing exactly what the float model
-with the dequantized weights computes (in training and in the engine), LoRA training on top
-with the int8 base untouched, and updates that must keep each weight's dtype."""
+int8 within half a step of the weights, fp8 (e4m3) within its rounding, a quantized model computing
+exactly what the float model with the dequantized weights computes (in training and in the engine),
+LoRA training on top with the int8 base untouched, and updates that must keep each weight's
+dtype."""
 
 import dataclasses
 

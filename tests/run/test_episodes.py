@@ -1,5 +1,5 @@
-"""The trajectory manager (jaxrl/rollout/episodes.py) on the paged engine with a random model and the
-calculator task's environment: each later turn prefills only its new tokens and equals a fresh
+"""The trajectory manager (jaxrl/rollout/episodes.py) on the paged engine with a random model and
+the calculator task's environment: each later turn prefills only its new tokens and equals a fresh
 decode of the whole history; an episode group cut mid-turn (checkpoint) or updated mid-episode
 continues with the same tokens."""
 

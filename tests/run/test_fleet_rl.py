@@ -1,7 +1,7 @@
-"""RL with generation in other processes: the trainer (this process, through `jaxrl.commands.job.run`
-as `jaxrl train` runs it) and two `jaxrl serve` subprocesses serving the warm-up's checkpoint.
-One server is SIGKILLed part-way through the run and started again at once; it rejoins while
-the run goes on.
+"""RL with generation in other processes: the trainer (this process, through
+`jaxrl.commands.job.run` as `jaxrl train` runs it) and two `jaxrl serve` subprocesses serving the
+warm-up's checkpoint. One server is SIGKILLed part-way through the run and started again at once; it
+rejoins while the run goes on.
 
 Checked: the reward rises as in-process (tests/run/test_rl.py); every group is trained exactly
 once and no finished sample is lost (the counters balance); the killed server's groups moved to

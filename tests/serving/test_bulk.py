@@ -1,5 +1,5 @@
-"""The bulk path of weight updates (serving/weights/bulk.py, bulk_pull.py) on its own, over TCP and over
-the Unix socket a puller on the same host uses: bytes that arrive equal what was offered, in
+"""The bulk path of weight updates (serving/weights/bulk.py, bulk_pull.py) on its own, over TCP and
+over the Unix socket a puller on the same host uses: bytes that arrive equal what was offered, in
 every wire dtype; a wrong id or size is refused before any byte moves; a relay passes on what
 it receives while it receives (on one host by handing over its memfd slab, copied out as it
 fills), and a relay whose own pull stops short stops its puller short too (a ConnectionError,

@@ -1,5 +1,5 @@
-"""Grammar-constrained decoding (serving/runner/constraints.py) in the engine: a random model's samples,
-drawn at temperature 1, parse as the grammar says (checked with `json` and `re`, not with
+"""Grammar-constrained decoding (serving/runner/constraints.py) in the engine: a random model's
+samples, drawn at temperature 1, parse as the grammar says (checked with `json` and `re`, not with
 llguidance), every log-prob is the model's own (a teacher-forced forward), and a request
 without a grammar decodes beside them exactly as it would alone."""
 
@@ -110,8 +110,9 @@ def test_bad_grammars_and_engines_without_a_tokenizer_are_refused(served, engine
 
 
 def test_a_grammar_travels_over_grpc(served, tokenizer):
-    """RemoteGeneration carries the grammar to `jaxrl serve`'s Generate (serving/frontends/server.py):
-    the same samples as the orchestrator draws in this process, and a refusal named."""
+    """RemoteGeneration carries the grammar to `jaxrl serve`'s Generate
+    (serving/frontends/server.py): the same samples as the orchestrator draws in this process, and a
+    refusal named."""
     o, _ = served
     own = Orchestrator(o.engine, o.params, eos_id=o.eos_id, grammars=o.grammars).start()
     server = Server(own, port=0, update_token="t").start()    # stops `own` when it stops

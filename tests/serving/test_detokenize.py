@@ -1,5 +1,5 @@
-"""Incremental detokenization (serving/frontends/detokenize.py) against the one-shot decode of the whole
-sequence, on a byte-level BPE tokenizer (multi-byte characters split across tokens) and a
+"""Incremental detokenization (serving/frontends/detokenize.py) against the one-shot decode of the
+whole sequence, on a byte-level BPE tokenizer (multi-byte characters split across tokens) and a
 SentencePiece-style one (leading-space markers), for 8k-token outputs."""
 
 import numpy as np

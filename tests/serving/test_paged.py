@@ -207,9 +207,10 @@ def test_bad_carry_is_refused(engine, params):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_pool_writes_are_scatters_in_place(dtype):
-    """kv_cache.scatter_set (the paged pool's and the contiguous cache's writes) writes what `.at[].set` writes, and a 16-bit pool's write compiles
-    without a float32 copy of the pool (what XLA:CPU makes of a bf16 scatter: most of a decode
-    step at 64 slots); page copies (groups) go through it too."""
+    """kv_cache.scatter_set (the paged pool's and the contiguous cache's writes) writes what
+    `.at[].set` writes, and a 16-bit pool's write compiles without a float32 copy of the pool (what
+    XLA:CPU makes of a bf16 scatter: most of a decode step at 64 slots); page copies (groups) go
+    through it too."""
     import jax.numpy as jnp
 
     from jaxrl.models.kv_cache import scatter_set

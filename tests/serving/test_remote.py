@@ -1,7 +1,7 @@
-"""Generation over gRPC (serving/fleet/client.py's RemoteGeneration against serving/frontends/server.py) against
-this process's orchestrator on the same weights: the same tokens, log-probs and versions; a
-group carried in continues exactly; refusals, stale versions, bad tokens and deadlines come back
-as the errors the Generation interface names."""
+"""Generation over gRPC (serving/fleet/client.py's RemoteGeneration against
+serving/frontends/server.py) against this process's orchestrator on the same weights: the same
+tokens, log-probs and versions; a group carried in continues exactly; refusals, stale versions, bad
+tokens and deadlines come back as the errors the Generation interface names."""
 
 import concurrent.futures
 import time
@@ -201,9 +201,10 @@ def test_an_unreachable_server_is_a_connection_error(params):
 
 @pytest.mark.parametrize("transfer", ["jax", "tcp"])
 def test_pulled_weights_are_served(server, params, transfer):
-    """The pull paths (jax: serving/weights/transfer.py, device to device; tcp: serving/weights/bulk.py):
-    other weights pulled by the server then generate exactly what a local engine holding them
-    generates, at their version; the original weights pulled back (resume) serve as before."""
+    """The pull paths (jax: serving/weights/transfer.py, device to device; tcp:
+    serving/weights/bulk.py): other weights pulled by the server then generate exactly what a local
+    engine holding them generates, at their version; the original weights pulled back (resume) serve
+    as before."""
     import jax
     other = jax.tree.map(lambda x: x * 1.5 + 0.01, params)
     puller = RemoteGeneration(server.address, token=TOKEN, transfer=transfer)

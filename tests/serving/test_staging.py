@@ -112,8 +112,8 @@ def test_a_relay_nobody_pulls_is_given_up_and_the_pull_goes_on(monkeypatch):
 
 
 def test_a_server_that_stages_its_pulls_serves_what_it_pulled(monkeypatch):
-    """A CPU server made to stage as a GPU server does (serving/weights/pulls.py `stages`): the weights
-    it pulls over tcp generate what a local engine holding them generates."""
+    """A CPU server made to stage as a GPU server does (serving/weights/pulls.py `stages`): the
+    weights it pulls over tcp generate what a local engine holding them generates."""
     from flax import nnx
 
     from jaxrl.models import Transformer, split_params
