@@ -96,6 +96,24 @@ def test_help_shows_the_defaults_a_user_relies_on(capsys):
     assert "(default: runs/demo/checkpoints)" in serve and "(default: None)" not in serve
 
 
+def test_serve_s_engine_flags_default_to_engine_config_s_fields():
+    """EngineConfig holds every engine default once; `jaxrl serve` cannot import it before
+    --cpus pins the process, so its flags say the same, checked here."""
+    import dataclasses
+
+    from serving.runner.engine_config import EngineConfig
+
+    flags = {"slots": "max_concurrent_decodes", "prefill_chunk": "prefill_chunk",
+             "page_size": "page_size", "num_pages": "num_pages",
+             "memory_fraction": "memory_fraction", "attention": "attention", "dtype": "dtype",
+             "kv_cache_dtype": "kv_cache_dtype", "score": "score",
+             "record_routes": "record_routes"}
+    args = build_parser().parse_args(["serve"])
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    assert {flag: getattr(args, flag) for flag in flags} == \
+        {flag: defaults[field] for flag, field in flags.items()}
+
+
 @pytest.mark.parametrize("args, message", [
     (["train", "foo=1"], "unknown config key 'foo'; the top level allows: run_dir, hf_path, "),
     (["train", "rl.mode=fast"], "rl.mode='fast' is not allowed; choose one of: 'async', 'sync'"),

@@ -18,12 +18,14 @@ from serving.runner.sampling import FEATURES
 class EngineConfig:
     """Sizes of the engine (all fixed at compile time)."""
 
-    max_concurrent_decodes: int = 8   # slots in the decode batch
+    # The one place an engine default is written: `jaxrl serve`'s flags hold the same
+    # (tests/test_cli.py checks), an RL run derives its lengths and chunks from its own keys.
+    max_concurrent_decodes: int = 32  # slots in the decode batch
     # Longest sequence (prompt + generated tokens): the width of a page table, a few integers
     # per slot; no memory is reserved per slot. Set it to the model's context.
     max_len: int = 128
     max_prefill_length: int = 64      # longest prompt accepted
-    prefill_chunk: int = 32           # longer prompts are prefilled in chunks of this size
+    prefill_chunk: int = 16           # longer prompts are prefilled in chunks of this size
     # Prompt tokens the orchestrator prefills between two decode dispatches (Sarathi-Serve's
     # token budget): bounds how long running decodes wait while new requests are admitted.
     prefill_budget: int = 64
