@@ -46,7 +46,7 @@ VARIANTS = {
     "lora-r8": ["model.lora.rank=8"],            # rank-8 adapters on every projection
     "int8-rollouts": ["rl.generation.weights=int8"],                 # the engine's weights int8
     "int8-rollouts+icepop": ["rl.generation.weights=int8", "rl.rollout_correction=icepop"],
-    "fp8-kv": ["rl.engine_kv_cache_dtype=fp8"],                      # the engine's KV cache fp8
+    "fp8-kv": ["rl.engine.kv_cache_dtype=fp8"],                      # the engine's KV cache fp8
 }
 
 

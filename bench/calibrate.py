@@ -289,11 +289,11 @@ def main(argv=None) -> None:
     out = {**{k: v for k, v in decode.items() if k != "points"},
            "prefill_us_per_token": prefill_us_per_token(engine, params),
            **run_costs(args.run_dir, work["prompt_len"], cfg.rl.batch_size), **work,
-           "slots": cfg.rl.slots, "batch": cfg.rl.batch_size, "group_size": cfg.rl.group_size,
+           "slots": cfg.rl.engine.max_concurrent_decodes, "batch": cfg.rl.batch_size, "group_size": cfg.rl.group_size,
            "pack_len": cfg.rl.pack_len, "microbatch_rows": cfg.rl.microbatch_rows,
            "max_segments": cfg.rl.max_segments,
            "max_lag": cfg.rl.max_lag, "accelerators": 2, "gen_fraction": 0.5, "split": True,
-           "max_ahead": ahead_bound(cfg.rl.batch_size, cfg.rl.slots),
+           "max_ahead": ahead_bound(cfg.rl.batch_size, cfg.rl.engine.max_concurrent_decodes),
            "contention": contention(engine, params, args.core, args.load_core,
                                     ["--config", args.config, *args.overrides]),
            "decode_points": decode["points"], "core": args.core}

@@ -54,7 +54,7 @@ def start_server(checkpoint: Path, token_file: Path, cfg) -> tuple[subprocess.Po
     rl = cfg.rl
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxrl.cli", "serve", "--checkpoint", str(checkpoint),
-         "--port", "0", "--slots", str(max(rl.slots // 2, rl.group_size)),
+         "--port", "0", "--slots", str(max(rl.engine.max_concurrent_decodes // 2, rl.group_size)),
          "--max-len", str(rl.sample_len + 1), "--max-prefill-length", str(rl.max_prompt_len),
          "--prefill-chunk", str(max(8, rl.max_prompt_len)), "--update-token-file",
          str(token_file), "--max-queued", str(4 * rl.batch_size)],

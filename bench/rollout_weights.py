@@ -6,7 +6,7 @@ trainer's weights as they are and once holding them int8 (`rl.generation.weights
 layer projection with a scale per output channel, quantized by the trainer at every publish),
 with the same seeds and sample budget, one after the other in one process
 (bench/_rl_compare.py). Add `int8-rollouts+icepop` to mask the tokens whose ratio strays, or
-`fp8-kv` for the engine's KV cache in float8 e4m3 (`rl.engine_kv_cache_dtype=fp8`).
+`fp8-kv` for the engine's KV cache in float8 e4m3 (`rl.engine.kv_cache_dtype=fp8`).
 
     jaxrl bench rollout_weights [--rl-steps 400] [--seeds 1]
     (or: .venv/bin/python bench/rollout_weights.py ...)

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.embed_dim=32", "model.num_layers=2", "model.mlp_dim=64", "train.steps=6",
         "train.batch_size=16", "train.log_every=3", "train.eval_problems=16",
         "checkpoint.every=3", "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=4",
-        "rl.slots=8", "rl.microbatch_rows=8", "log.progress=false"]
+        "rl.engine.max_concurrent_decodes=8", "rl.microbatch_rows=8", "log.progress=false"]
 
 
 def _jaxrl(*args, cwd):

@@ -47,6 +47,19 @@ def test_every_shipped_config_loads():
      r"train.seq_len=100 exceeds model.max_seq_len=64"),
     (["hf_path=/x", "model.embed_dim=8"], r"model.embed_dim conflicts with hf_path"),
     (["train.steps"], r"not of the form section.key=value"),
+    # The engine's settings are EngineConfig's, in rl.engine; the earlier keys name their new
+    # ones, and what the run sets itself is refused with what it follows from.
+    (["rl.slots=8"], r"config key 'rl.slots' is now 'rl.engine.max_concurrent_decodes'"),
+    (["rl.engine_attention=loop"], r"config key 'rl.engine_attention' is now "
+                                   r"'rl.engine.attention'"),
+    (["rl.engine_kv_cache_dtype=fp8"], r"'rl.engine_kv_cache_dtype' is now "
+                                       r"'rl.engine.kv_cache_dtype'"),
+    (["rl.engine.max_len=4096"], r"rl.engine.max_len follows from rl.max_prompt_len \+ "
+                                 r"rl.max_new_tokens"),
+    (["rl.engine.dtype=bfloat16"], r"rl.engine.dtype follows from model.dtype"),
+    (["rl.engine.attention=flash"], r"attention='flash' is not one of"),
+    (["rl.engine.max_concurrent_decodes=4", "rl.group_size=8"],
+     r"rl.group_size=8 exceeds rl.engine.max_concurrent_decodes=4"),
 ])
 def test_bad_config_names_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):

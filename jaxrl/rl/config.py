@@ -4,9 +4,11 @@ and how rollouts are produced and consumed (mode, placement, engine, pipeline)."
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal
 
 from jaxrl.optim_config import OptimConfig
+from serving.runner.engine_config import EngineConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +119,26 @@ class AgentConfig:
                              f"non-empty strings (the program, then its arguments)")
 
 
+# rl.engine's fields that the run sets from its other keys (jaxrl/rollout/generation.py), and
+# what each follows from.
+ENGINE_DERIVED = {
+    "max_len": "rl.max_prompt_len + rl.max_new_tokens (an episode's tokens, multi-turn)",
+    "max_prefill_length": "rl.max_prompt_len (an episode's tokens, multi-turn)",
+    "prefill_chunk": "rl.max_prompt_len", "min_bucket": "rl.max_prompt_len",
+    "prefill_budget": "rl.max_prompt_len", "dtype": "model.dtype",
+    "record_routes": "the model (a mixture of experts records its routes)",
+    "sampling_features": "the run's sampling (rl.completion_length, rl.agent)",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     """RL after the supervised warm-up (the first train.steps optimizer steps)."""
+
+    # Keys of earlier releases, refused with their new names.
+    RENAMED: typing.ClassVar[dict[str, str]] = {
+        "slots": "engine.max_concurrent_decodes", "engine_attention": "engine.attention",
+        "engine_kv_cache_dtype": "engine.kv_cache_dtype"}
 
     steps: int = 0                  # RL optimizer steps after the warm-up; 0: warm-up only
     # async: PipelineRL (the engine never stops; weights change in flight after every step).
@@ -148,23 +167,19 @@ class RLConfig:
     max_turns: int = 1
     max_episode_tokens: int = 0
     temperature: float = 1.0        # sampling temperature (the trainer's pi uses the same)
-    slots: int = 32                 # engine slots (concurrent sequences)
     # Which waiting group the engine admits next: fifo, or longest_first (StreamRL's
     # skewness-aware dispatch: predicted-long groups first, so the tail starts early; the
     # prediction is learned online from finished groups, serving/core/length_predictor.py).
     admission: Literal["fifo", "longest_first"] = "fifo"
-    # The engine's attention over its KV pages (serving/runner/paged_kv.py): reference (gather +
-    # XLA, everywhere), loop (decode reads pages in a loop: one program for every table width),
-    # native (the same in a C++ kernel through XLA's FFI: CPU), pallas (the Pallas
-    # paged-attention kernel for decode: TPU), triton (the Pallas GPU kernel for decode:
-    # GPU); auto: native on CPU (loop without a C++ compiler), reference on GPU and TPU.
-    engine_attention: Literal["auto", "reference", "loop", "native", "pallas",
-                              "triton"] = "auto"
-    # The engine's KV cache storage: auto (the model's dtype) or fp8 (float8 e4m3, no scale:
-    # twice the pages in the same memory, half the bytes a decode step reads; the sampler's
-    # log-probs move a little from the trainer's, which the loss's ratio corrects for, and
-    # each step logs the gap, logprob_abs_diff_*).
-    engine_kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    # The rollout engine's settings, EngineConfig's own (serving/runner/engine_config.py, the
+    # same as jaxrl serve's flags and defaults): max_concurrent_decodes (slots: concurrent
+    # sequences), attention (over the KV pages: reference, loop, native, pallas, triton; auto:
+    # native on CPU, reference on GPU and TPU), kv_cache_dtype (auto, or fp8: the sampler's
+    # log-probs move a little from the trainer's, which the loss's ratio corrects for, and each
+    # step logs the gap, logprob_abs_diff_*), page_size, page_buckets, num_pages,
+    # memory_fraction, steps_per_dispatch. The lengths, prefill chunks, dtype, sampling
+    # features and route recording follow from this run's other keys (ENGINE_DERIVED).
+    engine: EngineConfig = EngineConfig()
     # Policy loss: tis = truncated importance sampling REINFORCE (PipelineRL's default),
     # ppo = PPO-clip, gspo = GSPO (sequence-level ratio).
     loss: Literal["tis", "ppo", "gspo"] = "tis"
@@ -232,7 +247,7 @@ class RLConfig:
         if not 0.0 < self.turn_discount <= 1.0:
             raise ValueError(f"rl.turn_discount={self.turn_discount} must be in (0, 1]")
         for name in ("prompts_per_step", "max_prompt_len", "max_new_tokens", "max_turns",
-                     "slots", "pack_len", "microbatch_rows", "max_segments", "engine_devices"):
+                     "pack_len", "microbatch_rows", "max_segments", "engine_devices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rl.{name}={getattr(self, name)} must be >= 1")
         for name in ("steps", "max_lag", "prefetch", "eval_every", "max_episode_tokens"):
@@ -241,8 +256,14 @@ class RLConfig:
         if self.group_size < 2:
             raise ValueError(f"rl.group_size={self.group_size} must be >= 2 (the advantage "
                              f"baseline is the mean of the other samples of the group)")
-        if self.group_size > self.slots:
-            raise ValueError(f"rl.group_size={self.group_size} exceeds rl.slots={self.slots}: "
+        default = EngineConfig()
+        for name, source in ENGINE_DERIVED.items():
+            if getattr(self.engine, name) != getattr(default, name):
+                raise ValueError(f"rl.engine.{name} follows from {source}; leave it out")
+        if self.group_size > self.engine.max_concurrent_decodes:
+            raise ValueError(f"rl.group_size={self.group_size} exceeds "
+                             f"rl.engine.max_concurrent_decodes="
+                             f"{self.engine.max_concurrent_decodes}: "
                              f"a group's samples decode side by side")
         for name in ("filter_wait_s", "reward_timeout_s"):
             if getattr(self, name) <= 0:

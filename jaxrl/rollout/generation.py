@@ -55,12 +55,11 @@ def engine_config(cfg: RunConfig, model_cfg: ModelConfig) -> EngineConfig:
     # answer-length completions); an agent's OpenAI requests may use any of it.
     features = (FEATURES if rl.agent.command else
                 ("min_tokens",) if rl.completion_length == "answer" else ())
-    return EngineConfig(max_concurrent_decodes=rl.slots, max_len=rl.sample_len + 1,
-                        max_prefill_length=rl.prefill_len, prefill_chunk=chunk,
-                        min_bucket=max(8, chunk // 2), prefill_budget=max(64, 4 * chunk),
-                        dtype=model_cfg.dtype, attention=rl.engine_attention,
-                        kv_cache_dtype=rl.engine_kv_cache_dtype,
-                        record_routes=bool(model_cfg.num_experts), sampling_features=features)
+    return dataclasses.replace(rl.engine, max_len=rl.sample_len + 1,
+                               max_prefill_length=rl.prefill_len, prefill_chunk=chunk,
+                               min_bucket=max(8, chunk // 2), prefill_budget=max(64, 4 * chunk),
+                               dtype=model_cfg.dtype, record_routes=bool(model_cfg.num_experts),
+                               sampling_features=features)
 
 
 @dataclasses.dataclass
@@ -120,7 +119,7 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
                    "once it needs them, padded to a compiled size meanwhile)"
                    if g.compile == "as_needed" else
                    "(every shape it can run; none is compiled while it generates)"))
-        members = [Member("local", local, cfg.rl.slots, remote=False, version=version,
+        members = [Member("local", local, cfg.rl.engine.max_concurrent_decodes, remote=False, version=version,
                           state=MemberState.READY)]
         fleet = Fleet(members, eos_id=tokenizer.eos_id, wait_s=g.wait_s, warn=log)
         return Generators(fleet, WeightPublisher(fleet, served=served, warn=log), local)

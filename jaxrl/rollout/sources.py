@@ -63,7 +63,7 @@ class GroupSource:
 
     @property
     def slots(self) -> int:
-        """The slots of the engines generating now (rl.slots for a bare engine)."""
+        """The slots of the engines generating now (rl.engine.max_concurrent_decodes for a bare engine)."""
         return getattr(self.generation, "slots", None) or self.cfg.slots
 
     def open(self, group: Group, carry):

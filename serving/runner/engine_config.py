@@ -16,10 +16,10 @@ from serving.runner.sampling import FEATURES
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Sizes of the engine (all fixed at compile time)."""
+    """Sizes of the engine (all fixed at compile time). The one place an engine default is
+    written: `jaxrl serve`'s flags hold the same (tests/test_cli.py checks), and an RL run's
+    `rl.engine` is one of these, its lengths and chunks set from the run's own keys."""
 
-    # The one place an engine default is written: `jaxrl serve`'s flags hold the same
-    # (tests/test_cli.py checks), an RL run derives its lengths and chunks from its own keys.
     max_concurrent_decodes: int = 32  # slots in the decode batch
     # Longest sequence (prompt + generated tokens): the width of a page table, a few integers
     # per slot; no memory is reserved per slot. Set it to the model's context.
@@ -59,7 +59,7 @@ class EngineConfig:
     # for every width (fewer programs to compile, and faster on CPU); pallas: decode through
     # the Pallas paged-attention kernel (serving/runner/paged_attention.py), compiled by Mosaic on
     # TPU, run in Pallas's interpreter on CPU (to check it: far too slow to serve with),
-    # refused on GPU; triton: decode through the Pallas GPU kernel (serving/
+    # refused on GPU; triton: decode through the Pallas GPU kernel (serving/runner/
     # paged_attention_gpu.py, flash decoding), lowered by Triton on GPU, plain XLA on CPU,
     # refused on TPU; native: as loop, in a C++ kernel through XLA's FFI (serving/runner/native),
     # CPU only, the fastest there.
