@@ -23,7 +23,6 @@ compiled once per shape, before serving starts (serving/runner/programs.py).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import threading
 
@@ -32,10 +31,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl.models import ModelConfig, lora
-from serving.runner import native
 from serving.runner.constraints import mask_words
 from serving.runner.engine_config import EngineConfig
-from serving.runner.paged_kv import KERNEL_PLATFORMS
+from serving.runner.paged_kv import choose_attention
 from serving.runner.programs import Programs, programs_for
 from serving.runner.slot_batch import SlotBatch, padded, sampling_rows
 from serving.runner.spec import DecodeState, Spec
@@ -43,30 +41,6 @@ from sharding import mesh as shd
 from sharding.reshard import reshard
 
 __all__ = ["DecodeState", "Decoded", "Engine", "EngineConfig", "SlotBatch"]
-
-_log = logging.getLogger(__name__)
-
-
-def _attention(asked: str, platform: str) -> str:
-    """The paged attention an engine on `platform` runs for `asked` (EngineConfig.attention).
-    The Pallas kernels run where they were written for, and on CPU (as plain XLA) to check them."""
-    home = KERNEL_PLATFORMS.get(asked)
-    if home is not None and platform not in (home, "cpu"):
-        other = [k for k, p in KERNEL_PLATFORMS.items() if p == platform] + ["reference"]
-        raise ValueError(f"attention='{asked}' is a {home.upper()} kernel; on {platform} "
-                         f"use " + " or ".join(f"attention='{k}'" for k in other))
-    if asked == "native" and platform != "cpu":
-        raise ValueError(f"attention='native' is a CPU kernel; on {platform} use "
-                         f"attention='reference'")
-    if asked in ("auto", "native") and platform == "cpu":
-        why = native.available()
-        if why is None:
-            return "native"
-        if asked == "native":
-            raise ValueError(f"attention='native' cannot run here: {why}")
-        _log.warning("paged attention: the XLA loop, not the native kernel (%s)", why)
-        return "loop"
-    return "reference" if asked == "auto" else asked
 
 
 class Engine:
@@ -79,7 +53,7 @@ class Engine:
                                              attention="xla")
         self.mesh = mesh or shd.make_mesh(shd.MeshConfig(fsdp=1), jax.devices()[:1])
         platform = self.mesh.devices.flat[0].platform
-        cfg = dataclasses.replace(cfg, attention=_attention(cfg.attention, platform))
+        cfg = dataclasses.replace(cfg, attention=choose_attention(cfg.attention, platform))
         self.cfg = cfg
         if cfg.record_routes and not model_cfg.num_experts:
             raise ValueError(f"record_routes needs a mixture-of-experts model; "

@@ -38,6 +38,7 @@ Shape letters as in jaxrl/models; P pool pages, W table width (pages per row), K
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import jax
@@ -52,6 +53,7 @@ from serving.runner.paged_attention import paged_decode_attention
 from serving.runner.paged_attention_gpu import paged_decode_attention_gpu, query_dtype
 
 NULL_PAGE = 0
+_log = logging.getLogger(__name__)
 IMPLEMENTATIONS = ("reference", "loop", "native", "pallas", "triton")
 KERNELS = {"pallas": paged_decode_attention, "triton": paged_decode_attention_gpu}
 KERNEL_PLATFORMS = {"pallas": "tpu", "triton": "gpu"}    # where each kernel compiles
@@ -68,6 +70,28 @@ ELEMENTWISE_QUERIES = 4
 
 def _static(default=None):
     return dataclasses.field(default=default, metadata={"static": True})
+
+
+def choose_attention(asked: str, platform: str) -> str:
+    """The paged attention an engine on `platform` runs for `asked` (EngineConfig.attention).
+    The Pallas kernels run where they were written for, and on CPU (as plain XLA) to check them."""
+    home = KERNEL_PLATFORMS.get(asked)
+    if home is not None and platform not in (home, "cpu"):
+        other = [k for k, p in KERNEL_PLATFORMS.items() if p == platform] + ["reference"]
+        raise ValueError(f"attention='{asked}' is a {home.upper()} kernel; on {platform} "
+                         f"use " + " or ".join(f"attention='{k}'" for k in other))
+    if asked == "native" and platform != "cpu":
+        raise ValueError(f"attention='native' is a CPU kernel; on {platform} use "
+                         f"attention='reference'")
+    if asked in ("auto", "native") and platform == "cpu":
+        why = native.available()
+        if why is None:
+            return "native"
+        if asked == "native":
+            raise ValueError(f"attention='native' cannot run here: {why}")
+        _log.warning("paged attention: the XLA loop, not the native kernel (%s)", why)
+        return "loop"
+    return "reference" if asked == "auto" else asked
 
 
 @jax.tree_util.register_dataclass
