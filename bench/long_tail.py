@@ -40,8 +40,8 @@ def decode_ratio(args, held: int) -> dict:
     cfg = load_run_config(args.config, args.overrides)
     mcfg = model_config(cfg)
     mcfg = dataclasses.replace(mcfg, max_seq_len=max(mcfg.max_seq_len, 16 * (held + 16)))
-    measure_args = argparse.Namespace(slots=cfg.rl.engine.max_concurrent_decodes, steps=16, page_size=16,
-                                      page_buckets=4, repeats=5, rounds=3)
+    measure_args = argparse.Namespace(slots=cfg.rl.engine.max_concurrent_decodes, steps=16,
+                                      page_size=16, page_buckets=4, repeats=5, rounds=3)
     return paged_decode.measure(Transformer(mcfg, rngs=nnx.Rngs(0)), measure_args, held)
 
 

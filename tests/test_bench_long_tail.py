@@ -1,9 +1,8 @@
-"""`jaxrl bench long_tail --pinned` runs every variant of its own code path, at the smallest size
-(a tiny countdown model, three RL steps, one seed): each variant whose launched server must
-hold something other than the trainer's weights (int8 rollouts, an fp8 KV cache; LoRA adapters:
-tests/run/test_local_servers.py) trains to its end, and the bench prints its table and JSON
-line. A variant that fails is a row
-with its error, and the others are still reported."""
+"""`jaxrl bench long_tail --pinned` runs its own code path to its table and JSON line at the
+smallest size (a tiny countdown model, three RL steps, one seed), with the variants whose
+launched server must hold something other than the trainer's weights (int8 rollouts, an fp8 KV
+cache; LoRA adapters: tests/run/test_local_servers.py). A variant that fails is a row with its
+error, and the others are still reported."""
 
 import json
 import subprocess

@@ -28,6 +28,18 @@ def test_every_shipped_config_loads():
         load_run_config(path)
 
 
+def test_the_previous_release_s_engine_keys_still_work_from_python_with_a_warning():
+    from jaxrl.rl.config import RLConfig
+
+    with pytest.warns(DeprecationWarning, match=r"RLConfig\(slots=\.\.\.\) is deprecated: pass "
+                                                r"rl.engine.max_concurrent_decodes"):
+        old = RLConfig(slots=4, group_size=2, engine_attention="loop")
+    assert old.engine.max_concurrent_decodes == 4 and old.engine.attention == "loop"
+    with pytest.raises(ValueError, match="rl.group_size=8 exceeds"):
+        with pytest.warns(DeprecationWarning):
+            RLConfig(slots=4, group_size=8)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["train.stepz=3"], r"unknown config key 'train.stepz'; section 'train' allows: steps,"),
     (["bogus=1"], r"unknown config key 'bogus'; the top level allows: run_dir"),

@@ -242,8 +242,32 @@ class RLConfig:
     optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=50)
     generation: GenerationConfig = GenerationConfig()
     agent: AgentConfig = AgentConfig()
+    # The previous release's names of rl.engine's fields, for Python callers: each still sets
+    # its field for a release, with a DeprecationWarning naming it (RENAMED; config files and
+    # overrides are refused with the new name instead).
+    slots: dataclasses.InitVar[int | None] = None
+    engine_attention: dataclasses.InitVar[str | None] = None
+    engine_kv_cache_dtype: dataclasses.InitVar[str | None] = None
 
-    def __post_init__(self):
+    def _take_renamed(self, **given) -> None:
+        """rl.engine set from the previous release's names in `given` (with a warning)."""
+        import warnings
+
+        moved = {}
+        for old, value in given.items():
+            if value is None:
+                continue
+            new = self.RENAMED[old]
+            warnings.warn(f"RLConfig({old}=...) is deprecated: pass rl.{new} "
+                          f"(RLConfig(engine=EngineConfig(...)))", DeprecationWarning,
+                          stacklevel=4)
+            moved[new.removeprefix("engine.")] = value
+        if moved:
+            object.__setattr__(self, "engine", dataclasses.replace(self.engine, **moved))
+
+    def __post_init__(self, slots=None, engine_attention=None, engine_kv_cache_dtype=None):
+        self._take_renamed(slots=slots, engine_attention=engine_attention,
+                           engine_kv_cache_dtype=engine_kv_cache_dtype)
         if not 0.0 < self.turn_discount <= 1.0:
             raise ValueError(f"rl.turn_discount={self.turn_discount} must be in (0, 1]")
         for name in ("prompts_per_step", "max_prompt_len", "max_new_tokens", "max_turns",

@@ -15,10 +15,11 @@ import pytest
 from jaxrl.data.pipeline import LagFilter, LagStats, pack, rl_batches
 from jaxrl.data.rollouts import Rollout, RolloutLog, RolloutSource, source_position
 from jaxrl.rl.config import RLConfig
+from serving.runner.engine_config import EngineConfig
 from tests.serving.common import until
 
-CFG = RLConfig(prompts_per_step=2, group_size=4, slots=4, pack_len=32, microbatch_rows=2,
-               max_prompt_len=10, max_new_tokens=6, prefetch=0)
+CFG = RLConfig(prompts_per_step=2, group_size=4, engine=EngineConfig(max_concurrent_decodes=4),
+               pack_len=32, microbatch_rows=2, max_prompt_len=10, max_new_tokens=6, prefetch=0)
 BOS = 1
 
 

@@ -20,6 +20,7 @@ from jaxrl.rollout.episodes import EpisodeGroup
 from jaxrl.rollout.group import Group
 from serving.core.orchestrator import Orchestrator
 from serving.runner.engine import Engine
+from serving.runner.engine_config import EngineConfig
 from serving.runner.sampling import SamplingParams
 from tests.serving.common import CFG, ENGINE
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 TASK = ToolCalcTask()
 TOKENIZER = CharTokenizer(TASK.alphabet)
 RL = RLConfig(group_size=3, max_prompt_len=10, max_new_tokens=6, max_turns=3,
-              max_episode_tokens=28, slots=4, pack_len=64)
+              max_episode_tokens=28, engine=EngineConfig(max_concurrent_decodes=4), pack_len=64)
 PROBLEM = Problem("37*45+12=", TASK._worked((37, 45, 12)))
 PROMPT = [TOKENIZER.bos_id] + TOKENIZER.encode(PROBLEM.prompt)
 

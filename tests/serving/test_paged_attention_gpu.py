@@ -14,8 +14,8 @@ import pytest
 from jax import export
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
-from serving.runner.engine import _attention
 from serving.runner.paged_attention_gpu import Tuning, paged_decode_attention_gpu, plan
+from serving.runner.paged_kv import choose_attention
 from tests.serving.test_paged_attention import _reference, held_pages_case
 
 
@@ -104,11 +104,12 @@ def test_kernel_lowers_to_triton_for_cuda_reading_the_pool_in_place(shape):
 def test_engine_refuses_a_kernel_off_its_platform():
     with pytest.raises(ValueError, match="attention='triton' is a GPU kernel; on tpu use "
                                          "attention='pallas'"):
-        _attention("triton", "tpu")
+        choose_attention("triton", "tpu")
     with pytest.raises(ValueError, match="attention='pallas' is a TPU kernel; on gpu use "
                                          "attention='triton'"):
-        _attention("pallas", "gpu")
-    assert _attention("triton", "gpu") == "triton" and _attention("triton", "cpu") == "triton"
+        choose_attention("pallas", "gpu")
+    assert choose_attention("triton", "gpu") == "triton"
+    assert choose_attention("triton", "cpu") == "triton"
 
 
 def test_shapes_triton_cannot_block_are_refused():

@@ -9,6 +9,7 @@ from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer, merge_params, split_params
 from jaxrl.train.objectives import PolicyGradientLoss, SupervisedLoss, token_logp
+from serving.runner.engine_config import EngineConfig
 
 CFG = ModelConfig(vocab_size=48, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64, tie_embeddings=True)
@@ -130,8 +131,9 @@ def _episodes(seed, env_only=False):
     from jaxrl.data.rollouts import Rollout
     from jaxrl.rl.config import RLConfig
 
-    cfg = RLConfig(prompts_per_step=2, group_size=2, slots=4, pack_len=24, microbatch_rows=2,
-                   max_prompt_len=4, max_new_tokens=8, prefetch=0)
+    cfg = RLConfig(prompts_per_step=2, group_size=2,
+                   engine=EngineConfig(max_concurrent_decodes=4), pack_len=24,
+                   microbatch_rows=2, max_prompt_len=4, max_new_tokens=8, prefetch=0)
     rng = np.random.default_rng(seed)
     rollouts = []
     for i in range(cfg.batch_size):
