@@ -1,14 +1,16 @@
 """bench/peers.py's bookkeeping, with real runner processes: a stack whose runner fails (a peer
 out of memory at a shape) is reported by its error and the other stacks still are; Tunix's
-micro batch is counted in prompts."""
+micro batch is counted in prompts; jaxrl's own runner runs the smallest job."""
 
 import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import peers  # noqa: E402
-from job import Job, result  # noqa: E402
+from job import Job, result, write_model  # noqa: E402
 
 OOM = "RESOURCE_EXHAUSTED: Out of memory allocating 60761770180 bytes."
 
@@ -44,3 +46,18 @@ def test_tunix_trains_in_the_same_microbatches_counted_in_prompts():
     assert Job(microbatch=32).tunix_microbatch_prompts == 4
     # Not a whole number of groups: Tunix cannot split a group, so it trains the whole step.
     assert Job(microbatch=4).tunix_microbatch_prompts == Job().prompts_per_step
+
+
+@pytest.mark.slow
+def test_jaxrl_s_own_runner_runs_the_job_at_its_smallest(tmp_path):
+    """bench/peers/run_jaxrl.py, the runner behind the headline's peer figures, as peers.py
+    starts it, on the smallest job: two steps of two groups of two, four new tokens."""
+    job = Job(steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4, prompt_words=4,
+              microbatch=4)
+    write_model(job, tmp_path / "model")
+    root = Path(__file__).resolve().parents[1]
+    r = peers.run([sys.executable, str(root / "bench" / "peers" / "run_jaxrl.py"), job.to_json(),
+                   str(tmp_path / "model"), str(tmp_path / "work"), "sync"])
+    assert isinstance(r, dict), r
+    assert r["stack"] == "jaxrl sync" and len(r["steps"]) == job.steps
+    assert all(s["samples"] == 4 and s["wall_s"] > 0 for s in r["steps"])

@@ -4,7 +4,9 @@ and how rollouts are produced and consumed (mode, placement, engine, pipeline)."
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
+import warnings
 from typing import Literal
 
 from jaxrl.optim_config import OptimConfig
@@ -242,32 +244,8 @@ class RLConfig:
     optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=50)
     generation: GenerationConfig = GenerationConfig()
     agent: AgentConfig = AgentConfig()
-    # The previous release's names of rl.engine's fields, for Python callers: each still sets
-    # its field for a release, with a DeprecationWarning naming it (RENAMED; config files and
-    # overrides are refused with the new name instead).
-    slots: dataclasses.InitVar[int | None] = None
-    engine_attention: dataclasses.InitVar[str | None] = None
-    engine_kv_cache_dtype: dataclasses.InitVar[str | None] = None
 
-    def _take_renamed(self, **given) -> None:
-        """rl.engine set from the previous release's names in `given` (with a warning)."""
-        import warnings
-
-        moved = {}
-        for old, value in given.items():
-            if value is None:
-                continue
-            new = self.RENAMED[old]
-            warnings.warn(f"RLConfig({old}=...) is deprecated: pass rl.{new} "
-                          f"(RLConfig(engine=EngineConfig(...)))", DeprecationWarning,
-                          stacklevel=4)
-            moved[new.removeprefix("engine.")] = value
-        if moved:
-            object.__setattr__(self, "engine", dataclasses.replace(self.engine, **moved))
-
-    def __post_init__(self, slots=None, engine_attention=None, engine_kv_cache_dtype=None):
-        self._take_renamed(slots=slots, engine_attention=engine_attention,
-                           engine_kv_cache_dtype=engine_kv_cache_dtype)
+    def __post_init__(self):
         if not 0.0 < self.turn_discount <= 1.0:
             raise ValueError(f"rl.turn_discount={self.turn_discount} must be in (0, 1]")
         for name in ("prompts_per_step", "max_prompt_len", "max_new_tokens", "max_turns",
@@ -361,3 +339,28 @@ class RLConfig:
         per_row = min(self.pack_len // self.sample_len, self.max_segments)
         rows = -(-self.batch_size // per_row)
         return -(-rows // self.microbatch_rows)
+
+
+
+def _taking_renamed(init):
+    """RLConfig's __init__, also taking the previous release's names of rl.engine's fields
+    from Python callers (RENAMED) for a release, with a DeprecationWarning naming the new one;
+    config files and overrides are refused with the new name instead (jaxrl/config.py)."""
+
+    @functools.wraps(init)
+    def taking(self, *args, **kwargs):
+        moved = {}
+        for old, new in RLConfig.RENAMED.items():
+            if old in kwargs:
+                warnings.warn(f"RLConfig({old}=...) is deprecated: pass rl.{new} "
+                              f"(RLConfig(engine=EngineConfig(...)))", DeprecationWarning,
+                              stacklevel=2)
+                moved[new.removeprefix("engine.")] = kwargs.pop(old)
+        if moved:
+            kwargs["engine"] = dataclasses.replace(kwargs.get("engine", EngineConfig()), **moved)
+        init(self, *args, **kwargs)
+
+    return taking
+
+
+RLConfig.__init__ = _taking_renamed(RLConfig.__init__)

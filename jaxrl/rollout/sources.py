@@ -63,8 +63,9 @@ class GroupSource:
 
     @property
     def slots(self) -> int:
-        """The slots of the engines generating now (rl.engine.max_concurrent_decodes for a bare engine)."""
-        return getattr(self.generation, "slots", None) or self.cfg.slots
+        """The slots of the engines generating now (rl.engine.max_concurrent_decodes for a bare
+        engine)."""
+        return getattr(self.generation, "slots", None) or self.cfg.engine.max_concurrent_decodes
 
     def open(self, group: Group, carry):
         """Starts the group's rollouts, continuing `carry` (None: from the start); returns its

@@ -260,7 +260,9 @@ def test_a_server_beside_a_relay_serves_from_its_slab_which_waits_for_it(bulk):
         served = id(first["a/w"].base)
         digest = hashlib.sha256(b"".join(a.tobytes() for a in first.values())).hexdigest()
         assert holder.stdout.readline().strip() == digest
-        assert offer.mapped == 1
+        # The puller confirms its mapping before it prints; the relay counts the send once it
+        # has read that confirmation, on its own thread.
+        until(lambda: offer.mapped == 1, 30, "the relay counting the mapped send")
         del first, offer
         gc.collect()
         again, _ = pool.take(specs)
