@@ -152,7 +152,7 @@ def test_native_attention_is_refused_where_it_cannot_run(monkeypatch):
     """Asked for by name without a C++ compiler: an error that says why; `auto` falls back to
     the XLA loop."""
     from serving.runner import native
-    from serving.runner.engine import _attention
+    from serving.runner.paged_kv import choose_attention
 
     native.available.cache_clear()
     monkeypatch.setattr(native, "_compiler", lambda: None)
@@ -160,14 +160,14 @@ def test_native_attention_is_refused_where_it_cannot_run(monkeypatch):
     try:
         with pytest.raises(ValueError, match=r"attention='native' cannot run here: no C\+\+ "
                                              r"compiler found"):
-            _attention("native", "cpu")
-        assert _attention("auto", "cpu") == "loop"
+            choose_attention("native", "cpu")
+        assert choose_attention("auto", "cpu") == "loop"
     finally:
         monkeypatch.undo()
         native.available.cache_clear()
     with pytest.raises(ValueError, match="attention='native' is a CPU kernel; on gpu"):
-        _attention("native", "gpu")
-    assert _attention("auto", "cpu") == "native"
+        choose_attention("native", "gpu")
+    assert choose_attention("auto", "cpu") == "native"
 
 
 def test_heads_that_do_not_divide_are_refused():
