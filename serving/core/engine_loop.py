@@ -19,7 +19,7 @@ Each iteration it
 A decode step, in the order a reader follows it: this loop; serving/core/scheduler.py (the
 batch, its pages from serving/core/page_pool.py); then serving/runner/: engine.py (padding, the
 program called), programs.py (the compiled program), steps.py (what it computes, over the
-decode state of spec.py), sampling.py (the draw), and inside the model's forward paged_kv.py
+decode state), sampling.py (the draw), and inside the model's forward paged_kv.py
 (the pages read and written, the attention kernel chosen).
 
 Other threads reach it only through its methods, each of which wakes it: `notify` (new work

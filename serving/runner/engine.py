@@ -36,7 +36,7 @@ from serving.runner.engine_config import EngineConfig
 from serving.runner.paged_kv import choose_attention
 from serving.runner.programs import Programs, programs_for
 from serving.runner.slot_batch import SlotBatch, padded, sampling_rows
-from serving.runner.spec import DecodeState, Spec
+from serving.runner.steps import DecodeState, Spec
 from sharding import mesh as shd
 from sharding.reshard import reshard
 

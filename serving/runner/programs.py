@@ -41,8 +41,7 @@ import jax.numpy as jnp
 
 from jaxrl import executables
 from serving.runner.constraints import mask_words
-from serving.runner.spec import PER_SLOT, ROW_TYPES, SAMPLING, Spec
-from serving.runner.steps import HISTORY_CHUNK, PROGRAMS
+from serving.runner.steps import HISTORY_CHUNK, PER_SLOT, PROGRAMS, ROW_TYPES, SAMPLING, Spec
 from sharding import mesh as shd
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The host side of an insert and a first-token draw: the K sequences that take their slots
 (`SlotBatch`) as the per-slot arrays the programs take (dicts keyed by the fields of
-serving/runner/spec.py's DecodeState), padded to a row bucket by repeating the last entry."""
+serving/runner/steps.py's DecodeState), padded to a row bucket by repeating the last entry."""
 
 from __future__ import annotations
 
