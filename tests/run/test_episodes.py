@@ -117,23 +117,40 @@ def test_a_group_cut_mid_turn_continues_exactly(engine, params):
     assert generated == sum(t.model_tokens for t in whole) - carried
 
 
+class _HeldAfterItsFirstTurn(ToolCalcTask):
+    """The tool-calculator task whose environment answers the first turn only once `updated`
+    is set: the episode's later turns are generated after whatever the test does meanwhile."""
+
+    def __init__(self, updated: threading.Event):
+        super().__init__()
+        self.updated, self.answering = updated, threading.Event()
+
+    def reply(self, problem, turns):
+        self.answering.set()
+        assert self.updated.wait(60), "the test never let the episode go on"
+        return super().reply(problem, turns)
+
+
 def test_weight_update_mid_episode(engine, params):
-    """The same weights pushed as version 1 while the episode runs: the same episode, its later
-    tokens tagged with version 1."""
+    """The same weights pushed as version 1 between the episode's first turn and its second:
+    the same episode, its first turn's tokens tagged with version 0, every later one with 1."""
+    updated = threading.Event()
+    task = _HeldAfterItsFirstTurn(updated)
     with Orchestrator(engine, params, eos_id=TOKENIZER.eos_id) as o:
         [plain] = _group(o).run()
-        group = _group(o)
+        group = EpisodeGroup(o, task, TOKENIZER, Group(0, PROBLEM, PROMPT, seed=5), RL,
+                             temperature=0.0)
         out = {}
         runner = threading.Thread(target=lambda: out.update(result=group.run()))
         runner.start()
-        while not group.trajectories[0].turns and runner.is_alive():
-            time.sleep(0.001)
-        o.update_params(params, 1)
+        assert task.answering.wait(60)
+        o.update_params(params, 1)          # returns once the engine serves version 1
+        updated.set()
         runner.join(60)
     [t] = out["result"]
-    assert t.tokens == plain.tokens
+    assert t.tokens == plain.tokens and len(t.turns) > 1
     versions = [v for v, trained in zip(t.versions, t.trained) if trained]
-    assert versions[-1] == 1 and versions == sorted(versions)
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions), versions
 
 
 def test_the_example_openai_agent_runs_episodes_through_the_endpoint(engine, params):
