@@ -106,6 +106,18 @@ def pin(cores: list[int], name: str = "rl.generation.cpus") -> None:
             pass
 
 
+# rl.engine's settings that `jaxrl serve` takes no flag for: a launched server runs them at
+# EngineConfig's defaults, so a run that sets them launches no server.
+NOT_LAUNCHED = ("steps_per_dispatch", "page_buckets", "min_table_tokens")
+
+
+def unlaunchable(engine) -> list[str]:
+    """The settings of `engine` (rl.engine) a launched `jaxrl serve` could not hold."""
+    default = type(engine)()
+    return [f"rl.engine.{name}={getattr(engine, name)}" for name in NOT_LAUNCHED
+            if getattr(engine, name) != getattr(default, name)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -140,9 +152,11 @@ class LocalServers:
                        "--page-size", str(engine.page_size), "--dtype", served.dtype,
                        "--kv-cache-dtype", engine.kv_cache_dtype,
                        "--attention", engine.attention,
+                       "--num-pages", str(engine.num_pages),
+                       "--memory-fraction", str(engine.memory_fraction),
                        "--update-token-file", str(self.token_file)]
-                if engine.record_routes:
-                    cmd += ["--record-routes"]
+                cmd += ["--record-routes"] if engine.record_routes else []
+                cmd += ["--score"] if engine.score else []
                 if served.quantize != "none":
                     cmd += ["--quantize", served.quantize]
                 adapters = served.lora

@@ -57,6 +57,10 @@ def check_config(cfg: RunConfig) -> None:
             raise ConfigError("rl.generation.launch starts servers beside a one-process "
                               "trainer; across processes, list them in rl.generation.servers")
         local_servers.plan(g.launch, g.cpus)
+        if unheld := local_servers.unlaunchable(cfg.rl.engine):
+            raise ConfigError(f"rl.generation.launch starts jaxrl serve, which has no flag for "
+                              f"{', '.join(unheld)}: leave them at their defaults, or generate "
+                              f"in this process")
 
 
 def check_rl_config(cfg: RunConfig, mesh) -> None:

@@ -110,3 +110,16 @@ def test_a_lora_run_pushes_its_launched_server_the_adapters_alone(tmp_path):
     assert rows[-1]["pushes"] >= 2
     for r in rows[1:]:  # sampled by weights the trainer had pushed its adapters alone for
         assert 0 < r["logprob_parity_tokens"] and r["logprob_abs_diff_max"] < 1e-4, r
+
+
+def test_a_launch_refuses_engine_settings_jaxrl_serve_cannot_take():
+    from jaxrl.config import ConfigError
+    from jaxrl.trainer.rl import check_config
+
+    cfg = load_run_config(None, ["rl.generation.launch=1", "rl.engine.steps_per_dispatch=2",
+                                 "rl.engine.page_buckets=2"])
+    with pytest.raises(ConfigError, match=r"no flag for rl.engine.steps_per_dispatch=2, "
+                                          r"rl.engine.page_buckets=2"):
+        check_config(cfg)
+    check_config(load_run_config(None, ["rl.generation.launch=1", "rl.engine.num_pages=64",
+                                        "rl.engine.score=true"]))
