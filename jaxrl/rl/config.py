@@ -137,7 +137,8 @@ ENGINE_DERIVED = {
 class RLConfig:
     """RL after the supervised warm-up (the first train.steps optimizer steps)."""
 
-    # Keys of earlier releases, refused with their new names.
+    # Keys of earlier releases: refused in config files and overrides with their new names,
+    # taken from Python callers with a DeprecationWarning (_taking_renamed, below).
     RENAMED: typing.ClassVar[dict[str, str]] = {
         "slots": "engine.max_concurrent_decodes", "engine_attention": "engine.attention",
         "engine_kv_cache_dtype": "engine.kv_cache_dtype"}
@@ -339,7 +340,6 @@ class RLConfig:
         per_row = min(self.pack_len // self.sample_len, self.max_segments)
         rows = -(-self.batch_size // per_row)
         return -(-rows // self.microbatch_rows)
-
 
 
 def _taking_renamed(init):
