@@ -26,7 +26,8 @@ from pathlib import Path
 LONG_TAIL_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "long_tail_cpu.yaml"
 MODES = ("sync", "partial", "async")
 # --smoke: answers cut at 48 tokens, 4 prompts a step (the script itself, on CPU).
-SMOKE = ["rl.max_new_tokens=48", "rl.pack_len=80", "rl.prompts_per_step=4", "rl.engine.max_concurrent_decodes=16"]
+SMOKE = ["rl.max_new_tokens=48", "rl.pack_len=80", "rl.prompts_per_step=4",
+         "rl.engine.max_concurrent_decodes=16"]
 
 
 def shape_overrides(cfg) -> list[str]:
@@ -93,7 +94,8 @@ def predict(args, sync_runs: list[Path], steps: int) -> dict:
     costs = {**{k: v for k, v in decode.items() if k != "points"},
              "prefill_us_per_token": calibrate.prefill_us_per_token(engine, params),
              **calibrate.run_costs(sync_runs, work["prompt_len"], cfg.rl.batch_size), **work,
-             "slots": cfg.rl.engine.max_concurrent_decodes, "batch": cfg.rl.batch_size, "group_size": cfg.rl.group_size,
+             "slots": cfg.rl.engine.max_concurrent_decodes, "batch": cfg.rl.batch_size,
+             "group_size": cfg.rl.group_size,
              "pack_len": cfg.rl.pack_len, "microbatch_rows": cfg.rl.microbatch_rows,
              "max_segments": cfg.rl.max_segments, "max_lag": cfg.rl.max_lag,
              "max_ahead": ahead_bound(cfg.rl.batch_size, cfg.rl.engine.max_concurrent_decodes)}

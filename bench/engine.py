@@ -59,7 +59,8 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=64, help="generated tokens per request")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs of each side; best kept")
     # The default model is the demo's shape (configs/demo_cpu.yaml) with a 1024-token vocabulary.
-    ap.add_argument("--embed", type=int, default=128, help="model width, a multiple of 64 (32-wide heads)")
+    ap.add_argument("--embed", type=int, default=128,
+                    help="model width, a multiple of 64 (32-wide heads)")
     ap.add_argument("--layers", type=int, default=4, help="transformer layers")
     ap.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
     args = ap.parse_args(argv)

@@ -60,12 +60,10 @@ def main(argv=None) -> None:
     if args.pinned:         # the decode comparison below runs in this process, unpinned
         _finish(work, args.keep)
         return
-    ran = [runs for runs in results.values() if not isinstance(runs, str) and runs]
+    ran = {name: runs for name, runs in results.items() if not isinstance(runs, str) and runs}
     if not ran:
         raise SystemExit("every variant failed")
-    runs = results.get("async")
-    if isinstance(runs, str) or not runs:
-        runs = ran[-1]
+    runs = ran.get("async") or list(ran.values())[-1]
     held = round(sum(r["held_tokens_mean"] for r in runs) / len(runs))
     d = decode_ratio(args, held)
     print(f"decode at mean held length l={held} (max_len {d['max_len']}): paged "

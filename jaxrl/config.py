@@ -40,9 +40,10 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     unknown = sorted(set(data) - set(names))
-    renamed = getattr(cls, "RENAMED", {})
-    for key in (k for k in unknown if k in renamed):
-        raise ConfigError(f"config key '{prefix}{key}' is now '{prefix}{renamed[key]}'")
+    renamed = [k for k in unknown if k in getattr(cls, "RENAMED", {})]
+    if renamed:
+        raise ConfigError(f"config key '{prefix}{renamed[0]}' is now "
+                          f"'{prefix}{cls.RENAMED[renamed[0]]}'")
     if unknown:
         where = f"section '{prefix.rstrip('.')}'" if prefix else "the top level"
         raise ConfigError(

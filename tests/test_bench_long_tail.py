@@ -20,7 +20,8 @@ TINY = ["model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64", "model.n
         "task.max_steps=6", "task.median_steps=2", "task.warmup_max_steps=6",
         "train.steps=2", "train.batch_size=4", "train.seq_len=72", "train.log_every=1",
         "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_prompt_len=20",
-        "rl.max_new_tokens=56", "rl.engine.max_concurrent_decodes=4", "rl.pack_len=128", "rl.microbatch_rows=4",
+        "rl.max_new_tokens=56", "rl.engine.max_concurrent_decodes=4", "rl.pack_len=128",
+        "rl.microbatch_rows=4",
         "rl.max_segments=8", "rl.eval_every=100",
         # Two warm-up steps teach nothing: every group would score zero and be drawn again.
         "rl.filter_zero_advantage=false"]

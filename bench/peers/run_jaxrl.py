@@ -28,7 +28,8 @@ def main(job_json: str, model: str, work: str, mode: str, *overrides: str) -> No
         "train.steps=0", "train.eval_problems=0", f"rl.steps={job.steps}", f"rl.mode={mode}",
         f"rl.prompts_per_step={job.prompts_per_step}", f"rl.group_size={job.group_size}",
         f"rl.max_prompt_len={job.prompt_words + 1}", f"rl.max_new_tokens={job.max_new_tokens}",
-        "rl.temperature=1.0", f"rl.engine.max_concurrent_decodes={job.samples_per_step}", f"rl.pack_len={sample_len}",
+        "rl.temperature=1.0", f"rl.engine.max_concurrent_decodes={job.samples_per_step}",
+        f"rl.pack_len={sample_len}",
         f"rl.microbatch_rows={job.microbatch}", "rl.kl_coef=0.0",
         # Every sample is trained on, as the peers do (their GRPO keeps truncated samples).
         "rl.filter_overlong=false", "rl.filter_zero_advantage=false",

@@ -32,9 +32,10 @@ HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 *
 
 def compile_generate_step(cfg: RunConfig, topology: str) -> dict:
     """Per-device bytes of the engine's decode step (every slot, one token) for `topology`, with
-    the engine sized as `jaxrl train` sizes it for RL (rl.engine.max_concurrent_decodes, rl.max_prompt_len +
-    rl.max_new_tokens), its weights over all the slice's chips (tensor axis), and every slot's
-    page table as wide as the longest sequence (the step's worst case)."""
+    the engine sized as `jaxrl train` sizes it for RL (rl.engine.max_concurrent_decodes,
+    rl.max_prompt_len + rl.max_new_tokens), its weights over all the slice's chips (tensor
+    axis), and every slot's page table as wide as the longest sequence (the step's worst
+    case)."""
     from jaxrl.rollout.generation import engine_config
     from serving.runner.engine import Engine
 
@@ -60,7 +61,8 @@ def report(cfg: RunConfig, topology: str, explain_memory: bool = False, out=prin
     pipe = cfg.sharding.pipeline
     layout = _layout(cfg, out)
     for name, memory, what in (("train step", train, layout),
-                               ("generate step", generate, f"{cfg.rl.engine.max_concurrent_decodes} slots")):
+                               ("generate step", generate,
+                                f"{cfg.rl.engine.max_concurrent_decodes} slots")):
         out(f"{name} compiled for {topology} ({what}), per device:")
         for key in ("argument_bytes", "host_argument_bytes", "device_temp_bytes",
                     "host_temp_bytes", "output_bytes"):

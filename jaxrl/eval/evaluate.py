@@ -129,7 +129,8 @@ def local_engine(model: Transformer, eos_id: int | None, longest_prompt: int,
                        prefill_budget=max(chunk, 256), dtype=model.cfg.dtype,
                        page_size=min(16, 1 << math.ceil(math.log2(longest_prompt + 1))))
     engine = Engine(model.cfg, cfg)
-    with Orchestrator(engine, split_params(model)[1], eos_id=eos_id, max_queued=4 * slots) as orchestrator:
+    with Orchestrator(engine, split_params(model)[1], eos_id=eos_id,
+                      max_queued=4 * slots) as orchestrator:
         yield orchestrator
 
 

@@ -54,7 +54,8 @@ class Actor:
         self._handles: dict[int, object] = {}    # problem index -> its group's handle
         self._lock = threading.Condition()
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(cfg.prompts_per_step, cfg.engine.max_concurrent_decodes // cfg.group_size) + 2,
+            max_workers=max(cfg.prompts_per_step,
+                            cfg.engine.max_concurrent_decodes // cfg.group_size) + 2,
             thread_name_prefix="actor-collect")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

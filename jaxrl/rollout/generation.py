@@ -119,7 +119,8 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
                    "once it needs them, padded to a compiled size meanwhile)"
                    if g.compile == "as_needed" else
                    "(every shape it can run; none is compiled while it generates)"))
-        members = [Member("local", local, cfg.rl.engine.max_concurrent_decodes, remote=False, version=version,
+        members = [Member("local", local, cfg.rl.engine.max_concurrent_decodes, remote=False,
+                          version=version,
                           state=MemberState.READY)]
         fleet = Fleet(members, eos_id=tokenizer.eos_id, wait_s=g.wait_s, warn=log)
         return Generators(fleet, WeightPublisher(fleet, served=served, warn=log), local)

@@ -32,7 +32,8 @@ ARGS = ["--config", str(ROOT / "configs/demo_cpu.yaml"), "model.embed_dim=32",
         "model.num_layers=2", "model.mlp_dim=64", f"train.steps={WARMUP}",
         "train.batch_size=16", "train.log_every=4", "train.eval_problems=16",
         "checkpoint.every=4", f"rl.steps={RL}", "rl.prompts_per_step=2", "rl.group_size=4",
-        "rl.engine.max_concurrent_decodes=8", "rl.microbatch_rows=8", "log.progress=false", "mesh.fsdp=4",
+        "rl.engine.max_concurrent_decodes=8", "rl.microbatch_rows=8", "log.progress=false",
+        "mesh.fsdp=4",
         "mesh.tensor=2"]
 
 

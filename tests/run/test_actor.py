@@ -23,7 +23,8 @@ from tests.serving.common import until
 # An untrained model: samples of up to 24 tokens; no filter, so every sample reaches the log.
 CFG = load_run_config(None, ["model.num_layers=2", "model.embed_dim=32", "model.mlp_dim=64",
                              "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
-                             "model.max_seq_len=40", "rl.group_size=4", "rl.engine.max_concurrent_decodes=8",
+                             "model.max_seq_len=40", "rl.group_size=4",
+                             "rl.engine.max_concurrent_decodes=8",
                              "rl.max_prompt_len=8", "rl.max_new_tokens=24",
                              "rl.filter_zero_advantage=false", "rl.filter_overlong=false"])
 GROUP = CFG.rl.group_size

@@ -142,7 +142,8 @@ SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192",
          "model.head_dim=16", "train.steps=0", "train.eval_problems=0",
          "train.stop_at_accuracy=0", "checkpoint.every=1000", "log.progress=false",
          "rl.steps=2", "rl.mode=sync", "rl.prompts_per_step=4", "rl.group_size=4",
-         "rl.engine.max_concurrent_decodes=16", "rl.microbatch_rows=8", "rl.filter_zero_advantage=false",
+         "rl.engine.max_concurrent_decodes=16", "rl.microbatch_rows=8",
+         "rl.filter_zero_advantage=false",
          "rl.filter_overlong=false", "rl.eval_every=0",
          f"rl.agent.command=[{sys.executable}, {one_device.ROOT}/examples/tool_calc_agent.py, "
          f"--worker, --concurrency, '4']", "rl.agent.workers=2"]

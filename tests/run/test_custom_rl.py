@@ -35,7 +35,8 @@ def broken(prompt, completion, word):
     return {"score": 1}[word]
 '''
 SHRINK = ["model.dtype=float32", "log.progress=false", "train.eval_problems=4",
-          "rl.steps=2", "rl.mode=sync", "rl.prompts_per_step=2", "rl.group_size=4", "rl.engine.max_concurrent_decodes=8",
+          "rl.steps=2", "rl.mode=sync", "rl.prompts_per_step=2", "rl.group_size=4",
+          "rl.engine.max_concurrent_decodes=8",
           "rl.max_new_tokens=6", "rl.pack_len=96", "rl.microbatch_rows=8",
           # A random model answers nothing right and rarely stops: keep its samples anyway.
           "rl.filter_zero_advantage=false", "rl.filter_overlong=false"]

@@ -324,7 +324,8 @@ def test_a_resumed_trainer_brings_a_server_back_to_its_version():
     its tokens then carry version 5."""
     params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
     engine = Engine(CFG, ENGINE)
-    server = Server(Orchestrator(engine, params, version=-1, eos_id=1).start(), port=0, update_token="t").start()
+    server = Server(Orchestrator(engine, params, version=-1, eos_id=1).start(), port=0,
+                    update_token="t").start()
     before = RemoteGeneration(server.address, token="t")
     before.update_params(params, 7, timeout=60)
     before.close()

@@ -27,7 +27,8 @@ SCALED_DOWN = [
     "train.eval_problems=64", "optim.lr=3e-3", "optim.warmup_steps=20",
     "checkpoint.every=1000", "log.progress=false",
     f"rl.steps={RL}", "rl.prompts_per_step=16", "rl.group_size=4", "rl.max_prompt_len=20",
-    "rl.max_new_tokens=56", "rl.engine.max_concurrent_decodes=64", "rl.pack_len=128", "rl.microbatch_rows=8",
+    "rl.max_new_tokens=56", "rl.engine.max_concurrent_decodes=64", "rl.pack_len=128",
+    "rl.microbatch_rows=8",
     "rl.max_segments=16", "rl.eval_every=12", "rl.filter_overlong=false",
     "rl.optim.lr=1e-3", "rl.optim.warmup_steps=0", "rl.optim.min_lr_ratio=1.0",
 ]

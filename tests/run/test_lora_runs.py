@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_reward"
 RUN = ["model.dtype=float32", "log.progress=false", "train.eval_problems=0", "rl.steps=3",
-       "rl.mode=sync", "rl.prompts_per_step=2", "rl.group_size=4", "rl.engine.max_concurrent_decodes=8",
+       "rl.mode=sync", "rl.prompts_per_step=2", "rl.group_size=4",
+       "rl.engine.max_concurrent_decodes=8",
        "rl.max_new_tokens=6", "rl.pack_len=96", "rl.microbatch_rows=8",
        "rl.filter_zero_advantage=false", "rl.filter_overlong=false", "rl.optim.lr=0.05",
        "task.reward=[examples/custom_reward/rewards.py:short]", "task.reward_weights=[1.0]",

@@ -41,7 +41,8 @@ ARGS = ["--config", str(ROOT / "configs/demo_cpu.yaml"), "model.embed_dim=32",
         "mesh.fsdp=4", "mesh.tensor=2"]
 
 
-RL = ["rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=4", "rl.engine.max_concurrent_decodes=16",
+RL = ["rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=4",
+      "rl.engine.max_concurrent_decodes=16",
       "rl.microbatch_rows=8", "checkpoint.resume=true", "rl.generation.heartbeat_s=0.5",
       "rl.generation.heartbeat_timeout_s=5"]
 # The RL run sends its weights device to device (serving/weights/transfer.py); the fleet test takes

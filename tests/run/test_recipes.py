@@ -47,7 +47,8 @@ def test_qwen_gsm8k_recipe_runs_end_to_end(tmp_path):
         f"run_dir={run_dir}", "log.progress=false",
         # Shrunk to CPU: float32, 8 simulated devices, a few short samples.
         "model.dtype=float32", "train.eval_problems=2",
-        "rl.steps=2", "rl.prompts_per_step=2", "rl.engine.max_concurrent_decodes=16", "rl.max_prompt_len=128",
+        "rl.steps=2", "rl.prompts_per_step=2", "rl.engine.max_concurrent_decodes=16",
+        "rl.max_prompt_len=128",
         "rl.max_new_tokens=8", "rl.pack_len=272", "rl.microbatch_rows=8",
         # A random model answers nothing right and rarely stops: keep its samples anyway.
         "rl.filter_zero_advantage=false", "rl.filter_overlong=false",

@@ -40,7 +40,8 @@ BASE = ["model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192", "model.
         "train.eval_problems=0", "optim.lr=3e-3", "optim.warmup_steps=10",
         "checkpoint.every=1000", "log.progress=false",
         f"rl.steps={RL_STEPS}", "rl.prompts_per_step=16", "rl.group_size=8",
-        "rl.max_prompt_len=8", "rl.max_new_tokens=4", "rl.engine.max_concurrent_decodes=32", "rl.pack_len=48",
+        "rl.max_prompt_len=8", "rl.max_new_tokens=4", "rl.engine.max_concurrent_decodes=32",
+        "rl.pack_len=48",
         "rl.microbatch_rows=32",
         # Truncated samples are trained on (with their low reward) rather than dropped: a tiny
         # model can otherwise learn never to stop, and the actor then generates without end.

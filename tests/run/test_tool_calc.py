@@ -18,7 +18,8 @@ SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192",
          "model.head_dim=16", "train.steps=60", "train.batch_size=32", "train.log_every=20",
          "train.eval_problems=8", "train.stop_at_accuracy=0", "checkpoint.every=1000",
          "log.progress=false", "rl.steps=3", "rl.prompts_per_step=4", "rl.group_size=4",
-         "rl.engine.max_concurrent_decodes=16", "rl.microbatch_rows=8", "rl.filter_zero_advantage=false",
+         "rl.engine.max_concurrent_decodes=16", "rl.microbatch_rows=8",
+         "rl.filter_zero_advantage=false",
          "rl.filter_overlong=false",
          "rl.eval_every=0"]
 

@@ -27,7 +27,8 @@ BASE = ["model.num_layers=2", "model.embed_dim=64", "model.mlp_dim=192", "model.
         "train.eval_problems=2", "train.check_problems=32", "train.log_every=10", "optim.lr=3e-3",
         "optim.warmup_steps=10", f"optim.decay_steps={STEPS}", "checkpoint.every=1000",
         "log.progress=false", "rl.prompts_per_step=4", "rl.group_size=4",
-        "rl.max_prompt_len=8", "rl.max_new_tokens=4", "rl.engine.max_concurrent_decodes=16", "rl.pack_len=48",
+        "rl.max_prompt_len=8", "rl.max_new_tokens=4", "rl.engine.max_concurrent_decodes=16",
+        "rl.pack_len=48",
         "rl.microbatch_rows=16", "rl.filter_overlong=false", "rl.filter_zero_advantage=false",
         "rl.eval_every=0", "rl.mode=sync"]
 

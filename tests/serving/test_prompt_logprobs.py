@@ -82,7 +82,8 @@ def test_lm_eval_loglikelihood_requests_equal_the_models_forward(scoring, refere
 
 
 def test_echo_with_max_tokens_zero_scores_the_prompt_and_generates_nothing(scoring,
-                                                                          reference, tokenizer):  # noqa: F811
+                                                                          reference,
+                                                                          tokenizer):  # noqa: F811
     url, _ = scoring
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
     got = client.completions.create(model="tiny", prompt="w3 w7 w1 w20", max_tokens=0,

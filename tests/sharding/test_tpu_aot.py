@@ -94,7 +94,8 @@ def test_optimizer_state_offload_moves_arguments_to_host():
 def test_generate_step_compiles_with_its_kv_cache():
     # (TPU tiling pads the slot dimension: 32 and 128 slots take the same bytes)
     small = compile_generate_step(load_run_config(DEMO), "v5e:2x4")
-    more_slots = compile_generate_step(load_run_config(DEMO, ["rl.engine.max_concurrent_decodes=512"]), "v5e:2x4")
+    more_slots = compile_generate_step(
+        load_run_config(DEMO, ["rl.engine.max_concurrent_decodes=512"]), "v5e:2x4")
     assert small["fits"] and more_slots["argument_bytes"] > small["argument_bytes"]
 
 
