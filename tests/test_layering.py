@@ -142,3 +142,29 @@ def import_cycles() -> list[list[str]]:
 
 def test_no_import_cycle():
     assert import_cycles() == []
+
+
+def test_the_engine_loops_decode_path_names_five_files_that_call_each_other():
+    """serving/core/engine_loop.py's docstring lists the files a decode step passes through
+    before the model's forward; each exists, there are at most five, and each is reached from
+    the one a reader came from (the loop calls the scheduler and the engine itself)."""
+    doc = ast.get_docstring(ast.parse((ROOT / "serving/core/engine_loop.py").read_text()))
+    block = doc[doc.index("A decode step passes through"):doc.index("tests/test_layering.py")]
+    path = [line.split()[0] for line in block.splitlines()
+            if line.startswith("    serving/")]
+    assert path[0] == "serving/core/engine_loop.py" and len(path) <= 5, path
+    assert all((ROOT / p).is_file() for p in path), path
+
+    def module(p):
+        return p.removesuffix(".py").replace("/", ".")
+
+    def imports(p, target):
+        return any(name == target or name.startswith(target + ".")
+                   for _, name in imported(ROOT / p))
+
+    callers = {"serving/runner/engine.py": "serving/core/engine_loop.py"}
+    for before, after in zip(path, path[1:]):
+        assert imports(callers.get(after, before), module(after)), (before, after)
+    assert imports(path[-1], "jaxrl.models"), "the last file runs the model's forward"
+    steps = (ROOT / path[-1]).read_text()
+    assert "model.extend(" in steps and "PagedKV" in steps and "sample(" in steps

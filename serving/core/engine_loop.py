@@ -16,11 +16,20 @@ Each iteration it
    scheduling), so a sequence is decoded once past an end the host learns one step late (EOS,
    a stop token, its grammar complete), and that token is dropped.
 
-A decode step, in the order a reader follows it: this loop; serving/core/scheduler.py (the
-batch, its pages from serving/core/page_pool.py); then serving/runner/: engine.py (padding, the
-program called), programs.py (the compiled program), steps.py (what it computes, over the
-decode state), sampling.py (the draw), and inside the model's forward paged_kv.py
-(the pages read and written, the attention kernel chosen).
+A decode step passes through five files before the model's forward, in the order a reader
+follows it (nano-vllm's LLMEngine -> Scheduler -> BlockManager -> ModelRunner -> model):
+
+    serving/core/engine_loop.py   this loop: plans, dispatches, reads back, applies stop rules
+    serving/core/scheduler.py     the batch: which sequences run, in one batch or two
+    serving/core/page_pool.py     their pages (nano-vllm's BlockManager)
+    serving/runner/engine.py      the model runner: pads the batch and calls its program (the
+                                  executable programs.py compiled for that shape at start)
+    serving/runner/steps.py       what the program computes: the model's forward
+                                  (`Transformer.extend` over serving/runner/paged_kv.py, which
+                                  reads and writes the pages and chooses the attention kernel),
+                                  then sampling.py's draw
+
+tests/test_layering.py holds this list to the imports it describes.
 
 Other threads reach it only through its methods, each of which wakes it: `notify` (new work
 in the scheduler), `post_update` (weights to swap in), `post_score` (tokens to score),
