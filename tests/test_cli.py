@@ -98,10 +98,12 @@ def test_help_shows_the_defaults_a_user_relies_on(capsys):
 
 def test_serve_s_engine_flags_default_to_engine_config_s_fields():
     """EngineConfig holds every engine default once; `jaxrl serve` cannot import it before
-    --cpus pins the process, so its flags say the same, checked here."""
+    --cpus pins the process, so its flags say the same, checked here: a flag whose default
+    depends on the platform is None (EngineConfig.for_platform decides), the others hold the
+    field's default."""
     import dataclasses
 
-    from serving.runner.engine_config import EngineConfig
+    from serving.runner.engine_config import ACCELERATOR_DEFAULTS, EngineConfig
 
     flags = {"slots": "max_concurrent_decodes", "prefill_chunk": "prefill_chunk",
              "page_size": "page_size", "num_pages": "num_pages",
@@ -111,7 +113,34 @@ def test_serve_s_engine_flags_default_to_engine_config_s_fields():
     args = build_parser().parse_args(["serve"])
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     assert {flag: getattr(args, flag) for flag in flags} == \
-        {flag: defaults[field] for flag, field in flags.items()}
+        {flag: None if field in ACCELERATOR_DEFAULTS else defaults[field]
+         for flag, field in flags.items()}
+
+
+def test_engine_defaults_follow_the_platform():
+    """On CPU a config left alone is EngineConfig's defaults; on GPU/TPU it is sized as vLLM
+    sizes one (ACCELERATOR_DEFAULTS), what the user gives always winning, and chunks within
+    the longest prompt."""
+    from serving.runner.engine_config import EngineConfig
+
+    assert EngineConfig.for_platform("cpu", max_len=4096, max_prefill_length=4095) == \
+        EngineConfig(max_len=4096, max_prefill_length=4095)
+    gpu = EngineConfig.for_platform("gpu", max_len=4096, max_prefill_length=4095)
+    assert (gpu.memory_fraction, gpu.max_concurrent_decodes, gpu.dtype, gpu.prefill_chunk,
+            gpu.prefill_budget) == (0.9, 0, "bfloat16", 512, 2048)
+    short = EngineConfig.for_platform("tpu", max_len=128, max_prefill_length=100)
+    assert short.prefill_chunk == 128
+    pages = EngineConfig.for_platform("gpu", max_len=4096, max_prefill_length=4095,
+                                      num_pages=1000, max_concurrent_decodes=8, dtype="float32")
+    assert (pages.memory_fraction, pages.max_concurrent_decodes, pages.dtype) == \
+        (0.0, 8, "float32")
+    assert pages.with_pool(1000) is pages
+    # slots from the pool: a 4,095-token prompt takes 256 pages of 16
+    assert gpu.with_pool(1 + 256 * 10 + 5).max_concurrent_decodes == 10
+    assert gpu.with_pool(10**7).max_concurrent_decodes == 256
+    with pytest.raises(ValueError, match=r"max_concurrent_decodes=0 \(as many slots as the "
+                                         r"pool holds\) needs memory_fraction"):
+        EngineConfig(max_concurrent_decodes=0)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -35,19 +35,24 @@ def run(args) -> None:
 
     use_compilation_cache()       # a restart of the same engine loads its programs
 
+    import jax
+
+    platform = jax.default_backend()
+
     def engine_config(context: int) -> EngineConfig:
-        """The engine the flags ask for; --max-len 0 takes the model's context."""
+        """The engine the flags ask for; --max-len 0 takes the model's context, a flag left
+        out its default on this platform (EngineConfig.for_platform)."""
+        max_len = args.max_len or context
+        given = dict(max_concurrent_decodes=args.slots, max_len=max_len,
+                     max_prefill_length=args.max_prefill_length or max_len - 1,
+                     prefill_chunk=args.prefill_chunk, dtype=args.dtype,
+                     kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
+                     num_pages=args.num_pages, memory_fraction=args.memory_fraction,
+                     attention=args.attention, score=args.score,
+                     record_routes=args.record_routes)
         try:
-            return EngineConfig(max_concurrent_decodes=args.slots,
-                                max_len=args.max_len or context,
-                                max_prefill_length=(args.max_prefill_length or
-                                                    (args.max_len or context) - 1),
-                                prefill_chunk=args.prefill_chunk, dtype=args.dtype,
-                                kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
-                                num_pages=args.num_pages,
-                                memory_fraction=args.memory_fraction,
-                                attention=args.attention, score=args.score,
-                                record_routes=args.record_routes)
+            return EngineConfig.for_platform(
+                platform, **{k: v for k, v in given.items() if v is not None})
         except ValueError as e:  # name the flags the user gave, not EngineConfig's fields
             raise UserError(re.sub(r"\b(\w+)=", lambda m: f"{_SERVE_NAMES[m[1]]} "
                                    if m[1] in _SERVE_NAMES else m[0], str(e))) from None
@@ -147,8 +152,9 @@ def _served_and_listening(p: argparse.ArgumentParser) -> None:
 
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
     """The engine's sizes and programs, and where it runs."""
-    p.add_argument("--slots", type=int_at_least(1), default=32,
-                   help="concurrent decodes (per replica)")
+    p.add_argument("--slots", type=int_at_least(1), default=None,
+                   help="concurrent decodes, per replica (default: 32 on CPU; on GPU/TPU as "
+                        "many as the KV pool holds prompts, up to 256)")
     p.add_argument("--tensor", type=int_at_least(1), default=1,
                    help="devices each replica's engine is tensor-parallel over (must divide "
                         "the model's KV heads)")
@@ -158,14 +164,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int_at_least(0), default=0,
                    help="longest sequence, prompt + generated tokens (0: the model's context); "
                         "KV memory is taken page by page as sequences grow, not reserved")
-    p.add_argument("--page-size", type=int_at_least(1), default=16,
-                   help="tokens per KV cache page")
-    p.add_argument("--num-pages", type=int_at_least(0), default=0,
-                   help="KV pages in the pool (0: --memory-fraction if set, else enough for "
-                        "every slot at --max-len)")
-    p.add_argument("--memory-fraction", type=float, default=0.0,
-                   help="GPU/TPU: size the KV pool to this fraction of the device memory free "
-                        "after the weights are loaded")
+    _pool_arguments(p)
     p.add_argument("--attention", default="auto",
                    choices=["auto", "reference", "loop", "native", "pallas", "triton"],
                    help="decode attention over the KV pages: reference (gather + XLA, one "
@@ -184,14 +183,13 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-length", type=int_at_least(0), default=0,
                    help="longest prompt; 0: up to --max-len less one token (a prompt is "
                         "prefilled in chunks of --prefill-chunk whatever its length)")
-    p.add_argument("--prefill-chunk", type=int_at_least(1), default=16,
-                   help="prefill chunk size")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="serving dtype of weights and KV cache")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="the KV cache's storage: auto (--dtype) or fp8 (float8 e4m3, no scale: "
-                        "twice the pages in the same memory, half the bytes a decode step "
-                        "reads; attention computes in --dtype), as vLLM's --kv-cache-dtype")
+    p.add_argument("--prefill-chunk", type=int_at_least(1), default=None,
+                   help="prefill chunk size (default: 16 on CPU; on GPU/TPU 512, within 2,048 "
+                        "prompt tokens between two decode steps, as vLLM's and Sarathi-Serve's "
+                        "token budgets; at most the longest prompt)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="serving dtype of weights and KV cache (default: float32 on CPU, "
+                        "bfloat16 on GPU/TPU)")
     p.add_argument("--http-port", type=int_at_least(0), default=None,
                    help="also serve the OpenAI-compatible API (/v1/completions, "
                         "/v1/chat/completions) on this port, 0 for any free one (default: "
@@ -204,3 +202,21 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="run on these CPU cores only ('1', '2-3', '0,4-7'), pinned before JAX "
                         "starts (its CPU thread pools size to them) (default: the cores it was "
                         "started on)")
+
+
+def _pool_arguments(p: argparse.ArgumentParser) -> None:
+    """The KV pool: its pages, their number, their storage."""
+    p.add_argument("--page-size", type=int_at_least(1), default=16,
+                   help="tokens per KV cache page")
+    p.add_argument("--num-pages", type=int_at_least(0), default=0,
+                   help="KV pages in the pool (0: from device memory on GPU/TPU, see "
+                        "--memory-fraction; on CPU enough for every slot at --max-len)")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="GPU/TPU: the weights, the KV pool and the activations within this "
+                        "fraction of each device's memory, the pool taking what is left, as "
+                        "vLLM's --gpu-memory-utilization (default: 0.9 on GPU/TPU unless "
+                        "--num-pages is given; unused on CPU)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the KV cache's storage: auto (--dtype) or fp8 (float8 e4m3, no scale: "
+                        "twice the pages in the same memory, half the bytes a decode step "
+                        "reads; attention computes in --dtype), as vLLM's --kv-cache-dtype")

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from jaxrl.models import ModelConfig, lora
 from serving.runner.constraints import mask_words
-from serving.runner.engine_config import EngineConfig
+from serving.runner.engine_config import MAX_POOLED_SLOTS, EngineConfig
 from serving.runner.paged_kv import choose_attention
 from serving.runner.programs import Programs, programs_for
 from serving.runner.slot_batch import SlotBatch, padded, sampling_rows
@@ -54,13 +54,13 @@ class Engine:
         self.mesh = mesh or shd.make_mesh(shd.MeshConfig(fsdp=1), jax.devices()[:1])
         platform = self.mesh.devices.flat[0].platform
         cfg = dataclasses.replace(cfg, attention=choose_attention(cfg.attention, platform))
-        self.cfg = cfg
         if cfg.record_routes and not model_cfg.num_experts:
             raise ValueError(f"record_routes needs a mixture-of-experts model; "
                              f"model.family={model_cfg.family} has no experts")
         self.num_pages = cfg.num_pages or (
-            self._pages_from_memory() if cfg.memory_fraction else
+            self._pages_from_memory(cfg) if cfg.memory_fraction else
             cfg.max_concurrent_decodes * cfg.pages_per_sequence + 1)
+        self.cfg = cfg = cfg.with_pool(self.num_pages)
         self.spec = Spec(self.model_cfg, cfg, self.mesh, self.num_pages)
         self.programs: Programs = programs_for(self.spec)
         self.graphdef = self.spec.graphdef
@@ -70,21 +70,32 @@ class Engine:
         self.buckets = cfg.buckets
         self._all_allowed_masks: dict[int, jax.Array] = {}    # rows -> all-allowed masks
 
-    def _pages_from_memory(self) -> int:
-        """Pages that fit in `memory_fraction` of the free memory of the most loaded device
-        (the pool is sharded over kv heads where the tensor axis divides them, so a device
-        holds its shard of every page)."""
-        stats = [d.memory_stats() for d in self.mesh.devices.flat]
+    def _pages_from_memory(self, cfg: EngineConfig, stats: list[dict] | None = None) -> int:
+        """Pages that fit beside the weights and the largest call's activations within
+        `memory_fraction` of each device's memory (vLLM's gpu_memory_utilization), on the most
+        loaded device. The weights count once whether they are placed yet or not (the larger
+        of the memory in use and their share); the pool is sharded over kv heads where the
+        tensor axis divides them, so a device holds its shard of every page. `stats`: each
+        device's `memory_stats()` (read from the devices when None)."""
+        stats = stats or [d.memory_stats() for d in self.mesh.devices.flat]
         if any(s is None or "bytes_limit" not in s for s in stats):
-            raise ValueError(f"memory_fraction={self.cfg.memory_fraction}: the "
+            raise ValueError(f"memory_fraction={cfg.memory_fraction}: the "
                              f"{self.mesh.devices.flat[0].platform} backend reports no device "
                              f"memory; set num_pages instead")
-        free = min(s["bytes_limit"] - s["bytes_in_use"] for s in stats)
-        c = self.model_cfg
-        page = (c.num_layers, 1, self.cfg.page_size, 2 * c.num_kv_heads, c.head_dim)
-        one_page = Spec(self.model_cfg, self.cfg, self.mesh, 1).pool_sharding(1)
-        share = math.prod(one_page.shard_shape(page)) * self.cfg.pool_dtype.itemsize
-        return max(int(self.cfg.memory_fraction * free) // share, 2)
+        c, probe = self.model_cfg, Spec(self.model_cfg, cfg, self.mesh, 1)
+        weights = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                      for a in jax.tree.leaves(probe.param_target))
+        room = min(cfg.memory_fraction * s["bytes_limit"] - max(s["bytes_in_use"], weights)
+                   for s in stats) - _activations(c, cfg)
+        page = (c.num_layers, 1, cfg.page_size, 2 * c.num_kv_heads, c.head_dim)
+        share = math.prod(probe.pool_sharding(1).shard_shape(page)) * cfg.pool_dtype.itemsize
+        pages = int(room) // share
+        if pages < cfg.pages_per_sequence + 1:
+            raise ValueError(f"memory_fraction={cfg.memory_fraction} leaves room for {pages} KV "
+                             f"pages beside the weights ({weights / 2**30:.2f} GiB a device); "
+                             f"one sequence of max_len={cfg.max_len} needs "
+                             f"{cfg.pages_per_sequence + 1}")
+        return pages
 
     def compile(self, largest_only: bool = False) -> int:
         """Compiles every program the engine can run, on this thread (serving/runner/programs.py;
@@ -298,6 +309,15 @@ class Decoded:
         if self.one_step:
             out = [a[None] for a in out]
         return tuple(a[:, :n] for a in out)    # host arrays: slicing them compiles nothing
+
+
+def _activations(c: ModelConfig, cfg: EngineConfig) -> int:
+    """Bytes the largest call's activations may take, an upper estimate (vLLM measures a
+    profiling run instead): a prefill grid's hidden states and MLP intermediates in float32,
+    and float32 logits of every slot (or of MAX_POOLED_SLOTS while slots follow the pool)."""
+    grid = 1 << (max(cfg.prefill_budget, cfg.prefill_chunk) - 1).bit_length()
+    rows = max(cfg.max_concurrent_decodes or MAX_POOLED_SLOTS, cfg.max_prefill_rows)
+    return 4 * (grid * (4 * c.embed_dim + 2 * c.mlp_dim) + 2 * rows * c.vocab_size)
 
 
 def _rows(values, rows: int) -> np.ndarray:

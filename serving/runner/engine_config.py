@@ -13,6 +13,16 @@ import jax.numpy as jnp
 from serving.runner.paged_kv import IMPLEMENTATIONS, KV_CACHE_DTYPES, table_width
 from serving.runner.sampling import FEATURES
 
+# An engine on a GPU or TPU, where the user sets none of these (`EngineConfig.for_platform`),
+# is sized as vLLM sizes one: weights and pool within 90% of the device's memory
+# (gpu_memory_utilization), as many slots as the pool holds prompts, up to 256 (max_num_seqs),
+# bfloat16, and prompts prefilled in chunks of up to 512 tokens within 2,048 prompt tokens
+# between two decode dispatches (vLLM's max_num_batched_tokens; one of Sarathi-Serve's token
+# budgets). On CPU the fields' own defaults hold.
+ACCELERATOR_DEFAULTS = {"memory_fraction": 0.9, "max_concurrent_decodes": 0,
+                        "dtype": "bfloat16", "prefill_chunk": 512, "prefill_budget": 2048}
+MAX_POOLED_SLOTS = 256        # max_concurrent_decodes=0: at most this many slots
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -20,7 +30,9 @@ class EngineConfig:
     written: `jaxrl serve`'s flags hold the same (tests/test_cli.py checks), and an RL run's
     `rl.engine` is one of these, its lengths and chunks set from the run's own keys."""
 
-    max_concurrent_decodes: int = 32  # slots in the decode batch
+    # Slots in the decode batch. 0: as many as the pool holds prompts of max_prefill_length,
+    # up to MAX_POOLED_SLOTS (needs memory_fraction: the Engine sizes both from the device).
+    max_concurrent_decodes: int = 32
     # Longest sequence (prompt + generated tokens): the width of a page table, a few integers
     # per slot; no memory is reserved per slot. Set it to the model's context.
     max_len: int = 128
@@ -50,8 +62,9 @@ class EngineConfig:
     # Pages in the pool, the null page included. 0: from memory_fraction if set, else enough
     # for every slot at max_len (no oversubscription).
     num_pages: int = 0
-    # GPU/TPU: size the pool to this fraction of the device memory free once the weights are
-    # loaded (vLLM's gpu_memory_utilization, applied to what is left). 0: unused.
+    # GPU/TPU: the weights, the pool and the largest call's activations within this fraction
+    # of each device's memory (vLLM's gpu_memory_utilization); the pool takes what the others
+    # leave. 0: unused.
     memory_fraction: float = 0.0
     # Attention over the pages (serving/runner/paged_kv.py). reference: gather the table's pages +
     # XLA attention, one program per table width, runs everywhere; loop: decode steps and
@@ -87,10 +100,15 @@ class EngineConfig:
         if self.prefill_chunk < self.min_bucket:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} is below "
                              f"min_bucket={self.min_bucket}")
-        for name in ("prefill_budget", "steps_per_dispatch", "max_concurrent_decodes",
-                     "page_size", "page_buckets"):
+        if self.max_concurrent_decodes == 0 and not self.memory_fraction:
+            raise ValueError("max_concurrent_decodes=0 (as many slots as the pool holds) needs "
+                             "memory_fraction: the pool sized from device memory")
+        for name in ("prefill_budget", "steps_per_dispatch", "page_size", "page_buckets"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_concurrent_decodes < 0:
+            raise ValueError(f"max_concurrent_decodes={self.max_concurrent_decodes} must be "
+                             f">= 0 (0: as many as the pool holds)")
         if self.num_pages < 0:
             raise ValueError(f"num_pages={self.num_pages} must be >= 0 (0: sized for you)")
         if self.num_pages and self.num_pages < self.pages_per_sequence + 1:
@@ -105,6 +123,33 @@ class EngineConfig:
         if self.attention not in ("auto", *IMPLEMENTATIONS):
             raise ValueError(f"attention={self.attention!r} is not one of "
                              f"{('auto', *IMPLEMENTATIONS)}")
+
+    @classmethod
+    def for_platform(cls, platform: str, **given) -> "EngineConfig":
+        """The engine `given` asks for, on `platform` ("cpu", "gpu", "tpu"): a field `given`
+        leaves out takes ACCELERATOR_DEFAULTS' value on a GPU or TPU, its own default on CPU.
+        A pool of `num_pages` given keeps slots at their default; prefill chunks stay within
+        the longest prompt (rounded up to a power of two)."""
+        if platform == "cpu":
+            return cls(**given)
+        auto = dict(ACCELERATOR_DEFAULTS)
+        if given.get("num_pages") or given.get("memory_fraction") == 0:
+            auto.pop("memory_fraction")
+            auto.pop("max_concurrent_decodes")
+        longest = given.get("max_prefill_length", cls.max_prefill_length)
+        min_bucket = given.get("min_bucket", cls.min_bucket)
+        auto["prefill_chunk"] = max(min_bucket, min(auto["prefill_chunk"],
+                                                    1 << max(longest - 1, 1).bit_length()))
+        return cls(**{**auto, **given})
+
+    def with_pool(self, num_pages: int) -> "EngineConfig":
+        """This config once its pool holds `num_pages` pages: slots 0 become as many as hold a
+        prompt of max_prefill_length each (and one token more), up to MAX_POOLED_SLOTS."""
+        if self.max_concurrent_decodes:
+            return self
+        per_prompt = math.ceil((self.max_prefill_length + 1) / self.page_size)
+        slots = max(1, min(MAX_POOLED_SLOTS, (num_pages - 1) // per_prompt))
+        return dataclasses.replace(self, max_concurrent_decodes=slots)
 
     @property
     def pool_dtype(self):

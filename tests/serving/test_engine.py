@@ -211,3 +211,31 @@ def test_longest_first_serves_the_same_tokens(engine, model, params):
         o.generate(ps[0], GREEDY)          # predicted from what the first four taught it
     assert got == greedy_generate(model, ps, 12, eos_id=-1)
     assert o.length_predictor.predict(ps[0]) > 0
+
+
+def test_a_pool_from_device_memory_counts_the_weights_once_and_fills_the_fraction(engine):
+    """memory_fraction as vLLM's gpu_memory_utilization: weights + pool + activations within
+    that share of the device. The weights count once whether they are placed yet or not; what
+    else is in use comes off the pool; one page more would not fit; too little room is refused
+    with the figures."""
+    cfg = dataclasses.replace(ENGINE, memory_fraction=0.5)
+    c = CFG
+    page = c.num_layers * cfg.page_size * 2 * c.num_kv_heads * c.head_dim * 4     # float32
+    weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(engine.param_target))
+    limit = 2**24
+
+    def pages(in_use, limit=limit):
+        return engine._pages_from_memory(cfg, [{"bytes_limit": limit, "bytes_in_use": in_use}])
+
+    before = pages(0)                                      # weights not placed yet
+    assert pages(weights) == before                        # placed: not counted twice
+    assert pages(weights + 10 * page) == before - 10       # anything else comes off the pool
+    assert pages(0, limit + 2 * 7 * page) == before + 7    # half of 14 more pages' bytes: 7
+    logits = 2 * cfg.max_concurrent_decodes * c.vocab_size * 4
+    assert weights + before * page + logits <= 0.5 * limit   # activations kept aside
+    with pytest.raises(ValueError, match=r"memory_fraction=0.5 leaves room for -?\d+ KV pages "
+                                         r"beside the weights .* needs 17"):
+        engine._pages_from_memory(cfg, [{"bytes_limit": 2 * weights, "bytes_in_use": 0}])
+    with pytest.raises(ValueError, match="the cpu backend reports no device memory; set "
+                                         "num_pages instead"):
+        Engine(CFG, cfg)
