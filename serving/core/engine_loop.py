@@ -51,6 +51,7 @@ from serving.core.inbox import Score, Update
 from serving.core.length_predictor import LengthPredictor
 from serving.core.scheduler import Scheduler
 from serving.core.sequence import Prefill, Request, Sequence, stop_reason
+from serving.core.speculation import Speculator
 from serving.core.stream import FINISHED, DoneEvent, TokenEvent
 from serving.runner.constraints import Grammars
 from serving.runner.engine import Decoded, Engine, SlotBatch
@@ -70,11 +71,11 @@ class InFlight:
 class EngineLoop:
     def __init__(self, engine: Engine, params, version: int, scheduler: Scheduler,
                  eos_id: int | None, length_predictor: LengthPredictor | None,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, speculator: Speculator | None = None):
         self.engine, self.scheduler = engine, scheduler
         self.params, self.version = params, version
         self.eos_id, self.length_predictor = eos_id, length_predictor
-        self.grammars = grammars
+        self.grammars, self.speculator = grammars, speculator
         # the inbox
         self.wake, self.stop = threading.Event(), threading.Event()
         self._updates: queue.SimpleQueue[Update] = queue.SimpleQueue()
@@ -154,6 +155,8 @@ class EngineLoop:
         """The thread's body: until `stop`, or an error (which fails every request)."""
         try:
             state = self.engine.init_decode_state()
+            if self.speculator is not None and not self.speculator.costs:
+                state = self.speculator.measure(self.engine, self.params, state)
             while not self.stop.is_set():
                 self.wake.clear()
                 self._apply_updates()
@@ -293,6 +296,8 @@ class EngineLoop:
                 self._finish(seq, "cancelled")
         if self._constrained():
             self._collect()     # a grammar's next mask follows the token before it
+        elif self._speculating():
+            return self._speculate(state)
         k = engine.cfg.steps_per_dispatch
         groups = sched.plan_decode(k, engine.cfg, partial(engine.programs.rows_now, "decode"))
         if not groups:
@@ -308,6 +313,40 @@ class EngineLoop:
         self._collect()
         self._inflight = InFlight(batches, k, self.version, held)
         return state, True
+
+    def _speculating(self) -> bool:
+        """Whether this dispatch verifies drafts (serving/core/speculation.py's load rule)."""
+        spec = self.speculator
+        return spec is not None and bool(self.scheduler.running) and spec.wanted(
+            len(self.scheduler.running), partial(self.engine.programs.rows_now, "verify"))
+
+    def _speculate(self, state):
+        """One verify step for every running sequence (serving/runner/speculate.py): drafts
+        continue the tokens read back, so nothing is left in flight before or after it; each
+        row keeps from 1 to K+1 tokens, and the pages past what it keeps go back to the pool."""
+        engine, sched, spec = self.engine, self.scheduler, self.speculator
+        self._collect()
+        k, pushed = engine.cfg.speculative_tokens, 0
+        groups = sched.plan_decode(k + 1, engine.cfg, partial(engine.programs.rows_now, "verify"))
+        for owners in groups:
+            drafts = [spec.draft(seq, engine.cfg.max_len) for _, seq in owners]
+            width = engine.cfg.table_width(max(s.cached for _, s in owners) + k + 1)
+            state, tokens, logprobs = engine.verify(
+                self.params, state, sched.table([s.pages for _, s in owners], width),
+                [slot for slot, _ in owners], drafts)
+            for (_, seq), draft, kept, kept_logprobs in zip(owners, drafts, tokens, logprobs):
+                if draft:
+                    spec.record(len(draft), len(kept))
+                for token, logprob in zip(kept, kept_logprobs):
+                    if seq.finished:
+                        break
+                    pushed += self._push(seq, token, logprob, self.version)
+                if not seq.finished:
+                    sched.trim(seq)
+        rows = sum(map(len, groups))
+        self._count(steps=len(groups), busy_slot_steps=rows, verify_steps=len(groups),
+                    tokens=pushed)
+        return state, bool(groups)
 
     def _constrained(self) -> bool:
         return self.grammars is not None and any(
@@ -360,6 +399,8 @@ class EngineLoop:
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(version)
+        if self.speculator is not None:
+            self.speculator.drafter.observe(seq, token)
         req.stream.put(TokenEvent(seq.index, token, logprob, version))
         reason = self.stop_reason(seq)
         if seq.matcher is not None and reason is None and (

@@ -32,6 +32,8 @@ from serving.core.requests import (
 )
 from serving.core.scheduler import Scheduler, decode_groups
 from serving.core.sequence import Request
+from serving.core.drafts import make_drafter
+from serving.core.speculation import Speculator
 from serving.core.stream import DoneEvent, RequestStream, Sample, TokenEvent
 from serving.runner.constraints import Grammars
 from serving.runner.engine import Engine
@@ -53,7 +55,7 @@ class UpdateResult:
 class Orchestrator:
     def __init__(self, engine: Engine, params, *, version: int = 0, eos_id: int | None = None,
                  max_queued: int = 1024, longest_first: bool = False,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, speculator: Speculator | None = None):
         """Serves `engine` with the weights `params` (any placement: they are checked and
         placed on the engine's mesh here), numbered `version`; it owns them from now on and
         `update_params` replaces them.
@@ -61,7 +63,9 @@ class Orchestrator:
         (StreamRL), by the caller's `predicted_len` or else a LengthPredictor that learns from
         every finished request; otherwise first come, first served.
         `grammars`: matchers for the model's tokenizer (serving/runner/constraints.py), for requests
-        whose sampling has a grammar; without them such a request is refused."""
+        whose sampling has a grammar; without them such a request is refused.
+        `speculator`: how the tail is decoded speculatively (serving/core/speculation.py); by
+        default the drafter `engine.cfg.speculative` names, under the measured load rule."""
         self.engine = engine
         self.eos_id = eos_id
         self.vocab_size = engine.model_cfg.vocab_size
@@ -74,8 +78,12 @@ class Orchestrator:
                                    longest_first=longest_first)
         self.length_predictor = LengthPredictor() if longest_first else None
         self.grammars = grammars
+        drafter = make_drafter(e.speculative)
+        if speculator is None and drafter is not None:
+            speculator = Speculator(drafter, e.speculative_tokens)
+        self.speculator = speculator
         self._loop = EngineLoop(engine, engine.prepare_params(params), version, self.scheduler,
-                                eos_id, self.length_predictor, grammars)
+                                eos_id, self.length_predictor, grammars, speculator)
         self._max_queued = max_queued
         self._update_lock = threading.Lock()     # one update checked and queued at a time
         self._accepted_version = version         # the newest version queued or served
@@ -341,4 +349,6 @@ class Orchestrator:
                 "update_pause_ms_mean": 1e3 * sum(pauses) / len(pauses),
                 "programs": self.engine.programs.compiled,
                 "process_compiles": process_compiles(),
-                "late_compiles": self.engine.programs.late_compiles}
+                "late_compiles": self.engine.programs.late_compiles,
+                "spec_decode_verify_steps": s["verify_steps"],
+                **(self.speculator.stats() if self.speculator is not None else {})}

@@ -243,6 +243,14 @@ class Scheduler:
                 seq.pages += self.pool.allocate(need)
         return preempted
 
+    def trim(self, seq: Sequence) -> None:
+        """Gives back the pages past those `seq`'s cached tokens and its next one need (a
+        verify step reserved pages for a draft it did not keep)."""
+        keep = self.pool.pages_for(min(seq.cached + 1, self.max_len))
+        if len(seq.pages) > keep:
+            self.pool.release(seq.pages[keep:])
+            del seq.pages[keep:]
+
     def preempt(self, seq: Sequence) -> None:
         self._release(seq)
         self.preemptions += 1

@@ -24,7 +24,9 @@ from serving.runner.sampling import SamplingParams
 _SUMMED = ("steps", "busy_slot_steps", "generated_tokens", "requests_done", "prefill_chunks",
            "prefill_tokens", "queued", "slots", "pages_total", "pages_free", "held_tokens",
            "preemptions", "carried_tokens", "updates", "sessions_kept", "session_evictions",
-           "prefix_reused_tokens")
+           "prefix_reused_tokens", "spec_decode_verify_steps")
+_SPECULATION = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                "spec_decode_num_accepted_tokens")
 _MAX_HOMES = 1 << 16     # sessions whose replica is remembered (the least recent forgotten)
 
 
@@ -112,6 +114,11 @@ class Replicas:
         steps = max(sum(m["steps"] * m["slots"] for m in each), 1)
         out["slots_busy_fraction"] = out["busy_slot_steps"] / steps
         out["held_tokens_mean"] = out["held_tokens"] / max(out["busy_slot_steps"], 1)
+        if _SPECULATION[0] in out:
+            for key in _SPECULATION:
+                out[key] = sum(m[key] for m in each)
+            out["spec_decode_mean_acceptance_length"] = 1 + out[_SPECULATION[2]] / max(
+                out[_SPECULATION[0]], 1)
         out["update_pause_ms_max"] = max(m["update_pause_ms_max"] for m in each)
         out["replicas"] = len(each)
         out["replica_requests_done"] = [m["requests_done"] for m in each]

@@ -17,7 +17,8 @@ COUNTERS = frozenset({
     "steps", "busy_slot_steps", "generated_tokens", "requests_done", "prefill_chunks",
     "prefill_tokens", "held_tokens", "preemptions", "session_evictions", "prefix_reused_tokens",
     "carried_tokens", "updates", "pause_leases_expired", "held_iterations", "process_compiles",
-    "late_compiles"})
+    "late_compiles", "spec_decode_verify_steps", "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"})
 
 
 def exposition(metrics: dict, prefix: str = "jaxrl_") -> str:

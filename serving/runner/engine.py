@@ -264,17 +264,10 @@ class Engine:
         when S <= 8), padded with rows of other slots that read and write only the null page and
         whose state is left as it was (another batch of the same step may be decoding them). A
         long tail with few busy slots then costs those rows, not every slot."""
-        s = self.cfg.max_concurrent_decodes
-        slots = list(range(s)) if slots is None else list(slots)
-        table = np.asarray(table_SW, np.int32)
-        rows = self.programs.row_bucket("decode", len(slots))
-        width = self.cfg.table_width(table.shape[1] * self.cfg.page_size)
-        taken = set(slots)
-        idle = [i for i in range(s) if i not in taken]
-        padded = np.asarray(slots + idle[: rows - len(slots)], np.int32)
-        grid = np.zeros((rows, width), np.int32)
-        grid[: len(slots), : table.shape[1]] = table[:, :width]
-        real = np.arange(rows) < len(slots)
+        slots = list(range(self.cfg.max_concurrent_decodes)) if slots is None else list(slots)
+        rows, padded, grid, real = self._gathered("decode", slots, table_SW,
+                                                  self.cfg.table_width)
+        width = grid.shape[1]
         if allowed is not None and steps != 1:
             raise ValueError(f"token masks apply to one decode step at a time, not {steps}")
         if steps == 1:
@@ -286,6 +279,46 @@ class Engine:
             state, tokens, logprobs, *routes = self.programs(
                 "decode_steps", (rows, width, steps), params, state, grid, padded, real)
         return state, Decoded(tokens, logprobs, routes, len(slots), one_step=steps == 1)
+
+    def verify(self, params, state: DecodeState, table_RW, slots, drafts
+               ) -> tuple[DecodeState, list[list[int]], list[list[float]]]:
+        """One speculative step for `slots` (R of them, table_RW [R, W] in the same order, its
+        pages holding each row's next len(draft) + 1 positions): each feeds its last token and
+        its draft (`drafts`, R lists of at most speculative_tokens tokens) and keeps the tokens
+        the rejection rule keeps (serving/runner/speculate.py). Returns (state, each row's
+        kept tokens, their log-probs), read back: from 1 to len(draft) + 1 tokens a row."""
+        k = self.cfg.speculative_tokens
+        if self.cfg.speculative == "off":
+            raise ValueError("verify needs speculative decoding (EngineConfig.speculative)")
+        if any(len(d) > k for d in drafts):
+            raise ValueError(f"drafts of {max(map(len, drafts))} tokens: at most "
+                             f"speculative_tokens={k}")
+        rows, padded, grid, real = self._gathered("verify", list(slots), table_RW,
+                                                  self.cfg.table_width)
+        proposed = np.full((rows, k), -1, np.int32)
+        for i, d in enumerate(drafts):
+            proposed[i, : len(d)] = d
+        state, tokens, logprobs, emitted = self.programs(
+            "verify", (rows, grid.shape[1], k), params, state, grid, padded, proposed, real)
+        tokens, logprobs, emitted = (np.asarray(a) for a in (tokens, logprobs, emitted))
+        n = len(drafts)
+        return (state, [tokens[i, : emitted[i]].tolist() for i in range(n)],
+                [logprobs[i, : emitted[i]].tolist() for i in range(n)])
+
+    def _gathered(self, family: str, slots: list[int], table, width_of):
+        """A batch of `slots` as the decode programs take it: (rows, the slots padded with
+        idle ones to the row bucket, the page table padded to its width, which rows are
+        real)."""
+        s = self.cfg.max_concurrent_decodes
+        table = np.asarray(table, np.int32)
+        rows = self.programs.row_bucket(family, len(slots))
+        width = width_of(table.shape[1] * self.cfg.page_size)
+        taken = set(slots)
+        idle = [i for i in range(s) if i not in taken]
+        padded = np.asarray(slots + idle[: rows - len(slots)], np.int32)
+        grid = np.zeros((rows, width), np.int32)
+        grid[: len(slots), : table.shape[1]] = table[:, :width]
+        return rows, padded, grid, np.arange(rows) < len(slots)
 
 
 @dataclasses.dataclass

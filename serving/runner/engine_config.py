@@ -22,6 +22,9 @@ from serving.runner.sampling import FEATURES
 ACCELERATOR_DEFAULTS = {"memory_fraction": 0.9, "max_concurrent_decodes": 0,
                         "dtype": "bfloat16", "prefill_chunk": 512, "prefill_budget": 2048}
 MAX_POOLED_SLOTS = 256        # max_concurrent_decodes=0: at most this many slots
+# Speculative decoding's drafters (serving/core/drafts.py): "off", drafts from the prompt's
+# group and earlier rollouts ("suffix"), or from the sequence itself ("ngram").
+SPECULATIVE = ("off", "suffix", "ngram")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +92,11 @@ class EngineConfig:
     # request that needs more is refused. An RL run's engine compiles only what its own
     # sampling uses; a server, everything.
     sampling_features: tuple[str, ...] = FEATURES
+    # Speculative decoding (serving/runner/speculate.py): in the tail, rows verify drafts of up
+    # to `speculative_tokens` tokens proposed by a drafter without a model (SPECULATIVE),
+    # several tokens a step, the sampled distribution exactly the engine's own.
+    speculative: str = "off"
+    speculative_tokens: int = 4
 
     def __post_init__(self):
         unknown = [f for f in self.sampling_features if f not in FEATURES]
@@ -100,6 +108,13 @@ class EngineConfig:
         if self.prefill_chunk < self.min_bucket:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} is below "
                              f"min_bucket={self.min_bucket}")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative={self.speculative!r} is not one of {SPECULATIVE}")
+        if self.speculative != "off" and not 1 <= self.speculative_tokens <= 16:
+            raise ValueError(f"speculative_tokens={self.speculative_tokens} must be in [1, 16]")
+        if self.speculative != "off" and self.record_routes:
+            raise ValueError("speculative decoding does not record routes (record_routes): "
+                             "a verify step's routing is not sent back")
         if self.max_concurrent_decodes == 0 and not self.memory_fraction:
             raise ValueError("max_concurrent_decodes=0 (as many slots as the pool holds) needs "
                              "memory_fraction: the pool sized from device memory")
@@ -229,6 +244,14 @@ class EngineConfig:
     @functools.cached_property
     def decode_widths(self) -> tuple[int, ...]:
         ends = range(1, self.max_len + self.steps_per_dispatch + 1)
+        return tuple(sorted({self.table_width(t) for t in ends}))
+
+    @functools.cached_property
+    def verify_widths(self) -> tuple[int, ...]:
+        """Widths of a verify call: its rows' next speculative_tokens + 1 positions."""
+        if self.speculative == "off":
+            return ()
+        ends = range(1, self.max_len + self.speculative_tokens + 1)
         return tuple(sorted({self.table_width(t) for t in ends}))
 
     @functools.cached_property

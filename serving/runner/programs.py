@@ -41,7 +41,8 @@ import jax.numpy as jnp
 
 from jaxrl import executables
 from serving.runner.constraints import mask_words
-from serving.runner.steps import HISTORY_CHUNK, PER_SLOT, PROGRAMS, ROW_TYPES, SAMPLING, Spec
+from serving.runner import speculate, steps
+from serving.runner.steps import HISTORY_CHUNK, PER_SLOT, ROW_TYPES, SAMPLING, Spec
 from sharding import mesh as shd
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,9 @@ def process_compiles() -> int:
 # the family each chooses it with: a decode batch's logits go to `advance` at its row count;
 # the others choose theirs alone.
 FAMILY = {"sample_first": "sample_first", "insert": "insert", "copy_pages": "copy_pages",
-          "decode": "decode", "advance": "decode", "decode_steps": "decode"}
+          "decode": "decode", "advance": "decode", "decode_steps": "decode",
+          "verify": "verify"}
+PROGRAMS = steps.PROGRAMS | speculate.PROGRAMS
 ROWS_FIRST = tuple(FAMILY)
 
 
@@ -118,6 +121,7 @@ class Programs:
                 out += [("decode", (r, w)) for w in cfg.decode_widths] + [("advance", (r,))]
             else:
                 out += [("decode_steps", (r, w, k)) for w in cfg.decode_widths]
+            out += [("verify", (r, w, cfg.speculative_tokens)) for w in cfg.verify_widths]
         return out + [("score", (b,)) for b in cfg.score_buckets]
 
     def _rung(self, shape: tuple) -> tuple[str, int] | None:
@@ -174,6 +178,9 @@ class Programs:
         if name == "decode_steps":
             r, w, k = key
             return (params, state, arr(r, w), arr(r), arr(r, dtype=jnp.bool_), k)
+        if name == "verify":
+            r, w, k = key
+            return (params, state, arr(r, w), arr(r), arr(r, k), arr(r, dtype=jnp.bool_))
         raise KeyError(name)
 
     def lower(self, name: str, key: tuple):

@@ -104,18 +104,20 @@ class Draws(NamedTuple):
     keys_S: jax.Array
 
 
-def sample(logits_SV, draws: Draws, banned_S=None, allowed_SW=None, adjust=None,
-           top_k_top_p: bool = True):
-    """(tokens [S], log-probs [S]), each slot's drawn as `draws` says. The log-prob is under
-    softmax(logits / temperature) before the top-k/top-p cut, the ban and the mask (temperature 1
-    for greedy slots): the distribution the trainer recomputes. `banned_S`: a token id each slot may
-    not draw (min_tokens' EOS), -1 for none. `allowed_SW`: each slot's token bitmask (bit t of word
-    t // 32: token t may be drawn; serving/runner/constraints.py), all bits set for a slot without a
-    grammar. `adjust`: a function of the logits [S, V] that changes them before the draw but
-    not in the log-probs (`with_bias`, `with_penalties`). The sort that top-k/top-p need, and
-    the random draw, are skipped when no slot needs them (XLA's CPU sort costs more than a
-    small model's whole decode step); `top_k_top_p=False` leaves them out of the program."""
-    temperature_S, top_k_S, top_p_S, keys_S = draws
+class Target(NamedTuple):
+    """What each row's next token is drawn from: `cut_SV`, its logits scaled by temperature
+    after the adjustments, the ban, the mask and the top-k/top-p cut (a draw is softmax(cut));
+    `argmax_S` for greedy rows (`greedy_S`); `logp_SV` the log-probs a drawn token reports."""
+
+    cut_SV: jax.Array
+    argmax_S: jax.Array
+    greedy_S: jax.Array
+    logp_SV: jax.Array
+
+
+def target(logits_SV, temperature_S, top_k_S, top_p_S, banned_S=None, allowed_SW=None,
+           adjust=None, top_k_top_p: bool = True) -> Target:
+    """Each row's next-token distribution as `sample` draws from it (its arguments there)."""
     logits_SV = logits_SV.astype(jnp.float32)
     greedy_S = temperature_S <= 0
     temperature_S1 = jnp.where(greedy_S, 1.0, temperature_S)[:, None]
@@ -135,17 +137,31 @@ def sample(logits_SV, draws: Draws, banned_S=None, allowed_SW=None, adjust=None,
         logits_SV = jnp.where(keep_SV, logits_SV, -jnp.inf)
         scaled_SV = jnp.where(keep_SV, scaled_SV, -jnp.inf)
     argmax_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+    if top_k_top_p:
+        cut = (top_k_S > 0) | (top_p_S < 1)
+        scaled_SV = jax.lax.cond(jnp.any(cut & ~greedy_S), top_k_top_p_cut, lambda z, *_: z,
+                                 scaled_SV, top_k_S, top_p_S)
+    return Target(scaled_SV, argmax_S, greedy_S, logp_SV)
 
-    def draw(_):
-        cut_SV = scaled_SV
-        if top_k_top_p:
-            cut = (top_k_S > 0) | (top_p_S < 1)
-            cut_SV = jax.lax.cond(jnp.any(cut & ~greedy_S), _top_k_top_p, lambda z, *_: z,
-                                  scaled_SV, top_k_S, top_p_S)
-        return jnp.where(greedy_S, argmax_S, _inverse_cdf(keys_S, cut_SV))
 
-    tokens_S = jax.lax.cond(jnp.all(greedy_S), lambda _: argmax_S, draw, None)
-    return tokens_S, jnp.take_along_axis(logp_SV, tokens_S[:, None], axis=-1)[:, 0]
+def sample(logits_SV, draws: Draws, banned_S=None, allowed_SW=None, adjust=None,
+           top_k_top_p: bool = True):
+    """(tokens [S], log-probs [S]), each slot's drawn as `draws` says. The log-prob is under
+    softmax(logits / temperature) before the top-k/top-p cut, the ban and the mask (temperature 1
+    for greedy slots): the distribution the trainer recomputes. `banned_S`: a token id each slot may
+    not draw (min_tokens' EOS), -1 for none. `allowed_SW`: each slot's token bitmask (bit t of word
+    t // 32: token t may be drawn; serving/runner/constraints.py), all bits set for a slot without a
+    grammar. `adjust`: a function of the logits [S, V] that changes them before the draw but
+    not in the log-probs (`with_bias`, `with_penalties`). The sort that top-k/top-p need, and
+    the random draw, are skipped when no slot needs them (XLA's CPU sort costs more than a
+    small model's whole decode step); `top_k_top_p=False` leaves them out of the program."""
+    temperature_S, top_k_S, top_p_S, keys_S = draws
+    t = target(logits_SV, temperature_S, top_k_S, top_p_S, banned_S, allowed_SW, adjust,
+               top_k_top_p)
+    tokens_S = jax.lax.cond(
+        jnp.all(t.greedy_S), lambda _: t.argmax_S,
+        lambda _: jnp.where(t.greedy_S, t.argmax_S, inverse_cdf(keys_S, t.cut_SV)), None)
+    return tokens_S, jnp.take_along_axis(t.logp_SV, tokens_S[:, None], axis=-1)[:, 0]
 
 
 def with_bias(logits_SV, ids_SB, values_SB):
@@ -173,7 +189,7 @@ def with_penalties(logits_SV, presence_S, frequency_S, seen):
                         lambda z: z, logits_SV)
 
 
-def _inverse_cdf(keys_S, logits_SV):
+def inverse_cdf(keys_S, logits_SV):
     """One draw per row from softmax(logits) by inverting its cumulative sum with one uniform
     number per row: the first token whose cumulative probability exceeds u times the total.
     jax.random.categorical draws a Gumbel number per vocabulary entry instead, which at 128
@@ -185,7 +201,7 @@ def _inverse_cdf(keys_S, logits_SV):
     return jnp.minimum(index_S, logits_SV.shape[-1] - 1).astype(jnp.int32)
 
 
-def _top_k_top_p(scaled_SV, top_k_S, top_p_S):
+def top_k_top_p_cut(scaled_SV, top_k_S, top_p_S):
     """Logits outside each slot's top-k, then outside its top-p nucleus of what top-k kept
     (Hugging Face's order), set to -inf."""
     v = scaled_SV.shape[-1]

@@ -1,0 +1,158 @@
+"""Drafts for speculative decoding without a second model: what a sequence is likely to write
+next, read from text the host already holds.
+
+An RL group writes the same problem many times, and a run writes it again every epoch: the
+samples of a prompt repeat each other's phrasings, equations and numbers, and the long tail of
+a group (the few samples still running) can copy much of what its siblings wrote (Seer's
+grouped speculation, DAS's per-prompt suffix trees). `SuffixDrafter` keeps one `SuffixIndex`
+per prompt over the prompt, every sample of it as it is written, and the same prompt's earlier
+rollouts, within a memory bound (the least recently drafted prompts forgotten first).
+`NgramDrafter` is prompt-lookup decoding: the sequence's own prompt and tokens only.
+
+A draft is a proposal, never a sample: the engine verifies it against the target model and
+keeps the sampled distribution exactly (serving/runner/speculate.py), so a bad draft costs
+time, not correctness. A model drafter (a small draft model, an MTP head) implements the
+same `Drafter` interface.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Protocol
+
+from serving.core.sequence import Sequence
+
+
+class Drafter(Protocol):
+    """Proposes up to `k` next tokens of a running sequence; told each token it writes."""
+
+    def draft(self, seq: Sequence, k: int) -> list[int]: ...
+
+    def observe(self, seq: Sequence, token: int) -> None: ...
+
+    def finished(self, seq: Sequence) -> None: ...
+
+
+class SuffixIndex:
+    """Every context of up to `depth` tokens in a set of texts, with how often each next token
+    followed it: a suffix tree cut at `depth` (SuffixDecoding's, as a table). `add` appends a
+    token to one text; `propose` walks from the longest context matching a sequence's end,
+    taking the most frequent continuation, as long as it holds at least `min_share` of what
+    followed its context and matched at least `min_match` tokens."""
+
+    def __init__(self, depth: int = 8):
+        self.depth = depth
+        self.next: dict[tuple[int, ...], collections.Counter] = {}
+        self.entries = 0
+
+    def add_text(self, tokens: list[int]) -> None:
+        for i in range(1, len(tokens)):
+            self.add(tokens[max(0, i - self.depth):i], tokens[i])
+
+    def add(self, before: list[int], token: int) -> None:
+        """`token` followed `before` (a text's last tokens) once more."""
+        for m in range(1, min(self.depth, len(before)) + 1):
+            counts = self.next.get(ctx := tuple(before[-m:]))
+            if counts is None:
+                counts = self.next[ctx] = collections.Counter()
+            if token not in counts:
+                self.entries += 1
+            counts[token] += 1
+
+    def propose(self, text: list[int], k: int, min_match: int = 1,
+                min_share: float = 0.3) -> list[int]:
+        out: list[int] = []
+        tail = list(text[-self.depth:])
+        while len(out) < k:
+            for m in range(min(self.depth, len(tail)), min_match - 1, -1):
+                counts = self.next.get(tuple(tail[-m:]))
+                if counts:
+                    break
+            else:
+                return out
+            token, seen = counts.most_common(1)[0]
+            if seen < min_share * sum(counts.values()):
+                return out
+            out.append(token)
+            tail = (tail + [token])[-self.depth:]
+        return out
+
+
+class SuffixDrafter:
+    """Drafts from the index of the sequence's prompt: the prompt, its siblings as they are
+    written, its earlier rollouts. At most `max_entries` (context, token) entries over every
+    prompt's index; past that the least recently drafted prompts are forgotten."""
+
+    def __init__(self, depth: int = 8, max_entries: int = 2_000_000, min_match: int = 2):
+        self.depth, self.max_entries, self.min_match = depth, max_entries, min_match
+        self.indexes: collections.OrderedDict[tuple[int, ...], SuffixIndex] = \
+            collections.OrderedDict()
+        self.entries = 0
+
+    def _index(self, prompt: list[int]) -> SuffixIndex:
+        key = tuple(prompt)
+        index = self.indexes.get(key)
+        if index is None:
+            index = self.indexes[key] = SuffixIndex(self.depth)
+            index.add_text(prompt)
+            self.entries += index.entries
+            self._bound()
+        self.indexes.move_to_end(key)
+        return index
+
+    def _bound(self) -> None:
+        while self.entries > self.max_entries and len(self.indexes) > 1:
+            _, old = self.indexes.popitem(last=False)
+            self.entries -= old.entries
+
+    def draft(self, seq: Sequence, k: int) -> list[int]:
+        prompt = seq.request.prompt
+        return self._index(prompt).propose(prompt + seq.tokens, k, self.min_match)
+
+    def observe(self, seq: Sequence, token: int) -> None:
+        """`seq` wrote `token` (already appended to seq.tokens)."""
+        prompt = seq.request.prompt
+        index = self._index(prompt)
+        before = index.entries
+        index.add((prompt + seq.tokens[:-1])[-self.depth:], token)
+        self.entries += index.entries - before
+        self._bound()
+
+    def finished(self, seq: Sequence) -> None:
+        """Nothing to do: its tokens stay in its prompt's index for its siblings and for the
+        prompt's next rollouts."""
+
+
+class NgramDrafter:
+    """Prompt-lookup decoding: the sequence's own prompt and tokens, the latest occurrence of
+    its last `n` tokens (n from `max_n` down to `min_n`) and what followed it."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 2):
+        self.max_n, self.min_n = max_n, min_n
+
+    def draft(self, seq: Sequence, k: int) -> list[int]:
+        text = seq.request.prompt + seq.tokens
+        for n in range(min(self.max_n, len(text) - 1), self.min_n - 1, -1):
+            tail = text[-n:]
+            for start in range(len(text) - n - 1, -1, -1):
+                if text[start:start + n] == tail:
+                    return text[start + n:start + n + k]
+        return []
+
+    def observe(self, seq: Sequence, token: int) -> None:
+        pass
+
+    def finished(self, seq: Sequence) -> None:
+        pass
+
+
+DRAFTERS = {"suffix": SuffixDrafter, "ngram": NgramDrafter}
+
+
+def make_drafter(kind: str) -> Drafter | None:
+    """The drafter `kind` names ("suffix", "ngram"), or None for "off"."""
+    if kind == "off":
+        return None
+    if kind not in DRAFTERS:
+        raise ValueError(f"speculative={kind!r} is not one of {('off', *DRAFTERS)}")
+    return DRAFTERS[kind]()

@@ -1,0 +1,111 @@
+"""When the engine loop speculates, and what it proposes: the drafter (serving/core/drafts.py)
+and the load rule.
+
+A verify step of R rows feeds K+1 tokens a row where a decode step feeds one; it pays when the
+tokens it keeps a row (1 + the accepted draft tokens) outweigh its cost over a decode step's.
+In a full batch a step is bound by compute and a wider one costs about K+1 times as much: no
+drafting. In the tail a step's cost is fixed per step (reading the weights on an accelerator,
+dispatch and host work here) and a wider one costs little more: draft (FastGRPO's
+concurrency-aware rule). The costs are the engine's own, measured once at start-up (`measure`:
+its compiled decode and verify programs timed on this device, per row count), and the gain is
+the acceptance measured so far (`tokens_per_row`, from an optimistic prior):
+
+    speculate with R rows  <=>  tokens_per_row * t_decode(R) > t_verify(R)
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from serving.core.drafts import Drafter
+from serving.core.sequence import Sequence
+
+
+class Speculator:
+    """The drafter, the load rule and what speculation has done (`stats`)."""
+
+    def __init__(self, drafter: Drafter, tokens: int, costs: dict[int, tuple[float, float]]
+                 | None = None, always: bool = False):
+        """`tokens`: the most draft tokens a row verifies (EngineConfig.speculative_tokens).
+        `costs`: {rows: (decode step s, verify step s)} (`measure` fills it); `always`:
+        speculate at any load (tests of exactness)."""
+        self.drafter, self.k, self.always = drafter, tokens, always
+        self.costs = dict(costs or {})
+        self.drafted = self.accepted = self.verified_rows = 0
+        self._prior = (1.0 + tokens / 2, 4)     # (tokens a row, weight in rows) before any data
+
+    @property
+    def tokens_per_row(self) -> float:
+        """Tokens a speculating row has kept per verify step (the prior blended in)."""
+        mean, weight = self._prior
+        return (mean * weight + self.verified_rows + self.accepted) / (weight + self.verified_rows)
+
+    def wanted(self, rows: int, bucket) -> bool:
+        """Whether `rows` running rows (`bucket(rows)` in their batch) should verify drafts."""
+        if self.always:
+            return True
+        cost = self.costs.get(bucket(rows))
+        return cost is not None and self.tokens_per_row * cost[0] > cost[1]
+
+    def draft(self, seq: Sequence, max_len: int) -> list[int]:
+        """Up to K next tokens for `seq`, no more than its max_tokens and max_len leave room
+        for (a verify step keeps one token beyond its draft)."""
+        s = seq.request.sampling
+        room = min(self.k, s.max_tokens - len(seq.tokens) - 1, max_len - seq.total_len() - 1)
+        return self.drafter.draft(seq, room)[:room] if room > 0 else []
+
+    def record(self, drafted: int, kept: int) -> None:
+        """A row verified `drafted` tokens and kept `kept` (accepted ones and the one after)."""
+        self.verified_rows += 1
+        self.drafted += drafted
+        self.accepted += kept - 1
+
+    def stats(self) -> dict:
+        """vLLM's speculative-decoding counters: drafts (rows that verified a draft), draft
+        tokens, accepted tokens, and the mean acceptance length (tokens a verify step keeps a
+        row)."""
+        return {"spec_decode_num_drafts": self.verified_rows,
+                "spec_decode_num_draft_tokens": self.drafted,
+                "spec_decode_num_accepted_tokens": self.accepted,
+                "spec_decode_mean_acceptance_length":
+                    1 + self.accepted / max(self.verified_rows, 1)}
+
+    def measure(self, engine, params, state, repeats: int = 3):
+        """Times the engine's decode step and its verify step at each row count, on an idle
+        state (padding rows only: every page read and written is the null page, no slot's
+        state changes), the median of `repeats`; fills `costs` and returns the state."""
+        cfg = engine.cfg
+        width = cfg.table_width(cfg.page_size)
+        for rows in cfg.row_sizes:
+            times = []
+            for name in ("decode", "verify"):
+                runs = []
+                for _ in range(repeats + 1):       # the first run warms caches
+                    t0 = time.perf_counter()
+                    state = _idle_call(engine, name, rows, width, params, state)
+                    runs.append(time.perf_counter() - t0)
+                per = cfg.steps_per_dispatch if name == "decode" else 1
+                times.append(float(np.median(runs[1:])) / per)
+            self.costs[rows] = (times[0], times[1])
+        return state
+
+
+def _idle_call(engine, name: str, rows: int, width: int, params, state):
+    """One call of program `name` with `rows` padding rows, waited for."""
+    slots = np.arange(rows, dtype=np.int32)
+    table = np.zeros((rows, width), np.int32)
+    real = np.zeros((rows,), bool)
+    k = engine.cfg.steps_per_dispatch
+    if name == "decode" and k == 1:
+        state, out = engine.programs("decode", (rows, width), params, state, table, slots)
+    elif name == "decode":      # multi-step dispatch: its steps, each a k-th of the call
+        state, *out = engine.programs("decode_steps", (rows, width, k), params, state, table,
+                                      slots, real)
+    else:
+        drafts = np.zeros((rows, engine.cfg.speculative_tokens), np.int32)
+        state, *out = engine.programs("verify", (rows, width, engine.cfg.speculative_tokens),
+                                      params, state, table, slots, drafts, real)
+    np.asarray(out[0] if isinstance(out, list) else out)
+    return state

@@ -1,0 +1,268 @@
+"""Speculative decoding against references that share none of its machinery: the model's own
+sequence probabilities by full forwards (a chi-square test over thousands of samples), greedy
+decoding by full recompute, and drafts checked against the texts they come from."""
+
+import collections
+import dataclasses
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from jaxrl.models import ModelConfig, Transformer, merge_params, split_params
+from jaxrl.models.generate import greedy_generate
+from serving.core.drafts import DRAFTERS, NgramDrafter, SuffixDrafter, SuffixIndex
+from serving.core.orchestrator import Orchestrator
+from serving.core.sequence import Request, Sequence
+from serving.core.speculation import Speculator
+from serving.core.stream import RequestStream
+from serving.frontends.prometheus import exposition
+from serving.runner.engine import Engine
+from serving.runner.engine_config import SPECULATIVE
+from serving.runner.sampling import SamplingParams
+from tests.serving.common import CFG, ENGINE, prompts
+
+K = 4
+SPEC = dataclasses.replace(ENGINE, speculative="suffix", speculative_tokens=K)
+
+
+def _seq(prompt, tokens=(), index=0):
+    seq = Sequence(Request(list(prompt), SamplingParams(max_tokens=64), RequestStream(0, 1)),
+                   index)
+    seq.tokens = list(tokens)
+    return seq
+
+
+# -- drafts ----------------------------------------------------------------------------------------
+def test_a_suffix_index_proposes_what_most_often_followed_the_longest_match():
+    index = SuffixIndex(depth=4)
+    for text in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [9, 3, 4, 7, 8]):
+        index.add_text(text)
+    assert index.propose([0, 2, 3, 4], 3) == [5]      # "2 3 4" -> 5 (the longest match wins)
+    assert index.propose([0, 9, 3, 4], 3) == [7, 8]   # "9 3 4" -> 7 8, then nothing follows
+    assert index.propose([3, 4], 3) == [5]            # "3 4": 5 twice, 7 once
+    assert index.propose([6], 3) == []                # never seen
+    assert index.propose([0, 3, 4], 3, min_match=3) == []
+
+
+def test_the_suffix_drafter_drafts_from_siblings_and_earlier_rollouts_within_its_bound():
+    drafter = SuffixDrafter(depth=6, max_entries=200)
+    prompt = [7, 7, 1]
+    sibling, tail = _seq(prompt, index=0), _seq(prompt, index=1)
+    for token in [2, 3, 4, 5, 6, 8]:                  # a sibling writes its answer
+        sibling.tokens.append(token)
+        drafter.observe(sibling, token)
+    tail.tokens = [2, 3]
+    assert drafter.draft(tail, 3) == [4, 5, 6]
+    # the same prompt in a later step: its earlier rollouts still draft
+    later = _seq(prompt, [9, 2, 3], index=0)
+    assert drafter.draft(later, 2) == [4, 5]
+    # other prompts fill the bound: the least recently drafted is forgotten
+    for p in range(40):
+        other = _seq([p + 100] * 3)
+        for t in range(10):
+            other.tokens.append(t)
+            drafter.observe(other, t)
+    assert drafter.entries <= 200 and tuple(prompt) not in drafter.indexes
+    assert drafter.draft(later, 2) == []
+
+
+def test_the_ngram_drafter_looks_the_sequence_up_in_itself():
+    seq = _seq([5, 1, 2, 3, 9, 9], [1, 2])
+    assert NgramDrafter().draft(seq, 3) == [3, 9, 9]
+    assert NgramDrafter().draft(_seq([1, 2, 3], [4]), 3) == []
+
+
+def test_the_engine_and_the_drafters_name_the_same_kinds():
+    assert set(SPECULATIVE) == {"off", *DRAFTERS}
+
+
+def test_the_load_rule_weighs_measured_costs_against_acceptance():
+    spec = Speculator(NgramDrafter(), 4, costs={4: (0.010, 0.012), 32: (0.010, 0.040)})
+    same = lambda n: n  # noqa: E731
+    assert spec.wanted(4, same) and not spec.wanted(32, same)   # prior: 3 tokens a row
+    for _ in range(100):
+        spec.record(4, 1)                                       # every draft rejected
+    assert not spec.wanted(4, same)
+    assert not Speculator(NgramDrafter(), 4).wanted(4, same)    # nothing measured: no
+    assert Speculator(NgramDrafter(), 4, always=True).wanted(32, same)
+
+
+# -- the engine --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def spec_engine():
+    return Engine(CFG, SPEC)
+
+
+class Planted:
+    """Drafts that are right or wrong on purpose: a greedy reference's continuation for even
+    samples, fixed tokens (mostly rejected) for odd ones."""
+
+    def __init__(self, continuation=None):
+        self.continuation = continuation or {}
+
+    def draft(self, seq, k):
+        if seq.index % 2:
+            return [(len(seq.tokens) + i) % 5 for i in range(k)]
+        done = len(seq.tokens)
+        return self.continuation.get(tuple(seq.request.prompt), [])[done:done + k]
+
+    def observe(self, seq, token):
+        pass
+
+    def finished(self, seq):
+        pass
+
+
+@pytest.mark.parametrize("drafter", ["suffix", "ngram", "planted"])
+def test_greedy_speculation_is_token_identical_and_gives_back_every_page(model, params,
+                                                                        spec_engine, drafter):
+    ps = prompts(5, 21, 9, 37, 3, 12, 7, 18)
+    want = greedy_generate(model, ps, 20, eos_id=-1)
+    made = Planted({tuple(p): w for p, w in zip(ps, want)}) if drafter == "planted" else \
+        DRAFTERS[drafter]()
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, n=2)
+    with Orchestrator(spec_engine, params, speculator=Speculator(made, K, always=True)) as o:
+        got = [s.result() for s in [o.submit(p, greedy) for p in ps]]
+        metrics = o.metrics()
+        assert o.scheduler.pool.free == o.scheduler.pool.capacity    # no page kept
+    assert [[s.tokens for s in group] for group in got] == [[w, w] for w in want]
+    assert metrics["spec_decode_verify_steps"] == metrics["steps"] > 0
+    if drafter == "planted":       # even samples' drafts are the answer: all accepted
+        assert metrics["spec_decode_num_accepted_tokens"] >= 8 * 12
+        assert metrics["spec_decode_mean_acceptance_length"] > 1.5
+    assert "jaxrl_spec_decode_num_drafts_total" in exposition(metrics)
+
+
+def test_speculative_log_probs_are_the_model_s_own(model, params, spec_engine):
+    """Every kept token reports the log-prob the engine without speculation reports: the
+    model's under temperature (the trainer's behaviour log-probs), within float32 rounding."""
+    ps = prompts(9, 21)
+    sampling = SamplingParams(temperature=0.8, max_tokens=16, seed=3)
+    with Orchestrator(spec_engine, params,
+                      speculator=Speculator(SuffixDrafter(min_match=1), K, always=True)) as o:
+        got = [s.result()[0] for s in [o.submit(p, sampling) for p in ps]]
+    for p, sample in zip(ps, got):
+        logits = np.asarray(model(np.asarray([p + sample.tokens]))[0], np.float64)
+        logp = jax.nn.log_softmax(logits[len(p) - 1:-1] / 0.8, axis=-1)
+        want = np.take_along_axis(np.asarray(logp), np.asarray(sample.tokens)[:, None], 1)
+        np.testing.assert_allclose(sample.logprobs, want[:, 0], atol=1e-5)
+
+
+def test_same_seeds_same_tokens(params, spec_engine):
+    sampling = SamplingParams(temperature=1.0, max_tokens=12, seed=11, n=3)
+    runs = []
+    for _ in range(2):
+        with Orchestrator(spec_engine, params,
+                          speculator=Speculator(Planted(), K, always=True)) as o:
+            runs.append([[s.tokens for s in o.submit(p, sampling).result()]
+                         for p in prompts(7, 12)])
+    assert runs[0] == runs[1]
+
+
+# -- the sampled distribution --------------------------------------------------------------------
+SMALL = ModelConfig(vocab_size=8, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=8, mlp_dim=64)
+PROMPT = [3, 1, 4, 1, 5]
+LENGTH = 4            # tokens a sample writes: the first by the prefill, then verify steps
+
+
+@pytest.fixture(scope="module")
+def sharp():
+    """A model over 8 tokens whose distributions are far from uniform (its head scaled)."""
+    model = Transformer(SMALL, rngs=nnx.Rngs(1))
+    graphdef, params = split_params(model)
+    params = {**params, "lm_head": params["lm_head"] * 6}
+    return merge_params(graphdef, params), params
+
+
+def test_greedy_speculation_follows_every_sampling_setting(sharp):
+    """Penalties counted over the draft's tokens before each position, logit bias, min_tokens'
+    ban at each position's count: greedy decoding with all of them is token for token the
+    engine's without speculation, whether the drafts are right (the plain run's own tokens,
+    all accepted) or wrong."""
+    model, params = sharp
+    sampling = SamplingParams(temperature=0.0, max_tokens=14, n=2, frequency_penalty=2.0,
+                              presence_penalty=0.5, logit_bias=((3, 1.5),), min_tokens=8)
+    plain = Engine(SMALL, dataclasses.replace(ENGINE, max_concurrent_decodes=8))
+    with Orchestrator(plain, params, eos_id=7) as o:
+        want = [[(x.tokens, x.logprobs) for x in o.submit(p, sampling).result()]
+                for p in (PROMPT, PROMPT[:3])]
+    engine = Engine(SMALL, dataclasses.replace(SPEC, max_concurrent_decodes=8))
+    drafts = Planted({tuple(PROMPT): want[0][0][0], tuple(PROMPT[:3]): want[1][0][0]})
+    with Orchestrator(engine, params, eos_id=7,
+                      speculator=Speculator(drafts, K, always=True)) as o:
+        got = [[(x.tokens, x.logprobs) for x in o.submit(p, sampling).result()]
+               for p in (PROMPT, PROMPT[:3])]
+        assert o.metrics()["spec_decode_num_accepted_tokens"] >= 2 * 8
+    assert [[t for t, _ in g] for g in got] == [[t for t, _ in w] for w in want]
+    assert len(set(want[0][0][0])) < len(want[0][0][0])     # the penalties had work to do
+    for g, w in zip(got, want):
+        for (_, lp), (_, wlp) in zip(g, w):
+            np.testing.assert_allclose(lp, wlp, atol=1e-5)
+
+
+def _reference(model, temperature, top_p, frequency):
+    """{sequence: probability} over every LENGTH-token continuation of PROMPT, each position's
+    distribution as the engine's sampler defines it (frequency penalty over the tokens drawn
+    before, temperature, top-p), from full forwards of every prefix."""
+    v = SMALL.vocab_size
+    seqs = list(itertools.product(range(v), repeat=LENGTH - 1))
+    logits = np.asarray(model(np.asarray([PROMPT + list(s) for s in seqs]))[:, len(PROMPT) - 1:],
+                        np.float64)                                     # [v^3, LENGTH, v]
+    probs = {}
+    for row, s in enumerate(seqs):
+        for last in range(v):
+            full, p = s + (last,), 1.0
+            for j, token in enumerate(full):
+                z = logits[row, j] - frequency * np.bincount(full[:j], minlength=v)
+                q = np.exp((z - z.max()) / temperature)
+                q /= q.sum()
+                order, kept, cum = np.argsort(-q), np.zeros(v, bool), 0.0
+                for i in order:
+                    if cum >= top_p:
+                        break
+                    kept[i], cum = True, cum + q[i]
+                q = np.where(kept, q, 0) / q[kept].sum()
+                p *= q[token]
+            probs[full] = p
+    return probs
+
+
+def _chi_square(counts: dict, probs: dict, n: int) -> float:
+    """p-value of the counts against the probabilities, cells expected fewer than 5 times
+    pooled into one."""
+    big = [s for s, p in probs.items() if p * n >= 5]
+    small = [s for s in probs if s not in set(big)]
+    observed = [counts.get(s, 0) for s in big] + [sum(counts.get(s, 0) for s in small)]
+    expected = [probs[s] * n for s in big] + [sum(probs[s] for s in small) * n]
+    return stats.chisquare(observed, np.asarray(expected) * sum(observed) / sum(expected)).pvalue
+
+
+@pytest.mark.parametrize("temperature, top_p, frequency", [(1.0, 1.0, 0.0), (1.0, 0.9, 0.0),
+                                                           (1.0, 1.0, 2.0)])
+def test_speculation_keeps_the_sampled_distribution_exactly(sharp, temperature, top_p,
+                                                            frequency):
+    """4,096 samples with every draft verified (half of them the greedy continuation, mostly
+    accepted; half fixed tokens, mostly rejected) against the model's own sequence
+    probabilities: the chi-square test does not reject at the 0.1% level. A lenient rule
+    (accepting any drafted token in the top 3) fails it."""
+    model, params = sharp
+    probs = _reference(model, temperature, top_p, frequency)
+    greedy = max(probs, key=probs.get)
+    engine = Engine(SMALL, dataclasses.replace(SPEC, max_concurrent_decodes=32))
+    sampling = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=LENGTH,
+                               frequency_penalty=frequency, seed=seed, n=32)
+                for seed in range(128)]
+    speculator = Speculator(Planted({tuple(PROMPT): list(greedy)}), K, always=True)
+    with Orchestrator(engine, params, speculator=speculator) as o:
+        streams = [o.submit(PROMPT, s) for s in sampling]
+        samples = [tuple(x.tokens) for s in streams for x in s.result()]
+        metrics = o.metrics()
+    assert metrics["spec_decode_num_draft_tokens"] > 4096
+    assert 0 < metrics["spec_decode_num_accepted_tokens"] < metrics[
+        "spec_decode_num_draft_tokens"]
+    assert _chi_square(collections.Counter(samples), probs, len(samples)) > 1e-3
