@@ -47,6 +47,9 @@ VARIANTS = {
     "int8-rollouts": ["rl.generation.weights=int8"],                 # the engine's weights int8
     "int8-rollouts+icepop": ["rl.generation.weights=int8", "rl.rollout_correction=icepop"],
     "fp8-kv": ["rl.engine.kv_cache_dtype=fp8"],                      # the engine's KV cache fp8
+    # speculative decoding of the tail, drafts from each prompt's group and earlier rollouts
+    "sync+speculative": ["rl.mode=sync", "rl.engine.speculative=suffix"],
+    "async+speculative": ["rl.mode=async", "rl.engine.speculative=suffix"],
 }
 
 
@@ -149,8 +152,9 @@ def run_variant(base: Path, work: Path, name: str, args, seed: int = 0,
 
 
 def summarise(name: str, seed: int, rows: list[dict], args) -> dict:
-    """One run's figures from its RL rows (the first step, which compiles, left out)."""
-    rows = rows[1:]
+    """One run's figures from its RL rows (the first step, which compiles, left out of them;
+    kept in `rows`, every step's metrics as the run wrote them)."""
+    every, rows = rows, rows[1:]
     seconds = rows[-1]["time_s"] - rows[0]["time_s"]
     get = lambda k: [r[k] for r in rows if r.get(k) is not None]  # noqa: E731
     return {"variant": name, "seed": seed, "seconds": seconds,
@@ -168,7 +172,21 @@ def summarise(name: str, seed: int, rows: list[dict], args) -> dict:
             "length_p50": float(np.mean(get("completion_len_p50") or [np.nan])),
             "length_p90": float(np.mean(get("completion_len_p90") or [np.nan])),
             "length_max": float(max(get("completion_len_max") or [np.nan])),
-            "rows": rows}
+            # the share of the run the trainer computed rather than waited for samples, the
+            # mean wait a step (sync: the rollout phase), and speculation's tokens per verify
+            "trainer_busy": 1 - sum(get("trainer_wait_s")) / seconds,
+            "trainer_wait_s": float(np.mean(get("trainer_wait_s") or [np.nan])),
+            "acceptance_length": _acceptance(rows),
+            "rows": every}
+
+
+def _acceptance(rows: list[dict]) -> float:
+    """Tokens a speculating row kept per verify step over the run (NaN: no speculation)."""
+    steps = sum(r.get("spec_verify_steps", 0) for r in rows)
+    if not steps:
+        return float("nan")
+    drafted = [r for r in rows if r.get("spec_acceptance_length") is not None]
+    return float(np.mean([r["spec_acceptance_length"] for r in drafted]))
 
 
 class VariantFailed(RuntimeError):
@@ -210,7 +228,8 @@ def aggregate(runs: list[dict]) -> dict:
            "time_to_target_s_sd": ttt[1], "reached": f"{len(hit)}/{len(runs)}",
            "seeds": len(runs)}
     for k in ("first_success", "final_success", "lag_mean", "slots_busy", "held_tokens_mean",
-              "length_p50", "length_p90", "logprob_gap_max", "logprob_kl"):
+              "length_p50", "length_p90", "logprob_gap_max", "logprob_kl", "trainer_busy",
+              "trainer_wait_s", "acceptance_length"):
         out[k] = statistics.fmean(r[k] for r in runs)
     out["length_max"] = max(r["length_max"] for r in runs)
     return out
@@ -243,6 +262,11 @@ def report(results: dict[str, list[dict] | str], save: str | None = None) -> Non
           "per step, mean; KL): " + "; ".join(
               f"{n} {a['first_success']:.3f} -> {a['final_success']:.3f}, gap "
               f"{a['logprob_gap_max']:.2e}, KL {a['logprob_kl']:.2e}" for n, a in agg.items()))
+    print("the trainer's busy share, its mean wait a step (sync: the rollout phase), and tokens "
+          "a speculating row kept per verify step: " + "; ".join(
+              f"{n} {a['trainer_busy']:.0%}, {a['trainer_wait_s']:.2f} s"
+              + (f", {a['acceptance_length']:.2f}" if a["acceptance_length"] ==
+                 a["acceptance_length"] else "") for n, a in agg.items()))
     print("realised completion lengths (tokens; per-step percentiles averaged over the run): "
           + "; ".join(f"{n} p50 {a['length_p50']:.0f}, p90 {a['length_p90']:.0f}, max "
                       f"{a['length_max']:.0f}" for n, a in agg.items()))

@@ -1,7 +1,7 @@
 """`jaxrl bench long_tail --pinned` runs its own code path to its table and JSON line at the
 smallest size (a tiny countdown model, three RL steps, one seed), with the variants whose
 launched server must hold something other than the trainer's weights (int8 rollouts, an fp8 KV
-cache; LoRA adapters: tests/run/test_local_servers.py). A variant that fails is a row with its
+cache, speculative decoding; LoRA adapters: tests/run/test_local_servers.py). A variant that fails is a row with its
 error, and the others are still reported."""
 
 import json
@@ -28,12 +28,13 @@ TINY = ["model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64", "model.n
 
 
 @pytest.mark.slow
-def test_every_variant_a_launched_server_must_hold_runs_pinned_to_its_report():
-    variants = ["int8-rollouts", "fp8-kv"]
+def test_every_variant_a_launched_server_must_hold_runs_pinned_to_its_report(tmp_path):
+    variants = ["int8-rollouts", "fp8-kv", "sync+speculative"]
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "long_tail.py"), "--pinned", "--seeds", "1",
-         "--rl-steps", "3", "--window", "1", "--busy-limit", "1.0", *TINY,
-         "--variants", *variants], capture_output=True, text=True, timeout=600, cwd=ROOT)
+         "--rl-steps", "3", "--window", "1", "--busy-limit", "1.0", "--save",
+         str(tmp_path / "runs.json"), *TINY, "--variants", *variants],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     table = done.stdout.splitlines()
     for name in variants:
@@ -42,6 +43,11 @@ def test_every_variant_a_launched_server_must_hold_runs_pinned_to_its_report():
     assert set(final) == set(variants)
     assert not any("failed" in v for v in final.values()), final
     assert all(final[v]["samples_per_s"] > 0 for v in variants)
+    # the launched server speculated (the RL rows carry its counters), the behaviour
+    # log-probs as exact as without
+    rows = json.loads((tmp_path / "runs.json").read_text())["sync+speculative"][0]["rows"]
+    assert sum(r.get("spec_verify_steps", 0) for r in rows) > 0
+    assert final["sync+speculative"]["logprob_gap_max"] < 1e-5
 
 
 def test_a_failed_variant_is_reported_by_its_error_and_the_others_still_are(capsys):

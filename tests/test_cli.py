@@ -109,7 +109,8 @@ def test_serve_s_engine_flags_default_to_engine_config_s_fields():
              "page_size": "page_size", "num_pages": "num_pages",
              "memory_fraction": "memory_fraction", "attention": "attention", "dtype": "dtype",
              "kv_cache_dtype": "kv_cache_dtype", "score": "score",
-             "record_routes": "record_routes"}
+             "record_routes": "record_routes", "speculative": "speculative",
+             "speculative_tokens": "speculative_tokens"}
     args = build_parser().parse_args(["serve"])
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     assert {flag: getattr(args, flag) for flag in flags} == \

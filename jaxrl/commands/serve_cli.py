@@ -18,7 +18,8 @@ if TYPE_CHECKING:       # JAX is imported only once --cpus has pinned the proces
 _SERVE_NAMES = {"max_concurrent_decodes": "--slots", "max_len": "--max-len",
                 "max_prefill_length": "--max-prefill-length", "prefill_chunk": "--prefill-chunk",
                 "page_size": "--page-size", "num_pages": "--num-pages",
-                "memory_fraction": "--memory-fraction",
+                "memory_fraction": "--memory-fraction", "speculative": "--speculative",
+                "speculative_tokens": "--speculative-tokens",
                 "min_bucket": "the engine's smallest prefill bucket,"}
 
 
@@ -49,7 +50,8 @@ def run(args) -> None:
                      kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
                      num_pages=args.num_pages, memory_fraction=args.memory_fraction,
                      attention=args.attention, score=args.score,
-                     record_routes=args.record_routes)
+                     record_routes=args.record_routes, speculative=args.speculative,
+                     speculative_tokens=args.speculative_tokens)
         try:
             return EngineConfig.for_platform(
                 platform, **{k: v for k, v in given.items() if v is not None})
@@ -177,6 +179,14 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="compile the score programs (one per power-of-two length up to "
                         "--max-len): prompt log-probs (echo with logprobs, lm-evaluation-"
                         "harness's loglikelihood tasks) and top_logprobs on the HTTP API")
+    p.add_argument("--speculative", default="off", choices=["off", "suffix", "ngram"],
+                   help="speculative decoding of the tail, drafts verified so that the "
+                        "sampled distribution is exactly the model's: suffix (drafts from the "
+                        "prompt's other samples and earlier rollouts), ngram (from the sequence "
+                        "itself, prompt lookup), off; drafting stops when the batch is too "
+                        "full for it to pay, by the engine's own timings")
+    p.add_argument("--speculative-tokens", type=int_at_least(1), default=4,
+                   help="the most draft tokens a row verifies in one step")
     p.add_argument("--record-routes", action="store_true",
                    help="a mixture-of-experts model: send back with each sample the experts "
                         "every token was routed to (a trainer's rl.moe_routing replays them)")

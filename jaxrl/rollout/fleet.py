@@ -305,7 +305,9 @@ class Fleet:
 
     # -- counters --------------------------------------------------------------------------------
     _COUNTERS = ("steps", "busy_slot_steps", "generated_tokens", "held_tokens", "carried_tokens",
-                 "preemptions", "requests_done")
+                 "preemptions", "requests_done", "spec_decode_verify_steps",
+                 "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens")
 
     def _record(self, m: Member, fresh: dict) -> None:
         """Keeps `m`'s newest counters; a counter that went down means the server restarted,

@@ -154,6 +154,8 @@ class LocalServers:
                        "--attention", engine.attention,
                        "--num-pages", str(engine.num_pages),
                        "--memory-fraction", str(engine.memory_fraction),
+                       "--speculative", engine.speculative,
+                       "--speculative-tokens", str(engine.speculative_tokens),
                        "--update-token-file", str(self.token_file)]
                 cmd += ["--record-routes"] if engine.record_routes else []
                 cmd += ["--score"] if engine.score else []

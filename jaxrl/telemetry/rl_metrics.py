@@ -52,6 +52,24 @@ def episode_stats(now: dict, before: dict) -> dict:
             "env_tokens_per_model_token": d["env_tokens"] / max(d["model_tokens"], 1)}
 
 
+# The engine's speculative-decoding counters (serving/core/speculation.py).
+SPECULATION = ("spec_decode_verify_steps", "spec_decode_num_drafts",
+               "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def speculation_stats(delta: dict) -> dict:
+    """Speculative decoding since the last row: verify steps, draft and accepted tokens, and
+    the mean acceptance length (tokens a verify step kept a row); nothing when none ran."""
+    drafts = delta["spec_decode_num_drafts"]
+    if not delta["spec_decode_verify_steps"]:
+        return {}
+    return {"spec_verify_steps": delta["spec_decode_verify_steps"],
+            "spec_draft_tokens": delta["spec_decode_num_draft_tokens"],
+            "spec_accepted_tokens": delta["spec_decode_num_accepted_tokens"],
+            "spec_acceptance_length":
+                1 + delta["spec_decode_num_accepted_tokens"] / max(drafts, 1)}
+
+
 def length_quantiles(lengths: list[int]) -> dict:
     """The output-length distribution of the samples generated during a step (before filters):
     completion_len_{p10,p50,p90,max}; none when no group finished during the step."""
@@ -99,7 +117,8 @@ class StepMetrics:
         stats["success_rate"] = ((actor_now["solved"] - self._actor["solved"]) / scored
                                  if scored else math.nan)
         delta = {k: engine.get(k, 0) - self._engine.get(k, 0)
-                 for k in ("generated_tokens", "busy_slot_steps", "slot_steps", "held_tokens")}
+                 for k in ("generated_tokens", "busy_slot_steps", "slot_steps", "held_tokens",
+                           *SPECULATION)}
         row = {**train_metrics, **stats, "time_s": now, "samples_per_s": self.batch_size / dt,
                # the process's CPU seconds so far (all threads) and the wall-clock time
                "process_cpu_s": time.process_time(), "unix_time": time.time(),
@@ -111,6 +130,7 @@ class StepMetrics:
                "microbatches": batch["microbatches"]}
         row["trained_tokens_per_s"] = row["trained_tokens"] / dt
         row["held_tokens_mean"] = delta["held_tokens"] / max(delta["busy_slot_steps"], 1)
+        row.update(speculation_stats(delta))
         if self.remote:
             push = self.publisher.metrics()
             row.update({k: engine[k] for k in ("members_ready", "slots_ready", "groups_moved",

@@ -296,8 +296,8 @@ class EngineLoop:
                 self._finish(seq, "cancelled")
         if self._constrained():
             self._collect()     # a grammar's next mask follows the token before it
-        elif self._speculating():
-            return self._speculate(state)
+        elif self._speculating() and (done := self._speculate(state)) is not None:
+            return done
         k = engine.cfg.steps_per_dispatch
         groups = sched.plan_decode(k, engine.cfg, partial(engine.programs.rows_now, "decode"))
         if not groups:
@@ -321,31 +321,37 @@ class EngineLoop:
             len(self.scheduler.running), partial(self.engine.programs.rows_now, "verify"))
 
     def _speculate(self, state):
-        """One verify step for every running sequence (serving/runner/speculate.py): drafts
-        continue the tokens read back, so nothing is left in flight before or after it; each
-        row keeps from 1 to K+1 tokens, and the pages past what it keeps go back to the pool."""
+        """One verify step for every running sequence (serving/runner/speculate.py), or None
+        when no sequence has a draft (the plain decode step then runs). Drafts continue the
+        tokens read back, so nothing is in flight before or after it; each row keeps from 1
+        to K+1 tokens, and the pages past what it keeps go back to the pool."""
         engine, sched, spec = self.engine, self.scheduler, self.speculator
         self._collect()
+        drafts = {id(seq): spec.draft(seq, engine.cfg.max_len) for seq in sched.running.values()}
+        if not any(drafts.values()):
+            spec.stepped([1])
+            return None
         k, pushed = engine.cfg.speculative_tokens, 0
         groups = sched.plan_decode(k + 1, engine.cfg, partial(engine.programs.rows_now, "verify"))
+        owners = [row for group in groups for row in group]
+        held = sum(s.cached for _, s in owners)
         for owners in groups:
-            drafts = [spec.draft(seq, engine.cfg.max_len) for _, seq in owners]
             width = engine.cfg.table_width(max(s.cached for _, s in owners) + k + 1)
             state, tokens, logprobs = engine.verify(
                 self.params, state, sched.table([s.pages for _, s in owners], width),
-                [slot for slot, _ in owners], drafts)
-            for (_, seq), draft, kept, kept_logprobs in zip(owners, drafts, tokens, logprobs):
-                if draft:
-                    spec.record(len(draft), len(kept))
+                [slot for slot, _ in owners], [drafts[id(s)] for _, s in owners])
+            spec.stepped([len(kept) for kept in tokens])
+            for (_, seq), kept, kept_logprobs in zip(owners, tokens, logprobs):
+                if drafts[id(seq)]:
+                    spec.record(len(drafts[id(seq)]), len(kept))
                 for token, logprob in zip(kept, kept_logprobs):
                     if seq.finished:
                         break
                     pushed += self._push(seq, token, logprob, self.version)
                 if not seq.finished:
                     sched.trim(seq)
-        rows = sum(map(len, groups))
-        self._count(steps=len(groups), busy_slot_steps=rows, verify_steps=len(groups),
-                    tokens=pushed)
+        self._count(steps=len(groups), busy_slot_steps=sum(map(len, groups)),
+                    verify_steps=len(groups), tokens=pushed, held_tokens=held)
         return state, bool(groups)
 
     def _constrained(self) -> bool:

@@ -8,9 +8,14 @@ drafting. In the tail a step's cost is fixed per step (reading the weights on an
 dispatch and host work here) and a wider one costs little more: draft (FastGRPO's
 concurrency-aware rule). The costs are the engine's own, measured once at start-up (`measure`:
 its compiled decode and verify programs timed on this device, per row count), and the gain is
-the acceptance measured so far (`tokens_per_row`, from an optimistic prior):
+the tokens a row has kept per verify step lately (`tokens_per_row`, a moving average from an
+optimistic prior, rows that found no draft counted as one):
 
     speculate with R rows  <=>  tokens_per_row * t_decode(R) > t_verify(R)
+
+A dispatch that speculates is not overlapped with the one before (its drafts continue the
+tokens read back), so while the rule says no nothing of it runs, but for a probe one dispatch
+in PROBE_EVERY that keeps `tokens_per_row` current.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ from serving.core.sequence import Sequence
 class Speculator:
     """The drafter, the load rule and what speculation has done (`stats`)."""
 
+    # While the rule says no, one dispatch in this many speculates anyway, so that the
+    # acceptance it weighs follows the text being written (a tail that starts repeating).
+    PROBE_EVERY = 32
+    SMOOTHING = 0.05          # weight of a verify step in `tokens_per_row`'s moving average
+
     def __init__(self, drafter: Drafter, tokens: int, costs: dict[int, tuple[float, float]]
                  | None = None, always: bool = False):
         """`tokens`: the most draft tokens a row verifies (EngineConfig.speculative_tokens).
@@ -34,20 +44,30 @@ class Speculator:
         self.drafter, self.k, self.always = drafter, tokens, always
         self.costs = dict(costs or {})
         self.drafted = self.accepted = self.verified_rows = 0
-        self._prior = (1.0 + tokens / 2, 4)     # (tokens a row, weight in rows) before any data
-
-    @property
-    def tokens_per_row(self) -> float:
-        """Tokens a speculating row has kept per verify step (the prior blended in)."""
-        mean, weight = self._prior
-        return (mean * weight + self.verified_rows + self.accepted) / (weight + self.verified_rows)
+        # Tokens a row keeps per verify step, a moving average over steps (rows without a
+        # draft count as one), from an optimistic prior: half the draft accepted.
+        self.tokens_per_row = 1.0 + tokens / 2
+        self._declined = 0
 
     def wanted(self, rows: int, bucket) -> bool:
         """Whether `rows` running rows (`bucket(rows)` in their batch) should verify drafts."""
         if self.always:
             return True
-        cost = self.costs.get(bucket(rows))
-        return cost is not None and self.tokens_per_row * cost[0] > cost[1]
+        b = bucket(rows)      # unmeasured (compiled later): the nearest larger measured
+        cost = self.costs.get(b) or next((self.costs[r] for r in sorted(self.costs) if r > b),
+                                         None)
+        if cost is not None and self.tokens_per_row * cost[0] > cost[1]:
+            return True
+        self._declined += 1
+        if cost is not None and self._declined >= self.PROBE_EVERY:
+            self._declined = 0
+            return True
+        return False
+
+    def stepped(self, kept: list[int]) -> None:
+        """A verify step (or a probe that found no draft) kept `kept` tokens in its rows."""
+        mean = sum(kept) / len(kept)
+        self.tokens_per_row += self.SMOOTHING * (mean - self.tokens_per_row)
 
     def draft(self, seq: Sequence, max_len: int) -> list[int]:
         """Up to K next tokens for `seq`, no more than its max_tokens and max_len leave room
@@ -57,7 +77,8 @@ class Speculator:
         return self.drafter.draft(seq, room)[:room] if room > 0 else []
 
     def record(self, drafted: int, kept: int) -> None:
-        """A row verified `drafted` tokens and kept `kept` (accepted ones and the one after)."""
+        """A row verified a draft of `drafted` tokens and kept `kept` (the accepted ones and
+        the one after)."""
         self.verified_rows += 1
         self.drafted += drafted
         self.accepted += kept - 1
@@ -76,9 +97,12 @@ class Speculator:
         """Times the engine's decode step and its verify step at each row count, on an idle
         state (padding rows only: every page read and written is the null page, no slot's
         state changes), the median of `repeats`; fills `costs` and returns the state."""
-        cfg = engine.cfg
+        cfg, programs = engine.cfg, engine.programs
         width = cfg.table_width(cfg.page_size)
         for rows in cfg.row_sizes:
+            if programs.compiled and not all(programs.is_compiled(*shape) for shape in
+                                             _shapes(cfg, rows, width)):
+                continue        # not compiled yet (compile_all(largest_only)): not timed
             times = []
             for name in ("decode", "verify"):
                 runs = []
@@ -90,6 +114,13 @@ class Speculator:
                 times.append(float(np.median(runs[1:])) / per)
             self.costs[rows] = (times[0], times[1])
         return state
+
+
+def _shapes(cfg, rows: int, width: int) -> list[tuple[str, tuple]]:
+    """The programs `measure` times at `rows` rows and `width` pages."""
+    k = cfg.steps_per_dispatch
+    decode = ("decode", (rows, width)) if k == 1 else ("decode_steps", (rows, width, k))
+    return [decode, ("verify", (rows, width, cfg.speculative_tokens))]
 
 
 def _idle_call(engine, name: str, rows: int, width: int, params, state):
