@@ -64,7 +64,7 @@ def decode(model, prompts, tokens: int, speculative: str, passes: int = 2) -> li
     (compiled before the first)."""
     rows = sum(n for _, n in prompts)
     longest = max(len(p) for p, _ in prompts)
-    slots = max(8, 1 << (rows - 1).bit_length())
+    slots = rows            # the tail as its own batch: no padding rows
     cfg = EngineConfig(max_concurrent_decodes=slots, max_len=longest + tokens + 1,
                        max_prefill_length=longest, prefill_chunk=32, prefill_budget=256,
                        speculative=speculative, sampling_features=())

@@ -291,6 +291,7 @@ class EngineLoop:
         by length, then reads back the previous dispatch's tokens while these run. False when
         there was nothing to do."""
         engine, sched = self.engine, self.scheduler
+        t0 = time.perf_counter()
         for seq in list(sched.running.values()):
             if seq.request.stream.cancelled:
                 self._finish(seq, "cancelled")
@@ -312,13 +313,19 @@ class EngineLoop:
             seq.inflight += k
         self._collect()
         self._inflight = InFlight(batches, k, self.version, held)
+        if self.speculator is not None:
+            self.speculator.timed("decode", self._rows(), time.perf_counter() - t0,
+                                  k * len(owners))
         return state, True
+
+    def _rows(self) -> int:
+        """The row bucket of a batch of every running sequence (the load rule's key)."""
+        return self.engine.programs.rows_now("verify", len(self.scheduler.running))
 
     def _speculating(self) -> bool:
         """Whether this dispatch verifies drafts (serving/core/speculation.py's load rule)."""
-        spec = self.speculator
-        return spec is not None and bool(self.scheduler.running) and spec.wanted(
-            len(self.scheduler.running), partial(self.engine.programs.rows_now, "verify"))
+        return self.speculator is not None and bool(self.scheduler.running) and \
+            self.speculator.wanted(self._rows())
 
     def _speculate(self, state):
         """One verify step for every running sequence (serving/runner/speculate.py), or None
@@ -326,6 +333,7 @@ class EngineLoop:
         tokens read back, so nothing is in flight before or after it; each row keeps from 1
         to K+1 tokens, and the pages past what it keeps go back to the pool."""
         engine, sched, spec = self.engine, self.scheduler, self.speculator
+        t0, rows = time.perf_counter(), self._rows()
         self._collect()
         drafts = {id(seq): spec.draft(seq, engine.cfg.max_len) for seq in sched.running.values()}
         if not any(drafts.values()):
@@ -352,6 +360,7 @@ class EngineLoop:
                     sched.trim(seq)
         self._count(steps=len(groups), busy_slot_steps=sum(map(len, groups)),
                     verify_steps=len(groups), tokens=pushed, held_tokens=held)
+        spec.timed("verify", rows, time.perf_counter() - t0, pushed)
         return state, bool(groups)
 
     def _constrained(self) -> bool:

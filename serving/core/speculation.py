@@ -6,16 +6,22 @@ tokens it keeps a row (1 + the accepted draft tokens) outweigh its cost over a d
 In a full batch a step is bound by compute and a wider one costs about K+1 times as much: no
 drafting. In the tail a step's cost is fixed per step (reading the weights on an accelerator,
 dispatch and host work here) and a wider one costs little more: draft (FastGRPO's
-concurrency-aware rule). The costs are the engine's own, measured once at start-up (`measure`:
-its compiled decode and verify programs timed on this device, per row count), and the gain is
-the tokens a row has kept per verify step lately (`tokens_per_row`, a moving average from an
-optimistic prior, rows that found no draft counted as one):
+concurrency-aware rule). The rule compares seconds per generated token of the two ways at the
+batch's row count, as the engine measures them:
 
-    speculate with R rows  <=>  tokens_per_row * t_decode(R) > t_verify(R)
+- at start-up (`measure`), its compiled decode and verify programs timed on this device per
+  row count, the verify step's divided by the tokens a row is expected to keep
+  (`tokens_per_row`: a moving average over verify steps from an optimistic prior, half the
+  draft accepted; a row that found no draft counts as one);
+- while it serves (`timed`), each dispatch's wall time over the tokens it produced, a moving
+  average per way and row count that replaces the start-up figure once there is one. It holds
+  what the programs' timings leave out: host work, drafting, and the overlap a speculating
+  dispatch gives up (its drafts continue the tokens read back).
 
-A dispatch that speculates is not overlapped with the one before (its drafts continue the
-tokens read back), so while the rule says no nothing of it runs, but for a probe one dispatch
-in PROBE_EVERY that keeps `tokens_per_row` current.
+    speculate with R rows  <=>  seconds per token verifying(R) < decoding(R)
+
+One dispatch in PROBE_EVERY goes the other way, so that both averages follow the text being
+written (a tail that turns repetitive, a batch that fills).
 """
 
 from __future__ import annotations
@@ -31,10 +37,8 @@ from serving.core.sequence import Sequence
 class Speculator:
     """The drafter, the load rule and what speculation has done (`stats`)."""
 
-    # While the rule says no, one dispatch in this many speculates anyway, so that the
-    # acceptance it weighs follows the text being written (a tail that starts repeating).
-    PROBE_EVERY = 32
-    SMOOTHING = 0.05          # weight of a verify step in `tokens_per_row`'s moving average
+    PROBE_EVERY = 32          # one dispatch in this many goes the way the rule did not pick
+    SMOOTHING = 0.1           # weight of one dispatch in the moving averages
 
     def __init__(self, drafter: Drafter, tokens: int, costs: dict[int, tuple[float, float]]
                  | None = None, always: bool = False):
@@ -44,25 +48,43 @@ class Speculator:
         self.drafter, self.k, self.always = drafter, tokens, always
         self.costs = dict(costs or {})
         self.drafted = self.accepted = self.verified_rows = 0
-        # Tokens a row keeps per verify step, a moving average over steps (rows without a
-        # draft count as one), from an optimistic prior: half the draft accepted.
         self.tokens_per_row = 1.0 + tokens / 2
-        self._declined = 0
+        self.seconds_per_token: dict[tuple[str, int], float] = {}   # (way, rows) -> average
+        self._since_probe = 0
 
-    def wanted(self, rows: int, bucket) -> bool:
-        """Whether `rows` running rows (`bucket(rows)` in their batch) should verify drafts."""
+    def estimate(self, rows: int) -> tuple[float, float] | None:
+        """(decoding, verifying) seconds per token with `rows` rows in the batch: measured
+        while serving where it has been, else from the start-up costs at that row count (or
+        the nearest larger measured); None before anything is measured."""
+        cost = self.costs.get(rows) or next(
+            (self.costs[r] for r in sorted(self.costs) if r > rows), None)
+        prior = (None, None) if cost is None else (cost[0], cost[1] / self.tokens_per_row)
+        plain = self.seconds_per_token.get(("decode", rows), prior[0])
+        verify = self.seconds_per_token.get(("verify", rows), prior[1])
+        return None if plain is None or verify is None else (plain, verify)
+
+    def wanted(self, rows: int) -> bool:
+        """Whether a batch of `rows` rows (its row bucket) should verify drafts."""
         if self.always:
             return True
-        b = bucket(rows)      # unmeasured (compiled later): the nearest larger measured
-        cost = self.costs.get(b) or next((self.costs[r] for r in sorted(self.costs) if r > b),
-                                         None)
-        if cost is not None and self.tokens_per_row * cost[0] > cost[1]:
-            return True
-        self._declined += 1
-        if cost is not None and self._declined >= self.PROBE_EVERY:
-            self._declined = 0
-            return True
-        return False
+        est = self.estimate(rows)
+        if est is None:
+            return False
+        choice = est[1] < est[0]
+        self._since_probe += 1
+        if self._since_probe >= self.PROBE_EVERY:
+            self._since_probe = 0
+            return not choice
+        return choice
+
+    def timed(self, way: str, rows: int, seconds: float, tokens: int) -> None:
+        """A dispatch of `way` ("decode", "verify") with `rows` rows took `seconds` and
+        produced `tokens` tokens."""
+        if tokens <= 0:
+            return
+        x, key = seconds / tokens, (way, rows)
+        old = self.seconds_per_token.get(key)
+        self.seconds_per_token[key] = x if old is None else old + self.SMOOTHING * (x - old)
 
     def stepped(self, kept: list[int]) -> None:
         """A verify step (or a probe that found no draft) kept `kept` tokens in its rows."""
