@@ -243,10 +243,11 @@ class Scheduler:
                 seq.pages += self.pool.allocate(need)
         return preempted
 
-    def trim(self, seq: Sequence) -> None:
-        """Gives back the pages past those `seq`'s cached tokens and its next one need (a
-        verify step reserved pages for a draft it did not keep)."""
-        keep = self.pool.pages_for(min(seq.cached + 1, self.max_len))
+    def trim(self, seq: Sequence, tokens: int | None = None) -> None:
+        """Gives back the pages past those `tokens` need (default: `seq`'s cached tokens and
+        its next one): a verify step reserved pages for a draft it did not keep."""
+        keep = self.pool.pages_for(min(seq.cached + 1 if tokens is None else tokens,
+                                       self.max_len))
         if len(seq.pages) > keep:
             self.pool.release(seq.pages[keep:])
             del seq.pages[keep:]
@@ -262,7 +263,9 @@ class Scheduler:
         seq.finished = True
         key = seq.request.keep[seq.index]
         if keep and key is not None:
-            self.sessions.keep(key, seq.request.prompt + seq.tokens[:-1], seq.pages)
+            held = seq.request.prompt + seq.tokens[:-1]
+            self.trim(seq, len(held))   # pages reserved past them (a draft, later steps)
+            self.sessions.keep(key, held, seq.pages)
             seq.pages = []
         self._release(seq)
 

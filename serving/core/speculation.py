@@ -58,7 +58,8 @@ class Speculator:
         the nearest larger measured); None before anything is measured."""
         cost = self.costs.get(rows) or next(
             (self.costs[r] for r in sorted(self.costs) if r > rows), None)
-        prior = (None, None) if cost is None else (cost[0], cost[1] / self.tokens_per_row)
+        prior = (None, None) if cost is None else (
+            cost[0] / rows, cost[1] / (rows * self.tokens_per_row))
         plain = self.seconds_per_token.get(("decode", rows), prior[0])
         verify = self.seconds_per_token.get(("verify", rows), prior[1])
         return None if plain is None or verify is None else (plain, verify)

@@ -83,7 +83,8 @@ def test_the_engine_and_the_drafters_name_the_same_kinds():
 def test_the_load_rule_picks_the_fewer_seconds_per_token_and_probes_the_other_way():
     spec = Speculator(NgramDrafter(), 4, costs={4: (0.010, 0.012), 32: (0.010, 0.040)})
     assert spec.wanted(4) and not spec.wanted(32)          # prior: 3 tokens a row
-    assert spec.estimate(2) == spec.estimate(4)            # unmeasured: 4 rows' costs
+    assert spec.estimate(4) == pytest.approx((0.010 / 4, 0.012 / (4 * 3)))   # a token's
+    assert spec.estimate(2) == pytest.approx((0.010 / 2, 0.012 / (2 * 3)))   # 4 rows' costs
     for _ in range(100):
         spec.stepped([1, 1])                               # nothing accepted
     assert spec.tokens_per_row == pytest.approx(1.0, abs=0.02)
