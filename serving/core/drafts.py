@@ -78,72 +78,111 @@ class SuffixIndex:
         return out
 
 
+def _before(seq: Sequence, i: int, n: int) -> list[int]:
+    """The `n` tokens before generated token i of `seq` (its prompt's end included)."""
+    tokens = seq.tokens
+    if i >= n:
+        return tokens[i - n:i]
+    return seq.request.prompt[len(seq.request.prompt) - (n - i):] + tokens[:i]
+
+
 class SuffixDrafter:
     """Drafts from the index of the sequence's prompt: the prompt, its siblings as they are
     written, its earlier rollouts. At most `max_entries` (context, token) entries over every
-    prompt's index; past that the least recently drafted prompts are forgotten."""
+    prompt's index; past that the least recently drafted prompts are forgotten.
+
+    Indexing is lazy: `observe` only notes a sequence the first time it writes, and a
+    prompt's index takes in its sequences' new tokens when a draft is asked of it (or a
+    sequence finishes), so a batch that does not speculate pays nothing per token."""
 
     def __init__(self, depth: int = 8, max_entries: int = 2_000_000, min_match: int = 2):
         self.depth, self.max_entries, self.min_match = depth, max_entries, min_match
         self.indexes: collections.OrderedDict[tuple[int, ...], SuffixIndex] = \
             collections.OrderedDict()
         self.entries = 0
+        # prompt -> {id(seq): [seq, tokens of it indexed]}: the sequences writing it now
+        self._live: dict[tuple[int, ...], dict[int, list]] = {}
+        self._keys: dict[int, tuple[int, ...]] = {}      # id(seq) -> its prompt
 
-    def _index(self, prompt: list[int]) -> SuffixIndex:
-        key = tuple(prompt)
+    def _index(self, key: tuple[int, ...]) -> SuffixIndex:
         index = self.indexes.get(key)
         if index is None:
             index = self.indexes[key] = SuffixIndex(self.depth)
-            index.add_text(prompt)
+            index.add_text(list(key))
             self.entries += index.entries
-            self._bound()
         self.indexes.move_to_end(key)
         return index
 
-    def _bound(self) -> None:
+    def _catch_up(self, key: tuple[int, ...]) -> SuffixIndex:
+        """The prompt's index with every token its sequences have written so far."""
+        index = self._index(key)
+        before = index.entries
+        for entry in self._live.get(key, {}).values():
+            seq, done = entry
+            for i in range(done, len(seq.tokens)):
+                index.add(_before(seq, i, self.depth), seq.tokens[i])
+            entry[1] = len(seq.tokens)
+        self.entries += index.entries - before
         while self.entries > self.max_entries and len(self.indexes) > 1:
-            _, old = self.indexes.popitem(last=False)
+            old_key, old = self.indexes.popitem(last=False)
             self.entries -= old.entries
+            if old_key == key:          # this prompt alone is over the bound: start afresh
+                return self._index(key)
+        return index
 
     def draft(self, seq: Sequence, k: int) -> list[int]:
-        prompt = seq.request.prompt
-        return self._index(prompt).propose(prompt + seq.tokens, k, self.min_match)
+        key = self._keys.get(id(seq)) or tuple(seq.request.prompt)
+        return self._catch_up(key).propose(_before(seq, len(seq.tokens), self.depth), k,
+                                           self.min_match)
 
     def observe(self, seq: Sequence, token: int) -> None:
         """`seq` wrote `token` (already appended to seq.tokens)."""
-        prompt = seq.request.prompt
-        index = self._index(prompt)
-        before = index.entries
-        index.add((prompt + seq.tokens[:-1])[-self.depth:], token)
-        self.entries += index.entries - before
-        self._bound()
+        if id(seq) not in self._keys:
+            key = self._keys[id(seq)] = tuple(seq.request.prompt)
+            self._live.setdefault(key, {})[id(seq)] = [seq, 0]
 
     def finished(self, seq: Sequence) -> None:
-        """Nothing to do: its tokens stay in its prompt's index for its siblings and for the
-        prompt's next rollouts."""
+        """Its tokens go into its prompt's index, for its siblings and the prompt's next
+        rollouts, and it is forgotten."""
+        key = self._keys.pop(id(seq), None)
+        if key is None:
+            return
+        self._catch_up(key)
+        live = self._live[key]
+        del live[id(seq)]
+        if not live:
+            del self._live[key]
 
 
 class NgramDrafter:
     """Prompt-lookup decoding: the sequence's own prompt and tokens, the latest occurrence of
-    its last `n` tokens (n from `max_n` down to `min_n`) and what followed it."""
+    its last `n` tokens (n from `max_n` down to `min_n`) and what followed it. Each sequence's
+    n-grams are indexed as it is drafted for, from where the last draft left off."""
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
         self.max_n, self.min_n = max_n, min_n
+        self._seen: dict[int, list] = {}     # id(seq) -> [{n-gram: end}, text indexed up to]
 
     def draft(self, seq: Sequence, k: int) -> list[int]:
         text = seq.request.prompt + seq.tokens
-        for n in range(min(self.max_n, len(text) - 1), self.min_n - 1, -1):
-            tail = text[-n:]
-            for start in range(len(text) - n - 1, -1, -1):
-                if text[start:start + n] == tail:
-                    return text[start + n:start + n + k]
+        state = self._seen.setdefault(id(seq), [{}, 0])
+        ends, done = state
+        # every n-gram ending before the text's last token: its latest end
+        for end in range(max(done, self.min_n), len(text)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                ends[tuple(text[end - n:end])] = end
+        state[1] = len(text)
+        for n in range(min(self.max_n, len(text)), self.min_n - 1, -1):
+            end = ends.get(tuple(text[len(text) - n:]))
+            if end is not None and end < len(text):
+                return text[end:end + k]
         return []
 
     def observe(self, seq: Sequence, token: int) -> None:
         pass
 
     def finished(self, seq: Sequence) -> None:
-        pass
+        self._seen.pop(id(seq), None)
 
 
 DRAFTERS = {"suffix": SuffixDrafter, "ngram": NgramDrafter}

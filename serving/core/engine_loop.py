@@ -431,6 +431,8 @@ class EngineLoop:
         elif seq in self.scheduler.resumes:    # preempted while its last tokens were in flight
             self.scheduler.resumes.remove(seq)
         seq.finished = True
+        if self.speculator is not None:
+            self.speculator.drafter.finished(seq)
         seq.request.longest = max(seq.request.longest, len(seq.tokens))
         self._done(seq.request, seq.index, reason,
                    np.stack(seq.routes) if seq.routes and reason in FINISHED else None)

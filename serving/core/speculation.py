@@ -20,8 +20,10 @@ batch's row count, as the engine measures them:
 
     speculate with R rows  <=>  seconds per token verifying(R) < decoding(R)
 
-One dispatch in PROBE_EVERY goes the other way, so that both averages follow the text being
-written (a tail that turns repetitive, a batch that fills).
+Now and then a dispatch goes the other way, so that both averages follow the text being
+written (a tail that turns repetitive, a batch that fills): after FIRST_PROBE dispatches at a
+row count, then at intervals that double while the choice holds (up to LAST_PROBE, so that a
+way that does not pay costs little), back to FIRST_PROBE when the choice changes.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from serving.core.sequence import Sequence
 class Speculator:
     """The drafter, the load rule and what speculation has done (`stats`)."""
 
-    PROBE_EVERY = 32          # one dispatch in this many goes the way the rule did not pick
+    FIRST_PROBE, LAST_PROBE = 8, 512    # dispatches between two probes of the other way
     SMOOTHING = 0.1           # weight of one dispatch in the moving averages
 
     def __init__(self, drafter: Drafter, tokens: int, costs: dict[int, tuple[float, float]]
@@ -50,7 +52,7 @@ class Speculator:
         self.drafted = self.accepted = self.verified_rows = 0
         self.tokens_per_row = 1.0 + tokens / 2
         self.seconds_per_token: dict[tuple[str, int], float] = {}   # (way, rows) -> average
-        self._since_probe = 0
+        self._probes: dict[int, list] = {}    # rows -> [since the last, interval, choice]
 
     def estimate(self, rows: int) -> tuple[float, float] | None:
         """(decoding, verifying) seconds per token with `rows` rows in the batch: measured
@@ -72,9 +74,12 @@ class Speculator:
         if est is None:
             return False
         choice = est[1] < est[0]
-        self._since_probe += 1
-        if self._since_probe >= self.PROBE_EVERY:
-            self._since_probe = 0
+        probe = self._probes.setdefault(rows, [0, self.FIRST_PROBE, choice])
+        if probe[2] != choice:          # the choice changed: look again soon
+            probe[:] = [0, self.FIRST_PROBE, choice]
+        probe[0] += 1
+        if probe[0] >= probe[1]:
+            probe[0], probe[1] = 0, min(2 * probe[1], self.LAST_PROBE)
             return not choice
         return choice
 

@@ -58,6 +58,9 @@ def test_the_suffix_drafter_drafts_from_siblings_and_earlier_rollouts_within_its
     tail.tokens = [2, 3]
     assert drafter.draft(tail, 3) == [4, 5, 6]
     # the same prompt in a later step: its earlier rollouts still draft
+    drafter.finished(sibling)
+    drafter.finished(tail)
+    assert not drafter._live                          # nothing kept of finished sequences
     later = _seq(prompt, [9, 2, 3], index=0)
     assert drafter.draft(later, 2) == [4, 5]
     # other prompts fill the bound: the least recently drafted is forgotten
@@ -66,6 +69,7 @@ def test_the_suffix_drafter_drafts_from_siblings_and_earlier_rollouts_within_its
         for t in range(10):
             other.tokens.append(t)
             drafter.observe(other, t)
+        drafter.finished(other)                       # indexed as it ends
     assert drafter.entries <= 200 and tuple(prompt) not in drafter.indexes
     assert drafter.draft(later, 2) == []
 
@@ -88,15 +92,13 @@ def test_the_load_rule_picks_the_fewer_seconds_per_token_and_probes_the_other_wa
     for _ in range(100):
         spec.stepped([1, 1])                               # nothing accepted
     assert spec.tokens_per_row == pytest.approx(1.0, abs=0.02)
-    spec._since_probe = 0
-    picks = [spec.wanted(4) for _ in range(2 * Speculator.PROBE_EVERY)]
-    assert picks.count(True) == 2                          # a probe every PROBE_EVERY
+    picks = [spec.wanted(4) for _ in range(8 + 16 + 32)]
+    assert [i for i, p in enumerate(picks) if p] == [7, 23, 55]   # probes, further apart
     # measured while serving: what the dispatches took wins over the start-up costs
     for _ in range(50):
         spec.timed("decode", 4, 0.010, 4)                  # 2.5 ms a token
         spec.timed("verify", 4, 0.012, 12)                 # 1 ms a token
     assert spec.estimate(4) == pytest.approx((0.0025, 0.001))
-    spec._since_probe = 0
     assert spec.wanted(4) and not spec.wanted(32)
     assert not Speculator(NgramDrafter(), 4).wanted(4)     # nothing measured: no
     assert Speculator(NgramDrafter(), 4, always=True).wanted(32)
