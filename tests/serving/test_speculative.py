@@ -18,7 +18,7 @@ from serving.core.drafts import DRAFTERS, NgramDrafter, SuffixDrafter, SuffixInd
 from serving.core.orchestrator import Orchestrator
 from serving.core.sequence import Request, Sequence
 from serving.core.speculation import Speculator
-from serving.core.stream import RequestStream
+from serving.core.stream import RequestStream, TokenEvent
 from serving.frontends.prometheus import exposition
 from serving.runner.engine import Engine
 from serving.runner.engine_config import SPECULATIVE
@@ -163,6 +163,36 @@ def test_speculative_log_probs_are_the_model_s_own(model, params, spec_engine):
         logp = jax.nn.log_softmax(logits[len(p) - 1:-1] / 0.8, axis=-1)
         want = np.take_along_axis(np.asarray(logp), np.asarray(sample.tokens)[:, None], 1)
         np.testing.assert_allclose(sample.logprobs, want[:, 0], atol=1e-5)
+
+
+def test_a_weight_update_mid_speculation_serves_the_new_weights_from_the_next_step(
+        model, params, spec_engine):
+    """In flight: the tokens before the swap are the old model's greedy ones, every token
+    after it the new model's (here all logits 0: token 0, log-prob -log V), the versions
+    never go back, and nothing is prefilled again."""
+    silent = jax.tree.map(lambda x: x, params)
+    silent["final_norm"] = jax.numpy.zeros_like(params["final_norm"])
+    prompt, n = prompts(8, seed=7)[0], 24
+    greedy = SamplingParams(temperature=0.0, max_tokens=n)
+    with Orchestrator(spec_engine, params,
+                      speculator=Speculator(SuffixDrafter(min_match=1), K, always=True)) as o:
+        o.submit(prompt, greedy).result()            # its rollout drafts the next one
+        chunks = o.metrics()["prefill_chunks"]
+        events = []
+        for e in o.submit(prompt, greedy):
+            events.append(e)
+            if len(events) == 4:
+                o.update_params(silent, 1)
+        assert o.metrics()["prefill_chunks"] == chunks + 1
+        assert o.metrics()["spec_decode_num_accepted_tokens"] > 0
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    versions = [t.version for t in tokens]
+    k = versions.index(1)
+    assert 4 <= k < n and versions == [0] * k + [1] * (n - k)
+    assert [t.token for t in tokens[:k]] == greedy_generate(model, [prompt], k, -1)[0]
+    assert all(t.token == 0 for t in tokens[k:])
+    np.testing.assert_allclose([t.logprob for t in tokens[k:]], -np.log(CFG.vocab_size),
+                               rtol=1e-5)
 
 
 def test_same_seeds_same_tokens(params, spec_engine):
