@@ -5,6 +5,7 @@ decoding by full recompute, and drafts checked against the texts they come from.
 import collections
 import dataclasses
 import itertools
+import threading
 
 import jax
 import numpy as np
@@ -165,6 +166,22 @@ def test_speculative_log_probs_are_the_model_s_own(model, params, spec_engine):
         np.testing.assert_allclose(sample.logprobs, want[:, 0], atol=1e-5)
 
 
+class HoldAt(SuffixDrafter):
+    """Drafts as SuffixDrafter, and asks the engine loop to hold (it does from its next
+    dispatch) when a sequence reaches `at` tokens: a weight update lands there, whatever the
+    machine's speed."""
+
+    def __init__(self, at: int):
+        super().__init__(min_match=1)
+        self.at, self.loop, self.reached = at, None, threading.Event()
+
+    def draft(self, seq, k):
+        if len(seq.tokens) >= self.at and not self.reached.is_set():
+            self.loop.hold()
+            self.reached.set()
+        return super().draft(seq, k)
+
+
 def test_a_weight_update_mid_speculation_serves_the_new_weights_from_the_next_step(
         model, params, spec_engine):
     """In flight: the tokens before the swap are the old model's greedy ones, every token
@@ -174,17 +191,17 @@ def test_a_weight_update_mid_speculation_serves_the_new_weights_from_the_next_st
     silent["final_norm"] = jax.numpy.zeros_like(params["final_norm"])
     prompt, n = prompts(8, seed=7)[0], 24
     greedy = SamplingParams(temperature=0.0, max_tokens=n)
-    with Orchestrator(spec_engine, params,
-                      speculator=Speculator(SuffixDrafter(min_match=1), K, always=True)) as o:
-        o.submit(prompt, greedy).result()            # its rollout drafts the next one
+    drafter = HoldAt(4)
+    with Orchestrator(spec_engine, params, speculator=Speculator(drafter, K, always=True)) as o:
+        drafter.loop = o._loop
         chunks = o.metrics()["prefill_chunks"]
-        events = []
-        for e in o.submit(prompt, greedy):
-            events.append(e)
-            if len(events) == 4:
-                o.update_params(silent, 1)
+        stream = o.submit(prompt, greedy)
+        assert drafter.reached.wait(60)
+        o.pause()                                # held by the drafter's ask: returns at once
+        o.update_params(silent, 1)
+        o.resume()
+        events = list(stream)
         assert o.metrics()["prefill_chunks"] == chunks + 1
-        assert o.metrics()["spec_decode_num_accepted_tokens"] > 0
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     versions = [t.version for t in tokens]
     k = versions.index(1)
