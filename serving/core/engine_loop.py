@@ -341,8 +341,7 @@ class EngineLoop:
             return None
         k, pushed = engine.cfg.speculative_tokens, 0
         groups = sched.plan_decode(k + 1, engine.cfg, partial(engine.programs.rows_now, "verify"))
-        owners = [row for group in groups for row in group]
-        held = sum(s.cached for _, s in owners)
+        held = sum(s.cached for group in groups for _, s in group)
         for owners in groups:
             width = engine.cfg.table_width(max(s.cached for _, s in owners) + k + 1)
             state, tokens, logprobs = engine.verify(

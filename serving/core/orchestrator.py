@@ -22,6 +22,7 @@ from serving.core import carry as carry_replay
 from serving.core import threads
 from serving.core.engine_loop import EngineLoop, Score, Update
 from serving.core.length_predictor import LengthPredictor
+from serving.core.drafts import make_drafter
 from serving.core.requests import (
     EngineStopped,
     InvalidRequest,
@@ -32,7 +33,6 @@ from serving.core.requests import (
 )
 from serving.core.scheduler import Scheduler, decode_groups
 from serving.core.sequence import Request
-from serving.core.drafts import make_drafter
 from serving.core.speculation import Speculator
 from serving.core.stream import DoneEvent, RequestStream, Sample, TokenEvent
 from serving.runner.constraints import Grammars
@@ -78,8 +78,7 @@ class Orchestrator:
                                    longest_first=longest_first)
         self.length_predictor = LengthPredictor() if longest_first else None
         self.grammars = grammars
-        drafter = make_drafter(e.speculative)
-        if speculator is None and drafter is not None:
+        if speculator is None and (drafter := make_drafter(e.speculative)) is not None:
             speculator = Speculator(drafter, e.speculative_tokens)
         self.speculator = speculator
         self._loop = EngineLoop(engine, engine.prepare_params(params), version, self.scheduler,

@@ -265,8 +265,7 @@ class Engine:
         whose state is left as it was (another batch of the same step may be decoding them). A
         long tail with few busy slots then costs those rows, not every slot."""
         slots = list(range(self.cfg.max_concurrent_decodes)) if slots is None else list(slots)
-        rows, padded, grid, real = self._gathered("decode", slots, table_SW,
-                                                  self.cfg.table_width)
+        rows, padded, grid, real = self._gathered("decode", slots, table_SW)
         width = grid.shape[1]
         if allowed is not None and steps != 1:
             raise ValueError(f"token masks apply to one decode step at a time, not {steps}")
@@ -293,8 +292,7 @@ class Engine:
         if any(len(d) > k for d in drafts):
             raise ValueError(f"drafts of {max(map(len, drafts))} tokens: at most "
                              f"speculative_tokens={k}")
-        rows, padded, grid, real = self._gathered("verify", list(slots), table_RW,
-                                                  self.cfg.table_width)
+        rows, padded, grid, real = self._gathered("verify", list(slots), table_RW)
         proposed = np.full((rows, k), -1, np.int32)
         for i, d in enumerate(drafts):
             proposed[i, : len(d)] = d
@@ -305,14 +303,14 @@ class Engine:
         return (state, [tokens[i, : emitted[i]].tolist() for i in range(n)],
                 [logprobs[i, : emitted[i]].tolist() for i in range(n)])
 
-    def _gathered(self, family: str, slots: list[int], table, width_of):
+    def _gathered(self, family: str, slots: list[int], table):
         """A batch of `slots` as the decode programs take it: (rows, the slots padded with
         idle ones to the row bucket, the page table padded to its width, which rows are
         real)."""
         s = self.cfg.max_concurrent_decodes
         table = np.asarray(table, np.int32)
         rows = self.programs.row_bucket(family, len(slots))
-        width = width_of(table.shape[1] * self.cfg.page_size)
+        width = self.cfg.table_width(table.shape[1] * self.cfg.page_size)
         taken = set(slots)
         idle = [i for i in range(s) if i not in taken]
         padded = np.asarray(slots + idle[: rows - len(slots)], np.int32)
