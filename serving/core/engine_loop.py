@@ -52,7 +52,7 @@ from serving.core.length_predictor import LengthPredictor
 from serving.core.scheduler import Scheduler
 from serving.core.sequence import Prefill, Request, Sequence, stop_reason
 from serving.core.speculation import Speculator
-from serving.core.stream import FINISHED, DoneEvent, TokenEvent
+from serving.core.stream import FINISHED, DoneEvent, Speculated, TokenEvent
 from serving.runner.constraints import Grammars
 from serving.runner.engine import Decoded, Engine, SlotBatch
 
@@ -351,6 +351,9 @@ class EngineLoop:
             for (_, seq), kept, kept_logprobs in zip(owners, tokens, logprobs):
                 if drafts[id(seq)]:
                     spec.record(len(drafts[id(seq)]), len(kept))
+                    seq.verify_steps += 1
+                    seq.draft_tokens += len(drafts[id(seq)])
+                    seq.accepted_tokens += len(kept) - 1
                 for token, logprob in zip(kept, kept_logprobs):
                     if seq.finished:
                         break
@@ -433,14 +436,18 @@ class EngineLoop:
         if self.speculator is not None:
             self.speculator.drafter.finished(seq)
         seq.request.longest = max(seq.request.longest, len(seq.tokens))
+        speculated = Speculated(seq.verify_steps, seq.draft_tokens, seq.accepted_tokens) \
+            if seq.verify_steps else None
         self._done(seq.request, seq.index, reason,
-                   np.stack(seq.routes) if seq.routes and reason in FINISHED else None)
+                   np.stack(seq.routes) if seq.routes and reason in FINISHED else None,
+                   speculated)
 
-    def _done(self, req: Request, index: int, reason: str, routes=None) -> None:
+    def _done(self, req: Request, index: int, reason: str, routes=None,
+              speculated: Speculated | None = None) -> None:
         if req.done[index]:
             return
         req.done[index] = True
-        req.stream.put(DoneEvent(index, reason, routes))
+        req.stream.put(DoneEvent(index, reason, routes, speculated))
         if all(req.done):
             self._count(requests_done=1)
             if self.length_predictor is not None and reason in ("eos", "stop", "length"):

@@ -60,6 +60,11 @@ class Sequence:
     # With EngineConfig.record_routes: each fed position's experts [L, K], recorded the first
     # time the position is computed (a preempted sequence's recompute does not overwrite them).
     routes: list = dataclasses.field(default_factory=list)
+    # Speculative decoding: verify steps it took part in with a draft, their draft tokens and
+    # the accepted ones (its DoneEvent's `speculation`).
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def cached(self) -> int:

@@ -18,6 +18,24 @@ class TokenEvent:
 
 
 @dataclasses.dataclass(frozen=True)
+class Speculated:
+    """What speculative decoding did for one sample (serving/core/speculation.py): the verify
+    steps it took part in with a draft, the draft tokens they proposed and those accepted."""
+    verify_steps: int
+    draft_tokens: int
+    accepted_tokens: int
+
+    @property
+    def rejected_tokens(self) -> int:
+        return self.draft_tokens - self.accepted_tokens
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens a verify step kept for it: the accepted and the one drawn after them."""
+        return 1 + self.accepted_tokens / max(self.verify_steps, 1)
+
+
+@dataclasses.dataclass(frozen=True)
 class DoneEvent:
     sample_index: int
     # eos | stop | length: finished. cancelled: the caller let go. shutdown | error: the engine
@@ -27,6 +45,8 @@ class DoneEvent:
     # With EngineConfig.record_routes: the experts each fed token (prompt and sample, all but
     # the last token) was routed to in each layer, int32 [tokens - 1, L, K]. None: not recorded.
     routes: object = None
+    # With speculative decoding: what it did for this sample. None: it verified no draft.
+    speculation: Speculated | None = None
 
 
 FINISHED = ("eos", "stop", "length")   # the reasons of a sample that is complete
@@ -39,6 +59,7 @@ class Sample:
     versions: list = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     routes: object = dataclasses.field(default=None, compare=False)   # DoneEvent.routes
+    speculation: Speculated | None = None                              # DoneEvent.speculation
 
 
 class RequestStream:
@@ -135,3 +156,4 @@ def _apply(sample: Sample, event: TokenEvent | DoneEvent) -> None:
     else:
         sample.finish_reason = event.reason
         sample.routes = event.routes
+        sample.speculation = event.speculation

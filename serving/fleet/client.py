@@ -23,7 +23,7 @@ import numpy as np
 
 from serving.core.orchestrator import UpdateResult
 from serving.core.requests import StaleVersion
-from serving.core.stream import DoneEvent, RequestStream, Sample, TokenEvent
+from serving.core.stream import DoneEvent, RequestStream, Sample, Speculated, TokenEvent
 from serving.proto import generation_pb2 as gen_pb2
 from serving.proto import generation_pb2_grpc as gen_grpc
 from serving.runner.sampling import SamplingParams
@@ -150,7 +150,10 @@ class RemoteGeneration:
                 if r.finish_reason:
                     routes = (np.frombuffer(r.routes, "<i4").reshape(r.routes_shape).astype(
                         np.int32) if r.routes_shape else None)
-                    stream.put(DoneEvent(r.sample_index, r.finish_reason, routes))
+                    speculated = Speculated(r.spec_verify_steps, r.spec_draft_tokens,
+                                            r.spec_accepted_tokens) \
+                        if r.spec_verify_steps else None
+                    stream.put(DoneEvent(r.sample_index, r.finish_reason, routes, speculated))
                 for token, logprob, version in zip(r.token_ids, r.logprobs, r.versions):
                     stream.put(TokenEvent(r.sample_index, token, logprob, version))
             reason = "lost"        # the call ended with samples still open

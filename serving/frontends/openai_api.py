@@ -34,7 +34,7 @@ from jaxrl.models.chat import ChatTemplateError, render_chat
 from jaxrl.models.tokenizer import prompt_ids
 from serving.core.orchestrator import EngineStopped, InvalidRequest, QueueFull
 from serving.frontends.http_server import start_http, stop_http  # noqa: F401 (the API's server)
-from serving.frontends.openai_choices import Choice, Reply, Scored, choice_json
+from serving.frontends.openai_choices import Choice, Reply, Scored, choice_json, usage
 from serving.frontends.openai_schema import (  # noqa: F401
     FINISH,
     MAX_STOPS,
@@ -291,9 +291,10 @@ class OpenAIApp:
                 "model": body.model or self.model_name}
         usage_prompt = sum(len(p) for p in prompts) * body.n
         if body.stream:
-            usage = bool((body.stream_options or {}).get("include_usage"))
+            with_usage = bool((body.stream_options or {}).get("include_usage"))
             events = sse(streams, choices, body.n, reply, meta,
-                         usage_prompt if usage else None, lambda: self._record(key, choices))
+                         usage_prompt if with_usage else None,
+                         lambda: self._record(key, choices))
             return StreamingResponse(events, media_type="text/event-stream")
         for _ in read_events(streams, choices, body.n):
             pass
@@ -304,10 +305,7 @@ class OpenAIApp:
                            scored=None if top is None else self._scored(prompt_of(i), c, top,
                                                                         echo))
                for i, c in enumerate(choices)]
-        completion = sum(len(c.tokens) for c in choices)
-        return {**meta, "object": kind, "choices": out,
-                "usage": {"prompt_tokens": usage_prompt, "completion_tokens": completion,
-                          "total_tokens": usage_prompt + completion}}
+        return {**meta, "object": kind, "choices": out, "usage": usage(usage_prompt, choices)}
 
     def _scored(self, prompt: list[int], c: Choice, top: int, echo: bool) -> Scored:
         sequence = list(prompt) + list(c.tokens)

@@ -9,6 +9,7 @@ from typing import Callable
 
 import numpy as np
 
+from serving.core.stream import Speculated
 from serving.frontends.detokenize import IncrementalDecoder
 from serving.frontends.tool_calls import ToolTurn
 
@@ -37,6 +38,7 @@ class Choice:
         self.tokenizer, self.stops, self.tools = tokenizer, stops, tools
         self.tokens, self.logprobs, self.versions = [], [], []
         self.finish: str | None = None
+        self.speculation: Speculated | None = None     # what speculative decoding did for it
         self._decoder = IncrementalDecoder(tokenizer)
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._sent: list[str] = []        # handed to the client by `delta`
@@ -181,3 +183,18 @@ def choice_json(kind, index, c: Choice, logprobs: bool, *, final: bool, text=Non
     return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
 
+
+
+def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
+    """A response's usage. With speculative decoding the draft tokens the engine verified for
+    its choices are reported as OpenAI reports a prediction's (Predicted Outputs):
+    `completion_tokens_details.accepted_prediction_tokens` and `rejected_prediction_tokens`."""
+    completion = sum(len(c.tokens) for c in choices)
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+           "total_tokens": prompt_tokens + completion}
+    speculated = [c.speculation for c in choices if c.speculation is not None]
+    if speculated:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(s.accepted_tokens for s in speculated),
+            "rejected_prediction_tokens": sum(s.rejected_tokens for s in speculated)}
+    return out

@@ -7,7 +7,7 @@ import json
 from typing import Callable, Iterator
 
 from serving.core.stream import TokenEvent
-from serving.frontends.openai_choices import Choice, Reply, choice_json
+from serving.frontends.openai_choices import Choice, Reply, choice_json, usage
 from serving.frontends.openai_schema import FINISH, OpenAIError
 
 
@@ -39,10 +39,7 @@ def sse(streams, choices: list[Choice], n: int, reply: Reply, meta: dict,
                 yield chunk({"choices": [piece]})
         done()
         if usage_prompt is not None:
-            completion = sum(len(c.tokens) for c in choices)
-            yield chunk({"choices": [], "usage": {
-                "prompt_tokens": usage_prompt, "completion_tokens": completion,
-                "total_tokens": usage_prompt + completion}})
+            yield chunk({"choices": [], "usage": usage(usage_prompt, choices)})
         yield "data: [DONE]\n\n"
     except OpenAIError as e:
         yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind}})}\n\n"
@@ -58,6 +55,8 @@ def read_events(streams, choices: list[Choice], n: int) -> Iterator[int]:
     for s, stream in enumerate(streams):
         for event in stream:
             c = choices[s * n + event.sample_index]
+            if not isinstance(event, TokenEvent) and event.speculation is not None:
+                c.speculation = event.speculation
             if c.finish is not None:        # cut by a stop string: the rest is not shown
                 continue
             if isinstance(event, TokenEvent):

@@ -88,9 +88,14 @@ def _responses(batch, detok: _Detokenizer):
             routes = {} if event.routes is None else {
                 "routes": np.asarray(event.routes, "<i4").tobytes(),
                 "routes_shape": list(event.routes.shape)}
+            spec = {} if event.speculation is None else {
+                "spec_verify_steps": event.speculation.verify_steps,
+                "spec_draft_tokens": event.speculation.draft_tokens,
+                "spec_accepted_tokens": event.speculation.accepted_tokens}
             yield gen_pb2.GenerateResponse(sample_index=event.sample_index,
                                            finish_reason=event.reason,
-                                           text=detok.flush(event.sample_index), **routes)
+                                           text=detok.flush(event.sample_index), **routes,
+                                           **spec)
         else:
             runs.setdefault(event.sample_index, []).append(event)
     for events in runs.values():

@@ -117,16 +117,18 @@ def test_loop_equals_attention_over_the_held_tokens(monkeypatch, dtype, atol, wi
                                                    ("float32", "bfloat16", 1e-5)])
 @pytest.mark.parametrize("window,scale,softcap", [(None, None, None), (5, None, None),
                                                   (3, 0.3, 2.0)])
-@pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("head_dim,t", [(8, 3), (32, 10), (64, 3)])
 def test_native_equals_attention_over_the_held_tokens(q_dtype, kv_dtype, atol, window, scale,
-                                                      softcap, head_dim):
-    """Three queries a row (a prefill chunk's; a decode step is the last of them) at
-    consecutive positions, rows of one token up to the whole table, keys past its 64-token
-    block. Pages past each row's last token are NaN: a kernel that read one would return NaN.
-    Head width 64 takes the kernel's unrolled path, 8 its general one."""
-    layers, pages, width, page, kv_heads, q_heads, t = 2, 160, 24, 4, 2, 4, 3
+                                                      softcap, head_dim, t):
+    """`t` queries a row (a prefill chunk's or a verify step's; a decode step is the last of
+    them) at consecutive positions, rows of `t` tokens up to the whole table, keys past its
+    64-token block. Pages past each row's last token are NaN: a kernel that read one would
+    return NaN. Head widths 32 and 64 take the kernel's unrolled paths, 8 its general one; 10
+    queries of 2 heads a kv head are more than the kernel takes together (8), so a row's
+    queries go in two passes over its keys."""
+    layers, pages, width, page, kv_heads, q_heads = 2, 160, 24, 4, 2, 4
     rng = np.random.default_rng(head_dim)
-    lengths = np.asarray([t, page + 3, 2 * page, 70, width * page, 3 * page + 1])
+    lengths = np.maximum([t, page + 3, 2 * page, 70, width * page, 3 * page + 1], t)
     rows = len(lengths)
     table = rng.permutation(np.arange(1, pages))[:rows * width].reshape(rows, width)
     kv = rng.standard_normal((layers, pages, page, 2 * kv_heads, head_dim)).astype(np.float32)

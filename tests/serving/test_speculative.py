@@ -9,6 +9,7 @@ import threading
 
 import jax
 import numpy as np
+import openai
 import pytest
 from flax import nnx
 from scipy import stats
@@ -20,11 +21,15 @@ from serving.core.orchestrator import Orchestrator
 from serving.core.sequence import Request, Sequence
 from serving.core.speculation import Speculator
 from serving.core.stream import RequestStream, TokenEvent
+from serving.fleet.client import RemoteGeneration
+from serving.frontends.openai_api import OpenAIApp, start_http
 from serving.frontends.prometheus import exposition
+from serving.frontends.server import Server
 from serving.runner.engine import Engine
 from serving.runner.engine_config import SPECULATIVE
 from serving.runner.sampling import SamplingParams
 from tests.serving.common import CFG, ENGINE, prompts
+from tests.serving.test_openai_api import tokenizer  # noqa: F401 (a fixture)
 
 K = 4
 SPEC = dataclasses.replace(ENGINE, speculative="suffix", speculative_tokens=K)
@@ -210,6 +215,50 @@ def test_a_weight_update_mid_speculation_serves_the_new_weights_from_the_next_st
     assert all(t.token == 0 for t in tokens[k:])
     np.testing.assert_allclose([t.logprob for t in tokens[k:]], -np.log(CFG.vocab_size),
                                rtol=1e-5)
+
+
+def test_each_sample_says_what_speculation_did_for_it_in_process_over_grpc_and_openai(
+        model, params, spec_engine, tokenizer):
+    """Per sample: the verify steps it took part in, its draft tokens and the accepted ones,
+    the engine's totals summed over samples; the same counts come back over gRPC (fleet
+    client) and as OpenAI's prediction tokens in a completion's usage (the `openai` package).
+    Planted drafts: sample 0's are its greedy continuation (every token accepted), sample 1's
+    fixed tokens (mostly rejected)."""
+    prompt, n = prompts(11, seed=5)[0], 16
+    made = Planted({tuple(prompt): greedy_generate(model, [prompt], n, eos_id=-1)[0]})
+    greedy = SamplingParams(temperature=0.0, max_tokens=n, n=2)
+    o = Orchestrator(spec_engine, params, speculator=Speculator(made, K, always=True)).start()
+    server = Server(o, port=0).start()
+    http, port = start_http(OpenAIApp(o, tokenizer, "tiny", SPEC.max_len).app, "127.0.0.1", 0)
+    try:
+        before = o.metrics()
+        local = o.submit(prompt, greedy).result()
+        after = o.metrics()
+        remote = RemoteGeneration(server.address)
+        try:
+            over_grpc = remote.submit(prompt, greedy).result()
+        finally:
+            remote.close()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        usage = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, n=2,
+                                          temperature=0).usage
+    finally:
+        http.should_exit = True
+        server.stop(0)
+    spec = [s.speculation for s in local]
+    assert spec[0].verify_steps > 0 and spec[0].rejected_tokens == 0
+    assert spec[0].accepted_tokens == spec[0].draft_tokens >= n // 2
+    assert spec[1].rejected_tokens > 0
+    for counter, field in [("spec_decode_num_drafts", "verify_steps"),
+                           ("spec_decode_num_draft_tokens", "draft_tokens"),
+                           ("spec_decode_num_accepted_tokens", "accepted_tokens")]:
+        assert after[counter] - before[counter] == sum(getattr(x, field) for x in spec)
+    assert [s.speculation for s in over_grpc] == spec
+    assert [s.tokens for s in over_grpc] == [s.tokens for s in local]
+    details = usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == sum(x.accepted_tokens for x in spec)
+    assert details.rejected_prediction_tokens == sum(x.rejected_tokens for x in spec)
 
 
 def test_same_seeds_same_tokens(params, spec_engine):

@@ -103,8 +103,9 @@ struct Shape {
   float scale, softcap;
 };
 
-// One (row, kv head): every query of the row, for the r query heads of kv head g together (each
-// key and value is read once for all of them).
+// One (row, kv head): every query of the row, for the r query heads of kv head g together, and
+// for as many of the row's T queries at once as fit (a verify step's K+1 tokens): each key and
+// value is read once for all of these lanes, each lane scoring the keys its position sees.
 template <int64_t kWidth, typename Q, typename KV>
 void AttendRowHead(const Shape& s, const Q* q, const int32_t* positions, const KV* kv,
                    const int32_t* table, int64_t layer, int64_t row, int64_t g, Q* out) {
@@ -113,19 +114,30 @@ void AttendRowHead(const Shape& s, const Q* q, const int32_t* positions, const K
   const KV* pool = kv + layer * s.pages * s.page * token_stride;
   const int32_t* row_table = table + row * s.w;
   const int64_t limit = s.w * s.page;  // positions past the table are not the row's
+  // Queries taken together: as many as the lanes' scores and accumulators hold.
+  const int64_t together =
+      std::max<int64_t>(1, std::min({s.t, kMaxHeads / r, kMaxWidth / (r * h)}));
 
   alignas(64) float query[kMaxWidth], acc[kMaxWidth], scores[kMaxHeads * kBlock];
   float m[kMaxHeads], l[kMaxHeads];
+  int64_t lo[kMaxHeads], hi[kMaxHeads];  // each lane's keys: positions lo .. hi - 1
   const KV* records[kBlock];
-  for (int64_t t = 0; t < s.t; ++t) {
-    const int64_t p = positions[row * s.t + t];
-    const int64_t last = std::min<int64_t>(p, limit - 1);
-    const int64_t first = s.window > 0 ? std::max<int64_t>(0, p - s.window + 1) : 0;
-    const int64_t head0 = (row * s.t + t) * s.n + g * r;  // the first of the r heads
-    for (int64_t i = 0; i < r * h; ++i) query[i] = Widen(q[head0 * h + i]) * s.scale;
-    std::fill(acc, acc + r * h, 0.f);
-    std::fill(m, m + r, -std::numeric_limits<float>::infinity());
-    std::fill(l, l + r, 0.f);
+  for (int64_t t0 = 0; t0 < s.t; t0 += together) {
+    const int64_t queries = std::min(together, s.t - t0), lanes = queries * r;
+    int64_t first = limit, last = -1;
+    for (int64_t tt = 0; tt < queries; ++tt) {
+      const int64_t p = positions[row * s.t + t0 + tt];
+      const int64_t end = std::min<int64_t>(p, limit - 1) + 1;
+      const int64_t begin = s.window > 0 ? std::max<int64_t>(0, p - s.window + 1) : 0;
+      const int64_t head0 = (row * s.t + t0 + tt) * s.n + g * r;  // the first of its r heads
+      for (int64_t j = 0; j < r; ++j) lo[tt * r + j] = begin, hi[tt * r + j] = end;
+      for (int64_t i = 0; i < r * h; ++i)
+        query[tt * r * h + i] = Widen(q[head0 * h + i]) * s.scale;
+      first = std::min(first, begin), last = std::max(last, end - 1);
+    }
+    std::fill(acc, acc + lanes * h, 0.f);
+    std::fill(m, m + lanes, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + lanes, 0.f);
     for (int64_t start = first; start <= last; start += kBlock) {
       const int64_t end = std::min<int64_t>(start + kBlock, last + 1), n = end - start;
       // The block's records (keys of head g, then its values), walking the row's pages.
@@ -137,7 +149,8 @@ void AttendRowHead(const Shape& s, const Q* q, const int32_t* positions, const K
       }
       for (int64_t i = 0; i < n; ++i) {
         const KV* k = records[i];
-        for (int64_t j = 0; j < r; ++j) {
+        for (int64_t j = 0; j < lanes; ++j) {
+          if (start + i < lo[j] || start + i >= hi[j]) continue;
           const float* qj = query + j * h;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -145,15 +158,18 @@ void AttendRowHead(const Shape& s, const Q* q, const int32_t* positions, const K
           scores[j * kBlock + i] = dot;
         }
       }
-      for (int64_t j = 0; j < r; ++j) {
+      for (int64_t j = 0; j < lanes; ++j) {
+        // The lane's keys in this block: a ... b - 1 (none: the lane skips the block).
+        const int64_t a = std::max<int64_t>(lo[j] - start, 0), b = std::min(hi[j] - start, n);
+        if (a >= b) continue;
         float* sj = scores + j * kBlock;
         if (s.softcap > 0.f)
-          for (int64_t i = 0; i < n; ++i) sj[i] = s.softcap * std::tanh(sj[i] / s.softcap);
-        const float m_new = std::max(m[j], *std::max_element(sj, sj + n));
+          for (int64_t i = a; i < b; ++i) sj[i] = s.softcap * std::tanh(sj[i] / s.softcap);
+        const float m_new = std::max(m[j], *std::max_element(sj + a, sj + b));
         const float rescale = l[j] > 0.f ? ExpNonPositive(m[j] - m_new) : 0.f;
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
+        for (int64_t i = a; i < b; ++i) {
           sj[i] = ExpNonPositive(sj[i] - m_new);
           sum += sj[i];
         }
@@ -163,7 +179,8 @@ void AttendRowHead(const Shape& s, const Q* q, const int32_t* positions, const K
       }
       for (int64_t i = 0; i < n; ++i) {
         const KV* v = records[i] + h;
-        for (int64_t j = 0; j < r; ++j) {
+        for (int64_t j = 0; j < lanes; ++j) {
+          if (start + i < lo[j] || start + i >= hi[j]) continue;
           const float weight = scores[j * kBlock + i];
           float* aj = acc + j * h;
 #pragma omp simd
@@ -171,9 +188,13 @@ void AttendRowHead(const Shape& s, const Q* q, const int32_t* positions, const K
         }
       }
     }
-    for (int64_t j = 0; j < r; ++j) {
-      const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-      for (int64_t i = 0; i < h; ++i) Narrow(acc[j * h + i] * inv, &out[(head0 + j) * h + i]);
+    for (int64_t tt = 0; tt < queries; ++tt) {
+      const int64_t head0 = (row * s.t + t0 + tt) * s.n + g * r;
+      for (int64_t j = 0; j < r; ++j) {
+        const float* aj = acc + (tt * r + j) * h;
+        const float inv = l[tt * r + j] > 0.f ? 1.f / l[tt * r + j] : 0.f;
+        for (int64_t i = 0; i < h; ++i) Narrow(aj[i] * inv, &out[(head0 + j) * h + i]);
+      }
     }
   }
 }
@@ -197,6 +218,7 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shape& s, const Q* q, const int32_
     for (int64_t item; (item = w.next.fetch_add(1)) < w.items;) {
       const int64_t row = item / s.g, g = item % s.g;
       switch (s.h) {  // the common head widths unrolled
+        case 32: AttendRowHead<32>(s, q, positions, kv, table, layer, row, g, out); break;
         case 64: AttendRowHead<64>(s, q, positions, kv, table, layer, row, g, out); break;
         case 128: AttendRowHead<128>(s, q, positions, kv, table, layer, row, g, out); break;
         default: AttendRowHead<0>(s, q, positions, kv, table, layer, row, g, out);
