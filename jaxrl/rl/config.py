@@ -154,6 +154,12 @@ class RLConfig:
     # devices serve, the others train.
     placement: Literal["colocated", "split"] = "colocated"
     engine_devices: int = 1
+    # SeamlessFlow's spatiotemporal multiplexing: the trainer's devices are tagged to train and
+    # to generate. While the trainer waits for a batch they run an engine of their own beside
+    # the others (the servers, or rl.placement=split's engine devices), serving the newest
+    # weights; once the batch is ready its unfinished groups continue on the others from the
+    # tokens they reached, and the devices train (jaxrl/rollout/fleet.py: lend, withdraw).
+    multiplex: bool = False
     prompts_per_step: int = 8       # groups per optimizer step
     group_size: int = 8             # samples per prompt (the advantage baseline's group)
     max_prompt_len: int = 16        # longer prompts are skipped (counted)

@@ -16,6 +16,10 @@ where a group is generated.
   and have the current weights.
 - With no ready member for `wait_s` the run fails with the members' last errors, rather than
   hang.
+- Multiplexing (SeamlessFlow; rl.multiplex): a member tagged "train" runs on the trainer's own
+  devices. The trainer `lend`s it while it waits for a batch, and `withdraw`s it when the batch
+  is ready: its unfinished groups continue on the other members from the tokens they reached
+  (`carry`, as a failed member's do), and its engine pauses while the devices train.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ class Fleet:
         self._closed = threading.Event()
         self.latest_version = max((m.version for m in self.members if m.version is not None),
                                   default=-1)
-        self.stats = {"groups_moved": 0, "members_set_aside": 0}
+        self.stats = {"groups_moved": 0, "members_set_aside": 0, "groups_withdrawn": 0}
+        self._withdrawn: set[RequestStream] = set()   # cancelled by `withdraw`: to be moved
         self._router = Router(lambda m: m.outstanding / m.slots, _MAX_HOMES)
         self._monitor = None
         self._start_heartbeats()
@@ -134,17 +139,24 @@ class Fleet:
                 raise
             with self._lock:
                 member.streams.add(stream)
-                gone = not member.alive     # set aside while we submitted: move it at once
+                gone = not member.ready     # set aside or withdrawn meanwhile: move it at once
+                if gone and member.state is MemberState.RESTING:
+                    self._withdrawn.add(stream)
             if gone:
                 stream.cancel()
             return member, stream
 
-    def release(self, member: Member, n: int, stream: RequestStream | None = None) -> None:
-        """`n` samples of `member` (and its `stream`) have finished or moved."""
+    def release(self, member: Member, n: int, stream: RequestStream | None = None) -> bool:
+        """`n` samples of `member` (and its `stream`) have finished or moved; whether `withdraw`
+        cut the stream short (its group is to continue elsewhere)."""
         with self._lock:
             member.outstanding -= n
             member.streams.discard(stream)
             self._lock.notify_all()
+            if stream in self._withdrawn:
+                self._withdrawn.discard(stream)
+                return True
+            return False
 
     def _no_member_message(self) -> str:
         states = "; ".join(f"{m.name}: {m.why_down or m.state.value}"
@@ -277,6 +289,30 @@ class Fleet:
     def _behind(m: Member, version: int) -> bool:
         return m.alive and (m.version is None or m.version < version)
 
+    # -- multiplexing: the trainer's devices ------------------------------------------------------
+    def lend(self, member: Member) -> None:
+        """The trainer waits for data: `member` (on its devices) takes work until `withdraw`."""
+        member.generation.resume()
+        with self._lock:
+            if member.state is MemberState.RESTING:
+                member.state = MemberState.READY
+                self._lock.notify_all()
+
+    def withdraw(self, member: Member, timeout: float = 60.0) -> None:
+        """The trainer has its batch: `member` takes no more work, its unfinished groups
+        continue on the other members from the tokens they reached, and it returns once its
+        engine is idle (its devices are the trainer's again)."""
+        with self._lock:
+            if member.state is not MemberState.READY:
+                return
+            member.state = MemberState.RESTING
+            streams = list(member.streams)
+            self._withdrawn.update(streams)
+            self._lock.notify_all()
+        for stream in streams:
+            stream.cancel()
+        member.generation.pause(timeout=timeout)
+
     # -- partial rollouts ------------------------------------------------------------------------
     def pause(self, lease_s: float, timeout: float = 60.0) -> None:
         """Pauses every member that answers (all at once) and returns once each is idle; a
@@ -292,8 +328,9 @@ class Fleet:
         self._each("resume", lambda m: m.generation.resume())
 
     def _each(self, what: str, call: Callable[[Member], None]) -> None:
-        with self._lock:
-            members = [m for m in self.members if m.alive]
+        with self._lock:        # a resting member is paused already, and stays so
+            members = [m for m in self.members
+                       if m.alive and m.state is not MemberState.RESTING]
         if not members:
             return
         with concurrent.futures.ThreadPoolExecutor(len(members),
@@ -340,6 +377,10 @@ class Fleet:
                     total[key] += m.counted.get(key, 0) + m.last_metrics.get(key, 0)
                 steps = m.counted.get("steps", 0) + m.last_metrics.get("steps", 0)
                 total["slot_steps"] += steps * m.slots
+            # what the trainer's devices generated while it waited (rl.multiplex)
+            total["trainer_generated_tokens"] = sum(
+                m.counted.get("generated_tokens", 0) + m.last_metrics.get("generated_tokens", 0)
+                for m in self.members + self._departed if m.trains)
             total["members_ready"] = sum(m.ready for m in self.members)
             total["slots_ready"] = sum(m.slots for m in self.members if m.ready)
             total.update(self.stats)
@@ -369,14 +410,16 @@ class FleetStream:
         fleet = self._fleet
         while True:
             samples = self._stream.result()
-            fleet.release(self.member, len(samples), self._stream)
+            withdrawn = fleet.release(self.member, len(samples), self._stream)
             reasons = {s.finish_reason for s in samples}
             if reasons <= set(FINISHED) or self._cancelled or fleet.closed:
                 return samples
             if "refused" in reasons:
                 raise RuntimeError(f"generation: {self.member.name} refused a group: "
                                    f"{self._stream.error}")
-            if self.member.remote:
+            if withdrawn:                # its devices went back to training: move it
+                fleet.count("groups_withdrawn")
+            elif self.member.remote:
                 fleet.set_aside(self.member, self._stream.error or "its stream ended early")
             elif self.member.alive:      # the in-process engine stopped: nothing to wait for
                 return samples

@@ -69,6 +69,7 @@ class Generators:
     publisher: WeightPublisher
     local: Orchestrator | None
     registry: Registry | None = None      # where servers join (rl.generation.join)
+    lender: Member | None = None          # the trainer's devices' engine (rl.multiplex)
 
     def close(self) -> None:
         if self.registry is not None:
@@ -77,6 +78,8 @@ class Generators:
         self.fleet.close()
         if self.local is not None:
             self.local.stop()
+        if self.lender is not None:
+            self.lender.generation.stop()
         for m in self.fleet.members + self.fleet.departed:
             if m.remote:
                 m.generation.close()
@@ -98,33 +101,69 @@ def rollout_weights(model_cfg: ModelConfig, weights: str) -> Callable | None:
 
 
 def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, version: int,
-          engine_devices, log: Callable[[str], None]) -> Generators:
+          engine_devices, log: Callable[[str], None], trainer_devices=()) -> Generators:
     """Starts generation serving `params` as weights `version`. Remote servers are brought to
-    them before they take work; those that cannot be reached yet join when they answer."""
+    them before they take work; those that cannot be reached yet join when they answer. With
+    rl.multiplex, an engine on `trainer_devices` joins the fleet resting (the trainer lends it
+    while it waits for data)."""
+    gens = _local(cfg, model_cfg, tokenizer, params, version, engine_devices, log) \
+        if not cfg.rl.generation.remote else \
+        _remote(cfg, model_cfg, tokenizer, params, version, log)
+    if cfg.rl.multiplex:
+        try:
+            gens.lender = _lender(cfg, model_cfg, tokenizer, params, version, trainer_devices)
+        except BaseException:
+            gens.close()
+            raise
+        gens.fleet.join(gens.lender)
+        log(f"multiplexing: the trainer's {len(trainer_devices)} device(s) generate while it "
+            f"waits for data ({gens.lender.slots} slots)")
+    return gens
+
+
+def _orchestrator(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params,
+                  version: int, devices) -> Orchestrator:
+    """An in-process engine on `devices` serving `params` (made the rollout weights) as
+    `version`, started."""
     g = cfg.rl.generation
+    served, served_cfg = rollout_weights(model_cfg, g.weights), rollout_model(model_cfg, g.weights)
+    engine = Engine(served_cfg, engine_config(cfg, served_cfg),
+                    mesh=shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), devices))
+    return Orchestrator(engine, served(params) if served else params, version=version,
+                        eos_id=tokenizer.eos_id, max_queued=4 * cfg.rl.batch_size,
+                        longest_first=cfg.rl.admission == "longest_first",
+                        grammars=Grammars(tokenizer, model_cfg.vocab_size)
+                        ).start(compile_later=g.compile == "as_needed")
+
+
+def _lender(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, version: int,
+            trainer_devices) -> Member:
+    """The trainer's devices as a fleet member tagged to train and to generate, resting (paused)
+    until the trainer first waits for data. The publisher updates it like any in-process
+    engine: a copy of the weights on the same devices (the trainer donates its own to each
+    step), no push over a wire."""
+    local = _orchestrator(cfg, model_cfg, tokenizer, params, version, trainer_devices)
+    local.pause()
+    return Member("trainer", local, local.scheduler.num_slots, remote=False, version=version,
+                  state=MemberState.RESTING, tags=frozenset({"train", "generate"}))
+
+
+def _local(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, version: int,
+           engine_devices, log: Callable[[str], None]) -> Generators:
+    """This process's engine on `engine_devices`, the fleet's one member."""
+    g = cfg.rl.generation
+    local = _orchestrator(cfg, model_cfg, tokenizer, params, version, engine_devices)
+    if local.compiled_at_start:
+        log(f"engine: compiled {local.compiled_at_start} programs in {local.compile_s:.1f} s "
+            + ("(its largest batches' and chunks'; smaller ones compile beside generation "
+               "once it needs them, padded to a compiled size meanwhile)"
+               if g.compile == "as_needed" else
+               "(every shape it can run; none is compiled while it generates)"))
+    members = [Member("local", local, cfg.rl.engine.max_concurrent_decodes, remote=False,
+                      version=version, state=MemberState.READY)]
+    fleet = Fleet(members, eos_id=tokenizer.eos_id, wait_s=g.wait_s, warn=log)
     served = rollout_weights(model_cfg, g.weights)
-    if not g.remote:
-        served_cfg = rollout_model(model_cfg, g.weights)
-        engine = Engine(served_cfg, engine_config(cfg, served_cfg),
-                        mesh=shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), engine_devices))
-        local = Orchestrator(engine, served(params) if served else params, version=version,
-                             eos_id=tokenizer.eos_id,
-                             max_queued=4 * cfg.rl.batch_size,
-                             longest_first=cfg.rl.admission == "longest_first",
-                             grammars=Grammars(tokenizer, model_cfg.vocab_size)
-                             ).start(compile_later=g.compile == "as_needed")
-        if local.compiled_at_start:
-            log(f"engine: compiled {local.compiled_at_start} programs in {local.compile_s:.1f} s "
-                + ("(its largest batches' and chunks'; smaller ones compile beside generation "
-                   "once it needs them, padded to a compiled size meanwhile)"
-                   if g.compile == "as_needed" else
-                   "(every shape it can run; none is compiled while it generates)"))
-        members = [Member("local", local, cfg.rl.engine.max_concurrent_decodes, remote=False,
-                          version=version,
-                          state=MemberState.READY)]
-        fleet = Fleet(members, eos_id=tokenizer.eos_id, wait_s=g.wait_s, warn=log)
-        return Generators(fleet, WeightPublisher(fleet, served=served, warn=log), local)
-    return _remote(cfg, model_cfg, tokenizer, params, version, log)
+    return Generators(fleet, WeightPublisher(fleet, served=served, warn=log), local)
 
 
 def transfer_for(transfer: str, address: str) -> str:

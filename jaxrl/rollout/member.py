@@ -16,11 +16,17 @@ class MemberState(enum.Enum):
         JOINING --(pushed the newest weights: `advanced`)--> READY
         JOINING, READY --(a failure: `set_aside`)--> SET_ASIDE
         SET_ASIDE --(answers a heartbeat again)--> JOINING, or READY if it has the weights
+        READY --(its devices go back to training: `withdraw`)--> RESTING
+        RESTING --(the trainer waits for data: `lend`)--> READY
+
+    Only a member tagged "train" as well as "generate" (the trainer's own devices,
+    rl.multiplex) rests.
     """
 
     JOINING = "joining"        # answers, and is being brought to the newest weights
     READY = "ready"            # takes work
     SET_ASIDE = "set aside"    # failed or not reached yet: no work; a remote one rejoins
+    RESTING = "resting"        # its devices train: no work, kept at the newest weights
 
 
 @dataclasses.dataclass(eq=False)
@@ -42,6 +48,9 @@ class Member:
     last_metrics: dict = dataclasses.field(default_factory=dict)
     streams: set = dataclasses.field(default_factory=set)   # its groups in progress
     counted: dict = dataclasses.field(default_factory=dict)  # counters before a restart
+    # What its devices do (SeamlessFlow's capability tags): "generate", and "train" for the
+    # trainer's own devices, which generate only while the trainer waits (rl.multiplex).
+    tags: frozenset = frozenset({"generate"})
 
     @property
     def ready(self) -> bool:
@@ -49,5 +58,9 @@ class Member:
 
     @property
     def alive(self) -> bool:
-        """It answers (joining or ready)."""
+        """It answers (joining, ready or resting)."""
         return self.state is not MemberState.SET_ASIDE
+
+    @property
+    def trains(self) -> bool:
+        return "train" in self.tags

@@ -118,7 +118,7 @@ class StepMetrics:
                                  if scored else math.nan)
         delta = {k: engine.get(k, 0) - self._engine.get(k, 0)
                  for k in ("generated_tokens", "busy_slot_steps", "slot_steps", "held_tokens",
-                           *SPECULATION)}
+                           "trainer_generated_tokens", *SPECULATION)}
         row = {**train_metrics, **stats, "time_s": now, "samples_per_s": self.batch_size / dt,
                # the process's CPU seconds so far (all threads) and the wall-clock time
                "process_cpu_s": time.process_time(), "unix_time": time.time(),
@@ -131,6 +131,10 @@ class StepMetrics:
         row["trained_tokens_per_s"] = row["trained_tokens"] / dt
         row["held_tokens_mean"] = delta["held_tokens"] / max(delta["busy_slot_steps"], 1)
         row.update(speculation_stats(delta))
+        if any(m.trains for m in self.fleet.members):     # rl.multiplex
+            row["trainer_generated_share"] = (delta["trainer_generated_tokens"]
+                                              / max(delta["generated_tokens"], 1))
+            row["groups_withdrawn"] = engine["groups_withdrawn"]
         if self.remote:
             push = self.publisher.metrics()
             row.update({k: engine[k] for k in ("members_ready", "slots_ready", "groups_moved",

@@ -46,6 +46,15 @@ def check_config(cfg: RunConfig) -> None:
                           f"them; an in-process engine would sit on one host's devices)")
     trainer_devices, _ = generation.placement(cfg)
     check_rl_config(cfg, shd.make_mesh(cfg.mesh, trainer_devices))
+    if cfg.rl.multiplex:
+        if not cfg.rl.generation.remote and cfg.rl.placement == "colocated":
+            raise ConfigError("rl.multiplex=true lends the trainer's devices to generation "
+                              "while it waits; with rl.placement=colocated they generate "
+                              "already: set rl.placement=split or generation servers")
+        if jax.process_count() > 1:
+            raise ConfigError(f"rl.multiplex=true runs an engine on this process's trainer "
+                              f"devices; across {jax.process_count()} processes it would sit "
+                              f"on one host's: leave it false")
     generation.engine_config(cfg, model_config(cfg))
     generation.update_token(cfg.rl.generation.token_file)
     g = cfg.rl.generation

@@ -95,7 +95,8 @@ class Leader:
         self.task, self.tokenizer = build_task(cfg, trainer.model_cfg, task)
         step = trainer.step
         gen = self.gen = generation.start(cfg, trainer.model_cfg, self.tokenizer, first_weights,
-                                          step, engine_devices, log)
+                                          step, engine_devices, log,
+                                          trainer_devices=list(trainer.mesh.devices.flat))
         stack.callback(gen.close)
         self.agents = self._agents()
         self.rollout_log = RolloutLog(r.position, [Rollout.from_json(x) for x in r.rollouts])
@@ -174,15 +175,29 @@ class Leader:
 
     def next_arrays(self, lockstep):
         """The next training batch, shared with the other processes; an actor failure (it
-        closes the log) surfaces here."""
-        self.mode.before_batch(self.trainer.step)
-        try:
-            self._batch = next(self.batches)
-        except StopIteration:
-            if isinstance(self.actor.error, UserError):     # e.g. no server answers: one line
-                raise self.actor.error from None
-            raise RuntimeError("the rollout stream ended early") from self.actor.error
+        closes the log) surfaces here. With rl.multiplex the trainer's devices generate while
+        it waits (jaxrl/rollout/fleet.py: lend, withdraw)."""
+        with self._lent():
+            self.mode.before_batch(self.trainer.step)
+            try:
+                self._batch = next(self.batches)
+            except StopIteration:
+                if isinstance(self.actor.error, UserError):  # e.g. no server answers: one line
+                    raise self.actor.error from None
+                raise RuntimeError("the rollout stream ended early") from self.actor.error
         return lockstep.share(lambda: self._batch["arrays"], None)
+
+    @contextlib.contextmanager
+    def _lent(self):
+        lender = self.gen.lender
+        if lender is None:
+            yield
+            return
+        self.gen.fleet.lend(lender)
+        try:
+            yield
+        finally:
+            self.gen.fleet.withdraw(lender)
 
     def stepping(self):
         return self.mode.stepping()

@@ -162,8 +162,7 @@ class EngineLoop:
                 self._apply_updates()
                 while not self._ended.empty():
                     self.scheduler.sessions.drop(self._ended.get())
-                for request in self.scheduler.take_cancelled():
-                    self._finish_request(request, "cancelled")
+                self._end_cancelled()
                 if self._holding():
                     self.wake.wait(0.05)
                     continue
@@ -179,6 +178,20 @@ class EngineLoop:
             raise
         self._collect()         # the tokens of the last dispatch reach their streams
         self.shutdown("shutdown")
+
+    def _end_cancelled(self) -> None:
+        """Ends what the clients let go of, queued or running (also while held: a paused
+        engine's cancelled groups end, and may continue elsewhere)."""
+        sched = self.scheduler
+        prefills, resumes = sched.take_cancelled_work()
+        for request in sched.take_cancelled() + prefills:
+            self._finish_request(request, "cancelled")
+        for seq in resumes:
+            seq.finished = True
+            self._done(seq.request, seq.index, "cancelled")
+        for seq in list(sched.running.values()):
+            if seq.request.stream.cancelled:
+                self._finish(seq, "cancelled")
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -292,9 +305,6 @@ class EngineLoop:
         there was nothing to do."""
         engine, sched = self.engine, self.scheduler
         t0 = time.perf_counter()
-        for seq in list(sched.running.values()):
-            if seq.request.stream.cancelled:
-                self._finish(seq, "cancelled")
         if self._constrained():
             self._collect()     # a grammar's next mask follows the token before it
         elif self._speculating() and (done := self._speculate(state)) is not None:

@@ -96,6 +96,21 @@ class Scheduler:
             self._let_go(request)
         return gone
 
+    def take_cancelled_work(self) -> tuple[list[Request], list[Sequence]]:
+        """Removes the prefills and the preempted sequences whose client went away, freeing
+        their pages and slots: (the prefills' requests, the preempted sequences)."""
+        prefills = [p for p in self.prefilling if p.request.stream.cancelled]
+        for p in prefills:
+            self.prefilling.remove(p)
+            self.pool.release(p.pages + p.copy_pages)
+            self.free_slots.extend(p.slots)
+        resumes = [s for s in self.resumes if s.request.stream.cancelled]
+        if resumes:
+            self.resumes = collections.deque(s for s in self.resumes
+                                             if not s.request.stream.cancelled)
+        return ([p.request for p in prefills if p.resumed is None],
+                [p.resumed for p in prefills if p.resumed is not None] + resumes)
+
     def take_waiting(self) -> list[Request]:
         with self._lock:
             out, self.waiting = list(self.waiting), collections.deque()

@@ -306,6 +306,54 @@ def test_a_killed_server_s_group_ends_as_if_uninterrupted():
     stalling.stop()
 
 
+def test_the_trainers_devices_generate_while_lent_and_their_groups_move_when_withdrawn():
+    """rl.multiplex's member: resting until lent; lent, it takes a group beside the server;
+    withdrawn after 17 tokens of it, the group continues on the server from those tokens and
+    ends as an uninterrupted run's (token for token), nothing generated twice, and the
+    trainer's engine is paused (its devices train) and takes no more work until lent again."""
+    params = split_params(Transformer(CFG, rngs=nnx.Rngs(0)))[1]
+    sampling = SamplingParams(max_tokens=40, temperature=0.9, seed=5, n=3, stop_at_eos=False)
+    two = prompts(6, 9, seed=9)
+    with Orchestrator(Engine(CFG, ENGINE), params, eos_id=1) as reference:
+        want = [reference.submit(p, sampling).result() for p in two]
+    server = Orchestrator(Engine(CFG, ENGINE), params, eos_id=1).start()
+    trainer = StallingOrchestrator(Engine(CFG, ENGINE), params, eos_id=1, after=17).start()
+    trainer.pause()
+    lender = Member("trainer", trainer, ENGINE.max_concurrent_decodes, remote=False,
+                    version=0, state=MemberState.RESTING, tags=frozenset({"train", "generate"}))
+    fleet = Fleet([member("server", server, remote=False), lender], eos_id=1,
+                  warn=lambda _: None)
+    try:
+        assert not lender.ready and fleet.slots == ENGINE.max_concurrent_decodes
+        fleet.lend(lender)
+        assert lender.ready and not trainer.paused
+        streams = [fleet.submit(p, sampling) for p in two]
+        assert sorted(s.member.name for s in streams) == ["server", "trainer"]
+        assert trainer.stalled.wait(60)
+        withdrawing = threading.Thread(target=fleet.withdraw, args=(lender,))
+        withdrawing.start()
+        lent = next(s for s in streams if s.member is lender)
+        wait_for(lambda: lent._stream.cancelled)
+        trainer.release.set()
+        withdrawing.join(60)
+        assert not withdrawing.is_alive() and trainer.paused and not lender.ready
+        got = [s.result() for s in streams]
+        for g, w in zip(got, want):
+            assert [s.tokens for s in g] == [s.tokens for s in w]
+            for x, y in zip(g, w):
+                np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+        assert fleet.stats["groups_withdrawn"] == 1 and lent.member.name == "server"
+        made = {name: m["generated_tokens"] for name, m in
+                [("server", server.metrics()), ("trainer", trainer.metrics())]}
+        assert made == {"server": 2 * 3 * 40 - 17, "trainer": 17}
+        assert fleet.metrics()["trainer_generated_tokens"] == 17
+        assert fleet.submit(two[0], sampling).member.name == "server"   # resting: no work
+    finally:
+        fleet.close()
+        server.stop()
+        trainer.stop()
+
+
 def test_sample_snapshot_is_a_copy():
     """What a checkpoint keeps of a fleet group does not change as the group goes on."""
     a = FakeGeneration()

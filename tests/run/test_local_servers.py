@@ -112,6 +112,30 @@ def test_a_lora_run_pushes_its_launched_server_the_adapters_alone(tmp_path):
         assert 0 < r["logprob_parity_tokens"] and r["logprob_abs_diff_max"] < 1e-4, r
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+def test_a_multiplexed_trainer_generates_beside_its_launched_server_while_it_waits(tmp_path):
+    """rl.multiplex with a launched server, sync: every step's groups are placed while the
+    trainer waits, on the server and on the trainer's own engine (each step's rows say what
+    share the trainer's devices generated), and the samples its engine drew carry the
+    trainer's log-probs as the server's do."""
+    cores = sorted(os.sched_getaffinity(0))
+    overrides = [o for o in BASE if not o.startswith("rl.steps=")] + [
+        f"run_dir={tmp_path}", "rl.steps=3", "rl.mode=sync", "rl.generation.launch=1",
+        f"rl.generation.cpus={cores[-1]}", "rl.multiplex=true"]
+    done = subprocess.run([sys.executable, "-m", "jaxrl.cli", "train", *overrides],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "multiplexing: the trainer's 1 device(s) generate while it waits" in done.stdout
+    rows = [r for r in read_metrics(tmp_path) if "reward" in r]
+    assert [r["samples_trained"] for r in rows] == [16 * 8 * k for k in range(1, 4)]
+    for r in rows:
+        assert 0.2 < r["trainer_generated_share"] < 0.8, r
+        assert r["groups_withdrawn"] == 0           # sync: a batch is ready when all are done
+        assert 0 < r["logprob_parity_tokens"] and r["logprob_abs_diff_max"] < 1e-4, r
+
+
 def test_a_launch_refuses_engine_settings_jaxrl_serve_cannot_take():
     from jaxrl.config import ConfigError
     from jaxrl.trainer.rl import check_config
@@ -123,3 +147,13 @@ def test_a_launch_refuses_engine_settings_jaxrl_serve_cannot_take():
         check_config(cfg)
     check_config(load_run_config(None, ["rl.generation.launch=1", "rl.engine.num_pages=64",
                                         "rl.engine.score=true"]))
+
+
+def test_multiplexing_needs_generation_off_the_trainers_devices():
+    from jaxrl.config import ConfigError
+    from jaxrl.trainer.rl import check_config
+
+    with pytest.raises(ConfigError, match=r"rl.multiplex=true .* with rl.placement=colocated "
+                                          r"they generate already"):
+        check_config(load_run_config(None, ["rl.multiplex=true"]))
+    check_config(load_run_config(None, ["rl.multiplex=true", "rl.generation.launch=1"]))
