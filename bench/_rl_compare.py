@@ -50,6 +50,10 @@ VARIANTS = {
     # speculative decoding of the tail, drafts from each prompt's group and earlier rollouts
     "sync+speculative": ["rl.mode=sync", "rl.engine.speculative=suffix"],
     "async+speculative": ["rl.mode=async", "rl.engine.speculative=suffix"],
+    # the trainer's devices generate while it waits for a batch (SeamlessFlow's multiplexing)
+    "sync+multiplex": ["rl.mode=sync", "rl.multiplex=true"],
+    "partial+multiplex": ["rl.mode=partial", "rl.multiplex=true"],
+    "async+multiplex": ["rl.mode=async", "rl.multiplex=true"],
 }
 
 
@@ -177,6 +181,9 @@ def summarise(name: str, seed: int, rows: list[dict], args) -> dict:
             "trainer_busy": 1 - sum(get("trainer_wait_s")) / seconds,
             "trainer_wait_s": float(np.mean(get("trainer_wait_s") or [np.nan])),
             "acceptance_length": _acceptance(rows),
+            # rl.multiplex: the share of the tokens the trainer's devices generated
+            "trainer_generated_share": float(np.mean(get("trainer_generated_share")
+                                                     or [np.nan])),
             "rows": every}
 
 
@@ -229,7 +236,7 @@ def aggregate(runs: list[dict]) -> dict:
            "seeds": len(runs)}
     for k in ("first_success", "final_success", "lag_mean", "slots_busy", "held_tokens_mean",
               "length_p50", "length_p90", "logprob_gap_max", "logprob_kl", "trainer_busy",
-              "trainer_wait_s", "acceptance_length"):
+              "trainer_wait_s", "acceptance_length", "trainer_generated_share"):
         out[k] = statistics.fmean(r[k] for r in runs)
     out["length_max"] = max(r["length_max"] for r in runs)
     return out
@@ -266,7 +273,10 @@ def report(results: dict[str, list[dict] | str], save: str | None = None) -> Non
           "a speculating row kept per verify step: " + "; ".join(
               f"{n} {a['trainer_busy']:.0%}, {a['trainer_wait_s']:.2f} s"
               + (f", {a['acceptance_length']:.2f}" if a["acceptance_length"] ==
-                 a["acceptance_length"] else "") for n, a in agg.items()))
+                 a["acceptance_length"] else "")
+              + (f", the trainer's devices wrote {a['trainer_generated_share']:.0%} of the "
+                 f"tokens" if a["trainer_generated_share"] == a["trainer_generated_share"]
+                 else "") for n, a in agg.items()))
     print("realised completion lengths (tokens; per-step percentiles averaged over the run): "
           + "; ".join(f"{n} p50 {a['length_p50']:.0f}, p90 {a['length_p90']:.0f}, max "
                       f"{a['length_max']:.0f}" for n, a in agg.items()))
