@@ -41,7 +41,12 @@ VARIANTS = {
     "sync": ["rl.mode=sync"],
     "partial": ["rl.mode=partial"],
     "async": ["rl.mode=async"],
+    # StreamRL's length-aware dispatch: predicted-long groups admitted first, by the online
+    # predictor or by each problem's reference answer length (the best a predictor could know)
     "async+longest_first": ["rl.mode=async", "rl.admission=longest_first"],
+    "async+longest_first_oracle": ["rl.mode=async", "rl.admission=longest_first_oracle"],
+    "sync+longest_first": ["rl.mode=sync", "rl.admission=longest_first"],
+    "sync+longest_first_oracle": ["rl.mode=sync", "rl.admission=longest_first_oracle"],
     "full": [],                                  # the config as it is: every weight trains
     "lora-r8": ["model.lora.rank=8"],            # rank-8 adapters on every projection
     "int8-rollouts": ["rl.generation.weights=int8"],                 # the engine's weights int8

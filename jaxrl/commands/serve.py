@@ -221,6 +221,7 @@ class ServeOptions:
     allow_remote: bool = False
     max_concurrent_rpcs: int = 1024
     max_queued: int = 1024
+    admission: str = "fifo"          # or longest_first: predicted-long groups first (StreamRL)
     tensor: int = 1
     replicas: int = 1
     http_port: int | None = None
@@ -288,7 +289,9 @@ def _start(opts: ServeOptions, engine_config, log):
     # version >= 0) replaces them.
     grammars = Grammars(tokenizer, engines[0].model_cfg.vocab_size)
     orchestrators = [Orchestrator(e, params, version=-1, eos_id=tokenizer.eos_id,
-                                  max_queued=o.max_queued, grammars=grammars) for e in engines]
+                                  max_queued=o.max_queued, grammars=grammars,
+                                  longest_first=o.admission == "longest_first")
+                     for e in engines]
     del params
     per_replica = " per replica" if o.replicas > 1 else ""
     log(f"jaxrl serve: compiling the engine's programs ({len(engines[0].programs.shapes())} "

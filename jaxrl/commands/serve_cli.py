@@ -77,7 +77,8 @@ def run(args) -> None:
                        port=args.port, update_token=token, tls=tls,
                        allow_remote=args.allow_remote,
                        max_concurrent_rpcs=args.max_concurrent_rpcs,
-                       max_queued=args.max_queued, tensor=args.tensor, replicas=args.replicas,
+                       max_queued=args.max_queued, admission=args.admission,
+                       tensor=args.tensor, replicas=args.replicas,
                        http_port=args.http_port, lora_dir=args.lora, adapters=_adapters(args),
                        quantize=args.quantize,
                        join=args.join, advertise=args.advertise),
@@ -141,6 +142,11 @@ def _served_and_listening(p: argparse.ArgumentParser) -> None:
                    help="RPCs in progress at once; more get RESOURCE_EXHAUSTED")
     p.add_argument("--max-queued", type=int_at_least(1), default=1024,
                    help="requests waiting for a decode slot; more get RESOURCE_EXHAUSTED")
+    p.add_argument("--admission", choices=("fifo", "longest_first"), default="fifo",
+                   help="which waiting group takes a free slot: the oldest, or the one "
+                        "predicted to write the most tokens (StreamRL: the tail starts first; "
+                        "the client's predicted_len, else a predictor learned from finished "
+                        "groups)")
     p.add_argument("--port", type=port, default=9000, help="port (0: any free port)")
     p.add_argument("--join", default=None, metavar="TRAINER",
                    help="offer this server to the RL run listening at TRAINER (host:port, its "

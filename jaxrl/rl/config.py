@@ -178,8 +178,12 @@ class RLConfig:
     temperature: float = 1.0        # sampling temperature (the trainer's pi uses the same)
     # Which waiting group the engine admits next: fifo, or longest_first (StreamRL's
     # skewness-aware dispatch: predicted-long groups first, so the tail starts early; the
-    # prediction is learned online from finished groups, serving/core/length_predictor.py).
-    admission: Literal["fifo", "longest_first"] = "fifo"
+    # prediction is learned online from finished groups, serving/core/length_predictor.py), or
+    # longest_first_oracle: the same by each problem's reference answer in tokens, the lengths
+    # a predictor could at best know (exact with completion_length=answer): a measuring aid.
+    # Generation servers must be started with --admission longest_first for either (those
+    # rl.generation.launch starts are).
+    admission: Literal["fifo", "longest_first", "longest_first_oracle"] = "fifo"
     # The rollout engine's settings, EngineConfig's own (serving/runner/engine_config.py, the
     # same as jaxrl serve's flags and defaults): max_concurrent_decodes (slots: concurrent
     # sequences), attention (over the KV pages: reference, loop, native, pallas, triton; auto:

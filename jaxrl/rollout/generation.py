@@ -131,7 +131,7 @@ def _orchestrator(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, 
                     mesh=shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), devices))
     return Orchestrator(engine, served(params) if served else params, version=version,
                         eos_id=tokenizer.eos_id, max_queued=4 * cfg.rl.batch_size,
-                        longest_first=cfg.rl.admission == "longest_first",
+                        longest_first=server_admission(cfg.rl.admission) == "longest_first",
                         grammars=Grammars(tokenizer, model_cfg.vocab_size)
                         ).start(compile_later=g.compile == "as_needed")
 
@@ -223,6 +223,11 @@ def _remote(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params
     return Generators(fleet, publisher, None, registry)
 
 
+def server_admission(admission: str) -> str:
+    """What an engine admits by for rl.admission (an oracle's lengths come with each group)."""
+    return "fifo" if admission == "fifo" else "longest_first"
+
+
 def check_server(cfg: RunConfig, tokenizer: Tokenizer, address: str, metrics: dict) -> None:
     """A server that cannot serve this run's groups is a configuration error, said up front."""
     rl = cfg.rl
@@ -245,6 +250,12 @@ def check_server(cfg: RunConfig, tokenizer: Tokenizer, address: str, metrics: di
                           + (f"{wanted} ones: start it with jaxrl serve --quantize {wanted}"
                              if wanted != "none" else "the model's own: start it without "
                              f"--quantize, or set rl.generation.weights={held}"))
+    wanted_admission = server_admission(rl.admission)
+    if metrics.get("admission", "fifo") != wanted_admission:
+        raise ConfigError(f"generation server {address} admits groups by "
+                          f"{metrics.get('admission', 'fifo')}; this run (rl.admission="
+                          f"{rl.admission}) needs {wanted_admission}: start it with "
+                          f"--admission {wanted_admission}")
     if metrics["slots"] < rl.group_size:
         raise ConfigError(f"generation server {address} has {metrics['slots']} slots; a group "
                           f"needs rl.group_size={rl.group_size}")

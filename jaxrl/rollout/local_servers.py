@@ -132,7 +132,7 @@ class LocalServers:
     once; they answer once they have compiled (the fleet connects them as they do)."""
 
     def __init__(self, checkpoint_dir: Path, engine, served, cores: list[list[int]],
-                 run_dir: Path, log=print):
+                 run_dir: Path, log=print, admission: str = "fifo"):
         self.token = secrets.token_hex(16)
         self.token_file = Path(run_dir) / "launched_servers.token"
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -156,6 +156,7 @@ class LocalServers:
                        "--memory-fraction", str(engine.memory_fraction),
                        "--speculative", engine.speculative,
                        "--speculative-tokens", str(engine.speculative_tokens),
+                       "--admission", admission,
                        "--update-token-file", str(self.token_file)]
                 cmd += ["--record-routes"] if engine.record_routes else []
                 cmd += ["--score"] if engine.score else []

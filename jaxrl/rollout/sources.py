@@ -100,7 +100,10 @@ class Completions(GroupSource):
         sampling = SamplingParams(temperature=self.cfg.temperature, n=self.cfg.group_size,
                                   seed=group.seed, **self._length_limits(group.problem))
         samples = None if carry is None else [Sample(**s) for s in carry]
-        return self.generation.submit(group.prompt, sampling, carry=samples)
+        oracle = len(self.tokenizer.encode(group.problem.answer)) + 1 \
+            if self.cfg.admission == "longest_first_oracle" else None
+        return self.generation.submit(group.prompt, sampling, carry=samples,
+                                      predicted_len=oracle)
 
     def carry(self, stream) -> list[dict]:
         return [dataclasses.asdict(s) for s in stream.snapshot()]

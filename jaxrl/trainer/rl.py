@@ -154,7 +154,7 @@ class RLRun:
         served = generation.rollout_model(model_config(cfg), g.weights)
         servers = local_servers.LocalServers(
             cfg.checkpoint_dir, generation.engine_config(cfg, served), served, cores.servers,
-            Path(cfg.run_dir), self.log)
+            Path(cfg.run_dir), self.log, admission=generation.server_admission(cfg.rl.admission))
         self._stack.callback(servers.close)
         self._servers = servers
         if cores.trainer:

@@ -324,6 +324,7 @@ class Orchestrator:
         updates = list(self.pauses_s)
         pauses = updates or [0.0]
         return {"version": self.version, "quantize": self.engine.model_cfg.quantize,
+                "admission": "longest_first" if self.scheduler.longest_first else "fifo",
                 "slots": sched.num_slots, "max_len": cfg.max_len,
                 "max_prefill_length": cfg.max_prefill_length, "vocab_size": self.vocab_size,
                 "eos_id": self.eos_id, "steps": s["steps"],

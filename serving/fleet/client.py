@@ -119,8 +119,8 @@ class RemoteGeneration:
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, *,
                predicted_len: float | None = None, carry: Sequence[Sample] | None = None,
                session: str | Sequence[str] | None = None) -> RemoteStream:
-        """Opens the group's Generate stream and returns at once; `predicted_len` is not sent
-        (the server predicts lengths itself)."""
+        """Opens the group's Generate stream and returns at once; `predicted_len` (None: the
+        server predicts it) orders admission on a server that admits the longest first."""
         request = gen_pb2.GenerateRequest(
             token_ids=gen_pb2.TokenIds(ids=[int(t) for t in prompt]),
             sampling=gen_pb2.SamplingOptions(
@@ -136,7 +136,7 @@ class RemoteGeneration:
             carry=[gen_pb2.CarriedSample(token_ids=s.tokens, logprobs=s.logprobs,
                                          versions=s.versions) for s in carry or ()],
             sessions=[session] if isinstance(session, str) else list(session or ()),
-            stream_interval_ms=self.stream_interval_ms)
+            stream_interval_ms=self.stream_interval_ms, predicted_len=predicted_len or 0.0)
         stream = RemoteStream(next(self._ids), sampling.n)
         stream.call = self._stub.Generate(request)
         threading.Thread(target=self._read, args=(stream,), daemon=True,

@@ -49,11 +49,12 @@ from sharding.reshard import WeightUpdateError
 log = logging.getLogger("jaxrl.serve")
 
 def _submit(orchestrator: Orchestrator, context, prompt, sampling_fn, carry=None,
-            session=None):
+            session=None, predicted_len=None):
     """Validates and queues; aborts the RPC with the right status on bad input."""
     try:
         sampling = sampling_fn()
-        stream = orchestrator.submit(prompt, sampling, carry=carry, session=session)
+        stream = orchestrator.submit(prompt, sampling, carry=carry, session=session,
+                                     predicted_len=predicted_len)
     except (InvalidRequest, ValueError) as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except QueueFull as e:
@@ -196,7 +197,8 @@ class GenerationService(gen_grpc.GenerationServicer):
             presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty),
             carry=[Sample(list(c.token_ids), list(c.logprobs), list(c.versions))
                    for c in request.carry] or None,
-            session=_session(request.sessions, o.n or 1))
+            session=_session(request.sessions, o.n or 1),
+            predicted_len=request.predicted_len if request.predicted_len > 0 else None)
         detok = _Detokenizer(self.tokenizer, sampling.n)
         for batch in stream.batches(max(request.stream_interval_ms, 0) / 1000):
             yield from _responses(batch, detok)

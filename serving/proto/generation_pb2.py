@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eserving/proto/generation.proto\x12\rjaxrl.serving\"\x1f\n\x0cPauseRequest\x12\x0f\n\x07lease_s\x18\x01 \x01(\x01\"\x0f\n\rResumeRequest\"\x1f\n\rPauseResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\"\xa0\x01\n\x0bPullRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06resume\x18\x02 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0c\n\x04uuid\x18\x04 \x01(\x04\x12*\n\x07tensors\x18\x05 \x03(\x0b\x32\x19.jaxrl.serving.TensorSpec\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x12\n\nrelay_uuid\x18\x07 \x01(\x04\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xa4\x02\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\r\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x0f\n\x07grammar\x18\n \x01(\t\x12\x16\n\x0e\x62ias_token_ids\x18\x0b \x03(\x05\x12\x13\n\x0b\x62ias_values\x18\x0c \x03(\x02\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\"\xe6\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.jaxrl.serving.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.jaxrl.serving.SamplingOptions\x12+\n\x05\x63\x61rry\x18\x04 \x03(\x0b\x32\x1c.jaxrl.serving.CarriedSample\x12\x10\n\x08sessions\x18\x05 \x03(\t\x12\x1a\n\x12stream_interval_ms\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"$\n\x11\x45ndSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x14\n\x12\x45ndSessionResponse\"F\n\rCarriedSample\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x03\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xfe\x01\n\x10GenerateResponse\x12\x14\n\x0csample_index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x10\n\x08versions\x18\x04 \x03(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x0e\n\x06routes\x18\x07 \x01(\x0c\x12\x14\n\x0croutes_shape\x18\x08 \x03(\x05\x12\x19\n\x11spec_verify_steps\x18\t \x01(\x05\x12\x19\n\x11spec_draft_tokens\x18\n \x01(\x05\x12\x1c\n\x14spec_accepted_tokens\x18\x0b \x01(\x05\"x\n\x0bWeightPiece\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0e\n\x06resume\x18\x07 \x01(\x08\"O\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0btransfer_ms\x18\x02 \x01(\x01\x12\x10\n\x08pause_ms\x18\x03 \x01(\x01\"\x10\n\x0eMetricsRequest\"\x1f\n\x0fMetricsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\xb9\x04\n\nGeneration\x12O\n\x08Generate\x12\x1e.jaxrl.serving.GenerateRequest\x1a\x1f.jaxrl.serving.GenerateResponse\"\x00\x30\x01\x12U\n\rUpdateWeights\x12\x1a.jaxrl.serving.WeightPiece\x1a$.jaxrl.serving.UpdateWeightsResponse\"\x00(\x01\x12M\n\nGetMetrics\x12\x1d.jaxrl.serving.MetricsRequest\x1a\x1e.jaxrl.serving.MetricsResponse\"\x00\x12Q\n\x0bPullWeights\x12\x1a.jaxrl.serving.PullRequest\x1a$.jaxrl.serving.UpdateWeightsResponse\"\x00\x12S\n\nEndSession\x12 .jaxrl.serving.EndSessionRequest\x1a!.jaxrl.serving.EndSessionResponse\"\x00\x12\x44\n\x05Pause\x12\x1b.jaxrl.serving.PauseRequest\x1a\x1c.jaxrl.serving.PauseResponse\"\x00\x12\x46\n\x06Resume\x12\x1c.jaxrl.serving.ResumeRequest\x1a\x1c.jaxrl.serving.PauseResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eserving/proto/generation.proto\x12\rjaxrl.serving\"\x1f\n\x0cPauseRequest\x12\x0f\n\x07lease_s\x18\x01 \x01(\x01\"\x0f\n\rResumeRequest\"\x1f\n\rPauseResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\"\xa0\x01\n\x0bPullRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06resume\x18\x02 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0c\n\x04uuid\x18\x04 \x01(\x04\x12*\n\x07tensors\x18\x05 \x03(\x0b\x32\x19.jaxrl.serving.TensorSpec\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x12\n\nrelay_uuid\x18\x07 \x01(\x04\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xa4\x02\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\r\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x0f\n\x07grammar\x18\n \x01(\t\x12\x16\n\x0e\x62ias_token_ids\x18\x0b \x03(\x05\x12\x13\n\x0b\x62ias_values\x18\x0c \x03(\x02\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\"\xfd\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.jaxrl.serving.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.jaxrl.serving.SamplingOptions\x12+\n\x05\x63\x61rry\x18\x04 \x03(\x0b\x32\x1c.jaxrl.serving.CarriedSample\x12\x10\n\x08sessions\x18\x05 \x03(\t\x12\x1a\n\x12stream_interval_ms\x18\x06 \x01(\x05\x12\x15\n\rpredicted_len\x18\x07 \x01(\x02\x42\x08\n\x06prompt\"$\n\x11\x45ndSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x14\n\x12\x45ndSessionResponse\"F\n\rCarriedSample\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x03\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xfe\x01\n\x10GenerateResponse\x12\x14\n\x0csample_index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x10\n\x08versions\x18\x04 \x03(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x0e\n\x06routes\x18\x07 \x01(\x0c\x12\x14\n\x0croutes_shape\x18\x08 \x03(\x05\x12\x19\n\x11spec_verify_steps\x18\t \x01(\x05\x12\x19\n\x11spec_draft_tokens\x18\n \x01(\x05\x12\x1c\n\x14spec_accepted_tokens\x18\x0b \x01(\x05\"x\n\x0bWeightPiece\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0e\n\x06resume\x18\x07 \x01(\x08\"O\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0btransfer_ms\x18\x02 \x01(\x01\x12\x10\n\x08pause_ms\x18\x03 \x01(\x01\"\x10\n\x0eMetricsRequest\"\x1f\n\x0fMetricsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\xb9\x04\n\nGeneration\x12O\n\x08Generate\x12\x1e.jaxrl.serving.GenerateRequest\x1a\x1f.jaxrl.serving.GenerateResponse\"\x00\x30\x01\x12U\n\rUpdateWeights\x12\x1a.jaxrl.serving.WeightPiece\x1a$.jaxrl.serving.UpdateWeightsResponse\"\x00(\x01\x12M\n\nGetMetrics\x12\x1d.jaxrl.serving.MetricsRequest\x1a\x1e.jaxrl.serving.MetricsResponse\"\x00\x12Q\n\x0bPullWeights\x12\x1a.jaxrl.serving.PullRequest\x1a$.jaxrl.serving.UpdateWeightsResponse\"\x00\x12S\n\nEndSession\x12 .jaxrl.serving.EndSessionRequest\x1a!.jaxrl.serving.EndSessionResponse\"\x00\x12\x44\n\x05Pause\x12\x1b.jaxrl.serving.PauseRequest\x1a\x1c.jaxrl.serving.PauseResponse\"\x00\x12\x46\n\x06Resume\x12\x1c.jaxrl.serving.ResumeRequest\x1a\x1c.jaxrl.serving.PauseResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,25 +44,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGOPTIONS']._serialized_start=354
   _globals['_SAMPLINGOPTIONS']._serialized_end=646
   _globals['_GENERATEREQUEST']._serialized_start=649
-  _globals['_GENERATEREQUEST']._serialized_end=879
-  _globals['_ENDSESSIONREQUEST']._serialized_start=881
-  _globals['_ENDSESSIONREQUEST']._serialized_end=917
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=919
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=939
-  _globals['_CARRIEDSAMPLE']._serialized_start=941
-  _globals['_CARRIEDSAMPLE']._serialized_end=1011
-  _globals['_TOKENIDS']._serialized_start=1013
-  _globals['_TOKENIDS']._serialized_end=1036
-  _globals['_GENERATERESPONSE']._serialized_start=1039
-  _globals['_GENERATERESPONSE']._serialized_end=1293
-  _globals['_WEIGHTPIECE']._serialized_start=1295
-  _globals['_WEIGHTPIECE']._serialized_end=1415
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1417
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1496
-  _globals['_METRICSREQUEST']._serialized_start=1498
-  _globals['_METRICSREQUEST']._serialized_end=1514
-  _globals['_METRICSRESPONSE']._serialized_start=1516
-  _globals['_METRICSRESPONSE']._serialized_end=1547
-  _globals['_GENERATION']._serialized_start=1550
-  _globals['_GENERATION']._serialized_end=2119
+  _globals['_GENERATEREQUEST']._serialized_end=902
+  _globals['_ENDSESSIONREQUEST']._serialized_start=904
+  _globals['_ENDSESSIONREQUEST']._serialized_end=940
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=942
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=962
+  _globals['_CARRIEDSAMPLE']._serialized_start=964
+  _globals['_CARRIEDSAMPLE']._serialized_end=1034
+  _globals['_TOKENIDS']._serialized_start=1036
+  _globals['_TOKENIDS']._serialized_end=1059
+  _globals['_GENERATERESPONSE']._serialized_start=1062
+  _globals['_GENERATERESPONSE']._serialized_end=1316
+  _globals['_WEIGHTPIECE']._serialized_start=1318
+  _globals['_WEIGHTPIECE']._serialized_end=1438
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1440
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1519
+  _globals['_METRICSREQUEST']._serialized_start=1521
+  _globals['_METRICSREQUEST']._serialized_end=1537
+  _globals['_METRICSRESPONSE']._serialized_start=1539
+  _globals['_METRICSRESPONSE']._serialized_end=1570
+  _globals['_GENERATION']._serialized_start=1573
+  _globals['_GENERATION']._serialized_end=2142
 # @@protoc_insertion_point(module_scope)
