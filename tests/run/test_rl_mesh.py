@@ -91,8 +91,9 @@ def async_run(warm, tmp_path_factory, request):
 
 @pytest.fixture(scope="module")
 def sync_split_run(warm, tmp_path_factory):
-    """Sync, split placement: devices 0-3 train (fsdp=4), devices 4-7 serve. Records the local
-    orchestrator and the device sets of the trainer state the loop checkpoints."""
+    """Sync, split placement: devices 0-3 train (fsdp=4), devices 4-7 serve, and with
+    rl.multiplex devices 0-3 also generate while the trainer waits. Records the in-process
+    orchestrators and the device sets of the trainer state the loop checkpoints."""
     served, saved = [], []
 
     class RecordingOrchestrator(generation.Orchestrator):
@@ -110,7 +111,7 @@ def sync_split_run(warm, tmp_path_factory):
         mp.setattr(generation, "Orchestrator", RecordingOrchestrator)
         mp.setattr(trainer_module, "Checkpointer", RecordingCheckpointer)
         summary = job.run(config(run_dir, "rl.mode=sync", "rl.placement=split",
-                                 "rl.engine_devices=4"), log=quiet)
+                                 "rl.engine_devices=4", "rl.multiplex=true"), log=quiet)
     return {"run_dir": run_dir, "steps": RL_STEPS, "summary": summary, "served": served,
             "saved": saved}
 
@@ -127,9 +128,14 @@ def test_reward_rises(request, run, report_table):
 def test_split_placement_keeps_trainer_and_engine_apart(sync_split_run):
     devices = jax.devices()
     trainer, serving = frozenset(devices[:4]), frozenset(devices[4:])
-    (local,) = sync_split_run["served"]
+    local, lender = sync_split_run["served"]      # the engine, then the trainer's own
     assert frozenset(local.engine.mesh.devices.flat) == serving
     assert {frozenset(a.sharding.device_set) for a in jax.tree.leaves(local.params)} == {serving}
+    assert frozenset(lender.engine.mesh.devices.flat) == trainer
+    assert lender.version == local.version
+    # every step's groups were placed while the trainer waited: on both engines
+    rows = rl_rows(sync_split_run["run_dir"])
+    assert all(0 < r["trainer_generated_share"] < 1 for r in rows), rows
     # The trainer's whole state (parameters, AdamW moments, step, rng) lives on its 4 devices.
     (state,) = sync_split_run["saved"]   # saved once, at the last step
     assert set(jax.tree.leaves(state)) == {trainer}
