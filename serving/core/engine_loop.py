@@ -321,9 +321,9 @@ class EngineLoop:
         held = k * sum(s.cached for _, s in owners)
         for _, seq in owners:
             seq.inflight += k
-        self._collect()
+        overlapped = self._collect()
         self._inflight = InFlight(batches, k, self.version, held)
-        if self.speculator is not None:
+        if self.speculator is not None and overlapped:   # (speculation.py: what is timed)
             self.speculator.timed("decode", self._rows(), time.perf_counter() - t0,
                                   k * len(owners))
         return state, True
@@ -343,8 +343,8 @@ class EngineLoop:
         tokens read back, so nothing is in flight before or after it; each row keeps from 1
         to K+1 tokens, and the pages past what it keeps go back to the pool."""
         engine, sched, spec = self.engine, self.scheduler, self.speculator
-        t0, rows = time.perf_counter(), self._rows()
         self._collect()
+        t0, rows = time.perf_counter(), self._rows()
         drafts = {id(seq): spec.draft(seq, engine.cfg.max_len) for seq in sched.running.values()}
         if not any(drafts.values()):
             spec.stepped([1])

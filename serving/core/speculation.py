@@ -13,17 +13,22 @@ batch's row count, as the engine measures them:
   row count, the verify step's divided by the tokens a row is expected to keep
   (`tokens_per_row`: a moving average over verify steps from an optimistic prior, half the
   draft accepted; a row that found no draft counts as one);
-- while it serves (`timed`), each dispatch's wall time over the tokens it produced, a moving
-  average per way and row count that replaces the start-up figure once there is one. It holds
-  what the programs' timings leave out: host work, drafting, and the overlap a speculating
-  dispatch gives up (its drafts continue the tokens read back).
+- while it serves (`timed`), each dispatch's wall time over the tokens it produced, an average
+  per way and row count (the mean of the first 1/SMOOTHING dispatches, then a moving average)
+  that replaces the start-up figure once there is one. It holds what the programs' timings
+  leave out: host work, drafting, attention over the rows' real lengths, and the overlap a
+  speculating dispatch gives up (its drafts continue the tokens read back). Each way is
+  charged its own work only: a verify step from after it read back the decode step in flight,
+  a decode step only when it read back the one before it (the first after a verify step,
+  which overlaps nothing yet, is not timed).
 
     speculate with R rows  <=>  seconds per token verifying(R) < decoding(R)
 
-Now and then a dispatch goes the other way, so that both averages follow the text being
-written (a tail that turns repetitive, a batch that fills): after FIRST_PROBE dispatches at a
-row count, then at intervals that double while the choice holds (up to LAST_PROBE, so that a
-way that does not pay costs little), back to FIRST_PROBE when the choice changes.
+Now and then PROBE dispatches in a row go the other way (two: the first of a switch to
+decoding is not timed), so that both averages follow the text being written (a tail that turns
+repetitive, a batch that fills): after FIRST_PROBE dispatches at a row count, then at intervals
+that double while the choice holds (up to LAST_PROBE, so that a way that does not pay costs
+little), back to FIRST_PROBE when the choice changes.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Speculator:
     """The drafter, the load rule and what speculation has done (`stats`)."""
 
     FIRST_PROBE, LAST_PROBE = 8, 512    # dispatches between two probes of the other way
+    PROBE = 2                 # dispatches a probe lasts
     SMOOTHING = 0.1           # weight of one dispatch in the moving averages
 
     def __init__(self, drafter: Drafter, tokens: int, costs: dict[int, tuple[float, float]]
@@ -52,7 +58,9 @@ class Speculator:
         self.drafted = self.accepted = self.verified_rows = 0
         self.tokens_per_row = 1.0 + tokens / 2
         self.seconds_per_token: dict[tuple[str, int], float] = {}   # (way, rows) -> average
-        self._probes: dict[int, list] = {}    # rows -> [since the last, interval, choice]
+        self._timed: dict[tuple[str, int], int] = {}                # (way, rows) -> dispatches
+        # rows -> [since the last probe, interval, choice, probe dispatches left]
+        self._probes: dict[int, list] = {}
 
     def estimate(self, rows: int) -> tuple[float, float] | None:
         """(decoding, verifying) seconds per token with `rows` rows in the batch: measured
@@ -74,12 +82,16 @@ class Speculator:
         if est is None:
             return False
         choice = est[1] < est[0]
-        probe = self._probes.setdefault(rows, [0, self.FIRST_PROBE, choice])
+        probe = self._probes.setdefault(rows, [0, self.FIRST_PROBE, choice, 0])
+        if probe[3]:                    # a probe under way
+            probe[3] -= 1
+            return not probe[2]
         if probe[2] != choice:          # the choice changed: look again soon
-            probe[:] = [0, self.FIRST_PROBE, choice]
+            probe[:] = [0, self.FIRST_PROBE, choice, 0]
         probe[0] += 1
         if probe[0] >= probe[1]:
             probe[0], probe[1] = 0, min(2 * probe[1], self.LAST_PROBE)
+            probe[3] = self.PROBE - 1
             return not choice
         return choice
 
@@ -89,8 +101,9 @@ class Speculator:
         if tokens <= 0:
             return
         x, key = seconds / tokens, (way, rows)
-        old = self.seconds_per_token.get(key)
-        self.seconds_per_token[key] = x if old is None else old + self.SMOOTHING * (x - old)
+        n = self._timed[key] = self._timed.get(key, 0) + 1
+        old = self.seconds_per_token.get(key, x)
+        self.seconds_per_token[key] = old + max(self.SMOOTHING, 1 / n) * (x - old)
 
     def stepped(self, kept: list[int]) -> None:
         """A verify step (or a probe that found no draft) kept `kept` tokens in its rows."""

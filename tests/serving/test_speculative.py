@@ -98,14 +98,20 @@ def test_the_load_rule_picks_the_fewer_seconds_per_token_and_probes_the_other_wa
     for _ in range(100):
         spec.stepped([1, 1])                               # nothing accepted
     assert spec.tokens_per_row == pytest.approx(1.0, abs=0.02)
-    picks = [spec.wanted(4) for _ in range(8 + 16 + 32)]
-    assert [i for i, p in enumerate(picks) if p] == [7, 23, 55]   # probes, further apart
+    picks = [spec.wanted(4) for _ in range(8 + 16 + 32 + 3)]
+    # probes of two dispatches, further and further apart
+    assert [i for i, p in enumerate(picks) if p] == [7, 8, 24, 25, 57, 58]
     # measured while serving: what the dispatches took wins over the start-up costs
     for _ in range(50):
         spec.timed("decode", 4, 0.010, 4)                  # 2.5 ms a token
         spec.timed("verify", 4, 0.012, 12)                 # 1 ms a token
     assert spec.estimate(4) == pytest.approx((0.0025, 0.001))
     assert spec.wanted(4) and not spec.wanted(32)
+    # the first dispatches are averaged, not smoothed: an outlier first one is soon outweighed
+    spec.timed("decode", 8, 0.100, 8)
+    for _ in range(9):
+        spec.timed("decode", 8, 0.010, 8)
+    assert spec.estimate(8)[0] == pytest.approx((0.100 + 9 * 0.010) / 80)
     assert not Speculator(NgramDrafter(), 4).wanted(4)     # nothing measured: no
     assert Speculator(NgramDrafter(), 4, always=True).wanted(32)
 
