@@ -198,7 +198,7 @@ def test_bench_lists_the_benchmarks_with_their_summaries(capsys):
     summaries = {name: (ROOT / "bench" / f"{name}.py").read_text().splitlines()[0].strip('"')
                  for name in ("async_vs_sync", "calibrate", "compile_stress", "constrained",
                               "engine", "fleet", "gpu", "long_tail", "lora_decode", "lora_rl",
-                              "lora_step",
+                              "lora_step", "multiplex",
                               "paged_attention", "paged_decode", "parity", "peers",
                               "pipeline_step", "products", "rollout_weights", "simulate", "soak",
                               "speculative", "tpu_memory")}
