@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from jaxrl.models import ModelConfig, Transformer, merge_params, split_params
+from jaxrl.models import ModelConfig, Transformer, lora, merge_params, split_params
+from jaxrl.models.lora import LoraConfig
 from jaxrl.models.generate import greedy_generate
 from serving.core.drafts import DRAFTERS, NgramDrafter, SuffixDrafter, SuffixIndex
 from serving.core.orchestrator import Orchestrator
@@ -265,6 +266,73 @@ def test_each_sample_says_what_speculation_did_for_it_in_process_over_grpc_and_o
     details = usage.completion_tokens_details
     assert details.accepted_prediction_tokens == sum(x.accepted_tokens for x in spec)
     assert details.rejected_prediction_tokens == sum(x.rejected_tokens for x in spec)
+
+
+LORA = dataclasses.replace(CFG, lora=LoraConfig(rank=4, targets=("q_proj", "down_proj")))
+
+
+def _variant(name, model, params):
+    """(model config, engine config, weights, what each turn submits) of an engine variant."""
+    cfg, engine, weights = CFG, ENGINE, params
+    if name == "fp8-kv":
+        engine = dataclasses.replace(ENGINE, kv_cache_dtype="fp8")
+    if name == "lora":
+        cfg, weights = LORA, split_params(Transformer(LORA, rngs=nnx.Rngs(0)))[1]
+        keys = iter(jax.random.split(jax.random.key(1), 16))
+        weights = lora.with_trainable(weights, {"layers": {
+            k: jax.random.normal(next(keys), v.shape) * 0.5
+            for k, v in lora.trainable(weights)["layers"].items()}})
+    return cfg, engine, weights
+
+
+@pytest.mark.parametrize("name", ["fp8-kv", "lora", "sessions", "stop tokens"])
+def test_greedy_speculation_is_token_identical_on_every_engine_variant(model, params, name):
+    """Against the same engine without speculation: an fp8 KV cache, LoRA adapters held apart
+    from the base, a multi-turn session (its second turn continues from the pages the first
+    kept after its verify steps trimmed them), stop tokens inside an accepted draft. The
+    drafts are the plain engine's own continuations (most accepted) for even samples, wrong
+    for odd ones."""
+    cfg, engine_cfg, weights = _variant(name, model, params)
+    prompt, n = prompts(9, seed=13)[0], 18
+    free = SamplingParams(temperature=0.0, max_tokens=n, n=2)
+    with Orchestrator(Engine(cfg, engine_cfg), weights) as o:
+        long = o.submit(prompt, free).result()[0].tokens
+        stops = (long[n // 2],) if name == "stop tokens" else ()
+        greedy = dataclasses.replace(free, stop_token_ids=stops)
+        keys = ["s0", "s1"] if name == "sessions" else None
+        runs = [_turns(o, prompt, greedy, keys)]
+    planted = Planted({tuple(prompt): long})
+    if keys:        # the second turn's drafts: its own plain continuation
+        history = prompt + runs[0][0][0] + [5, 6]
+        planted.continuation[tuple(history)] = runs[0][1][0]
+    spec_cfg = dataclasses.replace(engine_cfg, speculative="suffix", speculative_tokens=K)
+    with Orchestrator(Engine(cfg, spec_cfg), weights,
+                      speculator=Speculator(planted, K, always=True)) as o:
+        runs.append(_turns(o, prompt, greedy, keys))
+        assert o.metrics()["spec_decode_num_accepted_tokens"] > 0
+        if keys:
+            o.end_session("s0")
+            o.end_session("s1")
+            o.generate(prompt, SamplingParams(max_tokens=1))    # the loop drops them
+        assert o.scheduler.pool.free == o.scheduler.pool.capacity   # nothing kept or leaked
+    assert runs[1] == runs[0]
+    if keys:                # the second turn prefilled the answer's last token and [5, 6]
+        assert runs[0][2] == 3
+    if stops:
+        assert all(tokens[-1] == stops[0] and len(tokens) <= n // 2 + 1 for tokens in runs[0][0])
+
+
+def _turns(o, prompt, sampling, keys):
+    """Each turn's samples' tokens, and the prompt tokens the second turn prefilled: one turn,
+    or (keys: a group opening a session per sample) a second turn of sample 0's session."""
+    first = [s.tokens for s in o.submit(prompt, sampling, session=keys).result()]
+    if not keys:
+        return [first]
+    before = o.metrics()["prefill_tokens"]
+    history = prompt + first[0] + [5, 6]
+    one = dataclasses.replace(sampling, n=1)
+    second = [s.tokens for s in o.submit(history, one, session=keys[0]).result()]
+    return [first, second, o.metrics()["prefill_tokens"] - before]
 
 
 def test_same_seeds_same_tokens(params, spec_engine):
