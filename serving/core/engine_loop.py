@@ -307,7 +307,7 @@ class EngineLoop:
         t0 = time.perf_counter()
         if self._constrained():
             self._collect()     # a grammar's next mask follows the token before it
-        elif self._speculating() and (done := self._speculate(state)) is not None:
+        elif (length := self._speculating()) and (done := self._speculate(state, length)):
             return done
         k = engine.cfg.steps_per_dispatch
         groups = sched.plan_decode(k, engine.cfg, partial(engine.programs.rows_now, "decode"))
@@ -324,7 +324,7 @@ class EngineLoop:
         overlapped = self._collect()
         self._inflight = InFlight(batches, k, self.version, held)
         if self.speculator is not None and overlapped:   # (speculation.py: what is timed)
-            self.speculator.timed("decode", self._rows(), time.perf_counter() - t0,
+            self.speculator.timed(Speculator.DECODE, self._rows(), time.perf_counter() - t0,
                                   k * len(owners))
         return state, True
 
@@ -332,32 +332,35 @@ class EngineLoop:
         """The row bucket of a batch of every running sequence (the load rule's key)."""
         return self.engine.programs.rows_now("verify", len(self.scheduler.running))
 
-    def _speculating(self) -> bool:
-        """Whether this dispatch verifies drafts (serving/core/speculation.py's load rule)."""
-        return self.speculator is not None and bool(self.scheduler.running) and \
-            self.speculator.wanted(self._rows())
+    def _speculating(self) -> int:
+        """The draft length this dispatch verifies at, 0 for none (serving/core/speculation.py's
+        load rule)."""
+        if self.speculator is None or not self.scheduler.running:
+            return 0
+        return self.speculator.wanted(self._rows())
 
-    def _speculate(self, state):
-        """One verify step for every running sequence (serving/runner/speculate.py), or None
-        when no sequence has a draft (the plain decode step then runs). Drafts continue the
-        tokens read back, so nothing is in flight before or after it; each row keeps from 1
-        to K+1 tokens, and the pages past what it keeps go back to the pool."""
+    def _speculate(self, state, k: int):
+        """One verify step for every running sequence at draft length `k` (serving/runner/
+        speculate.py), or None when no sequence has a draft (the plain decode step then runs).
+        Drafts continue the tokens read back, so nothing is in flight before or after it; each
+        row keeps from 1 to k+1 tokens, and the pages past what it keeps go back to the pool."""
         engine, sched, spec = self.engine, self.scheduler, self.speculator
         self._collect()
         t0, rows = time.perf_counter(), self._rows()
-        drafts = {id(seq): spec.draft(seq, engine.cfg.max_len) for seq in sched.running.values()}
+        drafts = {id(seq): spec.draft(seq, engine.cfg.max_len, k)
+                  for seq in sched.running.values()}
         if not any(drafts.values()):
-            spec.stepped([1])
+            spec.stepped(k, [1])
             return None
-        k, pushed = engine.cfg.speculative_tokens, 0
+        pushed = 0
         groups = sched.plan_decode(k + 1, engine.cfg, partial(engine.programs.rows_now, "verify"))
         held = sum(s.cached for group in groups for _, s in group)
         for owners in groups:
             width = engine.cfg.table_width(max(s.cached for _, s in owners) + k + 1)
             state, tokens, logprobs = engine.verify(
                 self.params, state, sched.table([s.pages for _, s in owners], width),
-                [slot for slot, _ in owners], [drafts[id(s)] for _, s in owners])
-            spec.stepped([len(kept) for kept in tokens])
+                [slot for slot, _ in owners], [drafts[id(s)] for _, s in owners], k)
+            spec.stepped(k, [len(kept) for kept in tokens])
             for (_, seq), kept, kept_logprobs in zip(owners, tokens, logprobs):
                 if drafts[id(seq)]:
                     spec.record(len(drafts[id(seq)]), len(kept))
@@ -372,7 +375,7 @@ class EngineLoop:
                     sched.trim(seq)
         self._count(steps=len(groups), busy_slot_steps=sum(map(len, groups)),
                     verify_steps=len(groups), tokens=pushed, held_tokens=held)
-        spec.timed("verify", rows, time.perf_counter() - t0, pushed)
+        spec.timed(k, rows, time.perf_counter() - t0, pushed)
         return state, bool(groups)
 
     def _constrained(self) -> bool:

@@ -79,7 +79,7 @@ class Orchestrator:
         self.length_predictor = LengthPredictor() if longest_first else None
         self.grammars = grammars
         if speculator is None and (drafter := make_drafter(e.speculative)) is not None:
-            speculator = Speculator(drafter, e.speculative_tokens)
+            speculator = Speculator(drafter, e.speculative_tokens, lengths=e.draft_lengths)
         self.speculator = speculator
         self._loop = EngineLoop(engine, engine.prepare_params(params), version, self.scheduler,
                                 eos_id, self.length_predictor, grammars, speculator)

@@ -279,19 +279,23 @@ class Engine:
                 "decode_steps", (rows, width, steps), params, state, grid, padded, real)
         return state, Decoded(tokens, logprobs, routes, len(slots), one_step=steps == 1)
 
-    def verify(self, params, state: DecodeState, table_RW, slots, drafts
+    def verify(self, params, state: DecodeState, table_RW, slots, drafts, length: int | None = None
                ) -> tuple[DecodeState, list[list[int]], list[list[float]]]:
         """One speculative step for `slots` (R of them, table_RW [R, W] in the same order, its
         pages holding each row's next len(draft) + 1 positions): each feeds its last token and
         its draft (`drafts`, R lists of at most speculative_tokens tokens) and keeps the tokens
         the rejection rule keeps (serving/runner/speculate.py). Returns (state, each row's
-        kept tokens, their log-probs), read back: from 1 to len(draft) + 1 tokens a row."""
-        k = self.cfg.speculative_tokens
+        kept tokens, their log-probs), read back: from 1 to len(draft) + 1 tokens a row.
+        `length`: the compiled draft length to run at (cfg.draft_lengths; default the
+        longest)."""
+        k = self.cfg.speculative_tokens if length is None else length
         if self.cfg.speculative == "off":
             raise ValueError("verify needs speculative decoding (EngineConfig.speculative)")
+        if k not in self.cfg.draft_lengths:
+            raise ValueError(f"draft length {k}: the engine verifies drafts of "
+                             f"{list(self.cfg.draft_lengths)} tokens")
         if any(len(d) > k for d in drafts):
-            raise ValueError(f"drafts of {max(map(len, drafts))} tokens: at most "
-                             f"speculative_tokens={k}")
+            raise ValueError(f"drafts of {max(map(len, drafts))} tokens: at most {k}")
         rows, padded, grid, real = self._gathered("verify", list(slots), table_RW)
         proposed = np.full((rows, k), -1, np.int32)
         for i, d in enumerate(drafts):

@@ -94,7 +94,8 @@ class EngineConfig:
     sampling_features: tuple[str, ...] = FEATURES
     # Speculative decoding (serving/runner/speculate.py): in the tail, rows verify drafts of up
     # to `speculative_tokens` tokens proposed by a drafter without a model (SPECULATIVE),
-    # several tokens a step, the sampled distribution exactly the engine's own.
+    # several tokens a step, the sampled distribution exactly the engine's own; the engine
+    # drafts half as far where that costs less a token (draft_lengths).
     speculative: str = "off"
     speculative_tokens: int = 4
 
@@ -245,6 +246,15 @@ class EngineConfig:
     def decode_widths(self) -> tuple[int, ...]:
         ends = range(1, self.max_len + self.steps_per_dispatch + 1)
         return tuple(sorted({self.table_width(t) for t in ends}))
+
+    @functools.cached_property
+    def draft_lengths(self) -> tuple[int, ...]:
+        """The draft lengths a verify program is compiled for: speculative_tokens, and half
+        of it (serving/core/speculation.py chooses between them and decoding by load)."""
+        if self.speculative == "off":
+            return ()
+        k = self.speculative_tokens
+        return tuple(sorted({max(1, k // 2), k}))
 
     @functools.cached_property
     def verify_widths(self) -> tuple[int, ...]:

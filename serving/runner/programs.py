@@ -121,7 +121,7 @@ class Programs:
                 out += [("decode", (r, w)) for w in cfg.decode_widths] + [("advance", (r,))]
             else:
                 out += [("decode_steps", (r, w, k)) for w in cfg.decode_widths]
-            out += [("verify", (r, w, cfg.speculative_tokens)) for w in cfg.verify_widths]
+            out += [("verify", (r, w, n)) for w in cfg.verify_widths for n in cfg.draft_lengths]
         return out + [("score", (b,)) for b in cfg.score_buckets]
 
     def _rung(self, shape: tuple) -> tuple[str, int] | None:

@@ -93,28 +93,40 @@ def test_the_engine_and_the_drafters_name_the_same_kinds():
 
 def test_the_load_rule_picks_the_fewer_seconds_per_token_and_probes_the_other_way():
     spec = Speculator(NgramDrafter(), 4, costs={4: (0.010, 0.012), 32: (0.010, 0.040)})
-    assert spec.wanted(4) and not spec.wanted(32)          # prior: 3 tokens a row
-    assert spec.estimate(4) == pytest.approx((0.010 / 4, 0.012 / (4 * 3)))   # a token's
-    assert spec.estimate(2) == pytest.approx((0.010 / 2, 0.012 / (2 * 3)))   # 4 rows' costs
+    assert spec.wanted(4) == 4 and spec.wanted(32) == 0    # prior: 3 tokens a row
+    assert spec.estimate(4) == pytest.approx({0: 0.010 / 4, 4: 0.012 / (4 * 3)})  # a token's
+    assert spec.estimate(2) == pytest.approx({0: 0.010 / 2, 4: 0.012 / (2 * 3)})  # 4 rows'
     for _ in range(100):
-        spec.stepped([1, 1])                               # nothing accepted
-    assert spec.tokens_per_row == pytest.approx(1.0, abs=0.02)
+        spec.stepped(4, [1, 1])                            # nothing accepted
+    assert spec.tokens_per_row[4] == pytest.approx(1.0, abs=0.02)
     picks = [spec.wanted(4) for _ in range(8 + 16 + 32 + 3)]
     # probes of two dispatches, further and further apart
     assert [i for i, p in enumerate(picks) if p] == [7, 8, 24, 25, 57, 58]
     # measured while serving: what the dispatches took wins over the start-up costs
     for _ in range(50):
-        spec.timed("decode", 4, 0.010, 4)                  # 2.5 ms a token
-        spec.timed("verify", 4, 0.012, 12)                 # 1 ms a token
-    assert spec.estimate(4) == pytest.approx((0.0025, 0.001))
-    assert spec.wanted(4) and not spec.wanted(32)
+        spec.timed(0, 4, 0.010, 4)                         # 2.5 ms a token
+        spec.timed(4, 4, 0.012, 12)                        # 1 ms a token
+    assert spec.estimate(4) == pytest.approx({0: 0.0025, 4: 0.001})
+    assert spec.wanted(4) == 4 and spec.wanted(32) == 0
     # the first dispatches are averaged, not smoothed: an outlier first one is soon outweighed
-    spec.timed("decode", 8, 0.100, 8)
+    spec.timed(0, 8, 0.100, 8)
     for _ in range(9):
-        spec.timed("decode", 8, 0.010, 8)
-    assert spec.estimate(8)[0] == pytest.approx((0.100 + 9 * 0.010) / 80)
+        spec.timed(0, 8, 0.010, 8)
+    assert spec.seconds_per_token[(0, 8)] == pytest.approx((0.100 + 9 * 0.010) / 80)
     assert not Speculator(NgramDrafter(), 4).wanted(4)     # nothing measured: no
-    assert Speculator(NgramDrafter(), 4, always=True).wanted(32)
+    assert Speculator(NgramDrafter(), 4, always=True).wanted(32) == 4
+
+
+def test_the_thinner_the_batch_the_longer_the_drafts():
+    """FastGRPO's concurrency-aware rule from the engine's own costs: drafts of 4 at 4 rows,
+    of 2 at 32 (a wider verify step costs more there than it saves), none at 128; each probe
+    tries the other ways in turn."""
+    spec = Speculator(NgramDrafter(), 4, lengths=(2, 4), costs={
+        4: {0: 0.010, 2: 0.011, 4: 0.012}, 32: {0: 0.010, 2: 0.015, 4: 0.040},
+        128: {0: 0.010, 2: 0.030, 4: 0.080}})
+    assert [spec.wanted(r) for r in (4, 32, 128)] == [4, 2, 0]
+    picks = [spec.wanted(4) for _ in range(8 + 16 + 3)]
+    assert [(i, p) for i, p in enumerate(picks) if p != 4] == [(6, 0), (7, 0), (23, 2), (24, 2)]
 
 
 # -- the engine --------------------------------------------------------------------------------
