@@ -91,9 +91,12 @@ class SuffixDrafter:
     written, its earlier rollouts. At most `max_entries` (context, token) entries over every
     prompt's index; past that the least recently drafted prompts are forgotten.
 
-    Indexing is lazy: `observe` only notes a sequence the first time it writes, and a
-    prompt's index takes in its sequences' new tokens when a draft is asked of it (or a
-    sequence finishes), so a batch that does not speculate pays nothing per token."""
+    Indexing is lazy: `observe` only notes a sequence the first time it writes, a finished
+    one waits with its prompt's others, and a prompt's index takes in its sequences' new
+    tokens (running and finished) when a draft is asked of it, so an engine that does not
+    speculate pays nothing per token. Finished sequences not indexed yet are kept up to as
+    many tokens as the bound's entries allow (max_entries / depth), the oldest dropped
+    first."""
 
     def __init__(self, depth: int = 8, max_entries: int = 2_000_000, min_match: int = 2):
         self.depth, self.max_entries, self.min_match = depth, max_entries, min_match
@@ -103,6 +106,10 @@ class SuffixDrafter:
         # prompt -> {id(seq): [seq, tokens of it indexed]}: the sequences writing it now
         self._live: dict[tuple[int, ...], dict[int, list]] = {}
         self._keys: dict[int, tuple[int, ...]] = {}      # id(seq) -> its prompt
+        # prompt -> [[seq, tokens of it indexed], ...]: finished, not indexed yet (oldest first)
+        self._ended: collections.OrderedDict[tuple[int, ...], list[list]] = \
+            collections.OrderedDict()
+        self._ended_tokens = 0
 
     def _index(self, key: tuple[int, ...]) -> SuffixIndex:
         index = self.indexes.get(key)
@@ -117,11 +124,13 @@ class SuffixDrafter:
         """The prompt's index with every token its sequences have written so far."""
         index = self._index(key)
         before = index.entries
-        for entry in self._live.get(key, {}).values():
+        ended = self._ended.pop(key, [])
+        for entry in [*self._live.get(key, {}).values(), *ended]:
             seq, done = entry
             for i in range(done, len(seq.tokens)):
                 index.add(_before(seq, i, self.depth), seq.tokens[i])
             entry[1] = len(seq.tokens)
+        self._ended_tokens -= sum(len(seq.tokens) for seq, _ in ended)
         self.entries += index.entries - before
         while self.entries > self.max_entries and len(self.indexes) > 1:
             old_key, old = self.indexes.popitem(last=False)
@@ -142,16 +151,20 @@ class SuffixDrafter:
             self._live.setdefault(key, {})[id(seq)] = [seq, 0]
 
     def finished(self, seq: Sequence) -> None:
-        """Its tokens go into its prompt's index, for its siblings and the prompt's next
-        rollouts, and it is forgotten."""
+        """Its tokens are to go into its prompt's index (at the next draft for that prompt),
+        for its siblings and the prompt's next rollouts."""
         key = self._keys.pop(id(seq), None)
         if key is None:
             return
-        self._catch_up(key)
         live = self._live[key]
-        del live[id(seq)]
+        entry = live.pop(id(seq))
         if not live:
             del self._live[key]
+        self._ended.setdefault(key, []).append(entry)
+        self._ended_tokens += len(seq.tokens)
+        while self._ended_tokens > self.max_entries // self.depth and len(self._ended) > 1:
+            _, dropped = self._ended.popitem(last=False)
+            self._ended_tokens -= sum(len(s.tokens) for s, _ in dropped)
 
 
 class NgramDrafter:

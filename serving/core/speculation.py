@@ -24,19 +24,25 @@ fewest seconds per generated token, as the engine measures them:
   a decode step only when it read back the one before it (the first after a verify step,
   which overlaps nothing yet, is not timed).
 
-    way(R) = the way of fewest seconds per token at R rows (0: decode; k: drafts of k)
+    way(R) = the way of fewest seconds per token at R rows (0: decode; k: drafts of k),
+             a verify way counted MARGIN dearer than measured (speculating must clearly pay:
+             the averages are noisy, and a wrong switch costs more than a missed one)
 
 Now and then PROBE dispatches in a row go another way (the others in turn; two dispatches: the
 first of a switch to decoding is not timed), so that every average follows the text being
 written (a tail that turns repetitive, a batch that fills): after FIRST_PROBE dispatches at a
-row count, then at intervals that double while the choice holds (up to LAST_PROBE, so that a
-way that does not pay costs little), back to FIRST_PROBE when the choice changes.
+row count, then at intervals that double while the choice holds, and are long enough that
+probing a way as much slower as it was last measured costs at most PROBE_BUDGET of the time
+(up to LAST_PROBE dispatches); back to FIRST_PROBE when the choice changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 
+import jax
 import numpy as np
 
 from serving.core.drafts import Drafter
@@ -48,6 +54,8 @@ class Speculator:
 
     FIRST_PROBE, LAST_PROBE = 8, 512    # dispatches between two probes of another way
     PROBE = 2                 # dispatches a probe lasts
+    PROBE_BUDGET = 0.02       # the share of the time probes of a slower way may cost
+    MARGIN = 0.1              # how much cheaper a token a verify way must be than decoding
     SMOOTHING = 0.1           # weight of one dispatch in the moving averages
     DECODE = 0                # the way that decodes (a verify way is its draft length)
 
@@ -100,7 +108,7 @@ class Speculator:
         est = self.estimate(rows)
         if est is None:
             return self.DECODE
-        choice = min(est, key=est.get)
+        choice = min(est, key=lambda w: est[w] * (1 if w == self.DECODE else 1 + self.MARGIN))
         probe = self._probes.setdefault(rows, [0, self.FIRST_PROBE, choice, 0, choice, 0])
         if probe[3]:                    # a probe under way
             probe[3] -= 1
@@ -110,10 +118,13 @@ class Speculator:
         probe[0] += 1
         if probe[0] >= probe[1]:
             others = [w for w in self.ways if w != choice]
-            probe[0], probe[1] = 0, min(2 * probe[1], self.LAST_PROBE)
-            probe[3], probe[4] = self.PROBE - 1, others[probe[5] % len(others)]
+            way = others[probe[5] % len(others)]
+            # a probe costs PROBE dispatches at (slower - 1) times the choice's time
+            budget = math.ceil(self.PROBE * (est[way] / est[choice] - 1) / self.PROBE_BUDGET)
+            probe[0], probe[1] = 0, min(max(2 * probe[1], budget), self.LAST_PROBE)
+            probe[3], probe[4] = self.PROBE - 1, way
             probe[5] += 1
-            return probe[4]
+            return way
         return choice
 
     def timed(self, way: int, rows: int, seconds: float, tokens: int) -> None:
@@ -159,11 +170,17 @@ class Speculator:
 
     def measure(self, engine, params, state, repeats: int = 3):
         """Times the engine's decode step and its verify step at each draft length and row
-        count, on an idle state (padding rows only: every page read and written is the null
-        page, no slot's state changes), the median of `repeats`; fills `costs` and returns
-        the state."""
+        count, the median of `repeats`, before anything is served: padding rows whose
+        attention reads as many keys as a sequence halfway between the longest prompt and
+        max_len holds (every page read and written is the null page); fills `costs` and
+        returns the state, its slots' lengths back at 0."""
         cfg, programs = engine.cfg, engine.programs
-        width = cfg.table_width(cfg.page_size)
+        held = min((cfg.max_prefill_length + cfg.max_len) // 2,
+                   cfg.max_len - cfg.speculative_tokens - 2)
+        width = cfg.table_width(held + cfg.speculative_tokens + 1)
+        lengths = state.lengths
+        state = dataclasses.replace(state, lengths=jax.device_put(
+            np.full(lengths.shape, held, np.int32), lengths.sharding))
         for rows in cfg.row_sizes:
             if programs.compiled and not all(programs.is_compiled(*shape) for shape in
                                              _shapes(cfg, rows, width)):
@@ -178,7 +195,8 @@ class Speculator:
                 per = cfg.steps_per_dispatch if way == self.DECODE else 1
                 times[way] = float(np.median(runs[1:])) / per
             self.costs[rows] = times
-        return state
+        return dataclasses.replace(state, lengths=jax.device_put(
+            np.zeros(lengths.shape, np.int32), lengths.sharding))
 
 
 def _shapes(cfg, rows: int, width: int) -> list[tuple[str, tuple]]:

@@ -67,16 +67,23 @@ def test_the_suffix_drafter_drafts_from_siblings_and_earlier_rollouts_within_its
     # the same prompt in a later step: its earlier rollouts still draft
     drafter.finished(sibling)
     drafter.finished(tail)
-    assert not drafter._live                          # nothing kept of finished sequences
+    assert not drafter._live                          # none running
     later = _seq(prompt, [9, 2, 3], index=0)
-    assert drafter.draft(later, 2) == [4, 5]
-    # other prompts fill the bound: the least recently drafted is forgotten
+    assert drafter.draft(later, 2) == [4, 5]          # indexed now, as it is drafted from
+    assert not drafter._ended
+    # finished and never drafted from: kept unindexed up to max_entries / depth tokens
     for p in range(40):
         other = _seq([p + 100] * 3)
         for t in range(10):
             other.tokens.append(t)
             drafter.observe(other, t)
-        drafter.finished(other)                       # indexed as it ends
+        drafter.finished(other)
+    assert drafter._ended_tokens <= 200 // 6 and len(drafter._ended) == 3
+    # other prompts drafted from fill the bound: the least recently drafted is forgotten
+    for p in range(37, 40):
+        drafter.draft(_seq([p + 100] * 3, [0]), 2)
+    for p in range(40, 60):
+        drafter.draft(_seq([p + 100] * 9, [0]), 2)
     assert drafter.entries <= 200 and tuple(prompt) not in drafter.indexes
     assert drafter.draft(later, 2) == []
 
@@ -99,9 +106,10 @@ def test_the_load_rule_picks_the_fewer_seconds_per_token_and_probes_the_other_wa
     for _ in range(100):
         spec.stepped(4, [1, 1])                            # nothing accepted
     assert spec.tokens_per_row[4] == pytest.approx(1.0, abs=0.02)
-    picks = [spec.wanted(4) for _ in range(8 + 16 + 32 + 3)]
-    # probes of two dispatches, further and further apart
-    assert [i for i, p in enumerate(picks) if p] == [7, 8, 24, 25, 57, 58]
+    picks = [spec.wanted(4) for _ in range(8 + 20 + 40 + 3)]
+    # probes of two dispatches, further and further apart: doubling, and at least as far as
+    # keeps a way 1.2x slower to 2% of the time (2 x 0.2 / 0.02 = 20 dispatches)
+    assert [i for i, p in enumerate(picks) if p] == [7, 8, 28, 29, 69, 70]
     # measured while serving: what the dispatches took wins over the start-up costs
     for _ in range(50):
         spec.timed(0, 4, 0.010, 4)                         # 2.5 ms a token
@@ -119,14 +127,16 @@ def test_the_load_rule_picks_the_fewer_seconds_per_token_and_probes_the_other_wa
 
 def test_the_thinner_the_batch_the_longer_the_drafts():
     """FastGRPO's concurrency-aware rule from the engine's own costs: drafts of 4 at 4 rows,
-    of 2 at 32 (a wider verify step costs more there than it saves), none at 128; each probe
-    tries the other ways in turn."""
+    of 2 at 32 (a wider verify step costs more there than it saves), none at 128; probes try
+    the other ways in turn, further apart the slower the way probed."""
     spec = Speculator(NgramDrafter(), 4, lengths=(2, 4), costs={
         4: {0: 0.010, 2: 0.011, 4: 0.012}, 32: {0: 0.010, 2: 0.015, 4: 0.040},
         128: {0: 0.010, 2: 0.030, 4: 0.080}})
     assert [spec.wanted(r) for r in (4, 32, 128)] == [4, 2, 0]
-    picks = [spec.wanted(4) for _ in range(8 + 16 + 3)]
-    assert [(i, p) for i, p in enumerate(picks) if p != 4] == [(6, 0), (7, 0), (23, 2), (24, 2)]
+    picks = [spec.wanted(4) for _ in range(8 + 150 + 3)]
+    # decoding 2.5x slower a token: the next probe waits until 2 x 1.5 / 0.02 = 150 have run
+    assert [(i, p) for i, p in enumerate(picks) if p != 4] == [(6, 0), (7, 0), (157, 2),
+                                                               (158, 2)]
 
 
 # -- the engine --------------------------------------------------------------------------------
