@@ -375,7 +375,7 @@ class EngineLoop:
                     sched.trim(seq)
         self._count(steps=len(groups), busy_slot_steps=sum(map(len, groups)),
                     verify_steps=len(groups), tokens=pushed, held_tokens=held)
-        spec.timed(k, rows, time.perf_counter() - t0, pushed)
+        spec.timed(k, rows, time.perf_counter() - t0, sum(map(len, groups)))
         return state, bool(groups)
 
     def _constrained(self) -> bool:

@@ -15,9 +15,12 @@ fewest seconds per generated token, as the engine measures them:
   row count, a verify step's divided by the tokens a row is expected to keep at that draft
   length (`tokens_per_row`: a moving average over its verify steps from an optimistic prior,
   half the draft accepted; a row that found no draft counts as one);
-- while it serves (`timed`), each dispatch's wall time over the tokens it produced, an average
-  per way and row count (the mean of the first 1/SMOOTHING dispatches, then a moving average)
-  that replaces the start-up figure once there is one. It holds what the programs' timings
+- while it serves (`timed`), each dispatch's wall time, the median of the last RECENT
+  dispatches per way and row count (a dispatch that hit a page fault or a busy core does not
+  move it), which replaces the start-up figure once there is one: a decode step's over the
+  tokens it produced, a verify step's over the sequences it ran, divided by the tokens a row
+  keeps now (so that drafts turning better, or worse, show at once, however long ago the
+  step was timed). It holds what the programs' timings
   leave out: host work, drafting, attention over the rows' real lengths, and the overlap a
   speculating dispatch gives up (its drafts continue the tokens read back). Each way is
   charged its own work only: a verify step from after it read back the decode step in flight,
@@ -38,6 +41,7 @@ probing a way as much slower as it was last measured costs at most PROBE_BUDGET 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -56,7 +60,8 @@ class Speculator:
     PROBE = 2                 # dispatches a probe lasts
     PROBE_BUDGET = 0.02       # the share of the time probes of a slower way may cost
     MARGIN = 0.1              # how much cheaper a token a verify way must be than decoding
-    SMOOTHING = 0.1           # weight of one dispatch in the moving averages
+    SMOOTHING = 0.3           # weight of one verify step in the tokens-kept average
+    RECENT = 9                # dispatches whose median is a way's measured cost
     DECODE = 0                # the way that decodes (a verify way is its draft length)
 
     def __init__(self, drafter: Drafter, tokens: int, costs: dict | None = None,
@@ -73,8 +78,9 @@ class Speculator:
                       for rows, cost in (costs or {}).items()}
         self.drafted = self.accepted = self.verified_rows = 0
         self.tokens_per_row = {k: 1.0 + k / 2 for k in self.lengths}
-        self.seconds_per_token: dict[tuple[int, int], float] = {}   # (way, rows) -> average
-        self._timed: dict[tuple[int, int], int] = {}                # (way, rows) -> dispatches
+        # (way, rows) -> the median: seconds a token (decode), seconds a sequence (verify)
+        self.measured: dict[tuple[int, int], float] = {}
+        self._recent: dict[tuple[int, int], collections.deque] = {}  # its last dispatches
         # rows -> [since the last probe, interval, choice, probe dispatches left, the way
         # probed, the probes so far]
         self._probes: dict[int, list] = {}
@@ -91,13 +97,13 @@ class Speculator:
             (self.costs[r] for r in sorted(self.costs) if r > rows), {})
         out = {}
         for way in self.ways:
-            measured = self.seconds_per_token.get((way, rows))
+            kept = 1.0 if way == self.DECODE else self.tokens_per_row[way]
+            measured = self.measured.get((way, rows))
             if measured is None and way in cost:
-                kept = 1.0 if way == self.DECODE else self.tokens_per_row[way]
-                measured = cost[way] / (rows * kept)
+                measured = cost[way] / rows
             if measured is None:
                 return None
-            out[way] = measured
+            out[way] = measured / kept
         return out
 
     def wanted(self, rows: int) -> int:
@@ -127,15 +133,16 @@ class Speculator:
             return way
         return choice
 
-    def timed(self, way: int, rows: int, seconds: float, tokens: int) -> None:
-        """A dispatch of `way` (0 decode, k verify at draft length k) with `rows` rows took
-        `seconds` and produced `tokens` tokens."""
-        if tokens <= 0:
+    def timed(self, way: int, rows: int, seconds: float, count: int) -> None:
+        """A dispatch of `way` at row bucket `rows` took `seconds`: a decode dispatch (way 0)
+        producing `count` tokens, a verify step (way k, drafts of up to k) of `count`
+        sequences."""
+        if count <= 0:
             return
-        x, key = seconds / tokens, (way, rows)
-        n = self._timed[key] = self._timed.get(key, 0) + 1
-        old = self.seconds_per_token.get(key, x)
-        self.seconds_per_token[key] = old + max(self.SMOOTHING, 1 / n) * (x - old)
+        key = (way, rows)
+        recent = self._recent.setdefault(key, collections.deque(maxlen=self.RECENT))
+        recent.append(seconds / count)
+        self.measured[key] = float(np.median(recent))
 
     def stepped(self, length: int, kept: list[int]) -> None:
         """A verify step at draft length `length` (or a probe that found no draft) kept `kept`
