@@ -23,6 +23,11 @@ Assumptions (each a flag; the defaults describe a 7B-class model on H100s):
 - async+length: async, admitting the longest predicted request first on each instance
   (StreamRL's skewness-aware scheduling; the prediction is the true length times log-normal
   noise of `--predict-sigma`), so the tail starts early.
+- sync+multiplex, partial+multiplex (SeamlessFlow's spatiotemporal multiplexing, jaxrl's
+  rl.multiplex): async's split of the accelerators, the trainer's generating beside the others
+  while it waits for its batch; in partial, when the batch is ready their unfinished samples
+  move to the other instances (prefilled again there with the tokens they reached) and they
+  train.
 - Measured costs (bench/calibrate.py's, `--calibration`) replace the formulas: a decode step's
   fixed cost by the rows it decodes plus a cost per held token; a packed trainer's step as a
   cost per microbatch plus one per token (`--train-ms-per-microbatch`, samples packed first
@@ -254,10 +259,12 @@ def simulate(mode: str, args, cluster: Cluster, seed: int = 0) -> dict:
     LENGTHS = lengths
     groups = -(-total // args.group_size)
     DROPPED = np.repeat(rng.random(groups) < args.drop_groups, args.group_size)[:total]
-    if mode in ("sync", "partial"):
-        if args.split:      # the same accelerators as async's: each side idles in turn
+    if mode in ("sync", "partial", "sync+multiplex", "partial+multiplex"):
+        if args.split or mode.endswith("+multiplex"):   # async's split: each side idles in turn
             n_gen = max(1, round(cluster.accelerators * (args.gen_fraction or 0.5)))
-            return _sync(mode, args, cluster, n_gen, cluster.accelerators - n_gen)
+            n_train = cluster.accelerators - n_gen
+            return _sync(mode, args, cluster, n_gen, n_train,
+                         lenders=n_train if mode.endswith("+multiplex") else 0)
         return _sync(mode, args, cluster, cluster.accelerators, cluster.accelerators)
     if args.gen_fraction:
         return _async(mode, args, cluster, lengths * noise,
@@ -270,31 +277,41 @@ def simulate(mode: str, args, cluster: Cluster, seed: int = 0) -> dict:
                key=lambda r: r["samples_per_s"])
 
 
-def _sync(mode: str, args, c: Cluster, n_gen: int, n_train: int) -> dict:
+def _sync(mode: str, args, c: Cluster, n_gen: int, n_train: int, lenders: int = 0) -> dict:
     """`n_gen` accelerators generate, then `n_train` train (all of them both, colocated, or
     two sets that idle in turn, --split). partial: generation stops at the batch's last sample
     instead of the longest admitted one; the rest keep their KV through the train phase (the
     engine pauses) and continue after it. A dropped group (--drop-groups) is replaced by a new
-    one as it finishes; samples kept beyond the batch are trained in the next step."""
-    gens = [Instance(i, c) for i in range(n_gen)]
+    one as it finishes; samples kept beyond the batch are trained in the next step.
+    `lenders`: the trainer's accelerators generate too (the last instances) until the batch is
+    complete; their unfinished samples then continue elsewhere, prefilled again with the
+    tokens they reached."""
+    gens = [Instance(i, c) for i in range(n_gen + lenders)]
+    mode = mode.removesuffix("+multiplex")
     t, first, next_sample, gen_busy, train_busy = 0.0, 0.0, 0, 0.0, 0.0
     backlog: list[int] = []          # partial: admitted next step before new samples
+    carried: dict[int, int] = {}     # sample -> tokens it had reached on a lender
     surplus: list[int] = []          # lengths of samples kept beyond the last batch
     for step in range(args.steps):
         for g in gens:
             g.time = max(g.time, t)
         trained, surplus = surplus[:args.batch], surplus[args.batch:]
         want = (args.batch - len(trained) if mode == "sync"
-                else n_gen * c.slots - sum(len(g.running) for g in gens))
+                else len(gens) * c.slots - sum(len(g.running) for g in gens))
         pending = backlog[::-1]
         backlog = []
         while len(pending) < want:
             pending.insert(0, next_sample)
             next_sample += 1
-        for g in gens:
-            while len(g.running) < c.slots and pending:
-                s = pending.pop()
-                g.admit(s, LENGTHS[s])
+        # each to the instance with the fewest running, as a fleet's router places groups
+        room = [(len(g.running), g.index) for g in gens if len(g.running) < c.slots]
+        heapq.heapify(room)
+        while room and pending:
+            held, i = heapq.heappop(room)
+            s = pending.pop()
+            gens[i].admit(s, LENGTHS[s], carried.pop(s, 0))
+            if held + 1 < c.slots:
+                heapq.heappush(room, (held + 1, i))
         finishes = Finishes(gens)
         while len(trained) < args.batch:
             g, when = finishes.first()
@@ -316,7 +333,13 @@ def _sync(mode: str, args, c: Cluster, n_gen: int, n_train: int) -> dict:
             gen_end = max(g.time for g in gens)
             for g in gens:
                 g.advance(gen_end)
-            backlog = pending[::-1]
+            moved = []
+            for g in gens[n_gen:]:     # the lenders' samples continue elsewhere
+                for finish, s in g.running:
+                    carried[s] = g.step - (finish - LENGTHS[s])
+                    moved.append(s)
+                g.running, g.admit_sum = [], 0
+            backlog = moved[::-1] + pending[::-1]
         else:                      # sync: every admitted sample finishes first
             for g in gens:
                 while g.running:
@@ -330,7 +353,8 @@ def _sync(mode: str, args, c: Cluster, n_gen: int, n_train: int) -> dict:
         first = first if step else t
         train_busy += train * n_train
     gen_busy = sum(g.busy_s for g in gens)
-    return _result(mode, args, t, first, gen_busy, train_busy, n_gen, n_train, 0)
+    return _result(mode + ("+multiplex" if lenders else ""), args, t, first, gen_busy,
+                   train_busy, len(gens), n_train, 0)
 
 
 def _async(mode: str, args, c: Cluster, predicted: np.ndarray, n_gen: int) -> dict:
@@ -431,7 +455,7 @@ def _result(mode, args, seconds, first, gen_busy, train_busy, n_gen, n_train, dr
             "dropped_stale": dropped}
 
 
-MODES = ("sync", "partial", "async", "async+length")
+MODES = ("sync", "partial", "async", "async+length", "sync+multiplex", "partial+multiplex")
 # What a calibration file may set: the measured costs and the workload they were measured on.
 CALIBRATED = {"decode_ms", "decode_us_per_held", "decode_ms_by_rows", "prefill_us_per_token",
               "train_us_per_token", "train_ms_per_microbatch", "pack_len", "microbatch_rows",

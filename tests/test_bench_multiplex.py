@@ -1,6 +1,6 @@
 """`jaxrl bench multiplex` runs its own code path to its table and JSON line at the smallest
-size (a tiny countdown model, three RL steps, one seed, pinned): sync against partial rollouts
-with the trainer's devices generating while it waits."""
+size (a tiny countdown model, three RL steps, one seed, pinned): partial rollouts with the
+trainer's devices generating while it waits."""
 
 import json
 import subprocess
@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_sync_and_partial_with_multiplexing_run_pinned_to_their_report(tmp_path):
-    variants = ["sync", "partial+multiplex"]
+def test_partial_with_multiplexing_runs_pinned_to_its_report(tmp_path):
+    variants = ["partial+multiplex"]
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "multiplex.py"), "--seeds", "1", "--rl-steps",
          "3", "--window", "1", "--busy-limit", "1.0", "--save", str(tmp_path / "runs.json"),

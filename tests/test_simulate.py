@@ -146,3 +146,16 @@ def test_a_decode_step_costs_the_rows_it_decodes(capsys):
     r = _run(capsys, *flags)["sync"]
     step = (B * P * PREFILL_US / 1e6 + L * 1.0 / 1e3 + B * (P + L) * 400e-6 + RELOAD_S)
     assert r["samples_per_s"] == pytest.approx(B / step, rel=1e-6)
+
+
+def test_multiplexed_sync_generates_on_the_trainers_accelerator_too(capsys):
+    """sync+multiplex: the batch is placed half on each accelerator (as the fleet's router
+    places groups by load), so each prefills half of it; the trainer's accelerator then
+    trains alone."""
+    train_us = 400.0
+    r = _run(capsys, "--modes", "sync+multiplex", "--train-us-per-token",
+             str(train_us))["sync+multiplex"]
+    step = (B // 2) * P * PREFILL_US / 1e6 + L * DECODE_MS / 1e3 \
+        + B * (P + L) * train_us / 1e6 + RELOAD_S
+    assert r["accelerators_generating"] == 2 and r["accelerators_training"] == 1
+    assert r["samples_per_s"] == pytest.approx(B / step, rel=1e-6)
