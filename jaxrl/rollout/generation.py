@@ -106,12 +106,14 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
     them before they take work; those that cannot be reached yet join when they answer. With
     rl.multiplex, an engine on `trainer_devices` joins the fleet resting (the trainer lends it
     while it waits for data)."""
-    gens = _local(cfg, model_cfg, tokenizer, params, version, engine_devices, log) \
+    served = rollout_weights(model_cfg, cfg.rl.generation.weights)   # one compiled quantizer
+    gens = _local(cfg, model_cfg, tokenizer, params, version, engine_devices, served, log) \
         if not cfg.rl.generation.remote else \
-        _remote(cfg, model_cfg, tokenizer, params, version, log)
+        _remote(cfg, model_cfg, tokenizer, params, version, served, log)
     if cfg.rl.multiplex:
         try:
-            gens.lender = _lender(cfg, model_cfg, tokenizer, params, version, trainer_devices)
+            gens.lender = _lender(cfg, model_cfg, tokenizer, served(params) if served else params,
+                                  version, trainer_devices)
         except BaseException:
             gens.close()
             raise
@@ -121,38 +123,40 @@ def start(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, 
     return gens
 
 
-def _orchestrator(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params,
+def _orchestrator(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, weights,
                   version: int, devices) -> Orchestrator:
-    """An in-process engine on `devices` serving `params` (made the rollout weights) as
-    `version`, started."""
+    """An in-process engine on `devices` serving `weights` (already the rollout weights:
+    `rollout_weights`) as `version`, started."""
     g = cfg.rl.generation
-    served, served_cfg = rollout_weights(model_cfg, g.weights), rollout_model(model_cfg, g.weights)
+    served_cfg = rollout_model(model_cfg, g.weights)
     engine = Engine(served_cfg, engine_config(cfg, served_cfg),
                     mesh=shd.make_mesh(shd.MeshConfig(fsdp=1, tensor=-1), devices))
-    return Orchestrator(engine, served(params) if served else params, version=version,
+    return Orchestrator(engine, weights, version=version,
                         eos_id=tokenizer.eos_id, max_queued=4 * cfg.rl.batch_size,
                         longest_first=server_admission(cfg.rl.admission) == "longest_first",
                         grammars=Grammars(tokenizer, model_cfg.vocab_size)
                         ).start(compile_later=g.compile == "as_needed")
 
 
-def _lender(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, version: int,
+def _lender(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, weights, version: int,
             trainer_devices) -> Member:
     """The trainer's devices as a fleet member tagged to train and to generate, resting (paused)
     until the trainer first waits for data. The publisher updates it like any in-process
     engine: a copy of the weights on the same devices (the trainer donates its own to each
     step), no push over a wire."""
-    local = _orchestrator(cfg, model_cfg, tokenizer, params, version, trainer_devices)
+    local = _orchestrator(cfg, model_cfg, tokenizer, weights, version, trainer_devices)
     local.pause()
     return Member("trainer", local, local.scheduler.num_slots, remote=False, version=version,
                   state=MemberState.RESTING, tags=frozenset({"train", "generate"}))
 
 
 def _local(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, version: int,
-           engine_devices, log: Callable[[str], None]) -> Generators:
-    """This process's engine on `engine_devices`, the fleet's one member."""
+           engine_devices, served: Callable | None, log: Callable[[str], None]) -> Generators:
+    """This process's engine on `engine_devices`, the fleet's one member; `served` makes the
+    rollout weights of the trainer's (rollout_weights)."""
     g = cfg.rl.generation
-    local = _orchestrator(cfg, model_cfg, tokenizer, params, version, engine_devices)
+    local = _orchestrator(cfg, model_cfg, tokenizer, served(params) if served else params,
+                          version, engine_devices)
     if local.compiled_at_start:
         log(f"engine: compiled {local.compiled_at_start} programs in {local.compile_s:.1f} s "
             + ("(its largest batches' and chunks'; smaller ones compile beside generation "
@@ -162,7 +166,6 @@ def _local(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params,
     members = [Member("local", local, cfg.rl.engine.max_concurrent_decodes, remote=False,
                       version=version, state=MemberState.READY)]
     fleet = Fleet(members, eos_id=tokenizer.eos_id, wait_s=g.wait_s, warn=log)
-    served = rollout_weights(model_cfg, g.weights)
     return Generators(fleet, WeightPublisher(fleet, served=served, warn=log), local)
 
 
@@ -177,7 +180,7 @@ def transfer_for(transfer: str, address: str) -> str:
 
 
 def _remote(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params, version: int,
-            log: Callable[[str], None]) -> Generators:
+            served: Callable | None, log: Callable[[str], None]) -> Generators:
     """The fleet of `jaxrl serve` processes: those listed (one that does not answer yet joins
     when it does) and, with rl.generation.join, those that offer themselves during the run."""
     g = cfg.rl.generation
@@ -212,8 +215,7 @@ def _remote(cfg: RunConfig, model_cfg: ModelConfig, tokenizer: Tokenizer, params
     fleet = Fleet(members, eos_id=tokenizer.eos_id, heartbeat_s=g.heartbeat_s,
                   heartbeat_timeout_s=g.heartbeat_timeout_s, wait_s=g.wait_s, warn=log)
     publisher = WeightPublisher(fleet, deadline_s=g.push_deadline_s, wire_dtype=model_cfg.dtype,
-                                served=rollout_weights(model_cfg, g.weights),
-                                elastic=bool(g.join), warn=log)
+                                served=served, elastic=bool(g.join), warn=log)
     publisher.publish(params, version)
     registry = None
     if g.join:

@@ -20,9 +20,9 @@ fewest seconds per generated token, as the engine measures them:
   move it), which replaces the start-up figure once there is one: a decode step's over the
   tokens it produced, a verify step's over the sequences it ran, divided by the tokens a row
   keeps now (so that drafts turning better, or worse, show at once, however long ago the
-  step was timed). It holds what the programs' timings
-  leave out: host work, drafting, attention over the rows' real lengths, and the overlap a
-  speculating dispatch gives up (its drafts continue the tokens read back). Each way is
+  step was timed). It holds what the programs' timings leave out: host work, drafting,
+  attention over the rows' real lengths, and the overlap a speculating dispatch gives up (its
+  drafts continue the tokens read back). Each way is
   charged its own work only: a verify step from after it read back the decode step in flight,
   a decode step only when it read back the one before it (the first after a verify step,
   which overlaps nothing yet, is not timed).
@@ -81,9 +81,7 @@ class Speculator:
         # (way, rows) -> the median: seconds a token (decode), seconds a sequence (verify)
         self.measured: dict[tuple[int, int], float] = {}
         self._recent: dict[tuple[int, int], collections.deque] = {}  # its last dispatches
-        # rows -> [since the last probe, interval, choice, probe dispatches left, the way
-        # probed, the probes so far]
-        self._probes: dict[int, list] = {}
+        self._probes: dict[int, _Probes] = {}             # rows -> its probing
 
     @property
     def ways(self) -> tuple[int, ...]:
@@ -115,23 +113,22 @@ class Speculator:
         if est is None:
             return self.DECODE
         choice = min(est, key=lambda w: est[w] * (1 if w == self.DECODE else 1 + self.MARGIN))
-        probe = self._probes.setdefault(rows, [0, self.FIRST_PROBE, choice, 0, choice, 0])
-        if probe[3]:                    # a probe under way
-            probe[3] -= 1
-            return probe[4]
-        if probe[2] != choice:          # the choice changed: look again soon
-            probe[:] = [0, self.FIRST_PROBE, choice, 0, choice, probe[5]]
-        probe[0] += 1
-        if probe[0] >= probe[1]:
-            others = [w for w in self.ways if w != choice]
-            way = others[probe[5] % len(others)]
-            # a probe costs PROBE dispatches at (slower - 1) times the choice's time
-            budget = math.ceil(self.PROBE * (est[way] / est[choice] - 1) / self.PROBE_BUDGET)
-            probe[0], probe[1] = 0, min(max(2 * probe[1], budget), self.LAST_PROBE)
-            probe[3], probe[4] = self.PROBE - 1, way
-            probe[5] += 1
-            return way
-        return choice
+        p = self._probes.setdefault(rows, _Probes(self.FIRST_PROBE, choice))
+        if p.left:                      # a probe under way
+            p.left -= 1
+            return p.way
+        if p.choice != choice:          # the choice changed: look again soon
+            p.since, p.interval, p.choice = 0, self.FIRST_PROBE, choice
+        p.since += 1
+        if p.since < p.interval:
+            return choice
+        others = [w for w in self.ways if w != choice]
+        p.way = others[p.count % len(others)]
+        # a probe costs PROBE dispatches at (slower - 1) times the choice's time
+        budget = math.ceil(self.PROBE * (est[p.way] / est[choice] - 1) / self.PROBE_BUDGET)
+        p.since, p.interval = 0, min(max(2 * p.interval, budget), self.LAST_PROBE)
+        p.left, p.count = self.PROBE - 1, p.count + 1
+        return p.way
 
     def timed(self, way: int, rows: int, seconds: float, count: int) -> None:
         """A dispatch of `way` at row bucket `rows` took `seconds`: a decode dispatch (way 0)
@@ -204,6 +201,17 @@ class Speculator:
             self.costs[rows] = times
         return dataclasses.replace(state, lengths=jax.device_put(
             np.zeros(lengths.shape, np.int32), lengths.sharding))
+
+
+@dataclasses.dataclass
+class _Probes:
+    """How one row count probes the ways it does not choose."""
+    interval: int               # dispatches between two probes
+    choice: int                 # the way chosen when the interval was set
+    since: int = 0              # dispatches since the last probe
+    left: int = 0               # dispatches of the probe under way still to go
+    way: int = 0                # the way it probes
+    count: int = 0              # probes so far (the ways are probed in turn)
 
 
 def _shapes(cfg, rows: int, width: int) -> list[tuple[str, tuple]]:
