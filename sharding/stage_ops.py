@@ -15,8 +15,9 @@ temp of the demo model's 1f1b step: 4.4 MiB with one, 3.5 MiB without); the pass
 copies measured within the runs' noise on CPU.
 
 Ops by branch index: idle, F, B, W, X, busy (X's second tick), R (the reference model's
-forward, PipeFill), then F of the last chunk with the head, and R of the last chunk with the
-reference head.
+forward, PipeFill), then F of the last chunk with the head, R of the last chunk with the
+reference head, and X and B of the first chunk with the embedding's gradient. The first
+chunk's F and R embed their microbatch's tokens.
 """
 
 from __future__ import annotations
@@ -33,29 +34,36 @@ from sharding.split_backward import RecomputingSplit, SplitBackward, trained_par
 
 FH = len(sch.OPS)       # branch index of F on the last chunk (forward, then the head)
 RH = FH + 1             # branch index of R on the last chunk (reference forward and head)
+XE = FH + 2             # X on the first chunk (backward, then the embedding's gradient)
+BE = FH + 3             # B on the first chunk (input gradient, then the embedding's gradient)
 
 
 @dataclasses.dataclass(frozen=True)
 class StageModel:
     """What one stage's ops compute with. `head(hp, h, head_in, ref_logp)` -> (loss, head
     aux, head params' gradient, h's cotangent) for one microbatch's head inputs `head_in`;
-    `w_V` this stage's chunks [V, Lc, ...]; `x_M` the first chunk's inputs [M, b, T, D];
-    `aux_M` the layers' extra inputs per microbatch; `split` the layer's B/W split (None when
-    the table has none); `ref` the reference model's arrays on this stage (w_V, head_params,
-    x_M) or None; `replicate_heads`: the heads run on whole copies of their inputs
-    (`run_schedule`); `trained`: the layer weights differentiated (LoRA's adapters), None
-    for every one."""
+    `embed(hp, ids_bT)` the first chunk's input from a microbatch's tokens `ids_M[j]`, shaped
+    `x_spec`; `w_V` this stage's chunks [V, Lc, ...]; `aux_M` the layers' extra inputs per
+    microbatch; `split` the layer's B/W split (None when the table has none); `ref` the
+    reference model's arrays on this stage (w_V, head_params) or None, with its head and
+    embedding; `replicate_heads`: the heads run on whole copies of their inputs
+    (`run_schedule`); `trained`: the layer weights differentiated (LoRA's adapters, and then
+    neither the head's nor the embedding's), None for every one."""
 
     layer_fn: Callable
     head: Callable
+    embed: Callable
     w_V: dict
     hp: dict
-    x_M: jax.Array
+    ids_M: jax.Array
+    x_spec: jax.ShapeDtypeStruct
     aux_M: object
     head_in_M: object
     split: SplitBackward | RecomputingSplit | None = None
     ref: dict | None = None
     ref_head_fn: Callable | None = None
+    ref_embed_fn: Callable | None = None
+    embed_key: str = "embed"            # the outer parameter `embed` looks rows up in
     replicate_heads: bool = False
     trained: frozenset | None = None    # the layer weights that get gradients (None: all)
 
@@ -66,13 +74,12 @@ class StageModel:
     def zero_delta(self, loss_aux_shapes, ref_shape, skip=()) -> dict:
         """The delta of an op that produces nothing: zeros of every field's shape (but the
         fields in `skip`), made where it is called (inside a branch: a fill, not a copy)."""
-        mb = self.x_M[0]
+        mb = jnp.zeros(self.x_spec.shape, self.x_spec.dtype)
         chunk = jax.tree.map(lambda a: a[0], self.w_V)
         layers = jax.tree.leaves(chunk)[0].shape[0]
         zeros = lambda s, dt=None: jnp.zeros(s.shape, dt or s.dtype)  # noqa: E731
         delta = {
-            "send": jnp.zeros_like(mb), "acts": jnp.zeros((layers, *mb.shape), mb.dtype),
-            "dx": jnp.zeros_like(mb),
+            "send": mb, "acts": jnp.zeros((layers, *mb.shape), mb.dtype),
             "loss": zeros(loss_aux_shapes[0]), "aux": jax.tree.map(zeros, loss_aux_shapes[1]),
         }
         if self.split is not None and "stash" not in skip:
@@ -95,7 +102,8 @@ def branches(model: StageModel, shapes: tuple) -> list[Callable]:
         nothing, ops.forward, ops.input_grads if split else nothing,
         ops.weight_grads if split else nothing, ops.backward, nothing,
         ops.reference_forward if ref else nothing, ops.forward_head,
-        ops.reference_head if ref else nothing)]
+        ops.reference_head if ref else nothing, ops.embedded(ops.backward),
+        ops.embedded(ops.input_grads) if split else nothing)]
 
 
 def _take(tree, j):
@@ -112,6 +120,10 @@ def _complete(model: StageModel, shapes: tuple, op: Callable) -> Callable:
                                         grads["g_w"], out.pop("dw"))
         if "g_head" in out:
             grads["g_head"] = jax.tree.map(jnp.add, grads["g_head"], out.pop("g_head"))
+        if "g_rows" in out:         # the embedding's gradient, added to its rows in place
+            ids, g = out.pop("g_rows")
+            key = model.embed_key
+            grads["g_head"] = {**grads["g_head"], key: grads["g_head"][key].at[ids].add(g)}
         return grads, {**model.zero_delta(*shapes, skip=out), **out}
     return run
 
@@ -126,12 +138,31 @@ class _Ops:
     def _chunk_inputs(self, row):
         return _take(self.model.w_V, row["chunk"]), _take(self.model.aux_M, row["microbatch"])
 
+    def _input(self, bufs, row, embed, params):
+        """The chunk's input: the microbatch's tokens embedded (`embed(params, ids)`) on the
+        first chunk, else the message in the inbox."""
+        ids = self.model.ids_M[row["microbatch"]]
+        return jax.lax.cond(row["first"] == 1, lambda: embed(params, ids).astype(
+            self.model.x_spec.dtype), lambda: bufs["inbox"][row["in_slot"]])
+
     def _run_forward(self, bufs, row):
         m = self.model
         w_c, aux = self._chunk_inputs(row)
-        x = jnp.where(row["first"] == 1, m.x_M[row["microbatch"]],
-                      bufs["inbox"][row["in_slot"]])
+        x = self._input(bufs, row, m.embed, m.hp)
         return jax.lax.scan(lambda h, w_l: (m.layer_fn(w_l, h, aux), h), x, w_c)
+
+    def embedded(self, backward):
+        """`backward` on the first chunk, then the embedding's gradient from its input
+        gradient (none when the outer parameters are frozen)."""
+        def run(bufs, row):
+            out = backward(bufs, row)
+            m = self.model
+            if m.trained is None:
+                ids, dx = m.head_input((m.ids_M[row["microbatch"]], out["send"]))
+                out["g_rows"] = (ids, _row_grads(m.embed, m.hp, m.embed_key, ids,
+                                                 dx.astype(m.x_spec.dtype)))
+            return out
+        return run
 
     def nothing(self, bufs, row):
         return {}
@@ -163,7 +194,7 @@ class _Ops:
         g = bufs["inbox"][row["in_slot"]]
         dx, dws = jax.lax.scan(layer_back, g, (w_c, bufs["acts"][row["res_slot"]]),
                                reverse=True)
-        return dict(send=dx, dx=dx, dw=_f32(dws))
+        return dict(send=dx, dw=_f32(dws))
 
     def input_grads(self, bufs, row):
         """B: the chunk's input gradient, and each layer's stash (what its W reads)."""
@@ -177,7 +208,7 @@ class _Ops:
         g = bufs["inbox"][row["in_slot"]]
         dx, stash = jax.lax.scan(layer_b, g, (w_c, bufs["acts"][row["res_slot"]]),
                                  reverse=True)
-        return dict(send=dx, dx=dx, stash=stash)
+        return dict(send=dx, stash=stash)
 
     def weight_grads(self, bufs, row):
         """W: the chunk's weight gradients from each layer's stash (no recomputation)."""
@@ -192,7 +223,7 @@ class _Ops:
     def _run_reference(self, row, bufs):
         m = self.model
         c, j = row["chunk"], row["microbatch"]
-        x = jnp.where(row["first"] == 1, m.ref["x_M"][j], bufs["inbox"][row["in_slot"]])
+        x = self._input(bufs, row, m.ref_embed_fn, m.ref["head_params"])
         aux = _take(m.aux_M, j)
         return jax.lax.scan(lambda h, w_l: (m.layer_fn(w_l, h, aux), None), x,
                             _take(m.ref["w_V"], c))[0]
@@ -206,6 +237,16 @@ class _Ops:
         out = m.ref_head_fn(m.ref["head_params"],
                             *m.head_input((y, _take(m.head_in_M, row["microbatch"]))))
         return dict(ref_logp=out)
+
+
+def _row_grads(embed, hp, key: str, ids, dx):
+    """The gradient of the embedding table `hp[key]`'s rows `ids` ([b, T, D] float32) from
+    the cotangent `dx` of `embed(hp, ids)`, where `embed` looks the rows up and transforms
+    each (a cast, a scale). Only those rows: the table-sized gradient is never formed."""
+    rows = jnp.take(hp[key], ids, axis=0)
+    where = jnp.arange(ids.size, dtype=ids.dtype).reshape(ids.shape)
+    _, pull = jax.vjp(lambda r: embed({**hp, key: r.reshape(-1, r.shape[-1])}, where), rows)
+    return pull(dx)[0].astype(jnp.float32)
 
 
 def _f32(tree):
@@ -226,10 +267,8 @@ def apply_delta(state: dict, d: dict, op, row) -> dict:
     forward = (op == sch.F) | (op == FH)
     state["acts"] = put(state["acts"], row["res_slot"], d["acts"], forward)
     if "stash" in state:
-        state["stash"] = tuple(put(buf, row["w_slot"], new, op == sch.B)
+        state["stash"] = tuple(put(buf, row["w_slot"], new, (op == sch.B) | (op == BE))
                                for buf, new in zip(state["stash"], d["stash"]))
-    first_backward = ((op == sch.B) | (op == sch.X)) & (row["first"] == 1)
-    state["dx"] = put(state["dx"], j, d["dx"], first_backward)
     head = op == FH
     state["loss"] = put(state["loss"], j, d["loss"], head)
     state["aux"] = jax.tree.map(lambda buf, a: put(buf, j, a, head), state["aux"], d["aux"])

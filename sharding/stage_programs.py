@@ -20,6 +20,14 @@ What a stage keeps between ticks (every buffer sized by the table's slot allocat
 - ref_logp [M, ...]: the reference head's output per microbatch, read by that microbatch's head
          (on the last chunk's stage; R messages share the inbox).
 
+The embedding and the head run where their chunks do, as Megatron places them: the first
+chunk's F embeds its microbatch's tokens when it is due (no stage holds the batch embedded),
+its backward forms the embedding's gradient there, and the last chunk's F runs the head and
+forms the head's. The outer parameters' gradient is the sum of the two stages' (one stage's
+in a V, where both chunks are stage 0's). Every stage runs the same program, so each carries
+an accumulator for the outer parameters' gradient (SPMD: buffers are the same on every
+stage); only those two write to it.
+
 B and W are the papers' split: B computes the input gradient and hands W each weight
 product's operands, so W only forms the weight gradients and B + W costs what X does
 (`jaxrl bench pipeline_step` measures the op costs). The price is the stash, several
@@ -41,7 +49,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from sharding import schedules as sch
 from sharding.split_backward import make_split, trained_part
-from sharding.stage_ops import FH, RH, StageModel, apply_delta, branches, replicated
+from sharding.stage_ops import BE, FH, RH, XE, StageModel, apply_delta, branches, replicated
 
 FIELDS = ("op", "chunk", "microbatch", "first", "last", "in_slot", "res_slot", "w_slot", "send",
           "send_slot")
@@ -100,14 +108,14 @@ def from_stage_chunks(g_PV: dict, sched: sch.Schedule) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Reference:
     """A frozen reference model run by a table's R ops (`schedules.with_reference`): its
-    layers in stage chunks (`to_stage_chunks`), its embedded microbatches [M, b, T, D], and
-    `head_fn(head_params, h_bTD, head_in_b) -> array`, whose output the policy's head then
-    finds under `head_in_b["ref_logp"]`."""
+    layers in stage chunks (`to_stage_chunks`), `head_fn(head_params, h_bTD, head_in_b) ->
+    array`, whose output the policy's head then finds under `head_in_b["ref_logp"]`, and
+    `embed_fn(head_params, ids_bT) -> x_bTD`, its first chunk's input."""
 
     w_PV: dict
     head_params: dict
-    x_MbTD: jax.Array
     head_fn: Callable
+    embed_fn: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,15 +123,17 @@ class StageProblem:
     """What a schedule computes the loss and gradients of. `layer_fn(w_l, x_bTD, aux_b) ->
     x_bTD` runs one layer (w_l its parameters); `head_fn(head_params, h_bTD, head_in_b) ->
     (loss, head_aux)` is everything after the last layer for one microbatch, `loss` a scalar;
-    `w_PV` from `to_stage_chunks`; `x_MbTD` the first layer's inputs; `aux_M` and `head_in_M`
+    `embed_fn(head_params, ids_bT) -> x_bTD` everything before the first, on the microbatch's
+    tokens `ids_M[j]` ([M, b, T]); `w_PV` from `to_stage_chunks`; `aux_M` and `head_in_M`
     trees of per-microbatch inputs ([M, ...]). `live_M` [M] bool: microbatches with nothing to
     learn from (RL padding) run no op at all."""
 
     layer_fn: Callable
     head_fn: Callable
+    embed_fn: Callable
     w_PV: dict
     head_params: dict
-    x_MbTD: jax.Array
+    ids_M: jax.Array
     aux_M: object
     head_in_M: object
     live_M: jax.Array | None = None
@@ -151,24 +161,28 @@ def run_schedule(sched: sch.Schedule, problem: StageProblem, mesh: Mesh,
                  options: ScheduleOptions = ScheduleOptions()):
     """Loss and gradients of `problem` pipelined by the table `sched` over `mesh`'s stage axis.
     Returns (loss [M], head_aux [M, ...], float32 gradients of sum(loss) w.r.t. w_PV (its
-    `trained` part) and head_params, and w.r.t. x_MbTD)."""
+    `trained` part) and head_params (the embedding's and the head's))."""
     if sched.reference != (options.reference is not None):
         raise ValueError(f"{sched.name}: a table with R ops needs a reference model, and only "
                          f"such a table takes one (R ops: {sched.reference})")
     if problem.live_M is None:
-        problem = dataclasses.replace(problem, live_M=jnp.ones((problem.x_MbTD.shape[0],), bool))
+        problem = dataclasses.replace(problem, live_M=jnp.ones((problem.ids_M.shape[0],), bool))
     trained = options.trained
     head = functools.partial(_head_and_grads, problem.head_fn, frozen=trained is not None)
-    shapes = _head_shapes(head, problem.head_params, problem.x_MbTD, problem.head_in_M,
+    x_spec = jax.eval_shape(problem.embed_fn, problem.head_params, problem.ids_M[0])
+    shapes = _head_shapes(head, problem.head_params, x_spec, problem.head_in_M,
                           options.reference)
     program = _stage_program(sched, problem, options, head, shapes)
     grads_of = (trained_part(problem.w_PV, trained)[0],
                 {} if trained is not None else problem.head_params)
-    g_w, g_head, dx, loss, aux = _on_stages(program, mesh, problem, options.reference,
-                                            grads_of, shapes[2])
-    last_stage = sched.placement[-1][0]
+    g_w, g_head, loss, aux = _on_stages(program, mesh, problem, options.reference, grads_of,
+                                        shapes[2])
+    first_stage, last_stage = sched.placement[0][0], sched.placement[-1][0]
     take = lambda tree, s: jax.tree.map(lambda a: a[s], tree)  # noqa: E731
-    return (loss[last_stage], take(aux, last_stage), g_w, take(g_head, last_stage), dx[0])
+    g_outer = take(g_head, last_stage)
+    if first_stage != last_stage:   # the embedding's stage and the head's: tied, one sum
+        g_outer = jax.tree.map(jnp.add, g_outer, take(g_head, first_stage))
+    return loss[last_stage], take(aux, last_stage), g_w, g_outer
 
 
 def _stage_program(sched: sch.Schedule, problem: StageProblem, options: ScheduleOptions, head,
@@ -182,24 +196,29 @@ def _stage_program(sched: sch.Schedule, problem: StageProblem, options: Schedule
     ref_shape, loss_shape, aux_shape = shapes
     reference = options.reference
 
-    def program(w_1V, hp, x_M, aux, live, ref):
+    def program(w_1V, hp, ids_M, aux, live, ref):
         hp, ref = _whole_heads(hp, ref) if options.replicate_heads else (hp, ref)
         w_V = jax.tree.map(lambda a: a[0], w_1V)
         stage = jax.lax.axis_index("stage")
         layers = jax.tree.leaves(w_V)[0].shape[1]
         grads_like = (trained_part(w_V, trained)[0], {} if trained is not None else hp)
-        state = _empty_state(slots, layers, x_M, grads_like, (loss_shape, aux_shape))
+        x_spec = jax.eval_shape(problem.embed_fn, hp, ids_M[0])
+        state = _empty_state(slots, layers, x_spec, ids_M.shape[0], grads_like,
+                             (loss_shape, aux_shape))
         split_b = None
         if sched.split:
-            split_b = _split_backward(options.split_how, problem.layer_fn, w_V, x_M, aux, trained)
+            split_b = _split_backward(options.split_how, problem.layer_fn, w_V, x_spec, aux,
+                                      trained)
             state["stash"] = tuple(jnp.zeros((slots["w"], layers, *s.shape), s.dtype)
                                    for s in split_b.stash_shapes())
         if ref is not None:
             ref = {**ref, "w_V": jax.tree.map(lambda a: a[0], ref["w_1V"])}
-            state["ref_logp"] = jnp.zeros((x_M.shape[0], *ref_shape.shape), ref_shape.dtype)
-        model = StageModel(problem.layer_fn, head, w_V, hp, x_M, aux, problem.head_in_M,
-                           split_b, ref, None if reference is None else reference.head_fn,
-                           options.replicate_heads, trained)
+            state["ref_logp"] = jnp.zeros((ids_M.shape[0], *ref_shape.shape), ref_shape.dtype)
+        model = StageModel(problem.layer_fn, head, problem.embed_fn, w_V, hp, ids_M, x_spec,
+                           aux, problem.head_in_M, split_b, ref,
+                           None if reference is None else reference.head_fn,
+                           None if reference is None else reference.embed_fn,
+                           replicate_heads=options.replicate_heads, trained=trained)
         ops = branches(model, ((loss_shape, aux_shape), ref_shape))
         read_only = [k for k in ("inbox", "acts", "stash", "ref_logp") if k in state]
 
@@ -208,6 +227,8 @@ def _stage_program(sched: sch.Schedule, problem: StageProblem, options: Schedule
             op = jnp.where(live[row["microbatch"]], row["op"], sch.IDLE)
             op = jnp.where((op == sch.F) & (row["last"] == 1), FH, op)
             op = jnp.where((op == sch.R) & (row["last"] == 1), RH, op)
+            op = jnp.where((op == sch.X) & (row["first"] == 1), XE, op)
+            op = jnp.where((op == sch.B) & (row["first"] == 1), BE, op)
             grads, delta = jax.lax.switch(op, ops, {k: state[k] for k in read_only},
                                           {k: state[k] for k in ("g_w", "g_head")}, row)
             state = apply_delta({**state, **grads}, delta, op, row)
@@ -216,23 +237,25 @@ def _stage_program(sched: sch.Schedule, problem: StageProblem, options: Schedule
 
         state, _ = jax.lax.scan(tick, state, rows)
         lead = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
-        return (lead(state["g_w"]), lead(state["g_head"]), state["dx"][None],
-                state["loss"][None], lead(state["aux"]))
+        return (lead(state["g_w"]), lead(state["g_head"]), state["loss"][None],
+                lead(state["aux"]))
 
     return program
 
 
-def _empty_state(slots: dict, layers: int, x_M, grads_like: tuple, loss_aux: tuple) -> dict:
-    """What a stage carries from tick to tick, zeroed: its inbox, its layers' inputs, float32
-    gradient accumulators shaped like `grads_like` (layer weights, head), the first chunk's
-    input gradients, and per microbatch the loss and the head's aux (`loss_aux` shapes)."""
-    mb_shape, dt, m = x_M.shape[1:], x_M.dtype, x_M.shape[0]
+def _empty_state(slots: dict, layers: int, x_spec, m: int, grads_like: tuple,
+                 loss_aux: tuple) -> dict:
+    """What a stage carries from tick to tick, zeroed: its inbox, its layers' inputs (one
+    microbatch's first input is `x_spec`), float32 gradient accumulators shaped like
+    `grads_like` (layer weights, outer parameters), and per microbatch (`m` of them) the loss
+    and the head's aux (`loss_aux` shapes)."""
+    mb_shape, dt = x_spec.shape, x_spec.dtype
     f32 = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
     loss_shape, aux_shape = loss_aux
     return {"inbox": jnp.zeros((slots["inbox"], *mb_shape), dt),
             "acts": jnp.zeros((slots["res"], layers, *mb_shape), dt),
             "g_w": jax.tree.map(f32, grads_like[0]), "g_head": jax.tree.map(f32, grads_like[1]),
-            "dx": jnp.zeros_like(x_M), "loss": jnp.zeros((m,), loss_shape.dtype),
+            "loss": jnp.zeros((m,), loss_shape.dtype),
             "aux": jax.tree.map(lambda s: jnp.zeros((m, *s.shape), s.dtype), aux_shape)}
 
 
@@ -259,22 +282,22 @@ def _whole_heads(hp, ref):
     return replicated(hp), ref
 
 
-def _split_backward(split_how: str, layer_fn, w_V, x_M, aux, trained):
+def _split_backward(split_how: str, layer_fn, w_V, x_spec, aux, trained):
     """The layer's backward split into B and W halves for one microbatch's shapes."""
     return make_split(split_how, layer_fn, jax.tree.map(lambda a: _spec(a, 2), w_V),
-                      _spec(x_M, 1), jax.tree.map(lambda a: _spec(a, 1), aux), trained)
+                      x_spec, jax.tree.map(lambda a: _spec(a, 1), aux), trained)
 
 
-def _head_shapes(head, head_params, x_MbTD, head_in_M, reference: Reference | None):
+def _head_shapes(head, head_params, x_spec, head_in_M, reference: Reference | None):
     """Shapes of one microbatch's reference log-probs (None without a reference), the
     policy head's loss and its aux."""
     first = jax.tree.map(lambda a: a[0], head_in_M)
     ref_shape = None
     if reference is not None:
         ref_shape = jax.eval_shape(lambda hp, h: reference.head_fn(hp, h, first),
-                                   reference.head_params, x_MbTD[0])
+                                   reference.head_params, x_spec)
     loss_shape, aux_shape, _, _ = jax.eval_shape(
-        head, head_params, x_MbTD[0], first,
+        head, head_params, x_spec, first,
         None if ref_shape is None else jnp.zeros(ref_shape.shape, ref_shape.dtype))
     return ref_shape, loss_shape, aux_shape
 
@@ -287,17 +310,16 @@ def _on_stages(program, mesh: Mesh, problem: StageProblem, reference: Reference 
     stage_spec = lambda tree: jax.tree.map(lambda _: P("stage"), tree)  # noqa: E731
     whole_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
     ref = None if reference is None else {
-        "w_1V": reference.w_PV, "head_params": reference.head_params, "x_M": reference.x_MbTD}
+        "w_1V": reference.w_PV, "head_params": reference.head_params}
     ref_spec = None if ref is None else {
-        "w_1V": stage_spec(ref["w_1V"]), "head_params": whole_spec(ref["head_params"]),
-        "x_M": P()}
-    out_specs = (stage_spec(grads_of[0]), stage_spec(grads_of[1]), P("stage"), P("stage"),
+        "w_1V": stage_spec(ref["w_1V"]), "head_params": whole_spec(ref["head_params"])}
+    out_specs = (stage_spec(grads_of[0]), stage_spec(grads_of[1]), P("stage"),
                  stage_spec(aux_shape))
     run = jax.shard_map(program, mesh=mesh, axis_names={"stage"}, check_vma=False,
                         in_specs=(stage_spec(problem.w_PV), whole_spec(problem.head_params), P(),
                                   whole_spec(problem.aux_M), P(), ref_spec),
                         out_specs=out_specs)
-    return run(problem.w_PV, problem.head_params, problem.x_MbTD, problem.aux_M, problem.live_M,
+    return run(problem.w_PV, problem.head_params, problem.ids_M, problem.aux_M, problem.live_M,
                ref)
 
 

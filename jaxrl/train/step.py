@@ -175,9 +175,9 @@ def _accumulated_grads(graphdef, params, batch, objective, ref_model, stack, dro
 
 def _scheduled_grads(graphdef, params, batch, objective, ref_params, layout: Layout):
     """The same four values as `_accumulated_grads`, by a per-stage schedule table
-    (sharding/stage_programs.py): the embedding runs before the pipeline, the head (final
-    norm, logits, objective) after the last chunk's forward on its stage, and the embedding's
-    gradient is pulled back from the first chunk's input gradient. Microbatches with nothing
+    (sharding/stage_programs.py): the embedding runs in the first chunk's forward on its
+    stage, each microbatch's when it is due, and its gradient in that chunk's backward; the
+    head (final norm, logits, objective) after the last chunk's forward. Microbatches with nothing
     to learn from (RL padding) run no pipeline op. With `ref_params` (the KL term's frozen
     reference model) the table's R ops run the reference model chunk by chunk on the same
     stages, in the ticks the schedule leaves idle (PipeFill), and its head hands each
@@ -199,17 +199,17 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layout: Lay
                                   functools.partial(stage_programs.from_stage_chunks,
                                                     sched=sched))
     adapters = lora.trainable(params)["layers"] if io.model_cfg.lora.enabled else None
-    problem = stage_programs.StageProblem(layer, io.head, to_stages(params["layers"]), io.outer,
-                                          io.x_M, io.aux_M, io.batch_M, io.live_M)
+    problem = stage_programs.StageProblem(layer, io.head, io.embed, to_stages(params["layers"]),
+                                          io.outer, io.ids_M, io.aux_M, io.batch_M, io.live_M)
     options = stage_programs.ScheduleOptions(
-        _reference(graphdef, ref_params, objective, io.ids, to_stages, io.micro),
+        _reference(graphdef, ref_params, objective, to_stages),
         pipeline.split_backward, _replicate_heads(mesh),
         None if adapters is None else frozenset(adapters))
-    loss_M, (weight_M, stats_M), g_w, g_outer, dx = stage_programs.run_schedule(
+    loss_M, (weight_M, stats_M), g_w, g_outer = stage_programs.run_schedule(
         sched, problem, mesh, options)
     grads = {"layers": from_stages(g_w)}
     if adapters is None:        # LoRA: the layers' adapters alone are trained
-        grads.update(io.outer_grads(g_outer, dx))
+        grads.update(g_outer)
     stats = {k: _reduce_over_microbatches(k, v, io.live_M) for k, v in stats_M.items()}
     return jnp.sum(loss_M), jnp.sum(weight_M), stats, grads
 
@@ -236,7 +236,7 @@ def _replicate_heads(mesh: Mesh) -> bool:
     return mesh.shape.get("fsdp", 1) > 1 and mesh.shape.get("tensor", 1) > 1
 
 
-def _reference(graphdef, ref_params, objective, ids, to_stages, micro):
+def _reference(graphdef, ref_params, objective, to_stages):
     """The frozen reference model as a table's R ops run it, or None without one."""
     if ref_params is None:
         return None
@@ -247,9 +247,12 @@ def _reference(graphdef, ref_params, objective, ids, to_stages, micro):
         model = merge_params(graphdef, {**o, "layers": ref_params["layers"]})
         return objective.reference_logp(model, mb, lambda *_: h_bTD)
 
-    return stage_programs.Reference(
-        w_PV=to_stages(ref_params["layers"]), head_params=ref_outer,
-        x_MbTD=micro(merge_params(graphdef, ref_params).embed_tokens(ids)), head_fn=ref_head)
+    def ref_embed(o, ids_bT):
+        return merge_params(graphdef, {**o, "layers": ref_params["layers"]}).embed_tokens(ids_bT)
+
+    return stage_programs.Reference(w_PV=to_stages(ref_params["layers"]),
+                                    head_params=ref_outer, head_fn=ref_head,
+                                    embed_fn=ref_embed)
 
 
 def _reduce_over_microbatches(name: str, v_M, live_M):

@@ -326,3 +326,15 @@ def test_the_mesh_stage_axis_follows_the_pipeline():
     cfg = load_run_config("configs/demo_cpu.yaml", ["sharding.pipeline.stages=2"])
     assert cfg.mesh.stage == 2
     assert shd.make_mesh(cfg.mesh).shape["stage"] == 2
+
+
+@pytest.mark.parametrize("schedule,stages,microbatches", [("1f1b", 4, 8), ("v-half", 2, 8)])
+def test_a_tied_embedding_gets_the_sum_of_its_two_stages_gradients(schedule, stages,
+                                                                   microbatches):
+    """The first chunk's stage forms the embedding's gradient, the last chunk's the head's
+    (4 stages apart in 1f1b, both stage 0 in a V): a tied table's gradient is their sum."""
+    tied = with_reference(*split_params(Transformer(
+        ModelConfig(**{**vars(CFG), "tie_embeddings": True}), rngs=nnx.Rngs(1))))
+    assert "lm_head" not in tied[1]
+    pipe = PipelineConfig(stages=stages, microbatches=microbatches, schedule=schedule)
+    assert_close(pipelined(tied, pipe, _mesh_cfg(stages, {})), tied[3])
