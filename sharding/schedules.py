@@ -43,11 +43,22 @@ from sharding.schedule_table import (B, BUSY, F, IDLE, OPS, R, TICKS, W, X, Op, 
 # The schedules' whole API: tables, their ops and checks, and the reference fill.
 __all__ = ["TABLE_SCHEDULES", "V_SCHEDULES", "SPLIT_SCHEDULES", "placement", "build", "Op",
            "Schedule", "OPS", "IDLE", "F", "B", "W", "X", "BUSY", "R", "TICKS", "check", "as_arrays",
-           "weighted_bubble", "weighted_makespan", "with_reference", "absorbed"]
+           "weighted_bubble", "weighted_makespan", "with_reference", "absorbed",
+           "paper_activations"]
 
 TABLE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "v-half", "v-min", "v-zb")
 V_SCHEDULES = ("v-half", "v-min", "v-zb")
 SPLIT_SCHEDULES = ("zb-h1", *V_SCHEDULES)    # B and W are separate ops
+
+
+def paper_activations(name: str, stages: int) -> int | None:
+    """The activations a stage holds at the peak, in stage-microbatches (one microbatch's
+    activations of a stage's layers), as the controllable-memory paper (Qi et al., arXiv
+    2405.15362, table 1) counts its schedules at p stages: 1F1B and ZB-H1 p, V-Half
+    (p+2)//2, V-Min (p+4)//3, V-ZB p. None for a schedule it does not count."""
+    p = stages
+    return {"1f1b": p, "zb-h1": p, "v-half": (p + 2) // 2, "v-min": (p + 4) // 3,
+            "v-zb": p}.get(name)
 
 
 def placement(name: str, stages: int, chunks_per_stage: int) -> tuple[tuple[int, int], ...]:

@@ -22,6 +22,7 @@ from jaxrl.train.state import abstract_state, state_shardings
 from jaxrl.train.step import Layout, jit_train_step
 from sharding import buffers
 from sharding import mesh as shd
+from sharding import schedules as sch
 from sharding.aot import tpu_devices
 from sharding.buffers import Peak
 from sharding.layer_order import LayerOrder
@@ -74,6 +75,9 @@ def report(cfg: RunConfig, topology: str, explain_memory: bool = False, out=prin
     summary = {k: train[k] for k in keys}
     if pipe.enabled:
         summary["bubble_fraction"] = pipe.bubble_fraction(cfg.model.num_layers)
+    if pipe.table is not None:
+        summary["table_peak_activations"] = float(pipe.table.peak())
+        summary["paper_peak_activations"] = sch.paper_activations(pipe.schedule, pipe.stages)
     if peak is not None:
         summary["peak_live_bytes"] = peak.bytes
         summary["peak_buffers"] = [{"bytes": b.bytes, "shape": b.shape.split("{")[0],
@@ -104,6 +108,9 @@ def _layout(cfg: RunConfig, out) -> str:
         out(plan.render())
     if pipe.table is not None:
         layout += f", peak activations {float(pipe.table.peak()):.2f} stage-microbatches"
+        paper = sch.paper_activations(pipe.schedule, pipe.stages)
+        if paper is not None:
+            layout += f" (the controllable-memory paper counts {paper})"
         if pipe.table.split:
             layout += (", W reads B's stash" if pipe.split_backward == "stash" else
                        ", W recomputes the layer")

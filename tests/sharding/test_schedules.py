@@ -175,3 +175,19 @@ def test_slots_hold_every_message_until_it_is_read():
                     assert slot not in inbox[dest], (name, t, s)
                     inbox[dest][slot] = t
         assert all(not box for box in inbox)
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_every_table_holds_at_most_the_controllable_memory_papers_activations(stages):
+    """The paper's counts (table 1: 1F1B p, V-Half (p+2)//2, V-Min (p+4)//3, in
+    stage-microbatches) at 4 and 8 stages are the ratios it states: V-Half 0.75x and 0.625x
+    of 1F1B, V-Min 0.5x; each table's own peak stays within its schedule's count."""
+    count = {name: sch.paper_activations(name, stages)
+             for name in ("1f1b", "zb-h1", "v-half", "v-min", "v-zb")}
+    if stages == 4:
+        assert (count["v-half"] / count["1f1b"], count["v-min"] / count["1f1b"]) == (0.75, 0.5)
+    if stages == 8:
+        assert (count["v-half"] / count["1f1b"], count["v-min"] / count["1f1b"]) == (0.625, 0.5)
+    for name, paper in count.items():
+        assert sch.build(name, stages, 2 * stages).peak() <= paper, name
+    assert sch.paper_activations("interleaved", stages) is None
