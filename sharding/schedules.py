@@ -19,15 +19,15 @@ Schedules (p stages, m microbatches):
 - v-half, v-min, v-zb: the V schedules of "Pipeline Parallelism with Controllable Memory"
                (Qi et al. 2024): two chunks per stage placed in a V (stage s holds chunks s and
                2p-1-s, so the first and last chunk sit on stage 0), F/B/W split, and an
-               activation cap of p/2 (v-half), p/3 (v-min) or p (v-zb) stage-microbatches.
-               Each table is the better of two constructions under that cap: the paper's
-               repeating building block (`_repeated_v_block`, found by modulo scheduling
-               rather than drawn by hand) and the list scheduler; the bubbles they reach are
-               reported, not assumed (`bubble`, `peak`, `weighted_bubble`), beside the floor
-               no table under the cap can beat (`bubble_floor`). Departure: the paper's
-               V-Min holds (p+4)//3 stage-microbatches ("about p/3"); v-min here keeps the
-               strict p/3, which at 4 stages costs a bubble above 1F1B's by that floor;
-               v-half (p/2) gives the paper's V-Min memory at p = 4 to 8.
+               activation cap of (p+2)//2 (v-half), (p+4)//3 (v-min) or p (v-zb)
+               stage-microbatches, the paper's counts (`paper_activations`; about a half and
+               a third of 1F1B's p as p grows). Each table is the better of two
+               constructions under that cap: the paper's repeating building block
+               (`_repeated_v_block`, found by modulo scheduling rather than drawn by hand)
+               and the list scheduler; the bubbles they reach are reported, not assumed
+               (`bubble`, `peak`, `weighted_bubble`), beside the floor no table under the cap
+               can beat (`bubble_floor`), which also shows why the paper rounds V-Min's third
+               up: at 4 stages no V table holding a strict third idles as little as 1F1B.
 """
 
 from __future__ import annotations
@@ -89,9 +89,8 @@ def build(name: str, stages: int, microbatches: int, repeats: int = 1,
         caps = [p] * p
     elif name == "interleaved":
         caps = [min(v * m, (p - s - 1) * 2 + (v - 1) * p + 1) for s in range(p)]
-    else:
-        share = {"v-half": Fraction(1, 2), "v-min": Fraction(1, 3), "v-zb": Fraction(1)}[name]
-        caps = [max(2, math.floor(2 * p * share))] * p        # each chunk is half a stage
+    else:                               # the paper's counts; each chunk is half a stage
+        caps = [2 * paper_activations(name, p)] * p
     bound = Fraction(max(caps), v)
     make = lambda rows: Schedule(name, p, m, v, placement(name, p, v), rows, bound)  # noqa: E731
     if name == "interleaved":

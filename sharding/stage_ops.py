@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sharding import schedules as sch
-from sharding.split_backward import RecomputingSplit, SplitBackward, trained_part
+from sharding.layer_keep import InputKeep, ResidualKeep
 
 FH = len(sch.OPS)       # branch index of F on the last chunk (forward, then the head)
 RH = FH + 1             # branch index of R on the last chunk (reference forward and head)
@@ -44,7 +44,8 @@ class StageModel:
     aux, head params' gradient, h's cotangent) for one microbatch's head inputs `head_in`;
     `embed(hp, ids_bT)` the first chunk's input from a microbatch's tokens `ids_M[j]`, shaped
     `x_spec`; `w_V` this stage's chunks [V, Lc, ...]; `aux_M` the layers' extra inputs per
-    microbatch; `split` the layer's B/W split (None when the table has none); `ref` the
+    microbatch; `keep` what F keeps of each layer for its backward (sharding/layer_keep.py);
+    `split`: the table splits the backward into B and W; `ref` the
     reference model's arrays on this stage (w_V, head_params) or None, with its head and
     embedding; `replicate_heads`: the heads run on whole copies of their inputs
     (`run_schedule`); `trained`: the layer weights differentiated (LoRA's adapters, and then
@@ -59,7 +60,8 @@ class StageModel:
     x_spec: jax.ShapeDtypeStruct
     aux_M: object
     head_in_M: object
-    split: SplitBackward | RecomputingSplit | None = None
+    keep: InputKeep | ResidualKeep | None = None
+    split: bool = False
     ref: dict | None = None
     ref_head_fn: Callable | None = None
     ref_embed_fn: Callable | None = None
@@ -79,14 +81,17 @@ class StageModel:
         layers = jax.tree.leaves(chunk)[0].shape[0]
         zeros = lambda s, dt=None: jnp.zeros(s.shape, dt or s.dtype)  # noqa: E731
         delta = {
-            "send": mb, "acts": jnp.zeros((layers, *mb.shape), mb.dtype),
+            "send": mb,
+            "acts": tuple(jnp.zeros((layers, *s.shape), s.dtype) for s in self.keep.shapes()),
             "loss": zeros(loss_aux_shapes[0]), "aux": jax.tree.map(zeros, loss_aux_shapes[1]),
         }
-        if self.split is not None and "stash" not in skip:
+        if self.split and "stash" not in skip:
             delta["stash"] = tuple(jnp.zeros((layers, *s.shape), s.dtype)
-                                   for s in self.split.stash_shapes())
+                                   for s in self.keep.stash_shapes())
         if ref_shape is not None:
             delta["ref_logp"] = zeros(ref_shape)
+        if self.trained is None:
+            delta["rows"] = jnp.zeros(self.x_spec.shape, jnp.float32)
         return {k: v for k, v in delta.items() if k not in skip}
 
 
@@ -96,7 +101,7 @@ def branches(model: StageModel, shapes: tuple) -> list[Callable]:
     {g_w, g_head}, and returns (grads, delta). `shapes` = (the loss's and head aux's shapes,
     the reference head's output shape or None)."""
     ops = _Ops(model)
-    split, ref = model.split is not None, model.ref is not None
+    split, ref = model.split, model.ref is not None
     nothing = ops.nothing
     return [_complete(model, shapes, op) for op in (
         nothing, ops.forward, ops.input_grads if split else nothing,
@@ -120,10 +125,6 @@ def _complete(model: StageModel, shapes: tuple, op: Callable) -> Callable:
                                         grads["g_w"], out.pop("dw"))
         if "g_head" in out:
             grads["g_head"] = jax.tree.map(jnp.add, grads["g_head"], out.pop("g_head"))
-        if "g_rows" in out:         # the embedding's gradient, added to its rows in place
-            ids, g = out.pop("g_rows")
-            key = model.embed_key
-            grads["g_head"] = {**grads["g_head"], key: grads["g_head"][key].at[ids].add(g)}
         return grads, {**model.zero_delta(*shapes, skip=out), **out}
     return run
 
@@ -149,7 +150,7 @@ class _Ops:
         m = self.model
         w_c, aux = self._chunk_inputs(row)
         x = self._input(bufs, row, m.embed, m.hp)
-        return jax.lax.scan(lambda h, w_l: (m.layer_fn(w_l, h, aux), h), x, w_c)
+        return jax.lax.scan(lambda h, w_l: m.keep.forward(w_l, h, aux), x, w_c)
 
     def embedded(self, backward):
         """`backward` on the first chunk, then the embedding's gradient from its input
@@ -159,8 +160,8 @@ class _Ops:
             m = self.model
             if m.trained is None:
                 ids, dx = m.head_input((m.ids_M[row["microbatch"]], out["send"]))
-                out["g_rows"] = (ids, _row_grads(m.embed, m.hp, m.embed_key, ids,
-                                                 dx.astype(m.x_spec.dtype)))
+                out["rows"] = _row_grads(m.embed, m.hp, m.embed_key, ids,
+                                         dx.astype(m.x_spec.dtype))
             return out
         return run
 
@@ -181,43 +182,45 @@ class _Ops:
         return dict(send=g_y.astype(y.dtype), acts=xs, loss=loss, aux=head_aux,
                     g_head=jax.tree.map(lambda g: g.astype(jnp.float32), g_hp))
 
+    @staticmethod
+    def _kept(bufs, row):
+        """What the chunk's F kept for this microbatch, per layer."""
+        return tuple(buf[row["res_slot"]] for buf in bufs["acts"])
+
     def backward(self, bufs, row):
-        """X: both gradients of the chunk, from each layer's input (the layer recomputed)."""
-        layer_fn, trained = self.model.layer_fn, self.model.trained
+        """X: both gradients of the chunk, layer by layer from what F kept."""
+        keep = self.model.keep
         w_c, aux = self._chunk_inputs(row)
 
-        def layer_back(g, w_x):
-            t, frozen = trained_part(w_x[0], trained)
-            dw, dx = jax.vjp(lambda t_, x: layer_fn({**frozen, **t_}, x, aux), t, w_x[1])[1](g)
+        def layer_back(g, w_kept):
+            dw, dx = keep.backward(*w_kept, aux, g)
             return dx.astype(g.dtype), dw
 
         g = bufs["inbox"][row["in_slot"]]
-        dx, dws = jax.lax.scan(layer_back, g, (w_c, bufs["acts"][row["res_slot"]]),
-                               reverse=True)
+        dx, dws = jax.lax.scan(layer_back, g, (w_c, self._kept(bufs, row)), reverse=True)
         return dict(send=dx, dw=_f32(dws))
 
     def input_grads(self, bufs, row):
         """B: the chunk's input gradient, and each layer's stash (what its W reads)."""
-        split = self.model.split
+        keep = self.model.keep
         w_c, aux = self._chunk_inputs(row)
 
-        def layer_b(g, w_x):
-            dx, stash = split.input_grad(*w_x, aux, g)
+        def layer_b(g, w_kept):
+            dx, stash = keep.input_grad(*w_kept, aux, g)
             return dx.astype(g.dtype), stash
 
         g = bufs["inbox"][row["in_slot"]]
-        dx, stash = jax.lax.scan(layer_b, g, (w_c, bufs["acts"][row["res_slot"]]),
-                                 reverse=True)
+        dx, stash = jax.lax.scan(layer_b, g, (w_c, self._kept(bufs, row)), reverse=True)
         return dict(send=dx, stash=stash)
 
     def weight_grads(self, bufs, row):
-        """W: the chunk's weight gradients from each layer's stash (no recomputation)."""
-        split = self.model.split
+        """W: the chunk's weight gradients from what F kept and B stashed."""
+        keep = self.model.keep
         w_c, aux = self._chunk_inputs(row)
         stash = tuple(buf[row["w_slot"]] for buf in bufs["stash"])
         _, dws = jax.lax.scan(
-            lambda _, w_x_s: (None, split.weight_grads(*w_x_s[:2], aux, w_x_s[2])),
-            None, (w_c, bufs["acts"][row["res_slot"]], stash))
+            lambda _, w_k_s: (None, keep.weight_grads(*w_k_s[:2], aux, w_k_s[2])),
+            None, (w_c, self._kept(bufs, row), stash))
         return dict(dw=_f32(dws))
 
     def _run_reference(self, row, bufs):
@@ -253,6 +256,15 @@ def _f32(tree):
     return jax.tree.map(lambda g: g.astype(jnp.float32), tree)
 
 
+def add_rows(model: StageModel, g_head: dict, rows, row) -> dict:
+    """The embedding's gradient from a first chunk's backward (`rows`: the microbatch's rows'
+    gradients, zeros after any other op) added to the table's accumulator in place. Outside
+    the `lax.switch`: inside a branch XLA copied the table-sized accumulator."""
+    key, ids = model.embed_key, model.ids_M[row["microbatch"]]
+    ids, rows = model.head_input((ids, rows))
+    return {**g_head, key: g_head[key].at[ids].add(rows)}
+
+
 def apply_delta(state: dict, d: dict, op, row) -> dict:
     """Writes a tick's delta into the stage's buffers (all but the inbox, which the sent
     message reaches by `ppermute`, and the gradients, which the branch added): each write
@@ -265,7 +277,8 @@ def apply_delta(state: dict, d: dict, op, row) -> dict:
 
     state = dict(state)
     forward = (op == sch.F) | (op == FH)
-    state["acts"] = put(state["acts"], row["res_slot"], d["acts"], forward)
+    state["acts"] = tuple(put(buf, row["res_slot"], new, forward)
+                          for buf, new in zip(state["acts"], d["acts"]))
     if "stash" in state:
         state["stash"] = tuple(put(buf, row["w_slot"], new, (op == sch.B) | (op == BE))
                                for buf, new in zip(state["stash"], d["stash"]))

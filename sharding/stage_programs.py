@@ -13,10 +13,12 @@ written back without copying the stage's buffers, are in `sharding/stage_ops.py`
 
 What a stage keeps between ticks (every buffer sized by the table's slot allocation):
 - inbox  [slots, b, T, D]: messages that arrived and wait for their F or B;
-- acts   [slots, Lc, b, T, D]: each layer's input from an F, until the chunk's X or W (the
-         backward recomputes each layer from its input: full remat at layer granularity);
-- stash  [slots, Lc, ...]: what each layer's W reads of its B (sharding/split_backward.py:
-         the weight products' inputs and output cotangents), from B until W;
+- acts   [slots, Lc, ...]: what each layer's F keeps for its backward, until the chunk's X or
+         W (sharding/layer_keep.py): its input, the layer recomputed in the backward
+         (`train.remat=full` or `offload`), or its vjp's residuals (`none`, `minimal`);
+- stash  [slots, Lc, ...]: what each layer's W reads of its B (the layer's output cotangent,
+         or with kept inputs and sharding/split_backward.py's stash the weight products'
+         inputs and output cotangents), from B until W;
 - ref_logp [M, ...]: the reference head's output per microbatch, read by that microbatch's head
          (on the last chunk's stage; R messages share the inbox).
 
@@ -48,18 +50,21 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from sharding import schedules as sch
-from sharding.split_backward import make_split, trained_part
-from sharding.stage_ops import BE, FH, RH, XE, StageModel, apply_delta, branches, replicated
+from sharding.layer_keep import keep_for
+from sharding.split_backward import trained_part
+from sharding.stage_ops import (BE, FH, RH, XE, StageModel, add_rows, apply_delta, branches,
+                                replicated)
 
 FIELDS = ("op", "chunk", "microbatch", "first", "last", "in_slot", "res_slot", "w_slot", "send",
           "send_slot")
 
 
 def layer_remat(remat: str) -> str:
-    """The remat policy a stage program runs each layer under for `train.remat=remat`: the
-    programs keep only each layer's input between ticks and recompute the layer in B, W and X,
-    which is `full` remat already; `minimal` and `offload` still shape the one layer's
-    activations inside an op."""
+    """The remat policy a stage program runs each layer under for `train.remat=remat`. Under
+    `full` the programs keep each layer's input between ticks and recompute the layer in B, W
+    and X, which is `full` remat already; `offload` keeps the input too and still offloads
+    inside an op; under `none` and `minimal` the programs keep what the policy leaves the
+    layer's vjp (sharding/layer_keep.py)."""
     return "none" if remat == "full" else remat
 
 
@@ -149,12 +154,15 @@ class ScheduleOptions:
     branch (beside both fsdp and tensor, where XLA's partitioner fails on a head sharded over
     both inside a `lax.switch` branch that only some stages take). `trained`: the layer
     weights to differentiate (LoRA's adapters: then the head's parameters get no gradient
-    either, {}); None, every weight."""
+    either, {}); None, every weight. `remat`: `train.remat`, which says what each F keeps for
+    the backward (`sharding.layer_keep.keep_for`); `problem.layer_fn` runs under its policy
+    (`layer_remat`)."""
 
     reference: Reference | None = None
     split_how: str = "stash"
     replicate_heads: bool = False
     trained: frozenset | None = None
+    remat: str = "full"
 
 
 def run_schedule(sched: sch.Schedule, problem: StageProblem, mesh: Mesh,
@@ -203,19 +211,19 @@ def _stage_program(sched: sch.Schedule, problem: StageProblem, options: Schedule
         layers = jax.tree.leaves(w_V)[0].shape[1]
         grads_like = (trained_part(w_V, trained)[0], {} if trained is not None else hp)
         x_spec = jax.eval_shape(problem.embed_fn, hp, ids_M[0])
-        state = _empty_state(slots, layers, x_spec, ids_M.shape[0], grads_like,
+        keep = keep_for(options.remat, problem.layer_fn, jax.tree.map(lambda a: _spec(a, 2), w_V),
+                        x_spec, jax.tree.map(lambda a: _spec(a, 1), aux), trained,
+                        options.split_how if sched.split else None)
+        state = _empty_state(slots, layers, x_spec, keep.shapes(), ids_M.shape[0], grads_like,
                              (loss_shape, aux_shape))
-        split_b = None
         if sched.split:
-            split_b = _split_backward(options.split_how, problem.layer_fn, w_V, x_spec, aux,
-                                      trained)
             state["stash"] = tuple(jnp.zeros((slots["w"], layers, *s.shape), s.dtype)
-                                   for s in split_b.stash_shapes())
+                                   for s in keep.stash_shapes())
         if ref is not None:
             ref = {**ref, "w_V": jax.tree.map(lambda a: a[0], ref["w_1V"])}
             state["ref_logp"] = jnp.zeros((ids_M.shape[0], *ref_shape.shape), ref_shape.dtype)
         model = StageModel(problem.layer_fn, head, problem.embed_fn, w_V, hp, ids_M, x_spec,
-                           aux, problem.head_in_M, split_b, ref,
+                           aux, problem.head_in_M, keep, sched.split, ref,
                            None if reference is None else reference.head_fn,
                            None if reference is None else reference.embed_fn,
                            replicate_heads=options.replicate_heads, trained=trained)
@@ -232,6 +240,8 @@ def _stage_program(sched: sch.Schedule, problem: StageProblem, options: Schedule
             grads, delta = jax.lax.switch(op, ops, {k: state[k] for k in read_only},
                                           {k: state[k] for k in ("g_w", "g_head")}, row)
             state = apply_delta({**state, **grads}, delta, op, row)
+            if "rows" in delta:
+                state["g_head"] = add_rows(model, state["g_head"], delta["rows"], row)
             state["inbox"] = _deliver(state["inbox"], delta["send"], row, p)
             return state, None
 
@@ -243,17 +253,17 @@ def _stage_program(sched: sch.Schedule, problem: StageProblem, options: Schedule
     return program
 
 
-def _empty_state(slots: dict, layers: int, x_spec, m: int, grads_like: tuple,
+def _empty_state(slots: dict, layers: int, x_spec, kept: tuple, m: int, grads_like: tuple,
                  loss_aux: tuple) -> dict:
-    """What a stage carries from tick to tick, zeroed: its inbox, its layers' inputs (one
-    microbatch's first input is `x_spec`), float32 gradient accumulators shaped like
-    `grads_like` (layer weights, outer parameters), and per microbatch (`m` of them) the loss
-    and the head's aux (`loss_aux` shapes)."""
+    """What a stage carries from tick to tick, zeroed: its inbox (one microbatch's first input
+    is `x_spec`), what its layers keep for the backward (`kept`: one layer's shapes), float32
+    gradient accumulators shaped like `grads_like` (layer weights, outer parameters), and per
+    microbatch (`m` of them) the loss and the head's aux (`loss_aux` shapes)."""
     mb_shape, dt = x_spec.shape, x_spec.dtype
     f32 = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
     loss_shape, aux_shape = loss_aux
     return {"inbox": jnp.zeros((slots["inbox"], *mb_shape), dt),
-            "acts": jnp.zeros((slots["res"], layers, *mb_shape), dt),
+            "acts": tuple(jnp.zeros((slots["res"], layers, *s.shape), s.dtype) for s in kept),
             "g_w": jax.tree.map(f32, grads_like[0]), "g_head": jax.tree.map(f32, grads_like[1]),
             "loss": jnp.zeros((m,), loss_shape.dtype),
             "aux": jax.tree.map(lambda s: jnp.zeros((m, *s.shape), s.dtype), aux_shape)}
@@ -280,12 +290,6 @@ def _whole_heads(hp, ref):
     if ref is not None:
         ref = {**ref, "head_params": replicated(ref["head_params"])}
     return replicated(hp), ref
-
-
-def _split_backward(split_how: str, layer_fn, w_V, x_spec, aux, trained):
-    """The layer's backward split into B and W halves for one microbatch's shapes."""
-    return make_split(split_how, layer_fn, jax.tree.map(lambda a: _spec(a, 2), w_V),
-                      x_spec, jax.tree.map(lambda a: _spec(a, 1), aux), trained)
 
 
 def _head_shapes(head, head_params, x_spec, head_in_M, reference: Reference | None):

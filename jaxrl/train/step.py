@@ -181,8 +181,10 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layout: Lay
     to learn from (RL padding) run no pipeline op. With `ref_params` (the KL term's frozen
     reference model) the table's R ops run the reference model chunk by chunk on the same
     stages, in the ticks the schedule leaves idle (PipeFill), and its head hands each
-    microbatch's reference log-probs to the objective. Each layer's input is kept and the layer
-    recomputed in its backward ops: `full` remat already, so `full` adds no second recompute."""
+    microbatch's reference log-probs to the objective. What each layer keeps for its backward
+    follows `layout.remat` (sharding/layer_keep.py): its input, the layer recomputed, under
+    `full` (no second recompute) and `offload`; its vjp's residuals under `none` and
+    `minimal`."""
     pipeline, mesh = layout.pipeline, layout.stage_mesh()
     io = pipeline_io(graphdef, params, batch, objective, pipeline.microbatches)
     sched = pipeline.table if ref_params is None else pipeline.reference_table
@@ -204,7 +206,7 @@ def _scheduled_grads(graphdef, params, batch, objective, ref_params, layout: Lay
     options = stage_programs.ScheduleOptions(
         _reference(graphdef, ref_params, objective, to_stages),
         pipeline.split_backward, _replicate_heads(mesh),
-        None if adapters is None else frozenset(adapters))
+        None if adapters is None else frozenset(adapters), layout.remat)
     loss_M, (weight_M, stats_M), g_w, g_outer = stage_programs.run_schedule(
         sched, problem, mesh, options)
     grads = {"layers": from_stages(g_w)}

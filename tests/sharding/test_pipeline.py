@@ -42,12 +42,14 @@ def setup():
 
 
 def pipelined(setup, pipe: PipelineConfig, mesh_cfg: shd.MeshConfig, objective=None, batch=None,
-              with_stats=False, ref_params=None, pipeline_order=False, hlo=None):
+              with_stats=False, ref_params=None, pipeline_order=False, hlo=None,
+              remat="none"):
     """Loss and gradients (and the objective's statistics `with_stats`) of the pipelined step,
     jitted over a mesh of len(devices) CPUs; `ref_params`: a frozen reference model.
     `pipeline_order`: the step is given the layer stacks in the pipeline's order, as the
     trainers keep them (sharding/layer_order.py); its gradients are put back in canonical
-    order here. `hlo`: a list that receives the compiled program's text."""
+    order here. `hlo`: a list that receives the compiled program's text. `remat`:
+    `train.remat`, which says what the stage programs keep for the backward."""
     graphdef, params, default_batch, _ = setup
     batch = default_batch if batch is None else batch
     used = mesh_cfg.data * mesh_cfg.stage * mesh_cfg.fsdp * mesh_cfg.tensor
@@ -62,7 +64,7 @@ def pipelined(setup, pipe: PipelineConfig, mesh_cfg: shd.MeshConfig, objective=N
         params = order.to_pipeline(params)
         ref_params = None if ref_params is None else order.to_pipeline(ref_params)
     fn = jax.jit(lambda p, b, r: loss_and_grads(graphdef, p, b, ref_params=r,
-                                                layout=Layout(mesh, pipeline=pipe,
+                                                layout=Layout(mesh, remat, pipe,
                                                               pipeline_order=order is not None),
                                                 **kwargs)[:3 if with_stats else 2],
                  in_shardings=(param_sh, batch_sh, None if ref_params is None else param_sh))
@@ -112,6 +114,18 @@ def test_schedule_matches_the_unpipelined_model(setup, case):
     pipe = PipelineConfig(stages=stages, microbatches=microbatches, repeats=repeats,
                           schedule=schedule)
     assert_close(pipelined(setup, pipe, _mesh_cfg(stages, axes)), setup[3])
+
+
+@pytest.mark.parametrize("schedule,remat,split", [("1f1b", "full", "stash"),
+                                                 ("zb-h1", "full", "stash"),
+                                                 ("v-half", "offload", "recompute"),
+                                                 ("v-min", "minimal", "stash")])
+def test_what_the_stages_keep_follows_the_remat_policy(setup, schedule, remat, split):
+    """`full` and `offload` keep each layer's input and recompute the layer (B and W split as
+    `split_backward` says); `none` (every other test here) and `minimal` keep the vjp's
+    residuals: the same loss and gradients either way."""
+    pipe = PipelineConfig(stages=2, microbatches=4, schedule=schedule, split_backward=split)
+    assert_close(pipelined(setup, pipe, _mesh_cfg(2, {}), remat=remat), setup[3])
 
 
 @pytest.mark.parametrize("schedule,stages,microbatches,axes",
