@@ -90,8 +90,7 @@ class StageModel:
                                    for s in self.keep.stash_shapes())
         if ref_shape is not None:
             delta["ref_logp"] = zeros(ref_shape)
-        if self.trained is None:
-            delta["rows"] = jnp.zeros(self.x_spec.shape, jnp.float32)
+
         return {k: v for k, v in delta.items() if k not in skip}
 
 
@@ -125,6 +124,8 @@ def _complete(model: StageModel, shapes: tuple, op: Callable) -> Callable:
                                         grads["g_w"], out.pop("dw"))
         if "g_head" in out:
             grads["g_head"] = jax.tree.map(jnp.add, grads["g_head"], out.pop("g_head"))
+        if "rows" in out:
+            grads["g_head"] = _add_rows(model, grads["g_head"], out.pop("rows"), row)
         return grads, {**model.zero_delta(*shapes, skip=out), **out}
     return run
 
@@ -256,10 +257,11 @@ def _f32(tree):
     return jax.tree.map(lambda g: g.astype(jnp.float32), tree)
 
 
-def add_rows(model: StageModel, g_head: dict, rows, row) -> dict:
+def _add_rows(model: StageModel, g_head: dict, rows, row) -> dict:
     """The embedding's gradient from a first chunk's backward (`rows`: the microbatch's rows'
-    gradients, zeros after any other op) added to the table's accumulator in place. Outside
-    the `lax.switch`: inside a branch XLA copied the table-sized accumulator."""
+    gradients) added to the table's accumulator in place, on whole copies beside fsdp and
+    tensor (`head_input`). Inside the branch: out of it, every tick's delta carries a
+    float32 microbatch of rows (256 MiB at 32k tokens) for the same device temp elsewhere."""
     key, ids = model.embed_key, model.ids_M[row["microbatch"]]
     ids, rows = model.head_input((ids, rows))
     return {**g_head, key: g_head[key].at[ids].add(rows)}

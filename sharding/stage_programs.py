@@ -52,8 +52,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from sharding import schedules as sch
 from sharding.layer_keep import keep_for
 from sharding.split_backward import trained_part
-from sharding.stage_ops import (BE, FH, RH, XE, StageModel, add_rows, apply_delta, branches,
-                                replicated)
+from sharding.stage_ops import BE, FH, RH, XE, StageModel, apply_delta, branches, replicated
 
 FIELDS = ("op", "chunk", "microbatch", "first", "last", "in_slot", "res_slot", "w_slot", "send",
           "send_slot")
@@ -240,8 +239,6 @@ def _stage_program(sched: sch.Schedule, problem: StageProblem, options: Schedule
             grads, delta = jax.lax.switch(op, ops, {k: state[k] for k in read_only},
                                           {k: state[k] for k in ("g_w", "g_head")}, row)
             state = apply_delta({**state, **grads}, delta, op, row)
-            if "rows" in delta:
-                state["g_head"] = add_rows(model, state["g_head"], delta["rows"], row)
             state["inbox"] = _deliver(state["inbox"], delta["send"], row, p)
             return state, None
 
