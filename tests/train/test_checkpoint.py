@@ -134,8 +134,10 @@ def test_pipelined_run_with_host_optimizer_state_resumes_and_matches_the_plain_r
     run on the same data: each checkpoint holds the canonical order, whatever the schedule."""
     four = "model.num_layers=4"        # V-Half on 2 stages: 4 chunks
     _train(tmp_path, "plain", "train.steps=4", "train.batch_size=16", four)
+    # The stages keep layer inputs (remat=full): the RL runs through pipelines keep residuals.
     layout = ["train.batch_size=16", "sharding.pipeline.stages=2", four,
-              "sharding.pipeline.microbatches=4", "train.offload_optimizer=true"]
+              "sharding.pipeline.microbatches=4", "train.offload_optimizer=true",
+              "train.remat=full"]
     _train(tmp_path, "piped", "train.steps=2", *layout, "sharding.pipeline.schedule=1f1b")
     _train(tmp_path, "piped", "train.steps=3", *layout, "sharding.pipeline.schedule=v-half")
     _train(tmp_path, "piped", "train.steps=4", *layout, "sharding.pipeline.schedule=zb-h1")
