@@ -52,10 +52,7 @@ class InputKeep:
 
     def backward(self, w, kept, aux, g):
         """(the weights' cotangents, the input's) for the output cotangent g."""
-        t, frozen = trained_part(w, self.trained)
-        dw, dx = jax.vjp(lambda t_, x_: self.layer_fn({**frozen, **t_}, x_, aux), t,
-                         kept[0])[1](g)
-        return dw, dx
+        return _pullback(self.layer_fn, w, kept[0], aux, self.trained)[1](g)
 
     def input_grad(self, w, kept, aux, g):
         return self.split.input_grad(w, kept[0], aux, g)
