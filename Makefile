@@ -92,9 +92,11 @@ lock:
 	  .lock-venv/bin/pip freeze --all --exclude-editable | sed -e 's/+cpu$$//' | sort -f; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK) && rm -rf .lock-venv
 
-# Regenerates the gRPC modules after a change to serving/proto/*.proto (needs the test extras).
+# Regenerates the gRPC modules after a change to serving/proto/*.proto, and the Tinker API's
+# wire messages (jaxrl/tinker/wire.proto) (needs the test extras).
 protos: $(VENV)/.test-deps
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. serving/proto/*.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. jaxrl/tinker/wire.proto
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,4 +1,4 @@
-"""`jaxrl train | eval | serve | compile | bench`: parse, dispatch, print. The work lives in
+"""`jaxrl train | eval | serve | tinker | compile | export | bench`: parse, dispatch, print. The work lives in
 jaxrl.commands."""
 
 from __future__ import annotations
@@ -86,6 +86,12 @@ def _export(args) -> None:
     export(args.checkpoint, args.out, args.format, args.step)
 
 
+def _tinker(args) -> None:
+    from jaxrl.commands.tinker import options, tinker
+
+    tinker(options(args))
+
+
 def _bench(args) -> int:
     from jaxrl.commands.bench import benchmarks, listing, run_benchmark
 
@@ -113,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "serve, compile for a TPU slice, benchmark.", 79),
         epilog="`jaxrl COMMAND --help` lists a command's options and their defaults.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_train_arguments, _eval_arguments, _serve_arguments, _compile_arguments,
-                _export_arguments, _bench_arguments):
+    for add in (_train_arguments, _eval_arguments, _serve_arguments, _tinker_arguments,
+                _compile_arguments, _export_arguments, _bench_arguments):
         add(sub)
     return parser
 
@@ -173,6 +179,31 @@ def _eval_arguments(sub) -> None:
 def _serve_arguments(sub) -> None:
     serve_arguments(_command(sub, "serve", "serve a model over gRPC (JetStream's protocol + "
                                            "weight updates)"))
+
+
+def _tinker_arguments(sub) -> None:
+    p = _command(sub, "tinker", "serve a Hugging Face model behind the Tinker API: LoRA "
+                           "training clients and their samplers, for the `tinker` SDK")
+    p.add_argument("--model", required=True, help="the base model: a Hugging Face folder")
+    p.add_argument("--name", default=None,
+                   help="the base_model name clients give (default: the folder's name; its "
+                        "path is also taken)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int_at_least(0), default=8000,
+                   help="port to listen on (0: any free one, printed)")
+    p.add_argument("--api-key", default=None,
+                   help="the key clients must send (X-API-Key), tml-...; also from "
+                        "$TINKER_API_KEY (default: none: any key is taken)")
+    p.add_argument("--max-len", type=int_at_least(2), default=None,
+                   help="context length for training and sampling (default: the model's, at "
+                        "most 2048)")
+    p.add_argument("--max-lora-rank", type=int_at_least(1), default=32,
+                   help="the largest LoRA rank a training client may ask for")
+    p.add_argument("--slots", type=int_at_least(1), default=32,
+                   help="sequences the engine decodes at once")
+    p.add_argument("--state-dir", default="tinker_state",
+                   help="where save_state writes its Orbax checkpoints")
+    p.set_defaults(run=_tinker)
 
 
 def _compile_arguments(sub) -> None:

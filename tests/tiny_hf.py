@@ -35,3 +35,30 @@ def tiny_qwen(path: Path, texts: list[str]) -> None:
         tie_word_embeddings=True, bos_token_id=vocab["<|endoftext|>"],
         eos_token_id=vocab["<|im_end|>"])
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
+def tiny_qwen_bpe(path: Path, texts: list[str], layers: int = 2) -> None:
+    """`tiny_qwen` with a byte-level BPE tokenizer learnt from `texts`: the tokenizer
+    `transformers` itself builds for a Qwen2 folder (Qwen2Tokenizer, from the vocabulary and
+    merges) reads it, as clients that load the folder with AutoTokenizer do (the tinker SDK);
+    it encodes any text."""
+    from tokenizers import decoders, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    vocab = tok.get_vocab()
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+         "chat_template": CHAT_TEMPLATE}))
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=vocab["<|endoftext|>"],
+        eos_token_id=vocab["<|im_end|>"])
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
