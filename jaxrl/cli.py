@@ -88,7 +88,9 @@ def _export(args) -> None:
 
 def _tinker(args) -> None:
     from jaxrl.commands.tinker import options, tinker
+    from jaxrl.platform import use_compilation_cache
 
+    use_compilation_cache()       # a restart loads the engine's and the trainer's programs
     tinker(options(args))
 
 

@@ -41,7 +41,8 @@ def tiny_qwen_bpe(path: Path, texts: list[str], layers: int = 2) -> None:
     """`tiny_qwen` with a byte-level BPE tokenizer learnt from `texts`: the tokenizer
     `transformers` itself builds for a Qwen2 folder (Qwen2Tokenizer, from the vocabulary and
     merges) reads it, as clients that load the folder with AutoTokenizer do (the tinker SDK);
-    it encodes any text."""
+    it encodes any text. Weights drawn 10x wider than Qwen's init, so that a LoRA on the
+    layers can move the logits (behind a 0.02-wide tied head it can hardly)."""
     from tokenizers import decoders, trainers
 
     tok = Tokenizer(models.BPE())
@@ -59,6 +60,6 @@ def tiny_qwen_bpe(path: Path, texts: list[str], layers: int = 2) -> None:
     config = transformers.Qwen2Config(
         vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=vocab["<|endoftext|>"],
+        tie_word_embeddings=True, initializer_range=0.2, bos_token_id=vocab["<|endoftext|>"],
         eos_token_id=vocab["<|im_end|>"])
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)

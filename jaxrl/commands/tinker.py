@@ -27,7 +27,11 @@ class TinkerOptions:
     state_dir: str = "tinker_state"  # save_state's Orbax checkpoints
 
 
-def start(o: TinkerOptions, log: Callable[[str], None] = print):
+def _print(line: str) -> None:
+    print(line, flush=True)      # a supervisor reading the pipe sees the ready line at once
+
+
+def start(o: TinkerOptions, log: Callable[[str], None] = _print):
     """(service, HTTP server, port bound), answering."""
     from jaxrl.commands.serve import hold_adapters
     from jaxrl.models import from_hf, split_params
@@ -70,13 +74,13 @@ def start(o: TinkerOptions, log: Callable[[str], None] = print):
         service.stop()
         orchestrator.stop()
         raise UserError(f"cannot listen on {o.host}:{o.port}: {e}") from e
-    log(f"jaxrl tinker: {name} ({model.cfg.family}, context {max_len}) on "
-        f"http://{o.host}:{port} (TINKER_BASE_URL); LoRA ranks up to {o.max_lora_rank}; "
+    log(f"jaxrl tinker: ready on http://{o.host}:{port} (TINKER_BASE_URL): {name} "
+        f"({model.cfg.family}, context {max_len}), LoRA ranks up to {o.max_lora_rank}, "
         f"{'API key checked' if o.api_key else 'any API key taken'}")
     return service, http, port
 
 
-def tinker(o: TinkerOptions, log: Callable[[str], None] = print) -> None:
+def tinker(o: TinkerOptions, log: Callable[[str], None] = _print) -> None:
     from serving.frontends.http_server import stop_http
 
     service, http, _ = start(o, log)

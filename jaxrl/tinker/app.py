@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from jaxrl.tinker.errors import NotFound, UserFault
 from jaxrl.tinker.sampler import Job
 from jaxrl.tinker.service import Service
+from jaxrl.tinker.state import checkpoint_lora
 from jaxrl.tinker.training import check_adam
 from jaxrl.tinker.wire import Sequence, WireError, decode_forward_backward, encode_sample
 from serving.core.requests import InvalidRequest
@@ -112,7 +113,9 @@ def make_app(service: Service, api_key: str | None) -> FastAPI:
         optimizer = (data.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise UserFault(f"optimizer_config.type {optimizer!r}: this service runs adamw")
-        model_id = service.create_model(need(data, "base_model"), lora)
+        model_id = service.create_model(need(data, "session_id"),
+                                        need(data, "model_seq_id", int),
+                                        need(data, "base_model"), lora)
         f = service.new_future()
         f.succeed(json={"type": "create_model", "model_id": model_id})
         return {"request_id": f.request_id, "model_id": model_id}
@@ -165,11 +168,11 @@ def make_app(service: Service, api_key: str | None) -> FastAPI:
         path, optimizer = need(data, "path"), bool(data.get("optimizer", False))
         model_id = data.get("model_id")
         if model_id is None:          # create-via-load: the load is the new model's first op
-            from jaxrl.tinker.state import checkpoint_lora
-
             base, lora = checkpoint_lora(service.state_dir, path)
-            model_id = service.create_model(data.get("base_model") or base, lora)
-            seq = 1
+            model_id = service.create_model(need(data, "session_id"),
+                                            need(data, "model_seq_id", int),
+                                            data.get("base_model") or base, lora, first_seq=0)
+            seq = 0
         else:
             seq = data.get("seq_id")
         f = service.enqueue(model_id, seq, "load_state", (path, optimizer))

@@ -131,8 +131,18 @@ class Service:
                 raise NotFound(f"no session {sid!r}")
             self.sessions[sid] = time.monotonic()
 
-    def create_model(self, base_model: str, lora: dict | None) -> str:
+    def create_model(self, session_id: str, model_seq_id: int, base_model: str,
+                     lora: dict | None, first_seq: int = 1) -> str:
+        """A training client, named as the SDK names it (SESSION:train:N); the same one again
+        when the SDK retries. `first_seq`: its first request's seq_id (0 when a load_weights
+        creates it)."""
         self.check_base(base_model)
+        with self._lock:
+            if session_id not in self.sessions:
+                raise NotFound(f"no session {session_id!r}")
+            model_id = f"{session_id}:train:{model_seq_id}"
+            if model_id in self.models:
+                return model_id
         lora = lora or {}
         rank = int(lora.get("rank", 32))
         if not 1 <= rank <= self.max_rank:
@@ -140,12 +150,12 @@ class Service:
                             f"{self.max_rank} (jaxrl tinker --max-lora-rank)")
         lo = lora_config(rank, bool(lora.get("train_attn", True)),
                          bool(lora.get("train_mlp", True)))
-        model_id = f"model-{uuid.uuid4().hex[:12]}"
         seed = lora.get("seed")
         client = self.trainer.new_client(model_id, base_model, lo,
-                                         int(seed) if seed is not None else hash(model_id) % 2**31)
+                                         int(seed) if seed is not None else
+                                         uuid.uuid4().int % 2**31)
         with self._lock:
-            self.models[model_id] = Model(client)
+            self.models.setdefault(model_id, Model(client, next_seq=first_seq))
         self.log(f"tinker: {model_id} on {base_model}, LoRA rank {lo.rank} on "
                  f"{','.join(lo.modules()) or 'nothing'}")
         return model_id
@@ -284,7 +294,7 @@ class Service:
         if op.kind == "load_state":
             path, optimizer = op.body
             state.load(self.state_dir, c, path, optimizer)
-            return {"type": "load_weights", "path": path}
+            return {"type": "load_weights", "path": path, "model_id": c.model_id}
         raise UserFault(f"unknown request kind {op.kind!r}")
 
     # -- sampling ----------------------------------------------------------------------------

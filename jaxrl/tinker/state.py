@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 from jaxrl.tinker.errors import UserFault
 from jaxrl.tinker.training import Client, lora_config
 
-_PATH = re.compile(r"^tinker://([A-Za-z0-9_.-]+)/weights/([A-Za-z0-9_.-]+)$")
+_PATH = re.compile(r"^tinker://([A-Za-z0-9_.:-]+)/weights/([A-Za-z0-9_.-]+)$")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -38,7 +38,7 @@ def save(state_dir: Path, client: Client, name: str | None) -> str:
         raise UserFault(f"{path} exists already; save under another name")
     where.parent.mkdir(parents=True, exist_ok=True)
     tree = {"adapters": client.adapters, "m": client.m, "v": client.v,
-            "step": np.int64(client.step)}
+            "step": np.asarray(client.step, np.int64)}
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(where.absolute() / "state", tree)
     lo = client.lora
@@ -61,7 +61,7 @@ def load(state_dir: Path, client: Client, path: str, optimizer: bool) -> None:
                         f"{client.model_id} has rank {client.lora.rank} on "
                         f"{','.join(client.lora.modules())}")
     target = {"adapters": client.adapters, "m": client.m, "v": client.v,
-              "step": np.int64(0)}
+              "step": np.asarray(0, np.int64)}
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
     with ocp.StandardCheckpointer() as ckpt:
         tree = ckpt.restore(where.absolute() / "state", abstract)
