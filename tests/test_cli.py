@@ -50,7 +50,8 @@ def test_bad_checkpoint_dir_overwrites_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-COMMANDS = ["train", "eval", "serve", "compile", "export", "bench"]  # DESIGN.md's, and export
+COMMANDS = ["train", "eval", "serve", "tinker", "compile", "export", "bench"]  # DESIGN.md's,
+# and export and tinker
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -184,8 +185,8 @@ def test_user_errors_name_the_value_and_what_is_allowed(tmp_path, monkeypatch, c
     (["eval", "--checkpoint", "c", "--samples", "4", "--k", "0"],
      "argument --k: must be >= 1, got 0"),
     (["eval"], "the following arguments are required: --checkpoint"),
-    (["frob"], "invalid choice: 'frob' (choose from 'train', 'eval', 'serve', 'compile', "
-               "'export', 'bench')"),
+    (["frob"], "invalid choice: 'frob' (choose from 'train', 'eval', 'serve', 'tinker', "
+               "'compile', 'export', 'bench')"),
 ])
 def test_bad_flags_are_refused_before_any_work(capsys, args, message):
     with pytest.raises(SystemExit) as exit:

@@ -21,6 +21,7 @@ LAYERS = [
     ("serving.fleet",),                      # the Generation interface, client, replicas, join
     ("jaxrl.data", "jaxrl.rl"),              # batches and rollouts; tasks, rewards, losses
     ("jaxrl.train",),                        # one train step, optimizer, checkpoints
+    ("jaxrl.tinker",),                       # the Tinker API: LoRA clients, their samplers
     ("jaxrl.config",),                       # the run's configuration, every key
     ("jaxrl.recipe",),                       # what a config builds: model config, task
     ("jaxrl.telemetry",),                    # metrics files, plots, progress

@@ -11,6 +11,7 @@ a client sends can stop the service or touch another client's state.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import random
 
@@ -51,25 +52,32 @@ def make_app(service: Service, api_key: str | None) -> FastAPI:
     async def not_found(request: Request, e: Exception):
         return JSONResponse({"detail": str(e)}, 404)
 
-    async def body(request: Request) -> dict:
-        try:
-            data = await request.json()
-        except ValueError:
-            raise UserFault("the body is not JSON") from None
-        if not isinstance(data, dict):
-            raise UserFault("the body is not a JSON object")
-        return data
+    for routes in (_client_routes, _model_routes, _weights_routes, _sampling_routes,
+                   _future_routes):
+        routes(app, service)
+    return app
 
-    def need(data: dict, key: str, kind=str):
-        value = data.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-            raise UserFault(f"{key}: a {kind.__name__} is needed, got {value!r}")
-        return value
 
-    def future_json(f) -> dict:
-        return {"request_id": f.request_id}
+async def _body(request: Request) -> dict:
+    try:
+        data = await request.json()
+    except ValueError:
+        raise UserFault("the body is not JSON") from None
+    if not isinstance(data, dict):
+        raise UserFault("the body is not a JSON object")
+    return data
 
-    # -- the client's start -------------------------------------------------------------------
+
+def _need(data: dict, key: str, kind=str):
+    value = data.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise UserFault(f"{key}: a {kind.__name__} is needed, got {value!r}")
+    return value
+
+
+def _client_routes(app: FastAPI, service: Service) -> None:
+    """What the SDK asks before its first request: health, flags, capabilities, sessions."""
+
     @app.get("/api/v1/healthz")
     async def healthz():
         return {"status": "ok"}
@@ -96,33 +104,36 @@ def make_app(service: Service, api_key: str | None) -> FastAPI:
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
-        service.heartbeat(need(await body(request), "session_id"))
+        service.heartbeat(_need(await _body(request), "session_id"))
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/telemetry")
     async def telemetry():
         return {"status": "accepted"}
 
-    # -- training -----------------------------------------------------------------------------
+
+def _model_routes(app: FastAPI, service: Service) -> None:
+    """Training clients: create, describe, forward(_backward), optim_step."""
+
     @app.post("/api/v1/create_model")
     async def create_model(request: Request):
-        data = await body(request)
+        data = await _body(request)
         lora = data.get("lora_config")
         if lora is not None and not isinstance(lora, dict):
             raise UserFault(f"lora_config: an object, got {lora!r}")
         optimizer = (data.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise UserFault(f"optimizer_config.type {optimizer!r}: this service runs adamw")
-        model_id = service.create_model(need(data, "session_id"),
-                                        need(data, "model_seq_id", int),
-                                        need(data, "base_model"), lora)
+        model_id = service.create_model(_need(data, "session_id"),
+                                        _need(data, "model_seq_id", int),
+                                        _need(data, "base_model"), lora)
         f = service.new_future()
         f.succeed(json={"type": "create_model", "model_id": model_id})
         return {"request_id": f.request_id, "model_id": model_id}
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request):
-        return service.info(need(await body(request), "model_id"))
+        return service.info(_need(await _body(request), "model_id"))
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request):
@@ -132,11 +143,11 @@ def make_app(service: Service, api_key: str | None) -> FastAPI:
                                      request.headers.get("content-encoding"))
         f = service.enqueue(fb.model_id, fb.seq_id or None, "forward_backward", fb,
                             service.check_forward_backward(fb))
-        return {**future_json(f), "model_id": fb.model_id}
+        return {"request_id": f.request_id, "model_id": fb.model_id}
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):
-        data = await body(request)
+        data = await _body(request)
         adam = data.get("adam_params", data.get("optimizer_params", {}))
         if not isinstance(adam, dict):
             raise UserFault(f"adam_params: an object, got {adam!r}")
@@ -144,56 +155,63 @@ def make_app(service: Service, api_key: str | None) -> FastAPI:
             adam = check_adam(adam)
         except ValueError as e:
             raise UserFault(str(e)) from None
-        model_id = need(data, "model_id")
-        return future_json(service.enqueue(model_id, data.get("seq_id"), "optim_step", adam))
+        f = service.enqueue(_need(data, "model_id"), data.get("seq_id"), "optim_step", adam)
+        return {"request_id": f.request_id}
+
+
+def _weights_routes(app: FastAPI, service: Service) -> None:
+    """Weights for samplers, and state (Orbax checkpoints) saved and loaded."""
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request):
-        data = await body(request)
+        data = await _body(request)
         kind = data.get("kind", "snapshot")
         if kind not in ("snapshot", "inflight"):
             raise UserFault(f"kind {kind!r}: snapshot or inflight")
-        return future_json(service.enqueue(need(data, "model_id"), data.get("seq_id"),
-                                           "save_for_sampler", (data.get("path"), kind)))
+        f = service.enqueue(_need(data, "model_id"), data.get("seq_id"), "save_for_sampler",
+                            (data.get("path"), kind))
+        return {"request_id": f.request_id}
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request):
-        data = await body(request)
-        return future_json(service.enqueue(need(data, "model_id"), data.get("seq_id"),
-                                           "save_state", data.get("path")))
+        data = await _body(request)
+        f = service.enqueue(_need(data, "model_id"), data.get("seq_id"), "save_state",
+                            data.get("path"))
+        return {"request_id": f.request_id}
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
-        data = await body(request)
-        path, optimizer = need(data, "path"), bool(data.get("optimizer", False))
+        data = await _body(request)
+        path, optimizer = _need(data, "path"), bool(data.get("optimizer", False))
         model_id = data.get("model_id")
         if model_id is None:          # create-via-load: the load is the new model's first op
             base, lora = checkpoint_lora(service.state_dir, path)
-            model_id = service.create_model(need(data, "session_id"),
-                                            need(data, "model_seq_id", int),
+            model_id = service.create_model(_need(data, "session_id"),
+                                            _need(data, "model_seq_id", int),
                                             data.get("base_model") or base, lora, first_seq=0)
             seq = 0
         else:
             seq = data.get("seq_id")
         f = service.enqueue(model_id, seq, "load_state", (path, optimizer))
-        return {**future_json(f), "model_id": model_id}
+        return {"request_id": f.request_id, "model_id": model_id}
 
-    # -- sampling -------------------------------------------------------------------------------
+
+def _sampling_routes(app: FastAPI, service: Service) -> None:
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request):
-        data = await body(request)
+        data = await _body(request)
         sid = service.create_sampling_session(data.get("model_path"), data.get("base_model"))
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     @app.post("/api/v1/asample")
     async def asample(request: Request):
-        data = await body(request)
+        data = await _body(request)
         if data.get("sampling_session_id"):
             key = service.sampling_key(data["sampling_session_id"])
         else:
             key = service.weights_key(data.get("model_path"), data.get("base_model"))
         prompt = _prompt(data.get("prompt"))
-        n = need(data, "num_samples", int) if "num_samples" in data else 1
+        n = _need(data, "num_samples", int) if "num_samples" in data else 1
         sampling, stops = _sampling(data.get("sampling_params") or {}, n,
                                     service.trainer.max_len - len(prompt))
         f = service.new_future()
@@ -213,12 +231,11 @@ def make_app(service: Service, api_key: str | None) -> FastAPI:
         return {"request_id": f.request_id,
                 "sample_sequence_ids": [f"{f.request_id}-{i}" for i in range(n)]}
 
-    # -- futures --------------------------------------------------------------------------------
+
+def _future_routes(app: FastAPI, service: Service) -> None:
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):
-        import asyncio
-
-        rid = need(await body(request), "request_id")
+        rid = _need(await _body(request), "request_id")
         f = await asyncio.to_thread(service.wait, rid)
         if f is None:
             return {"type": "try_again", "request_id": rid, "queue_state": "active"}
@@ -227,8 +244,6 @@ def make_app(service: Service, api_key: str | None) -> FastAPI:
         if f.proto is not None:
             return Response(f.proto, media_type=PROTO)
         return f.json
-
-    return app
 
 
 def _prompt(prompt) -> list[int]:

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxrl.models import lora
 from jaxrl.models.lora import LoraConfig
+from jaxrl.tinker.errors import NotFound
 from jaxrl.tinker.training import ALPHA
 from jaxrl.tinker.wire import Sequence
 from serving.core.orchestrator import Orchestrator
@@ -95,7 +96,7 @@ class Sampler:
     def submit(self, job: Job) -> None:
         self.orchestrator.validate(job.prompt, job.sampling)   # InvalidRequest: the client's
         if not self.has(job.weights):
-            raise KeyError(job.weights)
+            raise NotFound(f"no sampler weights {job.weights!r}")
         self._jobs.put(job)
 
     def _run(self) -> None:
