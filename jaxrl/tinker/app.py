@@ -107,6 +107,11 @@ def _client_routes(app: FastAPI, service: Service) -> None:
         service.heartbeat(_need(await _body(request), "session_id"))
         return {"type": "session_heartbeat"}
 
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish(session_id: str):
+        service.finish_session(session_id)
+        return {}
+
     @app.post("/api/v1/telemetry")
     async def telemetry():
         return {"status": "accepted"}

@@ -68,6 +68,13 @@ class Sampler:
         with self._lock:
             self._adapters[key] = engine_tree
 
+    def forget(self, keys) -> None:
+        """Drops adapters no session samples with any more (requests queued for them still
+        find them: the thread serving them holds its own reference)."""
+        with self._lock:
+            for key in keys:
+                self._adapters.pop(key, None)
+
     def has(self, key: str) -> bool:
         with self._lock:
             return key in self._adapters

@@ -131,6 +131,27 @@ class Service:
                 raise NotFound(f"no session {sid!r}")
             self.sessions[sid] = time.monotonic()
 
+    def finish_session(self, sid: str) -> None:
+        """The client closed its session: its training clients are dropped (their adapters
+        and Adam state freed; a request still waiting fails), as are the samplers made from
+        them without a name. Weights saved under a name, and checkpoints, stay."""
+        with self._lock:
+            if self.sessions.pop(sid, None) is None:
+                raise NotFound(f"no session {sid!r}")
+            prefix = f"{sid}:train:"
+            dropped = [mid for mid in self.models if mid.startswith(prefix)]
+            for mid in dropped:
+                for op in self.models.pop(mid).waiting.values():
+                    op.future.fail(f"the session {sid} was closed before this request ran")
+            keys = {k for k in self.sampling_sessions.values()
+                    if k.startswith(("inflight:", "snapshot:")) and
+                    k.split(":", 1)[1].startswith(prefix)}
+            for k, v in list(self.sampling_sessions.items()):
+                if v in keys:
+                    del self.sampling_sessions[k]
+        self.sampler.forget(keys)
+        self.log(f"tinker: session {sid} closed, {len(dropped)} training client(s) dropped")
+
     def create_model(self, session_id: str, model_seq_id: int, base_model: str,
                      lora: dict | None, first_seq: int = 1) -> str:
         """A training client, named as the SDK names it (SESSION:train:N); the same one again

@@ -69,7 +69,10 @@ def url(folder, state):
 
 @pytest.fixture(scope="module")
 def service(url):
-    return tinker.ServiceClient(base_url=url, api_key=KEY)
+    """The SDK's client; closed (its heartbeat thread with it) before the service stops."""
+    client = tinker.ServiceClient(base_url=url, api_key=KEY)
+    yield client
+    client.close("success").result()
 
 
 def _datum(ids, weights=None):
@@ -181,8 +184,8 @@ def test_bad_requests_get_the_sdks_errors_and_lose_nothing(service, folder, url)
     before = tc.forward([_datum(ids)], "cross_entropy").result().metrics["loss:sum"]
 
     with pytest.raises(tinker.AuthenticationError):
-        tinker.ServiceClient(base_url=url, api_key="tml-wrong").create_lora_training_client(
-            base_model=folder.name, rank=4).result()
+        with tinker.ServiceClient(base_url=url, api_key="tml-wrong") as wrong:
+            wrong.create_lora_training_client(base_model=folder.name, rank=4).result()
     with pytest.raises(tinker.BadRequestError, match="this service trains"):
         service.create_lora_training_client(base_model="no/such-model", rank=4).result()
     with pytest.raises(tinker.BadRequestError, match="up to rank 8"):
@@ -231,3 +234,14 @@ def test_clients_sharing_the_base_equal_each_alone(service, folder):
     for i in range(4):
         assert together[i] == pytest.approx(alone[i][0], rel=1e-5)
         assert together[4 + i] == pytest.approx(alone[i][1], rel=1e-5)
+
+
+def test_a_closed_session_frees_its_clients(url, folder):
+    """ServiceClient.close finishes the session: its training clients are gone (404), the
+    service goes on serving others."""
+    client = tinker.ServiceClient(base_url=url, api_key=KEY)
+    model_id = client.create_lora_training_client(base_model=folder.name, rank=2).result().model_id
+    client.close("success").result()
+    response = httpx.post(f"{url}/api/v1/get_info", headers={"X-API-Key": KEY},
+                          json={"model_id": model_id})
+    assert response.status_code == 404 and model_id in response.text
