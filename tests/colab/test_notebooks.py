@@ -129,3 +129,16 @@ def test_rl_with_lora_trains_adapters_and_exports_them_for_peft(monkeypatch, tmp
     assert "['adapter_config.json', 'adapter_model.safetensors']" in text
     config = json.loads((run_dir / "export" / "base" / "config.json").read_text())
     assert config["model_type"] == "qwen2"
+
+
+def test_tinker_trains_through_the_sdk_against_a_service_in_the_kernel(monkeypatch, tmp_path):
+    """colab/tinker.ipynb: `jaxrl tinker` started in the notebook's own runtime, the official
+    SDK's supervised loop lowers the loss, its RL loop runs, the state is saved as an Orbax
+    checkpoint, and the service stops."""
+    run_dir = tmp_path / "run"
+    text = text_of(execute("tinker.ipynb", tmp_path, run_dir, monkeypatch))
+    losses = [float(x) for x in re.findall(r"sft step \d+: loss per answer token ([\d.]+)", text)]
+    assert len(losses) == 6 and losses[-1] < losses[0], text
+    assert len(re.findall(r"rl step \d+: mean reward [\d.]+", text)) == 2, text
+    assert "saved tinker://" in text and "service stopped" in text
+    assert list((run_dir / "state").glob("*/weights/colab/state"))
