@@ -202,7 +202,7 @@ def test_bench_lists_the_benchmarks_with_their_summaries(capsys):
                               "lora_step", "multiplex",
                               "paged_attention", "paged_decode", "parity", "peers",
                               "pipeline_step", "products", "rollout_weights", "simulate", "soak",
-                              "speculative", "tpu_memory")}
+                              "speculative", "tinker", "tpu_memory")}
     assert main(["bench"]) == 0
     listed = capsys.readouterr().out.splitlines()[1:]
     assert [line.split()[0] for line in listed] == list(summaries)
