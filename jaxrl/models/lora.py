@@ -44,6 +44,10 @@ class LoraConfig:
     # A PEFT LoRA folder to start the adapters from (trained elsewhere); its rank, alpha,
     # targets and rsLoRA setting become this config's (jaxrl/models/peft_io.py).
     init_from: str | None = None
+    # Adapter sets held side by side (vLLM's multi-LoRA): an engine serving several clients
+    # keeps N, each row choosing its own (`ROWS`); every adapter gains an axis of N after
+    # `layers`. 1: one set, as a trainer holds.
+    adapters: int = 1
 
     def __post_init__(self):
         if self.rank < 0:
@@ -59,6 +63,8 @@ class LoraConfig:
             raise ValueError(f"model.lora.alpha={self.alpha} must be > 0")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"model.lora.dropout={self.dropout} must be in [0, 1)")
+        if self.adapters < 1:
+            raise ValueError(f"model.lora.adapters={self.adapters} must be >= 1")
 
     @property
     def enabled(self) -> bool:
@@ -77,8 +83,8 @@ class LoraConfig:
 def same_shape(a: LoraConfig, b: LoraConfig) -> bool:
     """Whether adapters made by `a` and `b` are interchangeable: same rank, scale and
     targets (each resolved: all-linear is all seven)."""
-    return (a.rank, a.scale, a.modules(), a.modules(moe=True)) == \
-        (b.rank, b.scale, b.modules(), b.modules(moe=True))
+    return (a.rank, a.scale, a.modules(), a.modules(moe=True), a.adapters) == \
+        (b.rank, b.scale, b.modules(), b.modules(moe=True), b.adapters)
 
 
 def adapter_shapes(cfg) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -97,11 +103,13 @@ def adapter_shapes(cfg) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
             "o_proj": ((D,), ("embed",)),
             "gate_proj": ((F,), ("mlp",)), "up_proj": ((F,), ("mlp",)),
             "down_proj": ((D,), ("embed",))}
+    n = cfg.lora.adapters
+    side = ((L, n), ("layers", "lora_adapters")) if n > 1 else ((L,), ("layers",))
     shapes = {}
     for t in cfg.lora.modules(moe=bool(cfg.num_experts)):
         (i_shape, i_axes), (o_shape, o_axes) = ins[t], outs[t]
-        shapes[f"{t}_lora_a"] = ((L, *i_shape, r), ("layers", *i_axes, "lora_rank"))
-        shapes[f"{t}_lora_b"] = ((L, r, *o_shape), ("layers", "lora_rank", *o_axes))
+        shapes[f"{t}_lora_a"] = ((*side[0], *i_shape, r), (*side[1], *i_axes, "lora_rank"))
+        shapes[f"{t}_lora_b"] = ((*side[0], r, *o_shape), (*side[1], "lora_rank", *o_axes))
     return shapes
 
 
@@ -118,6 +126,9 @@ def init_adapter(key, name: str, shape: tuple[int, ...]) -> jax.Array:
 # A layer's dropout key (raw key data) among its parameters, put there by the train step
 # (`dropout_stack`) when model.lora.dropout is set; no model or checkpoint holds one.
 DROPOUT_KEY = "lora_dropout_key"
+# Under LoraConfig.adapters > 1, each row's adapter [B] among a layer's parameters, put there
+# by the caller (Transformer.extend's `adapters_B`, `rows_stack`); absent: adapter 0.
+ROWS = "lora_rows"
 
 
 def project(w: dict, name: str, x, equation: str, lo: LoraConfig):
@@ -130,6 +141,12 @@ def project(w: dict, name: str, x, equation: str, lo: LoraConfig):
         return y
     x_sub, w_sub = equation.split("->")[0].split(",")
     n_in = sum(c in x_sub for c in w_sub)             # the axes contracted: x's last n_in
+    if lo.adapters > 1:
+        rows_B = w.get(ROWS)
+        if rows_B is None:
+            rows_B = jnp.zeros(x.shape[0], jnp.int32)
+        delta = _per_row(x, a, w[f"{name}_lora_b"], n_in, rows_B)
+        return y + lo.scale * delta.reshape(y.shape)
     x_flat = x.reshape(-1, int(np.prod(x.shape[-n_in:])))
     if DROPOUT_KEY in w and lo.dropout:
         key = jax.random.fold_in(jax.random.wrap_key_data(w[DROPOUT_KEY]), TARGETS.index(name))
@@ -140,6 +157,28 @@ def project(w: dict, name: str, x, equation: str, lo: LoraConfig):
     b_flat = b.reshape(b.shape[0], -1)
     delta = low_rank(x_flat, a_flat, b_flat)
     return y + lo.scale * delta.reshape(y.shape)
+
+
+def _per_row(x, a_N, b_N, n_in: int, rows_B):
+    """Each row b of x [B, ..., in] through its own adapter rows_B[b] of the N held: A [N, in,
+    r] and B [N, r, out] gathered per row (vLLM's punica, as two batched matmuls)."""
+    b = x.shape[0]
+    x_BTI = x.reshape(b, -1, int(np.prod(x.shape[-n_in:])))
+    a_BIR = a_N[rows_B].astype(x.dtype).reshape(b, x_BTI.shape[-1], -1)
+    b_BRO = b_N[rows_B].astype(x.dtype)
+    b_BRO = b_BRO.reshape(b, b_BRO.shape[1], -1)
+    return jnp.einsum("btr,bro->bto", jnp.einsum("bti,bir->btr", x_BTI, a_BIR), b_BRO)
+
+
+def rows_stack(stack, rows_B):
+    """Layer-stack function `stack` (`run_layers`'s signature) with each row's adapter
+    `rows_B` beside every layer's weights (`ROWS`): a model holding several adapter sets run
+    whole (the engine's `score`)."""
+    def run(cfg, stacked, *args, **kwargs):
+        layers = jax.tree.leaves(stacked)[0].shape[0]
+        return stack(cfg, {**stacked, ROWS: jnp.broadcast_to(rows_B, (layers, *rows_B.shape))},
+                     *args, **kwargs)
+    return run
 
 
 def dropout_stack(stack, key):

@@ -114,7 +114,7 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS,
     engine_BTK = p.get(ENGINE_EXPERTS, p.get(REPLAY_EXPERTS))
     w = quant.layer_weights(cfg, {k: v for k, v in p.items()
                                   if k not in (ENGINE_EXPERTS, REPLAY_EXPERTS)},
-                            keep=(lora.DROPOUT_KEY,))
+                            keep=(lora.DROPOUT_KEY, lora.ROWS))
     q_BTNH, k_BTGH, v_BTGH = attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
     # Names a remat policy can save, offload or recompute (sharding/offload.py).
     q_BTNH = checkpoint_name(q_BTNH, "query_proj")
@@ -290,7 +290,8 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         return norm(cfg, x_BTD, self.final_norm[...].astype(cfg.compute_dtype))
 
-    def extend(self, input_ids_BT, start_B, cache, valid_B=None, routes: bool = False):
+    def extend(self, input_ids_BT, start_B, cache, valid_B=None, routes: bool = False,
+               adapters_B=None):
         """Runs T new tokens per row on top of a KV cache: row b's tokens sit at positions
         start_B[b] .. start_B[b]+T-1, attend to what the cache holds before them and causally
         to each other, and their keys and values are written into it. Only the first
@@ -298,7 +299,8 @@ class Transformer(nnx.Module):
         stored. One mechanism for prefill, chunked prefill (T = chunk) and decode (T = 1), on
         any cache of jaxrl.models.kv_cache's protocol (contiguous, or serving's paged pool).
         Returns (final hidden states [B, T, D], cache), and with `routes` (a MoE model) the
-        experts each token was routed to in each layer [B, T, L, K] after them."""
+        experts each token was routed to in each layer [B, T, L, K] after them. `adapters_B`:
+        each row's LoRA adapter where the model holds several (lora.adapters > 1)."""
         cfg = self.cfg
         b, t = input_ids_BT.shape
         offsets_T = jnp.arange(t, dtype=start_B.dtype)
@@ -312,6 +314,8 @@ class Transformer(nnx.Module):
             x_BTD, cache = carry
             p, layer = xs
             w = quant.layer_weights(cfg, p)
+            if adapters_B is not None:         # each row's LoRA adapter (lora.adapters > 1)
+                w = {**w, lora.ROWS: adapters_B}
             cos_BTH, sin_BTH, window = inputs(sliding_L[layer])
             q_BTNH, k_BTGH, v_BTGH = attention_inputs(cfg, w, x_BTD, cos_BTH, sin_BTH)
             cache = cache.write(layer, positions_BT, k_BTGH, v_BTGH, valid_BT)

@@ -236,7 +236,7 @@ class EngineLoop:
         while not self._scores.empty():
             job = self._scores.get()
             try:
-                job.result = self.engine.score(self.params, job.tokens)
+                job.result = self.engine.score(self.params, job.tokens, job.adapter)
             except ValueError as e:       # a bad request, said to its caller
                 job.error = e
             job.done.set()
@@ -254,7 +254,8 @@ class EngineLoop:
             tokens[i, : len(t)] = t
         state, logits, *routes = engine.prefill(
             self.params, state, tokens, [start for _, start, _ in chunks],
-            [len(t) for _, _, t in chunks], sched.table([p.pages for p, _, _ in chunks], width))
+            [len(t) for _, _, t in chunks], sched.table([p.pages for p, _, _ in chunks], width),
+            [p.request.sampling.adapter for p, _, _ in chunks])
         if routes:
             self._record_routes(chunks, routes[0])
         self._count(prefill_chunks=1, prefill_tokens=sum(len(t) for _, _, t in chunks))

@@ -24,6 +24,7 @@ class Score:
     """Tokens queued for the loop to score (Engine.score) between two of its calls; `done` is
     set once `result` or `error` is."""
     tokens: list[int]
+    adapter: int = 0                  # the LoRA adapter set scoring them (several held)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     result: tuple | None = None
     error: BaseException | None = None

@@ -28,6 +28,7 @@ from serving.core.requests import (
     InvalidRequest,
     QueueFull,
     StaleVersion,
+    check_adapter,
     check_tokens,
     validate,
 )
@@ -204,6 +205,7 @@ class Orchestrator:
                  session: str | Seq[str] | None = None) -> None:
         validate(self.engine.cfg, self.scheduler.pool, self.vocab_size, prompt, sampling,
                  session)
+        check_adapter(self.engine.model_cfg, sampling.adapter)
         if sampling.grammar is not None:
             if self.grammars is None:
                 raise InvalidRequest("this engine has no tokenizer to constrain decoding with "
@@ -267,16 +269,17 @@ class Orchestrator:
                  ) -> list[Sample]:
         return self.submit(prompt, sampling).result()
 
-    def score(self, tokens: Seq[int], timeout: float | None = None):
+    def score(self, tokens: Seq[int], timeout: float | None = None, adapter: int = 0):
         """Log-probs of `tokens` under the weights serving now, each given those before it:
         (logprobs [n-1], top ids [n-1, 20], top log-probs [n-1, 20]) (Engine.score), computed
         by the loop between two of its calls. Raises InvalidRequest for tokens it cannot score
         (the engine compiled without `score`, too long, out of the vocabulary)."""
         tokens = [int(t) for t in tokens]
         check_tokens(tokens, self.vocab_size, "score: ")
+        check_adapter(self.engine.model_cfg, adapter)
         if not self.running:
             raise self._stopped_error()
-        job = Score(tokens)
+        job = Score(tokens, adapter)
         self._loop.post_score(job)
         self._wait(job.done, timeout, f"scoring {len(tokens)} tokens did not end")
         if isinstance(job.error, ValueError):

@@ -29,6 +29,14 @@ class StaleVersion(WeightUpdateError):
     """A weight update whose version is not newer than the one served."""
 
 
+def check_adapter(model_cfg, adapter: int) -> None:
+    """InvalidRequest for an adapter set the model does not hold (lora.adapters of them)."""
+    held = model_cfg.lora.adapters if model_cfg.lora.enabled else 1
+    if not 0 <= adapter < held:
+        raise InvalidRequest(f"adapter {adapter}: this engine holds {held} LoRA adapter "
+                             f"set{'s' if held > 1 else ''} (0 .. {held - 1})")
+
+
 def validate(cfg: EngineConfig, pool: PagePool, vocab_size: int, prompt: Seq[int],
              sampling: SamplingParams, session: str | Seq[str] | None = None) -> None:
     """Raises InvalidRequest naming what the engine cannot serve: the session keys, a sampling

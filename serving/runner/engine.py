@@ -149,13 +149,15 @@ class Engine:
         """The prefill chunk bucket a chunk of `length` tokens pads to (of those compiled)."""
         return self.programs.bucket(length)
 
-    def prefill(self, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
+    def prefill(self, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW,
+                adapters_P=None):
         """Writes the next chunk of P prompts into their pages: row i's `lengths_P[i]` tokens
         sit at positions starts_P[i].. and go into the pages of `table_PW[i]`. Returns
         (state, logits [P, V] after each row's last token; more rows may follow, padding).
         Rows are padded to `cfg.prefill_rows` of their chunk bucket (padding rows write only to
         the null page), tokens to the bucket, the table to a prefill width. With
-        `cfg.record_routes`: (state, logits, experts [P, T, L, K] of each row's tokens)."""
+        `cfg.record_routes`: (state, logits, experts [P, T, L, K] of each row's tokens).
+        `adapters_P`: each row's LoRA adapter set (a model holding several; default 0)."""
         tokens_PT = np.asarray(tokens_PT, np.int32)
         p, t = tokens_PT.shape
         bucket = self.bucket(t)
@@ -171,14 +173,17 @@ class Engine:
         table[:p, : table_PW.shape[1]] = table_PW[:, :width]
         state, logits, *routes = self.programs("prefill", (rows, bucket, width), params, state,
                                                grid, _rows(starts_P, rows),
-                                               _rows(lengths_P, rows), table)
+                                               _rows(lengths_P, rows), table,
+                                               _rows([0] * p if adapters_P is None
+                                                     else adapters_P, rows))
         # logits [max_prefill_rows, V]: rows past P are padding
         return (state, logits, *(np.asarray(r)[:p, :t] for r in routes))
 
-    def score(self, params, tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def score(self, params, tokens, adapter: int = 0
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Log-probs of `tokens` under the model, each given those before it: (logprobs [n-1],
         top ids [n-1, 20], top log-probs [n-1, 20]); row i scores tokens[i + 1]. Needs
-        `EngineConfig.score`."""
+        `EngineConfig.score`. `adapter`: the LoRA adapter set (a model holding several)."""
         n = len(tokens)
         if not self.cfg.score:
             raise ValueError("prompt log-probs need the engine's score programs "
@@ -189,7 +194,7 @@ class Engine:
         bucket = next(b for b in self.cfg.score_buckets if b >= n)
         grid = np.zeros(bucket, np.int32)
         grid[:n] = tokens
-        out = self.programs("score", (bucket,), params, grid)
+        out = self.programs("score", (bucket,), params, grid, np.int32(adapter))
         return tuple(np.asarray(a)[: n - 1] for a in out)
 
     def sample_first(self, logits_PV, rows, samplings, sample_indices, eos_id=None,

@@ -152,10 +152,10 @@ class Programs:
             return ()
         if name == "score":
             (t,) = key
-            return (params, arr(t))
+            return (params, arr(t), arr())
         if name == "prefill":
             p, t, w = key
-            return (params, state, arr(p, t), arr(p), arr(p), arr(p, w))
+            return (params, state, arr(p, t), arr(p), arr(p), arr(p, w), arr(p))
         if name == "sample_first":
             (k,) = key
             logits = arr(spec.cfg.max_prefill_rows, spec.model_cfg.vocab_size,

@@ -43,6 +43,9 @@ class SamplingParams:
     # (the prompt is not counted); the log-probs stay the model's own, as with logit_bias.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Which of the engine's LoRA adapter sets samples this request (an engine holding several,
+    # model.lora.adapters; 0 otherwise).
+    adapter: int = 0
 
     @property
     def penalized(self) -> bool:
@@ -69,6 +72,8 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be in [0, max_tokens="
                              f"{self.max_tokens}]")
+        if self.adapter < 0:
+            raise ValueError(f"adapter={self.adapter} must be >= 0")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed={self.seed} must be in [0, 2**32)")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

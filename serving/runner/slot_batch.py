@@ -53,6 +53,7 @@ class SlotBatch:
                 "sample_index": padded(self.sample_indices, k, np.int32),
                 "presence": padded([s.presence_penalty for s in samplings], k, np.float32),
                 "frequency": padded([s.frequency_penalty for s in samplings], k, np.float32),
+                "adapter": padded([s.adapter for s in samplings], k, np.int32),
                 **sampling_rows(samplings, k, eos_id)}
 
     def history_chunks(self, k: int) -> Iterator[tuple[np.ndarray, bool]]:

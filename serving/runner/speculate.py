@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jaxrl.models import merge_params
 from serving.runner.sampling import (inverse_cdf, slot_keys, target, with_bias,
                                      with_penalties)
-from serving.runner.steps import PER_SLOT, Spec, _banned, pinned
+from serving.runner.steps import PER_SLOT, Spec, _banned, adapter_rows, pinned
 
 
 def _verify(spec: Spec, params, state, table_RW, slots_R, drafts_RK, real_R):
@@ -49,7 +49,8 @@ def _verify(spec: Spec, params, state, table_RW, slots_R, drafts_RK, real_R):
     fed_RT = jnp.concatenate([rows["tokens"][:, None], jnp.maximum(drafts_RK, 0)], axis=1)
     model = merge_params(spec.graphdef, params)
     x_RTD, cache = model.extend(fed_RT, rows["lengths"], spec.cache(state.kv, table_RW),
-                                valid_B=jnp.where(real_R, n_R + 1, 0))
+                                valid_B=jnp.where(real_R, n_R + 1, 0),
+                                adapters_B=adapter_rows(spec, rows["adapter"]))
     logits_NV = model.logits(x_RTD).reshape(r * (k + 1), -1)
     step_T = jnp.arange(k + 1)
     counts_RT = rows["counts"][:, None] + step_T[None, :]

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl.models import ModelConfig, abstract_model, merge_params, param_axes, split_params
+from jaxrl.models import lora
 from jaxrl.models.kv_cache import scatter_set
+from jaxrl.models.transformer import run_layers
 from serving.runner.paged_kv import KERNEL_PLATFORMS, PagedKV
 from serving.runner.sampling import (MAX_LOGIT_BIAS, Draws, sample, slot_keys, with_bias,
                                      with_penalties)
@@ -45,6 +47,7 @@ class DecodeState:
     presence: jax.Array       # float32 [S]: presence_penalty ...
     frequency: jax.Array      # float32 [S]: ... and frequency_penalty, applied from ...
     seen: jax.Array           # int32 [S, V]: ... how often each slot has drawn each token
+    adapter: jax.Array        # int32 [S]: the LoRA adapter set it decodes with (lora.adapters)
 
 
 # What a decode batch gathers for its rows (`seen` is gathered only when a row is penalized).
@@ -124,7 +127,8 @@ def empty_state(spec: Spec) -> DecodeState:
                        bias_ids=jnp.full((s, MAX_LOGIT_BIAS), -1, jnp.int32),
                        bias_values=jnp.zeros((s, MAX_LOGIT_BIAS), jnp.float32),
                        presence=zeros(jnp.float32), frequency=zeros(jnp.float32),
-                       seen=jnp.zeros((s, spec.model_cfg.vocab_size), jnp.int32)))[0]
+                       seen=jnp.zeros((s, spec.model_cfg.vocab_size), jnp.int32),
+                       adapter=zeros(jnp.int32)))[0]
 
 
 # Every output is pinned to one layout (the pool over kv heads, everything else replicated):
@@ -142,12 +146,19 @@ def pinned(spec: Spec, state: DecodeState, *arrays):
 HISTORY_CHUNK = 32
 
 
-def _prefill(spec: Spec, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW):
+def adapter_rows(spec: Spec, adapters_B):
+    """Each row's LoRA adapter set for `Transformer.extend`, where the model holds several."""
+    return adapters_B if spec.model_cfg.lora.adapters > 1 else None
+
+
+def _prefill(spec: Spec, params, state: DecodeState, tokens_PT, starts_P, lengths_P, table_PW,
+             adapters_P):
     """(state, logits [max_prefill_rows, V]), and with record_routes each token's experts
     [P, T, L, K] after them."""
     model = merge_params(spec.graphdef, params)
     x_PTD, cache, *routes = model.extend(tokens_PT, starts_P, spec.cache(state.kv, table_PW),
-                                         valid_B=lengths_P, routes=spec.cfg.record_routes)
+                                         valid_B=lengths_P, routes=spec.cfg.record_routes,
+                                         adapters_B=adapter_rows(spec, adapters_P))
     last_P11 = jnp.maximum(lengths_P - 1, 0)[:, None, None]
     logits_PV = model.logits(jnp.take_along_axis(x_PTD, last_P11, axis=1))[:, 0]
     # Padded to the most rows any prefill call has, so one sampling program serves them all.
@@ -207,12 +218,13 @@ def _copy_pages(spec: Spec, state: DecodeState, src_K, dst_K):
         state, kv=scatter_set(state.kv, (slice(None), dst_K), state.kv[:, src_K])))[0]
 
 
-def _forward_rows(spec: Spec, params, kv, tokens_R, lengths_R, table_RW):
+def _forward_rows(spec: Spec, params, kv, tokens_R, lengths_R, table_RW, adapters_R):
     """One token per row through the model: (pool, logits [R, V]), and with record_routes the
     token's experts [R, L, K]."""
     model = merge_params(spec.graphdef, params)
     x_R1D, cache, *routes = model.extend(tokens_R[:, None], lengths_R, spec.cache(kv, table_RW),
-                                         routes=spec.cfg.record_routes)
+                                         routes=spec.cfg.record_routes,
+                                         adapters_B=adapter_rows(spec, adapters_R))
     return (cache.kv, model.logits(x_R1D)[:, 0], *(r[:, 0] for r in routes))
 
 
@@ -252,7 +264,8 @@ def _decode(spec: Spec, params, state: DecodeState, table_RW, slots_R):
     """The forward half of one decode step for the rows `slots_R`: (state with their keys and
     values written, logits [R, V]). Padding rows read and write only the null page."""
     kv, logits_RV, *routes = _forward_rows(spec, params, state.kv, state.tokens[slots_R],
-                                           state.lengths[slots_R], table_RW)
+                                           state.lengths[slots_R], table_RW,
+                                           state.adapter[slots_R])
     return pinned(spec, dataclasses.replace(state, kv=kv), logits_RV, *routes)
 
 
@@ -274,14 +287,16 @@ def _decode_steps(spec: Spec, params, state: DecodeState, table_RW, slots_R, rea
 SCORE_TOP = 20
 
 
-def _score(spec: Spec, params, tokens_T):
+def _score(spec: Spec, params, tokens_T, adapter):
     """One sequence through the model, every position at once: the log-prob of each token
     given those before it, [T-1] (position i scores token i + 1), and the SCORE_TOP most
     likely tokens at each position, ids [T-1, 20] and log-probs. Causal: padding after the
     sequence changes none of its rows. No pages are read or written: prompt log-probs (`echo`)
     and top_logprobs."""
     model = merge_params(spec.graphdef, params)
-    logits_TV = model(tokens_T[None])[0, :-1].astype(jnp.float32)
+    rows = adapter_rows(spec, adapter[None])
+    stack = None if rows is None else lora.rows_stack(run_layers, rows)
+    logits_TV = model.logits(model.hidden(tokens_T[None], stack_fn=stack))[0, :-1]
     logp_TV = jax.nn.log_softmax(logits_TV, axis=-1)
     token_T = jnp.take_along_axis(logp_TV, tokens_T[1:, None], axis=1)[:, 0]
     top_values, top_ids = jax.lax.top_k(logp_TV, min(SCORE_TOP, logp_TV.shape[-1]))
