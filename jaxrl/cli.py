@@ -201,6 +201,9 @@ def _tinker_arguments(sub) -> None:
                         "most 2048)")
     p.add_argument("--max-lora-rank", type=int_at_least(1), default=32,
                    help="the largest LoRA rank a training client may ask for")
+    p.add_argument("--max-adapters", type=int_at_least(1), default=8,
+                   help="LoRA adapter sets the engine holds at once: samplers of that many "
+                        "clients (or weight versions) decode in one batch")
     p.add_argument("--slots", type=int_at_least(1), default=32,
                    help="sequences the engine decodes at once")
     p.add_argument("--state-dir", default="tinker_state",

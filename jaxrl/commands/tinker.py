@@ -23,6 +23,7 @@ class TinkerOptions:
     api_key: str | None = None       # None: any key is taken
     max_len: int | None = None       # the context (default: the model's, at most 2048)
     max_lora_rank: int = 32
+    max_adapters: int = 8            # adapter sets the engine holds: clients sampled at once
     slots: int = 32                  # the engine's decode batch
     state_dir: str = "tinker_state"  # save_state's Orbax checkpoints
 
@@ -55,7 +56,7 @@ def start(o: TinkerOptions, log: Callable[[str], None] = _print):
         raise UserError(f"--max-len {max_len} exceeds the model's context "
                         f"{model.cfg.max_seq_len}")
     trainer = Trainer(model, max_len)
-    held = held_config(o.max_lora_rank)
+    held = held_config(o.max_lora_rank, o.max_adapters)
     served = hold_adapters(model, held)
     engine = Engine(served.cfg, EngineConfig(max_concurrent_decodes=o.slots, max_len=max_len,
                                              max_prefill_length=max_len - 1,
@@ -76,6 +77,7 @@ def start(o: TinkerOptions, log: Callable[[str], None] = _print):
         raise UserError(f"cannot listen on {o.host}:{o.port}: {e}") from e
     log(f"jaxrl tinker: ready on http://{o.host}:{port} (TINKER_BASE_URL): {name} "
         f"({model.cfg.family}, context {max_len}), LoRA ranks up to {o.max_lora_rank}, "
+        f"{o.max_adapters} adapter sets decoding together, "
         f"{'API key checked' if o.api_key else 'any API key taken'}")
     return service, http, port
 
@@ -100,6 +102,7 @@ def options(args) -> TinkerOptions:
     return TinkerOptions(model_dir=args.model, name=args.name, host=args.host, port=args.port,
                          api_key=args.api_key or os.environ.get("TINKER_API_KEY") or None,
                          max_len=args.max_len, max_lora_rank=args.max_lora_rank,
+                         max_adapters=args.max_adapters,
                          slots=args.slots, state_dir=args.state_dir)
 
 

@@ -1,12 +1,16 @@
 """Sampling for the Tinker API on jaxrl's engine (paged KV, chunked prefill, continuous
 batching, in-flight adapter updates, speculative decoding where it is on).
 
-The engine holds one set of LoRA adapters of the service's largest rank on every projection;
-a client's adapters of a smaller rank or fewer targets are written into it exactly (zero rows
-and columns, B scaled by the ratio of the two scales). Requests are served a weights key at a
-time: every queued request of one key is submitted and decoded together, then the next key's
-adapters are swapped in by the engine's adapter-only update (no reload, no recompile) between
-two decode steps.
+The engine holds N LoRA adapter sets of the service's largest rank on every projection
+(model.lora.adapters, vLLM's multi-LoRA): every request names the set it samples with, and
+requests of different clients decode in one batch. A client's adapters of a smaller rank or
+fewer targets are written into a set exactly (zero rows and columns, B scaled by the ratio of
+the two scales). Weights are published under a key (a sampler path, a snapshot, a model's
+in-flight weights); a key gets a set when a request needs it, the least recently used set that
+no running request holds giving way, and the engine takes the sets by its adapter-only update
+(no reload, no recompile) between two decode steps. Re-publishing a key that holds a set
+updates it in place: requests running on it go on with the new weights (Tinker's `inflight`
+samplers, PipelineRL's in-flight updates).
 """
 
 from __future__ import annotations
@@ -14,10 +18,9 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+from collections import OrderedDict
 from typing import Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.models import lora
@@ -30,6 +33,7 @@ from serving.frontends.detokenize import IncrementalDecoder
 from serving.runner.sampling import SamplingParams
 
 JOIN_S = 30.0
+POLL_S = 0.005          # how often the sampler thread looks at running requests
 
 
 @dataclasses.dataclass
@@ -43,15 +47,23 @@ class Job:
 
 
 class Sampler:
-    """The engine, the adapters it can switch to (by key), and the thread that serves Jobs."""
+    """The engine, the adapters published by key, and the thread that gives keys their sets
+    and serves Jobs."""
 
     def __init__(self, orchestrator: Orchestrator, tokenizer, held: LoraConfig):
         self.orchestrator, self.tokenizer, self.held = orchestrator, tokenizer, held
-        self._adapters: dict[str, dict] = {}     # key -> engine-shaped adapters
-        self._lock = threading.Lock()             # guards _adapters
+        target = lora.trainable(orchestrator.engine.param_target)["layers"]
+        # The engine's sets as the host holds them, [L, N, ...] per adapter (the sampler
+        # thread's, like everything below but `_published`).
+        self._sets = {name: np.zeros(spec.shape, np.float32) for name, spec in target.items()}
+        self._resident: OrderedDict[str, int] = OrderedDict()   # key -> set, LRU first
+        self._users = [0] * held.adapters                         # running requests per set
+        self._published: dict[str, tuple[int, dict]] = {}         # key -> (serial, tree)
+        self._loaded: dict[str, int] = {}                         # key -> serial in its set
+        self._lock = threading.Lock()                             # guards _published
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._current: str | None = None          # key served now (the sampler thread's)
         self._version = orchestrator.version
+        self._serial = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tinker-sampler", daemon=True)
         self._thread.start()
@@ -64,40 +76,41 @@ class Sampler:
     # -- adapters ------------------------------------------------------------------------------
     def publish(self, key: str, lo: LoraConfig, adapters: dict | None) -> None:
         """Makes `key` sample with `adapters` (of shape `lo`; None: the base model)."""
-        engine_tree = self.engine_adapters(lo, adapters)
+        tree = self.engine_adapters(lo, adapters)
         with self._lock:
-            self._adapters[key] = engine_tree
+            self._serial += 1
+            self._published[key] = (self._serial, tree)
 
     def forget(self, keys) -> None:
-        """Drops adapters no session samples with any more (requests queued for them still
-        find them: the thread serving them holds its own reference)."""
+        """Drops adapters no session samples with any more (a request already queued for one
+        fails)."""
         with self._lock:
             for key in keys:
-                self._adapters.pop(key, None)
+                self._published.pop(key, None)
 
     def has(self, key: str) -> bool:
         with self._lock:
-            return key in self._adapters
+            return key in self._published
 
     def engine_adapters(self, lo: LoraConfig, adapters: dict | None) -> dict:
-        """A client's adapters as the engine holds them: rank padded to the held rank, B
-        scaled by scale(lo) / scale(held), projections it does not adapt zero."""
-        target = lora.trainable(self.orchestrator.engine.param_target)["layers"]
+        """A client's adapters as one of the engine's sets: rank padded to the held rank, B
+        scaled by scale(lo) / scale(held), projections it does not adapt zero ([L, ...] per
+        adapter, the set axis left out)."""
         out = {}
-        for name, spec in target.items():
+        for name, held in self._sets.items():
+            shape = (held.shape[0], *held.shape[2:])
             have = None if adapters is None else adapters["layers"].get(name)
             if have is None:
-                out[name] = np.zeros(spec.shape, np.float32)
+                out[name] = np.zeros(shape, np.float32)
                 continue
             have = np.asarray(have, np.float32)
-            r = have.shape[-1] if name.endswith("_lora_a") else have.shape[1]
             if name.endswith("_lora_a"):
-                pad = [(0, 0)] * (have.ndim - 1) + [(0, spec.shape[-1] - r)]
+                pad = [(0, 0)] * (have.ndim - 1) + [(0, shape[-1] - have.shape[-1])]
                 out[name] = np.pad(have, pad)
             else:
-                pad = [(0, 0), (0, spec.shape[1] - r)] + [(0, 0)] * (have.ndim - 2)
+                pad = [(0, 0), (0, shape[1] - have.shape[1])] + [(0, 0)] * (have.ndim - 2)
                 out[name] = np.pad(have * (lo.scale / self.held.scale), pad)
-        return {"layers": out}
+        return out
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -107,53 +120,92 @@ class Sampler:
         self._jobs.put(job)
 
     def _run(self) -> None:
+        waiting: list[Job] = []          # jobs whose key has no set yet (all sets busy)
+        running: list[tuple[Job, int, object]] = []
         while not self._stop.is_set():
-            first = self._jobs.get()
-            if first is None:
-                return
-            pending = [first]
-            while True:
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is None:
-                    self._stop.set()
-                    break
-                pending.append(job)
-            by_key: dict[str, list[Job]] = {}
-            for job in pending:
-                by_key.setdefault(job.weights, []).append(job)
-            # the adapters served now first: no swap for them
-            for key in sorted(by_key, key=lambda k: k != self._current):
-                self._serve(key, by_key[key])
-
-    def _serve(self, key: str, jobs: list[Job]) -> None:
-        try:
-            if key != self._current:
-                with self._lock:
-                    adapters = self._adapters[key]
-                self._version += 1
-                self.orchestrator.update_params(adapters, self._version)
-                self._current = key
-            streams = [(job, self.orchestrator.submit(job.prompt, job.sampling))
-                       for job in jobs]
-        except Exception as e:  # noqa: BLE001 - every job hears why
-            for job in jobs:
-                job.done(None, None, e)
-            return
-        for job, stream in streams:
             try:
-                samples = stream.result()
-                if stream.error:
-                    raise RuntimeError(stream.error)
-                prompt_lp = self._prompt_logprobs(job.prompt) if job.prompt_logprobs else None
-                job.done([self._sequence(s, job.stops) for s in samples], prompt_lp, None)
-            except Exception as e:  # noqa: BLE001
-                job.done(None, None, e)
+                job = self._jobs.get(timeout=POLL_S if running or waiting else 1.0)
+                if job is None:
+                    return
+                waiting.append(job)
+                while (job := self._jobs.get_nowait()) is not None:
+                    waiting.append(job)
+            except queue.Empty:
+                pass
+            self._refresh()
+            waiting = [j for j in waiting if not self._start(j, running)]
+            running = [r for r in running if not self._finish(*r)]
 
-    def _prompt_logprobs(self, prompt: list[int]) -> list[float]:
-        logprobs = self.orchestrator.score(prompt)[0]
+    def _refresh(self) -> None:
+        """Re-published keys that hold a set: their new weights into the engine."""
+        with self._lock:
+            stale = {k: self._published[k] for k, s in self._loaded.items()
+                     if k in self._published and self._published[k][0] != s}
+        for key, (serial, tree) in stale.items():
+            self._load(key, self._resident[key], serial, tree)
+
+    def _start(self, job: Job, running: list) -> bool:
+        """Submits `job` on its key's set (given one if it has none and one is free); False
+        while every set is busy."""
+        try:
+            index = self._set_for(job.weights)
+            if index is None:
+                return False
+            stream = self.orchestrator.submit(
+                job.prompt, dataclasses.replace(job.sampling, adapter=index))
+        except Exception as e:  # noqa: BLE001 - the job hears why; the sampler goes on
+            job.done(None, None, e)
+            return True
+        self._users[index] += 1
+        running.append((job, index, stream))
+        return True
+
+    def _set_for(self, key: str) -> int | None:
+        if key in self._resident:
+            self._resident.move_to_end(key)
+            return self._resident[key]
+        with self._lock:
+            if key not in self._published:
+                raise NotFound(f"the sampler weights {key!r} were dropped (session closed)")
+            serial, tree = self._published[key]
+        taken = set(self._resident.values())
+        free = [i for i in range(self.held.adapters) if i not in taken]
+        if not free:
+            idle = [k for k, i in self._resident.items() if self._users[i] == 0]
+            if not idle:
+                return None
+            free = [self._resident.pop(idle[0])]
+            self._loaded.pop(idle[0], None)
+        self._resident[key] = free[0]
+        self._load(key, free[0], serial, tree)
+        return free[0]
+
+    def _load(self, key: str, index: int, serial: int, tree: dict) -> None:
+        for name, value in tree.items():
+            self._sets[name][:, index] = value
+        self._version += 1
+        # copies: the engine may alias host arrays, and these change with the next load
+        self.orchestrator.update_params({"layers": {n: v.copy() for n, v in self._sets.items()}},
+                                        self._version)
+        self._loaded[key] = serial
+
+    def _finish(self, job: Job, index: int, stream) -> bool:
+        if not stream.done:
+            return False
+        self._users[index] -= 1
+        try:
+            samples = stream.result()
+            if stream.error:
+                raise RuntimeError(stream.error)
+            prompt_lp = (self._prompt_logprobs(job.prompt, index) if job.prompt_logprobs
+                         else None)
+            job.done([self._sequence(s, job.stops) for s in samples], prompt_lp, None)
+        except Exception as e:  # noqa: BLE001
+            job.done(None, None, e)
+        return True
+
+    def _prompt_logprobs(self, prompt: list[int], index: int) -> list[float]:
+        logprobs = self.orchestrator.score(prompt, adapter=index)[0]
         return [float("nan")] + [float(x) for x in logprobs]
 
     def _sequence(self, sample, stops: list[str]) -> Sequence:
@@ -168,9 +220,5 @@ class Sampler:
         return Sequence(tokens, logprobs, stop)
 
 
-def held_config(max_rank: int) -> LoraConfig:
-    return LoraConfig(rank=max_rank, alpha=ALPHA, targets=("all-linear",))
-
-
-def zero_adapters(param_target) -> dict:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), lora.trainable(param_target))
+def held_config(max_rank: int, sets: int) -> LoraConfig:
+    return LoraConfig(rank=max_rank, alpha=ALPHA, targets=("all-linear",), adapters=sets)

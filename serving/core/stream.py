@@ -137,6 +137,11 @@ class RequestStream:
             done += sum(isinstance(e, DoneEvent) for e in batch)
             yield batch
 
+    @property
+    def done(self) -> bool:
+        """All n samples are done: `result` returns at once."""
+        return self._all_done.is_set()
+
     def result(self) -> list[Sample]:
         """Every sample, once all n are done. It waits for the last DoneEvent alone, not for
         each token (an RL actor holds one such wait per group in flight: woken per token, its

@@ -46,6 +46,7 @@ def url(folder, state):
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxrl.cli", "tinker", "--model", str(folder), "--port", "0",
          "--api-key", KEY, "--max-len", "64", "--slots", "8", "--max-lora-rank", "8",
+         "--max-adapters", "3",
          "--state-dir", str(state)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -212,8 +213,9 @@ def test_bad_requests_get_the_sdks_errors_and_lose_nothing(service, folder, url)
 
 def test_clients_sharing_the_base_equal_each_alone(service, folder):
     """Four clients on one base, their requests in flight together (the service batches
-    those that meet): each one's losses and samples equal those of the same client (same
-    seed, same data) run by itself."""
+    training requests that meet, and samplers decode in one batch on the engine's adapter
+    sets, 3 of them for 4 clients: one waits for a set to free): each one's losses and
+    samples equal those of the same client (same seed, same data) run by itself."""
     ids = [transformers.AutoTokenizer.from_pretrained(folder).encode(t) for t in TEXTS]
     data = [[_datum(ids[i % 3])] for i in range(4)]
 
@@ -223,17 +225,27 @@ def test_clients_sharing_the_base_equal_each_alone(service, folder):
         losses = [f.result().metrics["loss:sum"] for f in fbs]
         [s.result() for s in steps]
         fwd = [c.forward(d, "cross_entropy") for c, d in zip(clients, data)]
-        return losses + [f.result().metrics["loss:sum"] for f in fwd]
+        samplers = [c.save_weights_and_get_sampling_client().result() for c in clients]
+        greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+        samples = [s.sample(types.ModelInput.from_ints(d[0].model_input.to_ints()[:4]),
+                            num_samples=1, sampling_params=greedy)
+                   for s, d in zip(samplers, data)]
+        return (losses + [f.result().metrics["loss:sum"] for f in fwd],
+                [(list(r.result().sequences[0].tokens), list(r.result().sequences[0].logprobs))
+                 for r in samples])
 
     def make(seed):
         return service.create_lora_training_client(base_model=folder.name, rank=4,
                                                    seed=seed).result()
 
-    together = run([make(10 + i) for i in range(4)], data)
+    (together, sampled) = run([make(10 + i) for i in range(4)], data)
     alone = [run([make(10 + i)], [data[i]]) for i in range(4)]
-    for i in range(4):
-        assert together[i] == pytest.approx(alone[i][0], rel=1e-5)
-        assert together[4 + i] == pytest.approx(alone[i][1], rel=1e-5)
+    for i, (losses, [(tokens, logprobs)]) in enumerate(alone):
+        assert together[i] == pytest.approx(losses[0], rel=1e-5)
+        assert together[4 + i] == pytest.approx(losses[1], rel=1e-5)
+        assert sampled[i][0] == tokens
+        np.testing.assert_allclose(sampled[i][1], logprobs, atol=1e-5)
+    assert len({tuple(t) for t, _ in sampled}) > 1       # the clients' adapters differ
 
 
 def test_a_closed_session_frees_its_clients(url, folder):
