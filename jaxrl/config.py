@@ -250,6 +250,10 @@ class RunConfig:
                 self.check_pipeline(self.model)
         if self.mesh.context > 1:
             self.check_context(self.model)
+        if self.model.lora.adapters != 1:
+            raise ConfigError(f"model.lora.adapters={self.model.lora.adapters}: a run trains "
+                              f"one adapter set (several side by side are an engine's, for "
+                              f"`jaxrl tinker --max-adapters`)")
         if self.model.quantize != "none" and not self.model.lora.enabled and (
                 self.train.steps or self.rl.steps):
             raise ConfigError(f"model.quantize={self.model.quantize} holds the projections "
