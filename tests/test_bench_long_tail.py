@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+# appended, not put first: bench/tinker.py must not hide the installed tinker SDK
+sys.path.append(str(ROOT / "bench"))
 import _rl_compare as compare  # noqa: E402
 
 TINY = ["model.num_layers=1", "model.embed_dim=32", "model.mlp_dim=64", "model.num_heads=2",

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+# appended, not put first: bench/tinker.py must not hide the installed tinker SDK
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
 import peers  # noqa: E402
 from job import Job, result, write_model  # noqa: E402
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+# appended, not put first: bench/tinker.py must not hide the installed tinker SDK
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
 import simulate  # noqa: E402
 
 # One generator and one trainer; a step's batch fits the generator's slots.
