@@ -10,6 +10,13 @@ per service: seconds per loop step (median over steps 3..N), sampled and trained
 second, the sampling share of a step, and seconds per step against jaxrl's.
 
     jaxrl bench tinker [--size 3m] [--steps 8] [--prompts 4] [--group 8] [--max-tokens 32]
+
+`--learn`: the demo task instead (bench/tinker/learn.py): `make run`'s supervised warm-up
+(`--checkpoint` a run's checkpoints, or trained here by `jaxrl train --config
+configs/demo_cpu.yaml rl.steps=0`), exported as a Hugging Face folder, served by `jaxrl
+tinker`, then an RL loop written against the SDK; held-out greedy accuracy before and after.
+
+    jaxrl bench tinker --learn [--checkpoint runs/demo/checkpoints] [--learn-steps 150]
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from job import Job, write_model  # noqa: E402
 from peers import failure  # noqa: E402
 
 LOOP = HERE / "tinker" / "loop.py"
+LEARN = HERE / "tinker" / "learn.py"
+ROOT = HERE.parent
 UV_SHIM = """#!/bin/bash
 shift                                              # run
 while [ "$1" = "--extra" ]; do shift 2; done       # --extra tinker --extra jax
@@ -138,7 +147,12 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--venvs", default=str(Path.home() / ".cache" / "jaxrl" / "peers"))
     p.add_argument("--no-skyrl", action="store_true", help="measure jaxrl tinker alone")
+    p.add_argument("--learn", action="store_true", help="the demo task's accuracy instead")
+    p.add_argument("--checkpoint", default=None, help="with --learn: a warm-up's checkpoints")
+    p.add_argument("--learn-steps", type=int, default=150)
     args = p.parse_args(argv)
+    if args.learn:
+        return learn(args)
     results: dict[str, dict | str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -164,6 +178,58 @@ def main(argv=None) -> None:
             finally:
                 stop(proc)
     report(args, results)
+
+
+def demo_folder(work: Path, checkpoint: str | None) -> Path:
+    """The demo's warm-up as a Hugging Face folder, with its character tokenizer as a
+    tokenizer.json (what `jaxrl tinker` reads for EOS and stop strings)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    from jaxrl.models.tokenizer import CharTokenizer
+    from jaxrl.rl.tasks.arithmetic import ArithmeticTask
+
+    if checkpoint is None:
+        subprocess.run([sys.executable, "-m", "jaxrl.cli", "train", "--config",
+                        str(ROOT / "configs" / "demo_cpu.yaml"), "rl.steps=0",
+                        f"run_dir={work / 'demo'}", "log.progress=false"], check=True)
+        checkpoint = str(work / "demo" / "checkpoints")
+    folder = work / "demo-hf"
+    subprocess.run([sys.executable, "-m", "jaxrl.cli", "export", "--checkpoint", checkpoint,
+                    "--out", str(folder)], check=True)
+    chars = CharTokenizer(ArithmeticTask.alphabet)
+    vocab = {s: i for i, s in enumerate(CharTokenizer.SPECIALS)}
+    vocab |= {c: i + len(vocab) for i, c in enumerate(chars.alphabet)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}))
+    return folder
+
+
+def learn(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        folder = demo_folder(work, args.checkpoint)
+        wait_until_quiet(0.25, "jaxrl tinker")
+        proc, url = start_jaxrl(folder, work, 64)
+        try:
+            out = subprocess.run([sys.executable, str(LEARN), "--url", url, "--model",
+                                  folder.name, "--steps", str(args.learn_steps)],
+                                 capture_output=True, text=True)
+        finally:
+            stop(proc)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if out.returncode or line is None:
+        sys.exit(f"tinker: the learning loop failed:\n{out.stderr[-3000:]}")
+    r = json.loads(line[len("RESULT "):])
+    rewards = [s["reward"] for s in r["steps"]]
+    k = max(len(rewards) // 10, 1)
+    print(f"\nThe demo task through the Tinker API: {args.learn_steps} SDK-driven RL steps "
+          f"from the warm-up checkpoint ({r['loop_s']:.0f} s)")
+    print(f"held-out greedy accuracy {r['before']:.3f} -> {r['after']:.3f} "
+          f"({100 * (r['after'] - r['before']):+.1f} points); mean reward, first {k} steps "
+          f"{sum(rewards[:k]) / k:.3f}, last {k} {sum(rewards[-k:]) / k:.3f}")
 
 
 def report(args, results: dict) -> None:
