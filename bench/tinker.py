@@ -16,7 +16,7 @@ second, the sampling share of a step, and seconds per step against jaxrl's.
 configs/demo_cpu.yaml rl.steps=0`), exported as a Hugging Face folder, served by `jaxrl
 tinker`, then an RL loop written against the SDK; held-out greedy accuracy before and after.
 
-    jaxrl bench tinker --learn [--checkpoint runs/demo/checkpoints] [--learn-steps 150]
+    jaxrl bench tinker --learn [--checkpoint runs/demo/checkpoints] [--learn-steps 400]
 """
 
 from __future__ import annotations
@@ -70,10 +70,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_jaxrl(folder: Path, work: Path, max_len: int):
+def start_jaxrl(folder: Path, work: Path, max_len: int, max_rank: int = 8):
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxrl.cli", "tinker", "--model", str(folder), "--port", "0",
-         "--max-len", str(max_len), "--max-lora-rank", "8", "--state-dir", str(work / "state")],
+         "--max-len", str(max_len), "--max-lora-rank", str(max_rank),
+         "--state-dir", str(work / "state")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         if "ready on " in line:
@@ -149,7 +150,8 @@ def main(argv=None) -> None:
     p.add_argument("--no-skyrl", action="store_true", help="measure jaxrl tinker alone")
     p.add_argument("--learn", action="store_true", help="the demo task's accuracy instead")
     p.add_argument("--checkpoint", default=None, help="with --learn: a warm-up's checkpoints")
-    p.add_argument("--learn-steps", type=int, default=150)
+    p.add_argument("--learn-steps", type=int, default=400)
+    p.add_argument("--learn-lr", type=float, default=6e-4)
     args = p.parse_args(argv)
     if args.learn:
         return learn(args)
@@ -212,10 +214,11 @@ def learn(args) -> None:
         work = Path(tmp)
         folder = demo_folder(work, args.checkpoint)
         wait_until_quiet(0.25, "jaxrl tinker")
-        proc, url = start_jaxrl(folder, work, 64)
+        proc, url = start_jaxrl(folder, work, 64, max_rank=32)
         try:
             out = subprocess.run([sys.executable, str(LEARN), "--url", url, "--model",
-                                  folder.name, "--steps", str(args.learn_steps)],
+                                  folder.name, "--steps", str(args.learn_steps),
+                                  "--lr", str(args.learn_lr)],
                                  capture_output=True, text=True)
         finally:
             stop(proc)

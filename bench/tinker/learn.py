@@ -4,7 +4,7 @@ the adapters just handed over, the task's reward, importance_sampling on group-n
 advantages, optim_step), held-out greedy accuracy before and after, through the same sampler.
 Runs in the client's process; prints one RESULT line of JSON.
 
-    python learn.py --url URL --model NAME [--steps 150] [--prompts 32] [--group 8]
+    python learn.py --url URL --model NAME [--steps 400] [--prompts 32] [--group 8]
 """
 
 import argparse
@@ -32,12 +32,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--url", required=True)
     p.add_argument("--model", required=True)
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--rank", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--eval", type=int, default=200)
     a = p.parse_args()
     task, tok = ArithmeticTask(), CharTokenizer(ArithmeticTask.alphabet)
