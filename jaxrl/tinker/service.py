@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from jaxrl.tinker import losses, state
 from jaxrl.tinker.errors import NotFound, UserFault
-from jaxrl.tinker.training import Client, Trainer, check_adam, lora_config
+from jaxrl.tinker.training import Client, Trainer, lora_config
 from jaxrl.tinker.wire import ForwardBackward, encode_forward_backward
 
 POLL_S = 20.0                   # a retrieve_future waits this long before "try again"
