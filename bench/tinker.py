@@ -4,7 +4,8 @@ The same loop (bench/tinker/loop.py: sample a group per prompt from the adapters
 over, reward, importance_sampling forward_backward, optim_step) runs against each service on
 the same random Llama folder (bench/peers/job.py's model), each service and its client in its
 own environment: jaxrl's with the tinker SDK 0.38, SkyRL tx 0.3.0's (built once from
-bench/tinker/requirements-skyrl.txt) with the SDK 0.16.1 its API answers. SkyRL tx starts its
+bench/tinker/requirements-skyrl.txt) with the SDK 0.16.1 its API answers; the loop also runs
+against `jaxrl tinker` from SkyRL's environment, so the two services meet one client. SkyRL tx starts its
 engine with `uv run`; a shim runs that module with its environment's python instead. Printed
 per service: seconds per loop step (median over steps 3..N), sampled and trained tokens per
 second, the sampling share of a step, and seconds per step against jaxrl's.
@@ -165,14 +166,16 @@ def main(argv=None) -> None:
                                                                               10000.0))
         (folder / "config.json").write_text(json.dumps(config, indent=1))
         max_len = 1 + 16 + args.max_tokens + 16
+        python = None if args.no_skyrl else venv(Path(args.venvs))
         wait_until_quiet(0.25, "jaxrl tinker")
         proc, url = start_jaxrl(folder, work, max_len)
         try:
             results["jaxrl tinker"] = loop(Path(sys.executable), url, folder.name, args)
+            if python is not None:    # the client SkyRL tx answers, against jaxrl too
+                results["jaxrl, SDK 0.16"] = loop(python, url, folder.name, args)
         finally:
             stop(proc)
-        if not args.no_skyrl:
-            python = venv(Path(args.venvs))
+        if python is not None:
             wait_until_quiet(0.25, "SkyRL tx")
             proc, url = start_skyrl(python, folder, work)
             try:
@@ -239,17 +242,17 @@ def report(args, results: dict) -> None:
     print(f"\nTinker API, one SDK-driven RL loop: {args.prompts} prompts x {args.group} "
           f"samples, up to {args.max_tokens} new tokens, LoRA rank 8, {args.size} Llama, "
           f"{args.steps} steps (median over steps 3..N)")
-    print(f"{'service':<14}{'s/step':>9}{'sampled tok/s':>15}{'trained tok/s':>15}"
+    print(f"{'service':<16}{'s/step':>9}{'sampled tok/s':>15}{'trained tok/s':>15}"
           f"{'sampling':>10}{'step 1 s':>10}{'vs jaxrl':>10}")
     base = results.get("jaxrl tinker")
     base_s = summarize(base)["s_per_step"] if isinstance(base, dict) else None
     for name, r in results.items():
         if not isinstance(r, dict):
-            print(f"{name:<14} failed: {r}")
+            print(f"{name:<16} failed: {r}")
             continue
         s = summarize(r)
         ratio = f"{s['s_per_step'] / base_s:.2f}x" if base_s else "-"
-        print(f"{name:<14}{s['s_per_step']:>9.2f}{s['sampled_per_s']:>15.0f}"
+        print(f"{name:<16}{s['s_per_step']:>9.2f}{s['sampled_per_s']:>15.0f}"
               f"{s['trained_per_s']:>15.0f}{s['sample_share']:>9.0%}{s['first_step_s']:>10.1f}"
               f"{ratio:>10}")
 

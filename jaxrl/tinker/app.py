@@ -12,6 +12,7 @@ a client sends can stop the service or touch another client's state.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import random
 
@@ -23,7 +24,8 @@ from jaxrl.tinker.sampler import Job
 from jaxrl.tinker.service import Service
 from jaxrl.tinker.state import checkpoint_lora
 from jaxrl.tinker.training import check_adam
-from jaxrl.tinker.wire import Sequence, WireError, decode_forward_backward, encode_sample
+from jaxrl.tinker.wire import (Sequence, WireError, decode_forward_backward,
+                               decode_forward_backward_json, encode_sample, sample_json)
 from serving.core.requests import InvalidRequest
 from serving.runner.sampling import SamplingParams
 
@@ -140,15 +142,23 @@ def _model_routes(app: FastAPI, service: Service) -> None:
     async def get_info(request: Request):
         return service.info(_need(await _body(request), "model_id"))
 
-    @app.post("/api/v1/forward_backward")
-    async def forward_backward(request: Request):
-        if PROTO not in request.headers.get("content-type", ""):
-            raise UserFault(f"forward_backward takes {PROTO} (the tinker SDK's encoding)")
-        fb = decode_forward_backward(await request.body(),
-                                     request.headers.get("content-encoding"))
+    async def enqueue(request: Request, forward_only: bool):
+        if PROTO in request.headers.get("content-type", ""):
+            fb = decode_forward_backward(await request.body(),
+                                         request.headers.get("content-encoding"))
+        else:       # SDKs before 0.18: JSON, and forward on a route of its own
+            fb = decode_forward_backward_json(await _body(request), forward_only)
         f = service.enqueue(fb.model_id, fb.seq_id or None, "forward_backward", fb,
                             service.check_forward_backward(fb))
         return {"request_id": f.request_id, "model_id": fb.model_id}
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request):
+        return await enqueue(request, False)
+
+    @app.post("/api/v1/forward")
+    async def forward(request: Request):
+        return await enqueue(request, True)
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):
@@ -226,7 +236,8 @@ def _sampling_routes(app: FastAPI, service: Service) -> None:
                 category = "user" if isinstance(error, (InvalidRequest, ValueError)) else "server"
                 f.fail(f"{type(error).__name__}: {error}", category)
             else:
-                f.succeed(proto=encode_sample(seqs, prompt_lp))
+                f.succeed(render=(functools.partial(encode_sample, seqs, prompt_lp),
+                                  functools.partial(sample_json, seqs, prompt_lp)))
 
         try:
             service.sampler.submit(Job(key, prompt, sampling, stops,
@@ -246,8 +257,10 @@ def _future_routes(app: FastAPI, service: Service) -> None:
             return {"type": "try_again", "request_id": rid, "queue_state": "active"}
         if f.error is not None:
             return {"error": f.error, "category": f.category}
-        if f.proto is not None:
-            return Response(f.proto, media_type=PROTO)
+        if f.render is not None:
+            if PROTO in request.headers.get("accept", ""):
+                return Response(f.render[0](), media_type=PROTO)
+            return f.render[1]()
         return f.json
 
 

@@ -13,6 +13,7 @@ polls (`retrieve_future`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import Any, Callable
 from jaxrl.tinker import losses, state
 from jaxrl.tinker.errors import NotFound, UserFault
 from jaxrl.tinker.training import Client, Trainer, lora_config
-from jaxrl.tinker.wire import ForwardBackward, encode_forward_backward
+from jaxrl.tinker.wire import ForwardBackward, encode_forward_backward, forward_backward_json
 
 POLL_S = 20.0                   # a retrieve_future waits this long before "try again"
 
@@ -33,12 +34,14 @@ class Future:
     request_id: str
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     json: dict | None = None
-    proto: bytes | None = None
+    # forward_backward and sample results: (protobuf, JSON) renderings, made when asked for
+    render: tuple[Callable[[], bytes], Callable[[], dict]] | None = None
     error: str | None = None
     category: str = "user"
 
-    def succeed(self, json: dict | None = None, proto: bytes | None = None) -> None:
-        self.json, self.proto = json, proto
+    def succeed(self, json: dict | None = None,
+                render: tuple[Callable[[], bytes], Callable[[], dict]] | None = None) -> None:
+        self.json, self.render = json, render
         self.done.set()
 
     def fail(self, error: str, category: str = "user") -> None:
@@ -280,7 +283,9 @@ class Service:
                 op.future.fail(f"{type(e).__name__}: {e}", "server")
             return
         for (_, op), (outputs, metrics) in zip(batch, results):
-            op.future.succeed(proto=encode_forward_backward(outputs, metrics))
+            op.future.succeed(render=(
+                functools.partial(encode_forward_backward, outputs, metrics),
+                functools.partial(forward_backward_json, outputs, metrics)))
 
     def _one(self, m: Model, op: Op) -> None:
         try:

@@ -1,9 +1,10 @@
-"""The Tinker API's binary bodies (wire.proto) to and from plain arrays.
+"""The Tinker API's bodies for forward_backward and sample, to and from plain arrays.
 
-A forward_backward request arrives as protobuf, zstd-compressed when the client was told to
-(`Content-Encoding: zstd`); its results, and sample results, go back as protobuf when the client
-sends `Accept: application/x-protobuf` (the SDK always does for these two). Everything else in
-the API is JSON (jaxrl/tinker/app.py).
+The SDK (0.18 and later) sends a forward_backward request as protobuf (wire.proto),
+zstd-compressed when the client was told to (`Content-Encoding: zstd`), and asks for its
+results, and sample results, as protobuf (`Accept: application/x-protobuf`). Earlier SDKs send
+and read both as JSON (TensorData: {"data": [...], "dtype", "shape"}); the service answers each
+in its own encoding. Everything else in the API is JSON (jaxrl/tinker/app.py).
 """
 
 from __future__ import annotations
@@ -61,6 +62,38 @@ def decode_forward_backward(body: bytes, encoding: str | None = None) -> Forward
                            [_datum(i, d) for i, d in enumerate(msg.data)])
 
 
+def decode_forward_backward_json(body: dict, forward_only: bool) -> ForwardBackward:
+    """A forward(_backward) request as SDKs before 0.18 send it (JSON)."""
+    try:
+        fb = body["forward_backward_input"]
+        data = []
+        for i, d in enumerate(fb["data"]):
+            tokens = [t for c in d["model_input"]["chunks"] for t in _text_chunk(i, c)]
+            inputs = {k: _json_tensor(v, f"datum {i} {k}")
+                      for k, v in d.get("loss_fn_inputs", {}).items()}
+            data.append(Datum(np.asarray(tokens, np.int32), inputs))
+        config = {k: float(v) for k, v in (fb.get("loss_fn_config") or {}).items()}
+        return ForwardBackward(str(body["model_id"]), int(body.get("seq_id") or 0),
+                               str(fb["loss_fn"]), config, forward_only, data)
+    except (KeyError, TypeError, ValueError) as e:
+        raise WireError(f"the body is not a forward_backward request ({e!r})") from None
+
+
+def _text_chunk(i: int, chunk: dict) -> list[int]:
+    if chunk.get("type", "encoded_text") != "encoded_text":
+        raise WireError(f"datum {i}: a {chunk.get('type')} chunk; this service takes text "
+                        f"tokens only")
+    return [int(t) for t in chunk["tokens"]]
+
+
+def _json_tensor(t: dict, what: str) -> np.ndarray:
+    dtype = {"float32": np.float32, "int64": np.int64}.get(t.get("dtype"))
+    if dtype is None:
+        raise WireError(f"{what}: dtype {t.get('dtype')!r} (float32 or int64)")
+    values = np.asarray(t["data"], dtype)
+    return values.reshape(t["shape"]) if t.get("shape") else values
+
+
 def _datum(i: int, d) -> Datum:
     parts = []
     for chunk in d.model_input:
@@ -110,11 +143,27 @@ def encode_forward_backward(outputs: list[dict[str, np.ndarray]], metrics: dict[
     return msg.SerializeToString()
 
 
+def forward_backward_json(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]
+                          ) -> dict:
+    tensor = lambda a: {"data": np.asarray(a, np.float32).tolist(), "dtype": "float32",  # noqa: E731
+                        "shape": [len(a)]}
+    return {"loss_fn_output_type": "ArrayRecord", "metrics": metrics,
+            "loss_fn_outputs": [{k: tensor(v) for k, v in o.items()} for o in outputs]}
+
+
 @dataclasses.dataclass(frozen=True)
 class Sequence:
     tokens: list[int]
     logprobs: list[float]
     stop: bool                          # False: it ran to max_tokens
+
+
+def sample_json(sequences: list[Sequence], prompt_logprobs: list[float] | None) -> dict:
+    return {"type": "sample",
+            "sequences": [{"stop_reason": "stop" if s.stop else "length", "tokens": s.tokens,
+                           "logprobs": s.logprobs} for s in sequences],
+            "prompt_logprobs": None if prompt_logprobs is None else
+            [None if x != x else x for x in prompt_logprobs]}
 
 
 def encode_sample(sequences: list[Sequence], prompt_logprobs: list[float] | None) -> bytes:

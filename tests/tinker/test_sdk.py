@@ -257,3 +257,27 @@ def test_a_closed_session_frees_its_clients(url, folder):
     response = httpx.post(f"{url}/api/v1/get_info", headers={"X-API-Key": KEY},
                           json={"model_id": model_id})
     assert response.status_code == 404 and model_id in response.text
+
+
+def test_sdks_before_protobuf_are_answered_in_json(service, folder, url):
+    """The tinker SDK before 0.18 sends forward and forward_backward as JSON (forward on its own
+    route) and reads JSON results: the same request as the current SDK's protobuf one gives the
+    same loss and logprobs."""
+    tc = service.create_lora_training_client(base_model=folder.name, rank=2, seed=4).result()
+    ids = tc.get_tokenizer().encode(TEXTS[1])
+    want = tc.forward([_datum(ids)], "cross_entropy").result()
+    body = {"model_id": tc.model_id, "forward_backward_input": {
+        "loss_fn": "cross_entropy",
+        "data": [{"model_input": {"chunks": [{"tokens": ids[:-1]}]},
+                  "loss_fn_inputs": {"target_tokens": {"data": ids[1:], "dtype": "int64",
+                                                       "shape": [len(ids) - 1]},
+                                     "weights": {"data": [1.0] * (len(ids) - 1),
+                                                 "dtype": "float32"}}}]}}
+    headers = {"X-API-Key": KEY}
+    request_id = httpx.post(f"{url}/api/v1/forward", json=body,
+                            headers=headers).json()["request_id"]
+    got = httpx.post(f"{url}/api/v1/retrieve_future", json={"request_id": request_id},
+                     headers=headers, timeout=60).json()
+    assert got["metrics"]["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-6)
+    np.testing.assert_allclose(got["loss_fn_outputs"][0]["logprobs"]["data"],
+                               want.loss_fn_outputs[0]["logprobs"].data, atol=1e-6)
