@@ -5,6 +5,7 @@ holds the pull back while its downstream reads; a relay nobody pulls is given up
 stopping the pull; a server forced to stage serves what it pulled."""
 
 import threading
+import time
 import tracemalloc
 
 import jax
@@ -92,6 +93,11 @@ def test_a_staged_relay_sends_on_what_passes_through_its_stage():
                               a.reshape(-1).view(np.uint8))
         assert np.array_equal(second[0][name].reshape(-1).view(np.uint8),
                               a.reshape(-1).view(np.uint8))
+    # The relay counts a send once its last sendall returns, which may be after the
+    # downstream pull has read every byte and returned: wait for the count, bounded.
+    deadline = time.monotonic() + 30
+    while offer.sends < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert offer.sends == 1 and offer.mapped == 0
 
 
